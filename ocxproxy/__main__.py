@@ -1,0 +1,3 @@
+from ocxproxy.cli import main
+
+raise SystemExit(main())

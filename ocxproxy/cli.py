@@ -1,0 +1,95 @@
+"""Command line: flags and OCXPROXY_* environment → Config → server.run. Exit codes:
+0 clean shutdown, 2 bad configuration (one line on stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ocxproxy import __version__
+from ocxproxy.config import (
+    BOOL_SETTINGS,
+    LIST_SETTINGS,
+    SETTINGS,
+    ConfigError,
+    build_config,
+    env_name,
+    help_for,
+)
+
+_HIDDEN = ("snapshot_delay",)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"ocxproxy: error: {message} (see '{self.prog} --help')\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ocxproxy",
+        description="Stateful OpenAI Responses API in front of stateless inference servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"ocxproxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = commands.add_parser(
+        "serve",
+        help="run the proxy",
+        description="Run the proxy. Point a client's base URL at http://HOST:PORT/v1. "
+        "Every flag can also be set by the environment variable named in its help.",
+    )
+    for name in SETTINGS:
+        flag = "--" + name.replace("_", "-")
+        text = f"{help_for(name)} [{env_name(name)}]"
+        if name in _HIDDEN:
+            text = argparse.SUPPRESS
+        if name in BOOL_SETTINGS:
+            serve.add_argument(flag, action="store_const", const="true", default=None, help=text)
+        elif name in LIST_SETTINGS:
+            serve.add_argument(flag, action="append", metavar="VALUE", help=text)
+        else:
+            serve.add_argument(flag, metavar=name.split("_")[-1].upper(), help=text)
+    return parser
+
+
+def _raw_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
+    """Flags win over the environment; list settings take a comma list from the env."""
+    raw: dict[str, Any] = {}
+    for name in SETTINGS:
+        value = getattr(args, name, None)
+        if value is None:
+            env = environ.get(env_name(name))
+            if env is not None:
+                value = [env] if name in LIST_SETTINGS else env
+        raw[name] = value
+    return raw
+
+
+def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    environ = dict(os.environ) if environ is None else environ
+    try:
+        config = build_config(_raw_settings(args, environ))
+    except ConfigError as exc:
+        print(f"ocxproxy: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from ocxproxy import server
+    from ocxproxy.upstream.local import LocalBackendError
+
+    try:
+        server.run(config)
+    except LocalBackendError as exc:
+        print(f"ocxproxy: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the port is taken
+        print(f"ocxproxy: error: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0

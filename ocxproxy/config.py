@@ -1,0 +1,225 @@
+"""Config: every setting once, with its default, its parser and its help text.
+
+`--max-disk-bytes` ↔ `OCXPROXY_MAX_DISK_BYTES` ↔ `Config.max_disk_bytes`. Parsing and
+validation happen here, once, at start-up; a bad value raises ConfigError with one line.
+Nothing here has side effects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "OCXPROXY_"
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message is one line for the operator."""
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}  # fmt: skip
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 0.001, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 67108864, 64MiB, 1GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _DURATION_UNITS:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90, 90s, 15m, 2h, 30d)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+def parse_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port out of range: {port}")
+    return port
+
+
+def normalize_upstream(url: str) -> str:
+    """`http://h:8000/v1` and `http://h:8000` name the same backend root (C6)."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"upstream URL takes no query or fragment: {url!r}")
+    path = parts.path
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def parse_upstreams(values: Sequence[str]) -> tuple[str, ...]:
+    urls: list[str] = []
+    for value in values:
+        urls.extend(normalize_upstream(v) for v in value.split(",") if v.strip())
+    return tuple(dict.fromkeys(urls))
+
+
+def _positive(name: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if value <= 0:
+            raise ValueError(f"{name} must be positive")
+
+    return check
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8080, metadata={"help": "port to listen on (0 picks a free one)"})
+    upstream: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "backend base URL, e.g. http://gpu-box:8000/v1 (repeatable; "
+            "default: the embedded llama.cpp backend when installed)"
+        },
+    )
+    state_dir: Path | None = field(
+        default=None, metadata={"help": "where durable state lives (default: user state dir)"}
+    )
+    max_resident_bytes: int = field(
+        default=64 * 1024**2, metadata={"help": "memory budget for stored turns (e.g. 64MiB)"}
+    )
+    max_disk_bytes: int = field(
+        default=1024**3, metadata={"help": "disk budget for spilled turns (e.g. 1GiB)"}
+    )
+    max_entries: int = field(default=100_000, metadata={"help": "most stored responses kept"})
+    ttl: float = field(
+        default=30 * 86400.0, metadata={"help": "how long a stored response lives (e.g. 30d)"}
+    )
+    retain_unstored: bool = field(
+        default=False,
+        metadata={"help": "keep store:false turns in memory (never disk) so HTTP can chain them"},
+    )
+    zdr: bool = field(
+        default=False, metadata={"help": "zero data retention: write nothing to disk"}
+    )
+    ws_max_age: float = field(
+        default=3600.0, metadata={"help": "WebSocket connection lifetime (e.g. 60m)"}
+    )
+    max_body_bytes: int = field(
+        default=32 * 1024**2, metadata={"help": "largest request body accepted (413 beyond)"}
+    )
+    connect_timeout: float = field(default=10.0, metadata={"help": "backend connect timeout"})
+    read_timeout: float = field(
+        default=600.0, metadata={"help": "longest silence from a backend mid-response"}
+    )
+    upstream_api_key: str | None = field(
+        default=None,
+        metadata={"help": "bearer token sent to backends instead of the client's"},
+    )
+    api_keys: tuple[str, ...] = field(
+        default=(), metadata={"help": "if set, clients must present one of these keys"}
+    )
+    forward_unknown_ids: bool = field(
+        default=False,
+        metadata={"help": "forward unknown previous_response_ids (for stateful backends)"},
+    )
+    local_model: Path | None = field(
+        default=None, metadata={"help": "GGUF model for the embedded backend"}
+    )
+    snapshot_delay: float = field(
+        default=2.0, metadata={"help": "debounce before the state index is rewritten"}
+    )
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_resident_bytes",
+            "max_disk_bytes",
+            "max_entries",
+            "ttl",
+            "ws_max_age",
+            "max_body_bytes",
+            "connect_timeout",
+            "read_timeout",
+        ):
+            _positive(name)(getattr(self, name))
+        if self.snapshot_delay < 0:
+            raise ValueError("snapshot_delay must not be negative")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+
+    def with_(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "port": parse_port,
+    "max_resident_bytes": parse_bytes,
+    "max_disk_bytes": parse_bytes,
+    "max_body_bytes": parse_bytes,
+    "max_entries": int,
+    "ttl": parse_duration,
+    "ws_max_age": parse_duration,
+    "connect_timeout": parse_duration,
+    "read_timeout": parse_duration,
+    "snapshot_delay": parse_duration,
+    "retain_unstored": parse_bool,
+    "zdr": parse_bool,
+    "forward_unknown_ids": parse_bool,
+    "state_dir": Path,
+    "local_model": Path,
+    "log_level": str.lower,
+}
+SETTINGS = tuple(f.name for f in dataclasses.fields(Config))
+LIST_SETTINGS = ("upstream", "api_keys")
+BOOL_SETTINGS = ("retain_unstored", "zdr", "forward_unknown_ids")
+
+
+def env_name(setting: str) -> str:
+    return ENV_PREFIX + setting.upper()
+
+
+def help_for(setting: str) -> str:
+    return str(Config.__dataclass_fields__[setting].metadata["help"])
+
+
+def build_config(raw: Mapping[str, Any]) -> Config:
+    """Raw strings (flags, else environment) → a validated Config, or ConfigError."""
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        if value is None:
+            continue
+        try:
+            if name == "upstream":
+                values[name] = parse_upstreams(value)
+            elif name == "api_keys":
+                values[name] = tuple(k for v in value for k in v.split(",") if k.strip())
+            elif isinstance(value, str) and name in _PARSERS:
+                values[name] = _PARSERS[name](value)
+            else:
+                values[name] = value
+        except ValueError as exc:
+            raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+    try:
+        return Config(**values)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,129 @@
+"""Client request → validated fields → the body forwarded to the backend.
+
+The stored history is spliced in as already-serialized bytes: expansion is one join,
+never a parse or re-encode of the history. Only the request itself (small) is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ocxproxy.errors import InvalidRequest
+from ocxproxy.model import Record
+
+_OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A parsed `POST /v1/responses` body and the fields the proxy reads from it."""
+
+    body: dict[str, Any]
+    previous_response_id: str | None
+    stream: bool
+    store: bool
+    items: list[Any]  # the request's own input as items ([] when absent)
+
+
+def parse_request(raw: bytes) -> Request:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return check_request(body)
+
+
+def check_request(body: dict[str, Any]) -> Request:
+    prev = body.get("previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not prev):
+        raise _bad_type("previous_response_id", "a non-empty string")
+    if prev is not None and body.get("conversation") is not None:
+        raise InvalidRequest(
+            "Mutually exclusive parameters: Ensure you are only providing one of: "
+            "'previous_response_id' or 'conversation'.",
+            param="previous_response_id",
+            code="mutually_exclusive_parameters",
+        )
+    store = body.get("store", True)
+    if not isinstance(store, bool):
+        raise _bad_type("store", "a boolean")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad_type("stream", "a boolean")
+    raw_input = body.get("input")
+    if isinstance(raw_input, str):
+        items: list[Any] = [{"role": "user", "content": raw_input}]
+    elif isinstance(raw_input, list):
+        items = raw_input
+    elif raw_input is None:
+        items = []
+    else:
+        raise _bad_type("input", "a string or an array of input items")
+    return Request(body, prev, bool(stream), store, items)
+
+
+def _bad_type(param: str, expected: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"Invalid type for '{param}': expected {expected}.", param=param, code="invalid_type"
+    )
+
+
+def serialize_items(items: Iterable[Any]) -> tuple[bytes, int]:
+    """Items → comma-joined JSON values (a segment's bytes) and their count."""
+    encoded = [orjson.dumps(item) for item in items]
+    return b",".join(encoded), len(encoded)
+
+
+def call_ids_of(items: Iterable[Any]) -> frozenset[str]:
+    """Call ids of the tool calls among `items` (any call item, not the outputs)."""
+    ids = set()
+    for item in items:
+        if isinstance(item, dict):
+            call_id = item.get("call_id")
+            kind = item.get("type")
+            if isinstance(call_id, str) and isinstance(kind, str) and not kind.endswith("_output"):
+                ids.add(call_id)
+    return frozenset(ids)
+
+
+def check_call_bindings(items: list[Any], record: Record) -> None:
+    """C1.5: every tool output must answer a call in the expanded history."""
+    seen_here: set[str] | None = None
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type") not in _OUTPUT_TYPES:
+            continue
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise InvalidRequest(f"Missing or invalid 'call_id' in input[{index}].", param="input")
+        if record.has_call_id(call_id):
+            continue
+        if seen_here is None:
+            seen_here = set(call_ids_of(items))
+        if call_id not in seen_here:
+            raise InvalidRequest(
+                f"No tool call found for function call output with call_id {call_id}.",
+                param="input",
+            )
+
+
+def expand(body: dict[str, Any], history: list[bytes], tail: bytes) -> bytes:
+    """The forwarded body: the request without `previous_response_id`, its input being
+    the stored history followed by the request's own items (`tail`, serialized)."""
+    rest = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
+    head = orjson.dumps(rest)
+    parts = [head[:-1], b',"input":[' if rest else b'"input":[']
+    for segment in history:
+        parts.append(segment)
+        parts.append(b",")
+    if tail:
+        parts.append(tail)
+    elif history:
+        parts.pop()
+    parts.append(b"]}")
+    return b"".join(parts)

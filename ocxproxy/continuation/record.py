@@ -1,0 +1,55 @@
+"""A finished exchange → the Turn to remember, or the reason it is not remembered (C1.6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ocxproxy.continuation.expand import call_ids_of, serialize_items
+from ocxproxy.model import Turn
+
+
+def not_recordable_reason(response: Any) -> str | None:
+    """None when the response is one to remember, else a short reason (a metric label)."""
+    if not isinstance(response, dict):
+        return "malformed"
+    if not isinstance(response.get("id"), str) or not isinstance(response.get("output"), list):
+        return "malformed"
+    status = response.get("status", "completed")
+    if status == "completed":
+        return None
+    if status == "incomplete":
+        details = response.get("incomplete_details") or {}
+        if isinstance(details, dict) and details.get("reason") == "max_output_tokens":
+            return None
+        return "incomplete"
+    return str(status) if isinstance(status, str) else "malformed"
+
+
+def build_turn(
+    *,
+    response: dict[str, Any],
+    response_raw: bytes | None,
+    scope: str,
+    durable: bool,
+    tail: bytes,
+    tail_items: list[Any],
+    backend: str | None = None,
+    affinity_key: str | None = None,
+) -> Turn:
+    """The new segment is the tail exactly as forwarded, then the output items."""
+    output = response["output"]
+    out_bytes, n_out = serialize_items(output)
+    items = tail + b"," + out_bytes if tail and out_bytes else tail or out_bytes
+    return Turn(
+        response_id=response["id"],
+        scope=scope,
+        durable=durable,
+        items=items,
+        n_items=len(tail_items) + n_out,
+        call_ids=call_ids_of(tail_items) | call_ids_of(output),
+        response=response_raw if response_raw is not None else orjson.dumps(response),
+        backend=backend,
+        affinity_key=affinity_key,
+    )

@@ -1,0 +1,124 @@
+"""One error family for everything the proxy answers with an OpenAI-shaped error.
+
+    OcxError                      status + OpenAI type/code/param; to_openai_error()
+    ├── InvalidRequest            400 invalid_request_error (bad JSON, bad field, conflicts)
+    ├── PreviousResponseNotFound  400 previous_response_not_found (C1.2), carries the reason
+    ├── NotFound                  404 (unknown stored response)
+    ├── PayloadTooLarge           413
+    ├── Unauthorized              401
+    ├── RateLimited               429 rate_limit_exceeded
+    └── UpstreamError             502/504 backend unreachable, timed out or broke off
+
+Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
+turns them into PreviousResponseNotFound, counting the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import orjson
+
+
+class OcxError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+    def to_openai_error(self) -> dict[str, Any]:
+        return to_openai_error(self.message, self.type, self.code, self.param)
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.to_openai_error())
+
+
+def to_openai_error(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class InvalidRequest(OcxError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class PreviousResponseNotFound(InvalidRequest):
+    code = "previous_response_not_found"
+
+    def __init__(self, response_id: str, reason: FailureReason) -> None:
+        super().__init__(
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+        )
+        self.response_id = response_id
+        self.reason = reason
+
+
+class NotFound(OcxError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(OcxError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Unauthorized(OcxError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class RateLimited(OcxError):
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamError(OcxError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class FailureReason(enum.StrEnum):
+    """Why a previous_response_id could not be resolved; a metric label."""
+
+    UNKNOWN = "unknown"  # never stored here, or another credential's
+    EXPIRED = "expired"  # past its TTL
+    EVICTED = "evicted"  # pushed out by a count or byte bound
+    MISSING = "missing"  # a spill file it needs is gone
+    CORRUPT = "corrupt"  # a spill file failed its digest or did not decompress
+    TOO_LARGE = "too_large"  # the stored data exceeds a read limit
+    WRITE_FAILED = "write_failed"  # its data could not be written to the disk tier
+    READ_FAILED = "read_failed"  # an I/O error reading the disk tier
+
+
+class StoreFailure(Exception):
+    """A typed failure of the continuation store."""
+
+    def __init__(self, reason: FailureReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else str(reason))
+        self.reason = reason
+        self.detail = detail

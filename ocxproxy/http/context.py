@@ -1,0 +1,57 @@
+"""What every handler reaches through the app: config, store, backends, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from ocxproxy.config import Config
+from ocxproxy.errors import Unauthorized
+from ocxproxy.metrics import Metrics
+from ocxproxy.store import Store
+from ocxproxy.upstream.client import Timing, UpstreamPool
+
+ANONYMOUS = "anonymous"
+
+
+@dataclass(slots=True)
+class Proxy:
+    config: Config
+    store: Store
+    pool: UpstreamPool
+    metrics: Metrics
+    ready: bool = False
+
+
+PROXY = web.AppKey("proxy", Proxy)
+TIMING_KEY = web.RequestKey("timing", Timing)
+
+
+def proxy_of(request: web.Request) -> Proxy:
+    return request.app[PROXY]
+
+
+def timing_of(request: web.Request) -> Timing:
+    return request[TIMING_KEY]
+
+
+def bearer_token(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    if value[:7].lower() == "bearer " and value[7:].strip():
+        return value[7:].strip()
+    return None
+
+
+def scope_of(request: web.Request) -> str:
+    """C5: a stored turn belongs to a hash of the caller's bearer token, never the token."""
+    token = bearer_token(request)
+    if token is None:
+        return ANONYMOUS
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def check_client_key(request: web.Request, keys: tuple[str, ...]) -> None:
+    if keys and bearer_token(request) not in keys:
+        raise Unauthorized("Incorrect API key provided.")

@@ -1,0 +1,30 @@
+"""Liveness, readiness and metrics (C2, C7)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ocxproxy.http.context import proxy_of
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    proxy = proxy_of(request)
+    ready = proxy.ready and proxy.pool.is_ready()
+    body = {
+        "status": "ready" if ready else "not ready",
+        "store_loaded": proxy.ready,
+        "backends": {b.url: "up" if b.healthy else "down" for b in proxy.pool.backends},
+    }
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    proxy = proxy_of(request)
+    response = web.Response(body=proxy.metrics.render())
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response

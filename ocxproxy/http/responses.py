@@ -1,0 +1,342 @@
+"""`/v1/responses`: create (JSON and SSE) with continuation, and the stored-response routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from ocxproxy.continuation.expand import (
+    Request,
+    check_call_bindings,
+    expand,
+    parse_request,
+    serialize_items,
+)
+from ocxproxy.continuation.record import build_turn, not_recordable_reason
+from ocxproxy.errors import (
+    FailureReason,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PreviousResponseNotFound,
+    StoreFailure,
+)
+from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
+from ocxproxy.http.headers import client_headers, upstream_headers
+from ocxproxy.http.passthrough import passthrough
+from ocxproxy.model import Record
+from ocxproxy.upstream.client import Backend, Timing
+from ocxproxy.upstream.repair import StreamRepair
+from ocxproxy.upstream.sse import EventSplitter
+
+log = logging.getLogger("ocxproxy.responses")
+
+TERMINAL_EVENTS = frozenset(
+    ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One create call: what was asked, what was forwarded, and how to remember it."""
+
+    proxy: Proxy
+    scope: str
+    request: Request
+    body: bytes  # as forwarded
+    parent: Record | None = None
+    tail: bytes | None = None  # the request's own items as forwarded (serialized)
+    backend: Backend | None = None
+    recorded: bool = False
+    affinity_key: str | None = field(default=None)
+
+    @property
+    def retention(self) -> str | None:
+        """'durable' (store:true), 'memory' (store:false kept in memory), or None."""
+        if self.request.store:
+            return "durable"
+        return "memory" if self.proxy.config.retain_unstored else None
+
+    def finish(self, response: Any) -> None:
+        """Remember the turn when the response is one to remember (C1.6)."""
+        metrics = self.proxy.metrics
+        self.observe_usage(response)
+        reason = not_recordable_reason(response)
+        if reason is None and self.retention is None:
+            reason = "store_false"
+        if reason is not None:
+            metrics.turns_not_recorded.labels(reason=reason).inc()
+            return
+        if self.tail is None:
+            self.tail = serialize_items(self.request.items)[0]
+        turn = build_turn(
+            response=response,
+            response_raw=None,
+            scope=self.scope,
+            durable=self.retention == "durable" and not self.proxy.config.zdr,
+            tail=self.tail,
+            tail_items=self.request.items,
+            backend=self.backend.url if self.backend else None,
+            affinity_key=self.affinity_key,
+        )
+        self.proxy.store.put(turn, self.parent)
+        self.recorded = True
+        metrics.turns_recorded.labels(kind=self.retention or "").inc()
+
+    def observe_usage(self, response: Any) -> None:
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(usage, dict) or self.backend is None:
+            return
+        total = usage.get("input_tokens")
+        details = usage.get("input_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if not isinstance(total, int) or total <= 0:
+            return
+        metrics, url = self.proxy.metrics, self.backend.url
+        metrics.input_tokens.labels(url).inc(total)
+        if isinstance(cached, int) and cached >= 0:
+            metrics.cached_tokens.labels(url).inc(cached)
+            metrics.cached_ratio.labels(url).observe(min(cached / total, 1.0))
+
+
+async def prepare_exchange(proxy: Proxy, scope: str, raw: bytes) -> Exchange:
+    """Parse and expand a create body; raises before anything is forwarded."""
+    request = parse_request(raw)
+    prev = request.previous_response_id
+    if prev is None:
+        return Exchange(proxy, scope, request, raw, affinity_key=affinity_of(request, None))
+    metrics = proxy.metrics
+    try:
+        parent = proxy.store.lookup(scope, prev)
+        history = await proxy.store.history(parent)
+    except StoreFailure as failure:
+        metrics.expansions.labels(outcome=str(failure.reason)).inc()
+        if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
+            return Exchange(proxy, scope, request, raw)
+        raise PreviousResponseNotFound(prev, failure.reason) from None
+    check_call_bindings(request.items, parent)
+    tail, _ = serialize_items(request.items)
+    body = expand(request.body, history, tail)
+    metrics.expansions.labels(outcome="hit").inc()
+    return Exchange(
+        proxy,
+        scope,
+        request,
+        body,
+        parent=parent,
+        tail=tail,
+        affinity_key=affinity_of(request, parent),
+    )
+
+
+def affinity_of(request: Request, parent: Record | None) -> str | None:
+    key = request.body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return "pck:" + key
+    if parent is not None:
+        return parent.affinity_key
+    return None
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    timing = timing_of(request)
+    raw = await read_body(request, proxy.config.max_body_bytes)
+    exchange = await prepare_exchange(proxy, scope_of(request), raw)
+    headers = upstream_headers(request.headers, proxy.config, identity=True)
+    headers["Content-Type"] = "application/json"
+    async with proxy.pool.open(
+        "POST",
+        request.path_qs,
+        headers,
+        exchange.body,
+        timing=timing,
+        affinity_key=exchange.affinity_key,
+        preferred=exchange.parent.backend if exchange.parent else None,
+    ) as (backend, upstream):
+        exchange.backend = backend
+        if exchange.affinity_key is None:
+            exchange.affinity_key = "backend:" + backend.url
+        content_type = upstream.headers.get("Content-Type", "")
+        if upstream.status == 200 and content_type.startswith("text/event-stream"):
+            return await relay_stream(request, upstream, exchange, timing)
+        with timing.waiting():
+            body = await upstream.read()
+        if upstream.status == 200 and "json" in content_type:
+            try:
+                exchange.finish(orjson.loads(body))
+            except orjson.JSONDecodeError:
+                proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
+        return web.Response(
+            body=body,
+            status=upstream.status,
+            headers=client_headers(upstream.headers, body_rewritten=False),
+        )
+
+
+async def relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    exchange: Exchange,
+    timing: Timing,
+) -> web.StreamResponse:
+    """Relay SSE as it arrives; repair streams that lack spec fields; hold the terminal
+    event until the turn is recorded."""
+    response = web.StreamResponse(
+        status=upstream.status, headers=client_headers(upstream.headers, body_rewritten=True)
+    )
+    await response.prepare(request)
+    splitter = EventSplitter()
+    repair: StreamRepair | None = None
+    decided = False
+    while True:
+        with timing.waiting():
+            chunk = await upstream.content.readany()
+        events = splitter.feed(chunk) if chunk else splitter.flush()
+        out: list[bytes] = []
+        for event in events:
+            if not event.data or event.data == b"[DONE]":
+                out.append(event.raw)
+                continue
+            if not decided:
+                decided = True
+                if b'"sequence_number"' not in event.data:
+                    repair = StreamRepair()
+                    exchange.proxy.metrics.stream_repairs.inc()
+            payload: Any = None
+            if repair is not None:
+                event, payload = repair.fix(event)
+            kind = event.name
+            if kind is None:
+                payload = payload if payload is not None else _loads(event.data)
+                kind = payload.get("type") if isinstance(payload, dict) else None
+            if kind in TERMINAL_EVENTS:
+                payload = payload if payload is not None else _loads(event.data)
+                if isinstance(payload, dict):
+                    exchange.finish(payload.get("response"))
+            out.append(event.raw)
+        if out:
+            await response.write(b"".join(out))
+        if not chunk:
+            break
+    await response.write_eof()
+    return response
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+# -- stored responses (C2) ---------------------------------------------------------------
+
+
+def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
+    try:
+        return proxy.store.lookup(scope_of(request), request.match_info["response_id"])
+    except StoreFailure:
+        return None
+
+
+def _not_found(response_id: str) -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found.")
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    record = _lookup(proxy, request)
+    if record is None:
+        return await passthrough(request)
+    try:
+        body = await proxy.store.response_bytes(record)
+    except StoreFailure:
+        raise _not_found(record.id) from None
+    return web.Response(body=body, content_type="application/json")
+
+
+async def delete_response(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    response_id = request.match_info["response_id"]
+    if not proxy.store.delete(scope_of(request), response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    record = _lookup(proxy, request)
+    if record is None:
+        raise _not_found(request.match_info["response_id"])
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("Invalid 'order': expected 'asc' or 'desc'.", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.", param="limit")
+    try:
+        history = await proxy.store.history(record)
+        stored = orjson.loads(await proxy.store.response_bytes(record))
+    except StoreFailure:
+        raise _not_found(record.id) from None
+    items = await asyncio.to_thread(_input_items, record.id, history, len(stored.get("output", [])))
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"No item with id '{after}' in this list.", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        },
+        dumps=lambda obj: orjson.dumps(obj).decode(),
+    )
+
+
+def _input_items(response_id: str, history: list[bytes], n_output: int) -> list[dict[str, Any]]:
+    """The model-visible input of a stored response, each item with an id (minted when the
+    client sent none, stable per response and position)."""
+    items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
+    if n_output:
+        items = items[:-n_output]
+    result: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        if "id" not in item:
+            item = {"id": f"msg_{response_id.removeprefix('resp_')}_{index}", **item}
+            item.setdefault("type", "message")
+        result.append(item)
+    return result

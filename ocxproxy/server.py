@@ -1,0 +1,129 @@
+"""Wiring: build_app(config) → the aiohttp application; run(config) serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.config import Config
+from ocxproxy.http import health, passthrough, responses
+from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.http.middleware import handle_errors
+from ocxproxy.metrics import Metrics
+from ocxproxy.store import Store
+from ocxproxy.upstream.client import UpstreamPool
+
+log = logging.getLogger("ocxproxy")
+
+SWEEP_INTERVAL = 60.0
+SHUTDOWN_GRACE = 10.0
+
+
+def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Application:
+    metrics = metrics or Metrics()
+    store = Store(
+        max_resident_bytes=config.max_resident_bytes,
+        max_entries=config.max_entries,
+        ttl=config.ttl,
+        metrics=metrics,
+    )
+    proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
+    # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
+    app = web.Application(middlewares=[handle_errors], client_max_size=config.max_body_bytes)
+    app[PROXY] = proxy
+    app.cleanup_ctx.append(_local_backend)
+    app.cleanup_ctx.append(_store_lifecycle)
+    app.cleanup_ctx.append(_upstream_session)
+    r = app.router
+    r.add_get("/healthz", health.healthz)
+    r.add_get("/readyz", health.readyz)
+    r.add_get("/metrics", health.metrics)
+    r.add_post("/v1/responses", responses.create_response)
+    r.add_get("/v1/responses/{response_id}", responses.get_response)
+    r.add_delete("/v1/responses/{response_id}", responses.delete_response)
+    r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
+    r.add_route("*", "/{tail:.*}", passthrough.passthrough)
+    return app
+
+
+async def _local_backend(app: web.Application) -> AsyncIterator[None]:
+    """With no --upstream, run the embedded llama.cpp backend as a managed child."""
+    proxy = app[PROXY]
+    if proxy.config.upstream:
+        yield
+        return
+    from ocxproxy.upstream import local
+
+    model = proxy.config.local_model or local.default_model_path()
+    if model is None or not local.is_available():
+        raise local.LocalBackendError(local.MISSING_MESSAGE)
+    backend = local.LocalBackend(model)
+    url = await backend.start()
+    proxy.pool.add(url)
+    log.info("embedded llama.cpp backend at %s (model %s)", url, model.name)
+    watchdog = spawn(backend.watch(), name="local-backend-watchdog")
+    try:
+        yield
+    finally:
+        await cancel_and_wait(watchdog)
+        await backend.stop()
+
+
+async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    proxy = app[PROXY]
+    proxy.ready = True
+    sweeper = spawn(_sweep(proxy.store), name="store-sweeper")
+    try:
+        yield
+    finally:
+        await cancel_and_wait(sweeper)
+        await proxy.store.close()
+
+
+async def _sweep(store: Store) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL)
+        store.sweep()
+
+
+async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[PROXY].pool.close()
+
+
+async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
+    app = build_app(config)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(f"ocxproxy listening on http://{host}:{port}/v1", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def run(config: Config) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))

@@ -1,0 +1,64 @@
+"""The resident tier: segment bytes in memory, least recently used first out, byte-capped.
+
+Pure bookkeeping: no I/O, no asyncio. `admit`/`touch` never drop anything themselves;
+`over_budget()` returns the segments to push out and the caller decides whether they are
+demoted to disk or dropped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from ocxproxy.model import Segment
+
+
+class ResidentTier:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._lru: OrderedDict[str, Segment] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<ResidentTier {len(self._lru)} segments {self.bytes}/{self.max_bytes}B>"
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._lru
+
+    def __iter__(self) -> Iterator[Segment]:
+        return iter(self._lru.values())
+
+    def admit(self, segment: Segment) -> None:
+        if segment.key in self._lru:
+            self._lru.move_to_end(segment.key)
+            return
+        self._lru[segment.key] = segment
+        self.bytes += segment.size
+
+    def touch(self, segment: Segment) -> None:
+        if segment.key in self._lru:
+            self._lru.move_to_end(segment.key)
+
+    def remove(self, segment: Segment) -> None:
+        if self._lru.pop(segment.key, None) is not None:
+            self.bytes -= segment.size
+
+    def over_budget(self, keep: frozenset[str] = frozenset()) -> list[Segment]:
+        """Oldest segments to take out until the tier fits; `keep` ones stay."""
+        excess = self.bytes - self.max_bytes
+        victims: list[Segment] = []
+        if excess <= 0:
+            return victims
+        for segment in self._lru.values():
+            if segment.key in keep:
+                continue
+            victims.append(segment)
+            excess -= segment.size
+            if excess <= 0:
+                break
+        for segment in victims:
+            self.remove(segment)
+        return victims

@@ -1,0 +1,75 @@
+"""Shared fixtures: a real proxy on loopback in front of real fake backends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from ocxproxy.config import Config
+from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.server import build_app
+from tests.fakes.backend import FakeBackend
+
+
+@dataclass
+class ProxyHandle:
+    url: str  # server root, e.g. http://127.0.0.1:PORT
+    app: web.Application
+    server: TestServer
+
+    @property
+    def proxy(self) -> Proxy:
+        return self.app[PROXY]
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, api_key: str = "sk-test-a", **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs)
+
+
+MakeProxy = Callable[..., Awaitable[ProxyHandle]]
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[FakeBackend]:
+    async with FakeBackend() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def llama_backend() -> AsyncIterator[FakeBackend]:
+    async with FakeBackend(stream_style="llama") as fake:
+        yield fake
+
+
+@pytest.fixture
+async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
+    servers: list[TestServer] = []
+
+    async def make(*upstreams: str, **overrides: Any) -> ProxyHandle:
+        overrides.setdefault("state_dir", tmp_path / "state")
+        overrides.setdefault("snapshot_delay", 0.05)
+        config = Config(upstream=tuple(upstreams), port=0, **overrides)
+        app = build_app(config)
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()  # TestServer enables handler_cancellation
+        servers.append(server)
+        return ProxyHandle(str(server.make_url("")).rstrip("/"), app, server)
+
+    yield make
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def proxy(make_proxy: MakeProxy, backend: FakeBackend) -> ProxyHandle:
+    return await make_proxy(backend.url)
