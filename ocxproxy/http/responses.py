@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -31,9 +32,10 @@ from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
+from ocxproxy.store import Store
 from ocxproxy.upstream.client import Backend, Timing
 from ocxproxy.upstream.repair import StreamRepair
-from ocxproxy.upstream.sse import EventSplitter
+from ocxproxy.upstream.sse import Event, EventSplitter
 
 log = logging.getLogger("ocxproxy.responses")
 
@@ -57,34 +59,29 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 @dataclass(slots=True)
 class Exchange:
-    """One create call: what was asked, what was forwarded, and how to remember it."""
+    """One create call: what was asked, what was forwarded, and where to remember it."""
 
     proxy: Proxy
     scope: str
     request: Request
     body: bytes  # as forwarded
+    target: Store | None  # where the finished turn is remembered; None: not at all
+    durable: bool = False  # may the turn reach disk
     parent: Record | None = None
     tail: bytes | None = None  # the request's own items as forwarded (serialized)
     backend: Backend | None = None
+    affinity_key: str | None = None
     recorded: bool = False
-    affinity_key: str | None = field(default=None)
-
-    @property
-    def retention(self) -> str | None:
-        """'durable' (store:true), 'memory' (store:false kept in memory), or None."""
-        if self.request.store:
-            return "durable"
-        return "memory" if self.proxy.config.retain_unstored else None
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (C1.6)."""
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
-        if reason is None and self.retention is None:
+        if reason is None and self.target is None:
             reason = "store_false"
-        if reason is not None:
-            metrics.turns_not_recorded.labels(reason=reason).inc()
+        if reason is not None or self.target is None:
+            metrics.turns_not_recorded.labels(reason=reason or "store_false").inc()
             return
         if self.tail is None:
             self.tail = serialize_items(self.request.items)[0]
@@ -92,15 +89,16 @@ class Exchange:
             response=response,
             response_raw=None,
             scope=self.scope,
-            durable=self.retention == "durable" and not self.proxy.config.zdr,
+            durable=self.durable,
             tail=self.tail,
             tail_items=self.request.items,
             backend=self.backend.url if self.backend else None,
             affinity_key=self.affinity_key,
         )
-        self.proxy.store.put(turn, self.parent)
+        self.target.put(turn, self.parent)
         self.recorded = True
-        metrics.turns_recorded.labels(kind=self.retention or "").inc()
+        kind = "durable" if self.durable else "memory"
+        metrics.turns_recorded.labels(kind=kind).inc()
 
     def observe_usage(self, response: Any) -> None:
         usage = response.get("usage") if isinstance(response, dict) else None
@@ -118,34 +116,81 @@ class Exchange:
             metrics.cached_ratio.labels(url).observe(min(cached / total, 1.0))
 
 
-async def prepare_exchange(proxy: Proxy, scope: str, raw: bytes) -> Exchange:
-    """Parse and expand a create body; raises before anything is forwarded."""
-    request = parse_request(raw)
+async def prepare_exchange(
+    proxy: Proxy,
+    scope: str,
+    request: Request,
+    raw: bytes | None,
+    *,
+    local: Store | None = None,
+) -> Exchange:
+    """Resolve and expand a create request; raises before anything is forwarded.
+
+    `raw` is the client's body, forwarded unchanged when there is nothing to expand
+    (C1.1). `local` is a WebSocket connection's own store: store:false turns live
+    there, and a chain that started there stays there.
+    """
     prev = request.previous_response_id
     if prev is None:
-        return Exchange(proxy, scope, request, raw, affinity_key=affinity_of(request, None))
+        target, durable = _retention(proxy, request, local, parent_store=None)
+        body = raw if raw is not None else orjson.dumps(request.body)
+        return Exchange(
+            proxy,
+            scope,
+            request,
+            body,
+            target,
+            durable,
+            affinity_key=affinity_of(request, None),
+        )
     metrics = proxy.metrics
     try:
-        parent = proxy.store.lookup(scope, prev)
-        history = await proxy.store.history(parent)
+        store, parent = _resolve(proxy, scope, prev, local)
+        history = await store.history(parent)
     except StoreFailure as failure:
         metrics.expansions.labels(outcome=str(failure.reason)).inc()
         if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
-            return Exchange(proxy, scope, request, raw)
+            body = raw if raw is not None else orjson.dumps(request.body)
+            return Exchange(proxy, scope, request, body, None)
         raise PreviousResponseNotFound(prev, failure.reason) from None
     check_call_bindings(request.items, parent)
     tail, _ = serialize_items(request.items)
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
+    target, durable = _retention(proxy, request, local, parent_store=store)
     return Exchange(
         proxy,
         scope,
         request,
         body,
+        target,
+        durable and parent.durable,
         parent=parent,
         tail=tail,
         affinity_key=affinity_of(request, parent),
     )
+
+
+def _resolve(proxy: Proxy, scope: str, prev: str, local: Store | None) -> tuple[Store, Record]:
+    if local is not None:
+        try:
+            return local, local.lookup(scope, prev)
+        except StoreFailure:
+            pass
+    return proxy.store, proxy.store.lookup(scope, prev)
+
+
+def _retention(
+    proxy: Proxy, request: Request, local: Store | None, parent_store: Store | None
+) -> tuple[Store | None, bool]:
+    """Where a turn is remembered and whether it may reach disk (C3, C5)."""
+    if local is not None and (parent_store is local or not request.store):
+        return local, False
+    if request.store:
+        return proxy.store, not proxy.config.zdr
+    if proxy.config.retain_unstored:
+        return proxy.store, False
+    return None, False
 
 
 def affinity_of(request: Request, parent: Record | None) -> str | None:
@@ -161,7 +206,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     timing = timing_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
-    exchange = await prepare_exchange(proxy, scope_of(request), raw)
+    exchange = await prepare_exchange(proxy, scope_of(request), parse_request(raw), raw)
     headers = upstream_headers(request.headers, proxy.config, identity=True)
     headers["Content-Type"] = "application/json"
     async with proxy.pool.open(
@@ -199,12 +244,22 @@ async def relay_stream(
     exchange: Exchange,
     timing: Timing,
 ) -> web.StreamResponse:
-    """Relay SSE as it arrives; repair streams that lack spec fields; hold the terminal
-    event until the turn is recorded."""
     response = web.StreamResponse(
         status=upstream.status, headers=client_headers(upstream.headers, body_rewritten=True)
     )
     await response.prepare(request)
+    async for batch in stream_events(upstream, exchange, timing):
+        await response.write(b"".join(event.raw for event in batch))
+    await response.write_eof()
+    return response
+
+
+async def stream_events(
+    upstream: aiohttp.ClientResponse, exchange: Exchange, timing: Timing
+) -> AsyncIterator[list[Event]]:
+    """The backend's SSE events in arrival order, a batch per chunk read. Streams that
+    lack spec fields are repaired; the turn is recorded before the terminal event is
+    yielded, so a continuation sent the instant it arrives resolves (C1.7)."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
     decided = False
@@ -212,10 +267,10 @@ async def relay_stream(
         with timing.waiting():
             chunk = await upstream.content.readany()
         events = splitter.feed(chunk) if chunk else splitter.flush()
-        out: list[bytes] = []
+        batch: list[Event] = []
         for event in events:
             if not event.data or event.data == b"[DONE]":
-                out.append(event.raw)
+                batch.append(event)
                 continue
             if not decided:
                 decided = True
@@ -233,13 +288,11 @@ async def relay_stream(
                 payload = payload if payload is not None else _loads(event.data)
                 if isinstance(payload, dict):
                     exchange.finish(payload.get("response"))
-            out.append(event.raw)
-        if out:
-            await response.write(b"".join(out))
+            batch.append(event)
+        if batch:
+            yield batch
         if not chunk:
-            break
-    await response.write_eof()
-    return response
+            return
 
 
 def _loads(data: bytes) -> Any:
