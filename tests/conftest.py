@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +12,19 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from hypothesis import settings
 
 from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.server import build_app
 from tests.fakes.backend import FakeBackend
+
+
+# Imported here, at collection, on purpose: CPython 3.11.7 can fail to compile hypothesis
+# ("AST constructor recursion depth mismatch") when it is first imported from a deep stack.
+settings.register_profile("fast", max_examples=50, deadline=None)
+settings.register_profile("deep", max_examples=1000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 
 @dataclass

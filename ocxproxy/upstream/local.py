@@ -338,9 +338,7 @@ class LocalBackend:
             self._port = _free_port(self.host)
         env = dict(os.environ)
         root = _package_root()
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (root, env.get("PYTHONPATH", "")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         logf = self._prepare_log()
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -391,9 +389,8 @@ class LocalBackend:
                         f"embedded llama.cpp did not become healthy at {url} within "
                         f"{self.startup_timeout:.0f} s; last log lines:\n{self._log_tail()}"
                     )
-                # Wake early if the child exits: no need to sit out the interval.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), _HEALTH_INTERVAL)
+                # proc.returncode is set by the loop's child watcher; no wait() needed.
+                await asyncio.sleep(_HEALTH_INTERVAL)
 
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         if proc.returncode is None:
@@ -418,7 +415,12 @@ class LocalBackend:
 
 
 def _die_with_parent(parent_pid: int | None) -> int:
-    """Ask the kernel to SIGTERM us when our parent exits; return the pid to watch."""
+    """Ask the kernel to SIGTERM us when our parent exits; return the pid to watch.
+
+    PR_SET_PDEATHSIG fires when the parent *thread* that forked us exits (asyncio forks from
+    the event-loop thread, whose end means the proxy is done with us anyway). The getppid()
+    poll in main() covers the fork/prctl race and is the only mechanism off Linux.
+    """
     if sys.platform.startswith("linux"):
         import ctypes
 

