@@ -1,0 +1,101 @@
+"""continuation/record.py: which finished responses are remembered (C1.6), and as what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from ocxproxy.continuation.record import build_turn, not_recordable_reason
+
+MESSAGE = {"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+
+
+def response(**fields: Any) -> dict[str, Any]:
+    return {"id": "resp_1", "object": "response", "output": [MESSAGE], **fields}
+
+
+@pytest.mark.parametrize(
+    ("candidate", "reason"),
+    [
+        (response(status="completed"), None),
+        (response(), None),  # no status: a completed non-streaming answer
+        (response(status="incomplete", incomplete_details={"reason": "max_output_tokens"}), None),
+        (
+            response(status="incomplete", incomplete_details={"reason": "content_filter"}),
+            "incomplete",
+        ),
+        (response(status="incomplete", incomplete_details=None), "incomplete"),
+        (response(status="incomplete"), "incomplete"),
+        (response(status="failed"), "failed"),
+        (response(status="cancelled"), "cancelled"),
+        (response(status="in_progress"), "in_progress"),
+        (response(status="queued"), "queued"),
+        (response(status=3), "malformed"),
+        ({"id": "resp_1", "status": "completed"}, "malformed"),  # no output
+        ({"output": [], "status": "completed"}, "malformed"),  # no id
+        (response(id=5), "malformed"),
+        (response(output={}), "malformed"),
+        (None, "malformed"),
+        ([], "malformed"),
+        ("completed", "malformed"),
+    ],
+)
+def test_not_recordable_reason(candidate: Any, reason: str | None) -> None:
+    assert not_recordable_reason(candidate) == reason
+
+
+@pytest.mark.parametrize(
+    ("tail", "tail_items", "output", "items", "n_items", "call_ids"),
+    [
+        (b'{"role":"user","content":"a"}', [{}], [MESSAGE], None, 2, set()),
+        (b"", [], [MESSAGE], orjson.dumps(MESSAGE), 1, set()),
+        (b'"t"', ["t"], [], b'"t"', 1, set()),
+        (b"", [], [], b"", 0, set()),
+        (b"1", [{"type": "function_call", "call_id": "c0"}], [CALL], None, 2, {"c0", "call_1"}),
+    ],
+)
+def test_build_turn_is_tail_then_output(
+    tail: bytes,
+    tail_items: list[Any],
+    output: list[Any],
+    items: bytes | None,
+    n_items: int,
+    call_ids: set[str],
+) -> None:
+    resp = response(output=output)
+    turn = build_turn(
+        response=resp,
+        response_raw=None,
+        scope="s",
+        durable=True,
+        tail=tail,
+        tail_items=tail_items,
+        backend="http://b",
+        affinity_key="k",
+    )
+    if items is None:
+        items = tail + b"," + b",".join(orjson.dumps(o) for o in output)
+    assert turn.items == items
+    assert turn.n_items == n_items
+    assert turn.call_ids == call_ids
+    assert orjson.loads(b"[" + turn.items + b"]") is not None
+    assert orjson.loads(turn.response) == resp
+    assert (turn.response_id, turn.scope, turn.durable) == ("resp_1", "s", True)
+    assert (turn.backend, turn.affinity_key) == ("http://b", "k")
+
+
+def test_build_turn_keeps_raw_response_bytes() -> None:
+    raw = b'{"id": "resp_1",  "output": []}'
+    turn = build_turn(
+        response=orjson.loads(raw),
+        response_raw=raw,
+        scope="s",
+        durable=False,
+        tail=b"",
+        tail_items=[],
+    )
+    assert turn.response == raw
+    assert turn.durable is False

@@ -1,0 +1,155 @@
+"""Helpers for the HTTP tests: raw JSON spans, SSE parsing, a byte-scripted backend."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+_DECODER = json.JSONDecoder()
+
+
+def top_level_span(body: bytes, key: str) -> bytes:
+    """The raw bytes of a top-level key's value, found with the stdlib decoder (not the
+    proxy's own scanner), so tests compare exactly what went over the wire."""
+    text = body.decode()
+    end = len(text)
+    pos = text.index("{") + 1
+    found: bytes | None = None
+    while pos < end:
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        if text[pos] == "}":
+            break
+        name, pos = _DECODER.raw_decode(text, pos)
+        while text[pos] in " \t\r\n:":
+            pos += 1
+        _, value_end = _DECODER.raw_decode(text, pos)
+        if name == key:
+            found = text[pos:value_end].encode()
+        pos = value_end
+    if found is None:
+        raise KeyError(key)
+    return found
+
+
+def assert_append_only(bodies: list[bytes]) -> None:
+    """Each forwarded `input` array is a byte prefix of the next one's (C1.2)."""
+    spans = [top_level_span(body, "input") for body in bodies]
+    for before, after in itertools.pairwise(spans):
+        assert before.startswith(b"[") and before.endswith(b"]"), before
+        assert after.startswith(before[:-1] + b","), (before, after)
+
+
+def sse_payloads(raw: bytes) -> list[dict[str, Any]]:
+    """JSON payloads of an SSE byte stream (any line ending), comments and [DONE] skipped."""
+    text = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    payloads = []
+    for block in text.split(b"\n\n"):
+        data = [line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
+        if data and data != [b"[DONE]"]:
+            payloads.append(orjson.loads(b"\n".join(data)))
+    return payloads
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def response_object(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    item = {
+        "id": "msg_" + rid,
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": 1,
+        "status": status,
+        "model": "scripted",
+        "output": [item] if status != "in_progress" else [],
+        "usage": None,
+    }
+
+
+def script_events(rid: str, text: str, *, spec: bool) -> list[dict[str, Any]]:
+    """A text answer's events; `spec` adds sequence_number/output_index/content_index."""
+    done = response_object(rid, text)
+    item = done["output"][0]
+    loc = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": response_object(rid, "", "in_progress")},
+        {"type": "response.output_item.added", "output_index": 0, "item": {**item, "content": []}},
+        {"type": "response.content_part.added", **loc, "part": {"type": "output_text", "text": ""}},
+        {"type": "response.output_text.delta", **loc, "delta": text, "obfuscation": "x"},
+        {"type": "response.output_text.done", **loc, "text": text},
+        {"type": "response.content_part.done", **loc, "part": item["content"][0]},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": done},
+    ]
+    for seq, event in enumerate(events):
+        if spec:
+            event["sequence_number"] = seq
+        else:
+            for key in ("output_index", "content_index"):
+                event.pop(key, None)
+    return events
+
+
+class ScriptedBackend:
+    """Answers every POST /v1/responses with fixed bytes, written in the given chunks.
+    With `hold_after=k`, the first answer stops after k chunks until `release` is set.
+    Records each request body."""
+
+    def __init__(self, chunks: list[bytes], *, hold_after: int | None = None) -> None:
+        self.chunks = chunks
+        self.hold_after = hold_after
+        self.release = asyncio.Event()
+        self.bodies: list[bytes] = []
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> ScriptedBackend:
+        app = web.Application()
+        app.router.add_post("/v1/responses", self._answer)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _wait_release(self) -> None:
+        async with asyncio.timeout(5):
+            await self.release.wait()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.read())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        hold = self.hold_after if len(self.bodies) == 1 else None
+        for index, chunk in enumerate(self.chunks):
+            if index == hold:
+                await self._wait_release()
+            await response.write(chunk)
+            await asyncio.sleep(0.005)
+        if hold == len(self.chunks):
+            await self._wait_release()
+        await response.write_eof()
+        return response

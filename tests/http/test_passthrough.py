@@ -1,0 +1,136 @@
+"""http/passthrough.py: every other path is reverse-proxied transparently (C2, C5)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.http.helpers import sse_payloads
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
+
+
+async def test_chat_completions_json(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    raw = b'{"messages": [ {"role":"user","content":"hi there"} ], "model":"m"}'
+    headers = {"Authorization": "Bearer sk-client", "Content-Type": "application/json"}
+    async with http.post(proxy.url + "/v1/chat/completions", data=raw, headers=headers) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("application/json")
+        assert resp.headers["x-request-id"] == "req_1"
+        body = await resp.json()
+    assert body["choices"][0]["message"]["content"] == "echo#1: hi there"
+    (seen,) = backend.seen
+    assert (seen.method, seen.path, seen.body) == ("POST", "/v1/chat/completions", raw)
+    assert seen.headers["Authorization"] == "Bearer sk-client"
+
+
+async def test_chat_completions_through_the_sdk(proxy: ProxyHandle) -> None:
+    completion = await proxy.client().chat.completions.create(**CHAT)  # type: ignore[call-overload]
+    assert completion.choices[0].message.content == "echo#1: hi there"
+
+
+async def test_chat_completions_streaming(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    direct_body = {**CHAT, "stream": True}
+    async with http.post(backend.url + "/v1/chat/completions", json=direct_body) as resp:
+        direct = await resp.read()
+    async with http.post(proxy.url + "/v1/chat/completions", json=direct_body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        relayed = await resp.read()
+    assert relayed.endswith(b"data: [DONE]\n\n")
+    chunks = sse_payloads(relayed)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == "echo#1: hi there"
+    assert len(relayed) == len(direct)  # same framing; only ids differ
+
+    stream = await proxy.client().chat.completions.create(**direct_body)  # type: ignore[call-overload]
+    parts = [c.choices[0].delta.content or "" async for c in stream]
+    assert "".join(parts) == "echo#1: hi there"
+
+
+async def test_models_and_query_strings(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    models = await proxy.client(api_key="sk-m").models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+    assert backend.seen[-1].headers["Authorization"] == "Bearer sk-m"
+    async with http.get(proxy.url + "/v1/models?a=1&b=two") as resp:
+        assert resp.status == 200
+    assert backend.seen[-1].path == "/v1/models"
+    assert "Authorization" not in backend.seen[-1].headers
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405), ("GET", "/health", 200)],
+)
+async def test_backend_statuses_pass_through(
+    method: str, path: str, status: int, proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    async with http.request(method, proxy.url + path) as resp:
+        assert resp.status == status
+        body = await resp.json()
+    if status >= 400:
+        assert path in body["error"]["message"]  # the backend's own error body
+
+
+async def test_upstream_api_key_replaces_the_clients(
+    backend: FakeBackend, make_proxy: MakeProxy
+) -> None:
+    proxy = await make_proxy(backend.url, upstream_api_key="sk-upstream")
+    client = proxy.client(api_key="sk-client")
+    await client.models.list()
+    await client.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+    r1 = await client.responses.create(model="m", input="x")
+    await client.responses.create(model="m", input="y", previous_response_id=r1.id)
+    assert len(backend.seen) == 4
+    for seen in backend.seen:
+        assert seen.headers.getall("Authorization") == ["Bearer sk-upstream"]
+    other = proxy.client(api_key="sk-other")  # the client's token still decides the scope
+    with pytest.raises(openai.BadRequestError) as info:
+        await other.responses.create(model="m", input="z", previous_response_id=r1.id)
+    assert info.value.code == "previous_response_not_found"
+
+
+async def test_authorization_is_forwarded_unchanged(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    for value in ("Bearer sk-a", "bearer  sk-odd", "Basic dXNlcjpw"):
+        headers = {"Authorization": value, "X-Custom": "kept"}
+        async with http.post(proxy.url + "/v1/responses", json={"input": "x"}, headers=headers):
+            pass
+        async with http.get(proxy.url + "/v1/models", headers=headers):
+            pass
+        for seen in backend.seen[-2:]:
+            assert seen.headers["Authorization"] == value
+            assert seen.headers["X-Custom"] == "kept"
+
+
+async def test_large_bodies_stream_both_ways(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    content = "z" * 3_000_000
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+    async with http.post(proxy.url + "/v1/chat/completions", data=io.BytesIO(body)) as resp:
+        assert resp.status == 200
+        answer = await resp.json()
+    assert answer["choices"][0]["message"]["content"] == "echo#1: " + content
+    assert backend.seen[0].body == body

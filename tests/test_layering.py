@@ -1,0 +1,127 @@
+"""Imports point down only (STYLE.md, Layering): checked by walking each module's AST."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ocxproxy"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (lazy imports count too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = (
+        module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    )
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def importing(predicate_module: str) -> list[str]:
+    return sorted(
+        name
+        for name, imports in MODULES.items()
+        if any(i == predicate_module or i.startswith(predicate_module + ".") for i in imports)
+    )
+
+
+def uses(imports: set[str], target: str) -> bool:
+    return any(i == target or i.startswith(target + ".") for i in imports)
+
+
+def test_walk_sees_the_package() -> None:
+    assert {"ocxproxy.server", "ocxproxy.http.responses", "ocxproxy.continuation.expand"} <= set(
+        MODULES
+    )
+    assert uses(MODULES["ocxproxy.server"], "aiohttp.web")  # the walk does find imports
+
+
+def test_only_http_and_server_import_aiohttp_web() -> None:
+    allowed = {"ocxproxy.server"}
+    offenders = [
+        name
+        for name in importing("aiohttp.web")
+        if name not in allowed and not name.startswith("ocxproxy.http")
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "ocxproxy.continuation",
+        "ocxproxy.continuation.expand",
+        "ocxproxy.continuation.record",
+        "ocxproxy.upstream.sse",
+        "ocxproxy.upstream.repair",
+        "ocxproxy.upstream.chat",
+        "ocxproxy.upstream.chat_stream",
+        "ocxproxy.store.resident",
+        "ocxproxy.errors",
+        "ocxproxy.config",
+        "ocxproxy.model",
+        "ocxproxy.metrics",
+    ],
+)
+def test_pure_modules_do_no_async_io(module: str) -> None:
+    imports = MODULES[module]
+    for banned in (
+        "asyncio",
+        "aiohttp",
+        "ocxproxy.http",
+        "ocxproxy.store",
+        "ocxproxy.upstream.client",
+    ):
+        if module.startswith("ocxproxy.store") and banned == "ocxproxy.store":
+            continue
+        assert not uses(imports, banned), f"{module} imports {banned}"
+
+
+LEVEL_ZERO = ("ocxproxy.errors", "ocxproxy.config", "ocxproxy.model", "ocxproxy.metrics")
+
+
+@pytest.mark.parametrize("module", LEVEL_ZERO)
+def test_level_zero_imports_only_level_zero(module: str) -> None:
+    own = {i for i in MODULES[module] if i.startswith("ocxproxy")}
+    assert all(any(uses({i}, low) for low in LEVEL_ZERO) for i in own), own
+
+
+def test_store_never_imports_upstream_or_http() -> None:
+    for name, imports in MODULES.items():
+        if name.startswith("ocxproxy.store"):
+            assert not uses(imports, "ocxproxy.upstream"), name
+            assert not uses(imports, "ocxproxy.http"), name
+
+
+def test_upstream_never_imports_store_or_http() -> None:
+    for name, imports in MODULES.items():
+        if name.startswith("ocxproxy.upstream"):
+            assert not uses(imports, "ocxproxy.store"), name
+            assert not uses(imports, "ocxproxy.http"), name
+
+
+def test_nothing_imports_the_wiring() -> None:
+    assert importing("ocxproxy.server") == ["ocxproxy.cli"]  # cli → server.run is the wiring
+    assert importing("ocxproxy.cli") == ["ocxproxy.__main__"]

@@ -1,0 +1,79 @@
+"""upstream/sse.py: incremental SSE framing; raw bytes kept for untouched relay."""
+
+from __future__ import annotations
+
+import pytest
+
+from ocxproxy.upstream.sse import Event, EventSplitter, encode_event, parse_event
+
+LF = b'event: response.created\ndata: {"a":1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
+CRLF = LF.replace(b"\n", b"\r\n")
+CR = LF.replace(b"\n", b"\r")
+
+
+@pytest.mark.parametrize(
+    ("raw", "name", "data", "comment"),
+    [
+        (b"event: x\ndata: {}\n\n", "x", b"{}", False),
+        (b"data:{}\n\n", None, b"{}", False),  # no space after the colon
+        (b"data:  two\n\n", None, b" two", False),  # only one leading space is dropped
+        (b"data: a\ndata: b\n\n", None, b"a\nb", False),  # multi-line data joins with \n
+        (b"event:  spaced \r\ndata: 1\r\n\r\n", "spaced", b"1", False),
+        (b"id: 7\nretry: 10\ndata: x\n\n", None, b"x", False),  # other fields ignored
+        (b": comment\n\n", None, b"", True),
+        (b"\n\n", None, b"", True),
+        (b"event: ping\n\n", "ping", b"", False),
+    ],
+)
+def test_parse_event(raw: bytes, name: str | None, data: bytes, comment: bool) -> None:
+    event = parse_event(raw)
+    assert (event.raw, event.name, event.data, event.is_comment) == (raw, name, data, comment)
+
+
+@pytest.mark.parametrize("stream", [LF, CRLF, CR], ids=["lf", "crlf", "cr"])
+def test_splitter_finds_events_at_every_chunk_boundary(stream: bytes) -> None:
+    whole = EventSplitter().feed(stream)
+    assert [e.data for e in whole] == [b'{"a":1}', b"", b"[DONE]"]
+    assert [e.name for e in whole] == ["response.created", None, None]
+    for cut in range(len(stream) + 1):
+        splitter = EventSplitter()
+        events = splitter.feed(stream[:cut]) + splitter.feed(stream[cut:]) + splitter.flush()
+        assert events == whole, cut
+        assert b"".join(e.raw for e in events) == stream  # relayed bytes are untouched
+
+
+def test_splitter_byte_by_byte() -> None:
+    splitter = EventSplitter()
+    events: list[Event] = []
+    for i in range(len(CRLF)):
+        events += splitter.feed(CRLF[i : i + 1])
+    assert b"".join(e.raw for e in events) == CRLF
+    assert splitter.flush() == []
+
+
+def test_splitter_keeps_incomplete_tail_until_more_arrives() -> None:
+    splitter = EventSplitter()
+    assert splitter.feed(b"data: 1\n") == []
+    assert splitter.feed(b"\ndata: 2") == [parse_event(b"data: 1\n\n")]
+    assert splitter.feed(b"") == []
+    assert splitter.flush() == [Event(b"data: 2\n\n", None, b"2")]
+    assert splitter.flush() == []
+
+
+@pytest.mark.parametrize("rest", [b"", b"\n", b"  \n"])
+def test_flush_of_blank_rest_is_nothing(rest: bytes) -> None:
+    splitter = EventSplitter()
+    assert splitter.feed(rest) == []
+    assert splitter.flush() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "raw"),
+    [
+        ("response.created", b"{}", b"event: response.created\ndata: {}\n\n"),
+        (None, b"[DONE]", b"data: [DONE]\n\n"),
+    ],
+)
+def test_encode_event_round_trips(name: str | None, data: bytes, raw: bytes) -> None:
+    assert encode_event(name, data) == raw
+    assert parse_event(raw) == Event(raw, name, data)
