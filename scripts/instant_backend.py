@@ -1,0 +1,217 @@
+"""An instant, stateless Responses backend for benchmarks: no model, no simulated work.
+
+`POST /v1/responses` reads the body and answers at once with a fixed one-item response
+(`"ok"`) under a fresh id, as JSON or, when the body has `"stream":true`, as a short
+spec-complete SSE stream (every event carries `sequence_number`). `GET /_last` reports
+the size and SHA-256 of the last body received, so a benchmark can check that what the
+proxy forwarded is byte-identical to the body it sends directly.
+
+Unlike tests/fakes/backend.py (which simulates a prefix cache, ≈9 ms per 512 KB) this
+costs the same small amount whatever the history, so it cancels out of
+"via proxy - direct".
+
+    python scripts/instant_backend.py --port 0   # prints "instant backend listening on URL"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import socket
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+OUTPUT_ITEM = {
+    "type": "message",
+    "id": "msg_x",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+}
+_RID = b"__RID__"
+_TOKENS = b"9999999"  # placeholder, same width as the number written over it
+
+
+def _response(status: str, output: list[object]) -> dict[str, object]:
+    return {
+        "id": _RID.decode(),
+        "object": "response",
+        "created_at": 1700000000,
+        "status": status,
+        "model": "bench",
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": {
+            "input_tokens": int(_TOKENS),
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 1,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": int(_TOKENS),
+        },
+    }
+
+
+def _json_template() -> bytes:
+    return orjson.dumps(_response("completed", [OUTPUT_ITEM]))
+
+
+def _sse_template() -> bytes:
+    pending = _response("in_progress", [])
+    pending.pop("usage")
+    part = {"type": "output_text", "text": "", "annotations": []}
+    loc = {"item_id": "msg_x", "output_index": 0, "content_index": 0}
+    added = {**OUTPUT_ITEM, "status": "in_progress", "content": []}
+    events = [
+        {"type": "response.created", "response": pending},
+        {"type": "response.in_progress", "response": pending},
+        {"type": "response.output_item.added", "output_index": 0, "item": added},
+        {"type": "response.content_part.added", **loc, "part": part},
+        {"type": "response.output_text.delta", **loc, "delta": "ok", "logprobs": []},
+        {"type": "response.output_text.done", **loc, "text": "ok", "logprobs": []},
+        {"type": "response.content_part.done", **loc, "part": OUTPUT_ITEM["content"][0]},  # type: ignore[index]
+        {"type": "response.output_item.done", "output_index": 0, "item": OUTPUT_ITEM},
+        {"type": "response.completed", "response": _response("completed", [OUTPUT_ITEM])},
+    ]
+    out = []
+    for seq, event in enumerate(events):
+        event["sequence_number"] = seq
+        out.append(b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event)))  # type: ignore[union-attr]
+    return b"".join(out)
+
+
+class InstantBackend:
+    def __init__(self) -> None:
+        self.count = 0
+        self.last = b""
+        self.prefix = f"resp_{os.getpid()}_".encode()
+        self.json = _json_template()
+        self.sse = _sse_template()
+
+    def _fill(self, template: bytes, body: bytes) -> bytes:
+        self.count += 1
+        tokens = b"%-7d" % min(len(body) // 4, 9_999_999)  # JSON allows the trailing spaces
+        rid = self.prefix + b"%d" % self.count
+        return template.replace(_RID, rid).replace(_TOKENS, tokens)
+
+    def answer(self, body: bytes) -> tuple[bytes, bool]:
+        """The answer to one create request, and whether it is an SSE stream."""
+        self.last = body
+        if b'"stream":true' in body:
+            return self._fill(self.sse, body), True
+        return self._fill(self.json, body), False
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        payload, is_stream = self.answer(await request.read())
+        if is_stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(payload)
+            await response.write_eof()
+            return response
+        return web.Response(body=payload, content_type="application/json")
+
+    async def last_body(self, request: web.Request) -> web.Response:
+        info = {
+            "count": self.count,
+            "len": len(self.last),
+            "sha256": hashlib.sha256(self.last).hexdigest(),
+        }
+        return web.json_response(info)
+
+
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
+
+
+class RawProtocol(asyncio.Protocol):
+    """`--raw`: HTTP/1.1 keep-alive by hand (Content-Length bodies only), so that the
+    backend costs as little CPU as possible when it shares the cores with the proxy."""
+
+    def __init__(self, backend: InstantBackend) -> None:
+        self.backend = backend
+        self.buffer = bytearray()
+        self.body_start = 0
+        self.end: int | None = None
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # uvloop's TCPTransport is no asyncio.Transport subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            if self.end is None:
+                head_end = self.buffer.find(b"\r\n\r\n")
+                if head_end < 0:
+                    return
+                m = _CONTENT_LENGTH.search(self.buffer, 0, head_end + 2)
+                self.body_start = head_end + 4
+                self.end = self.body_start + (int(m.group(1)) if m else 0)
+            if len(self.buffer) < self.end:
+                return
+            body = bytes(self.buffer[self.body_start : self.end])
+            del self.buffer[: self.end]
+            self.end = None
+            payload, is_stream = self.backend.answer(body)
+            kind = b"text/event-stream" if is_stream else b"application/json"
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+            self.transport.write(head % (kind, len(payload)) + payload)
+
+
+def build_app() -> web.Application:
+    backend = InstantBackend()
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/v1/responses", backend.create)
+    app.router.add_get("/_last", backend.last_body)
+    return app
+
+
+async def serve(port: int, raw: bool) -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    if raw:
+        backend = InstantBackend()
+        loop = asyncio.get_running_loop()
+        sock.listen(1024)
+        server = await loop.create_server(lambda: RawProtocol(backend), sock=sock)
+        print(f"instant backend (raw) listening on {url}", flush=True)
+        async with server:
+            await server.serve_forever()
+        return
+    runner = web.AppRunner(build_app(), access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, sock, backlog=1024)
+    await site.start()
+    print(f"instant backend listening on {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--raw", action="store_true", help="hand-written HTTP/1.1, no aiohttp")
+    args = parser.parse_args()
+    try:
+        import uvloop
+    except ImportError:
+        run = asyncio.run
+    else:
+        run = uvloop.run
+    with contextlib.suppress(KeyboardInterrupt):
+        run(serve(args.port, args.raw))
+
+
+if __name__ == "__main__":
+    main()
