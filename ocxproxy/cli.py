@@ -1,5 +1,8 @@
 """Command line: flags and OCXPROXY_* environment → Config → server.run. Exit codes:
-0 clean shutdown, 2 bad configuration (one line on stderr)."""
+0 clean shutdown, 2 bad configuration (one line on stderr).
+
+`ocxproxy state stats|verify|gc [--state-dir DIR]` inspects the state dir of a stopped (or,
+for stats and verify, a running) proxy: 0 fine, 1 problems found or the dir is busy."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ocxproxy import __version__
@@ -19,6 +23,7 @@ from ocxproxy.config import (
     build_config,
     env_name,
     help_for,
+    metavar_for,
 )
 
 _HIDDEN = ("snapshot_delay",)
@@ -52,8 +57,54 @@ def _parser() -> argparse.ArgumentParser:
         elif name in LIST_SETTINGS:
             serve.add_argument(flag, action="append", metavar="VALUE", help=text)
         else:
-            serve.add_argument(flag, metavar=name.split("_")[-1].upper(), help=text)
+            metavar = metavar_for(name) or name.split("_")[-1].upper()
+            serve.add_argument(flag, metavar=metavar, help=text)
+    state = commands.add_parser(
+        "state",
+        help="inspect, verify or clean the state dir",
+        description="stats: entries and bytes per tier; verify: check every spill file's "
+        "digest (exit 1 on problems); gc: remove orphaned and temp files (proxy stopped).",
+    )
+    state.add_argument("action", choices=("stats", "verify", "gc"))
+    state.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help=f"{help_for('state_dir')} [{env_name('state_dir')}]",
+    )
     return parser
+
+
+def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
+    from ocxproxy.store import admin, default_state_dir
+
+    raw = args.state_dir or environ.get(env_name("state_dir"))
+    root = Path(raw) if raw else default_state_dir()
+    if not root.is_dir():
+        print(f"ocxproxy: error: no state dir at {root}", file=sys.stderr)
+        return 1
+    try:
+        if args.action == "stats":
+            print("\n".join(admin.inspect(root).lines()))
+            return 0
+        if args.action == "verify":
+            report, problems = admin.verify(root)
+            print("\n".join(report.lines()))
+            for problem in problems:
+                print(f"problem: {problem}")
+            checked = len(report.scan.files)
+            print(f"{len(problems)} problems, {checked} files checked")
+            return 1 if problems else 0
+        removed = admin.gc(root)
+    except admin.StateBusy as exc:
+        print(f"ocxproxy: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"ocxproxy: error: {exc}", file=sys.stderr)
+        return 1
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} entries removed")
+    return 0
 
 
 def _raw_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
@@ -72,6 +123,8 @@ def _raw_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str
 def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
     args = _parser().parse_args(argv)
     environ = dict(os.environ) if environ is None else environ
+    if args.command == "state":
+        return _state(args, environ)
     try:
         config = build_config(_raw_settings(args, environ))
     except ConfigError as exc:

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "OCXPROXY_"
+DIALECTS = ("responses", "chat")  # what a backend speaks; the first is the default
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,10 @@ def normalize_upstream(url: str) -> str:
         raise ValueError(f"not an http(s) URL: {url!r}")
     if parts.query or parts.fragment:
         raise ValueError(f"upstream URL takes no query or fragment: {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port out of range or not a number
+    except ValueError:
+        raise ValueError(f"bad port in upstream URL: {url!r}") from None
     path = parts.path
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
@@ -101,6 +106,15 @@ class Config:
             "default: the embedded llama.cpp backend when installed)"
         },
     )
+    upstream_dialect: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "API each --upstream speaks: responses (default) or chat (Chat Completions "
+            "only, e.g. TGI; translated). One value applies to every backend; several "
+            "(repeated or comma-separated) pair up with the --upstream URLs in order",
+            "metavar": "DIALECT",
+        },
+    )
     state_dir: Path | None = field(
         default=None, metadata={"help": "where durable state lives (default: user state dir)"}
     )
@@ -130,6 +144,34 @@ class Config:
     connect_timeout: float = field(default=10.0, metadata={"help": "backend connect timeout"})
     read_timeout: float = field(
         default=600.0, metadata={"help": "longest silence from a backend mid-response"}
+    )
+    routing: str = field(
+        default="affinity",
+        metadata={
+            "help": "how backends are chosen: affinity (a chain or prompt_cache_key stays on "
+            "its backend) or round-robin (ignores affinity; for comparison)"
+        },
+    )
+    health_path: str = field(
+        default="/health", metadata={"help": "backend path probed for health (2xx-4xx: up)"}
+    )
+    health_interval: float = field(
+        default=5.0, metadata={"help": "time between health probes of each backend (0: off)"}
+    )
+    max_concurrency: int = field(
+        default=256,
+        metadata={"help": "most backend requests in flight overall, 429 beyond (0: no bound)"},
+    )
+    max_concurrency_per_backend: int = field(
+        default=64,
+        metadata={
+            "help": "most requests in flight to one backend (0: no bound)",
+            "metavar": "N",
+        },
+    )
+    admission_timeout: float = field(
+        default=1.0,
+        metadata={"help": "longest wait for a free backend slot before 429 (e.g. 500ms)"},
     )
     upstream_api_key: str | None = field(
         default=None,
@@ -164,8 +206,37 @@ class Config:
             _positive(name)(getattr(self, name))
         if self.snapshot_delay < 0:
             raise ValueError("snapshot_delay must not be negative")
+        for name in (
+            "health_interval",
+            "max_concurrency",
+            "max_concurrency_per_backend",
+            "admission_timeout",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.routing not in ("affinity", "round-robin"):
+            raise ValueError(f"unknown routing {self.routing!r} (affinity or round-robin)")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"health_path must start with '/': {self.health_path!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        for dialect in self.upstream_dialect:
+            if dialect not in DIALECTS:
+                raise ValueError(f"unknown upstream dialect {dialect!r} (responses or chat)")
+        if len(self.upstream_dialect) > 1 and len(self.upstream_dialect) != len(self.upstream):
+            raise ValueError(
+                f"{len(self.upstream_dialect)} upstream dialects for {len(self.upstream)} "
+                "upstream URLs: give one dialect for all, or one per URL"
+            )
+
+    def dialect_of(self, url: str) -> str:
+        """The API the backend at `url` (a normalized root) speaks."""
+        dialects = self.upstream_dialect
+        if len(dialects) == 1:
+            return dialects[0]
+        if dialects and url in self.upstream:
+            return dialects[self.upstream.index(url)]
+        return DIALECTS[0]
 
     def with_(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
@@ -188,9 +259,14 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "state_dir": Path,
     "local_model": Path,
     "log_level": str.lower,
+    "routing": str.lower,
+    "health_interval": parse_duration,
+    "admission_timeout": parse_duration,
+    "max_concurrency": int,
+    "max_concurrency_per_backend": int,
 }
 SETTINGS = tuple(f.name for f in dataclasses.fields(Config))
-LIST_SETTINGS = ("upstream", "api_keys")
+LIST_SETTINGS = ("upstream", "upstream_dialect", "api_keys")
 BOOL_SETTINGS = ("retain_unstored", "zdr", "forward_unknown_ids")
 
 
@@ -200,6 +276,12 @@ def env_name(setting: str) -> str:
 
 def help_for(setting: str) -> str:
     return str(Config.__dataclass_fields__[setting].metadata["help"])
+
+
+def metavar_for(setting: str) -> str | None:
+    """The value's name in --help when the setting's last word would mislead."""
+    metavar = Config.__dataclass_fields__[setting].metadata.get("metavar")
+    return None if metavar is None else str(metavar)
 
 
 def build_config(raw: Mapping[str, Any]) -> Config:
@@ -213,6 +295,10 @@ def build_config(raw: Mapping[str, Any]) -> Config:
                 values[name] = parse_upstreams(value)
             elif name == "api_keys":
                 values[name] = tuple(k for v in value for k in v.split(",") if k.strip())
+            elif name == "upstream_dialect":
+                values[name] = tuple(
+                    d.strip().lower() for v in value for d in v.split(",") if d.strip()
+                )
             elif isinstance(value, str) and name in _PARSERS:
                 values[name] = _PARSERS[name](value)
             else:

@@ -72,6 +72,26 @@ class Metrics:
         self.upstream_in_flight = Gauge(
             "ocxproxy_upstream_in_flight", "Backend requests in flight", ["backend"], registry=r
         )
+        # Fleet (C6)
+        self.backend_up = Gauge(
+            "ocxproxy_backend_up",
+            "1 while a backend is considered healthy, 0 while it is skipped",
+            ["backend"],
+            registry=r,
+        )
+        self.affinity = Counter(
+            "ocxproxy_affinity_total",
+            "Keyed requests by placement: hit (their backend), new (placed by load), "
+            "reroute (their backend was down or full)",
+            ["result"],
+            registry=r,
+        )
+        self.admission_rejected = Counter(
+            "ocxproxy_admission_rejected_total",
+            "Requests answered 429 because a concurrency bound was reached, by bound",
+            ["limit"],
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "ocxproxy_backend_cached_tokens_total",
             "Input tokens the backend reported as served from its prefix cache",

@@ -10,25 +10,58 @@ class Segment:
     """The serialized items one turn added to its chain: comma-joined JSON values.
 
     Immutable content, named by its SHA-256; shared by every later record of the chain.
-    `data` is None while the bytes live only in the disk tier (or were lost).
+    `data` is None while the bytes live only in the disk tier (or were lost: `lost` then
+    holds the FailureReason value that chains needing it answer with).
     """
 
-    __slots__ = ("call_ids", "data", "durable", "key", "n_items", "on_disk", "refs", "size")
+    __slots__ = (
+        "call_ids", "data", "disk_size", "durable", "key", "lost", "n_items", "on_disk",
+        "refs", "size",
+    )  # fmt: skip
+    data: bytes | None
+    lost: str | None
 
     def __init__(
         self, data: bytes, n_items: int, call_ids: frozenset[str], *, durable: bool
     ) -> None:
-        self.key = hashlib.sha256(data).hexdigest()
-        self.data: bytes | None = data
-        self.size = len(data)
+        self._init(hashlib.sha256(data).hexdigest(), len(data), n_items, call_ids, durable)
+        self.data = data
+
+    @classmethod
+    def restore(
+        cls,
+        key: str,
+        size: int,
+        n_items: int,
+        call_ids: frozenset[str],
+        *,
+        durable: bool,
+        data: bytes | None = None,
+    ) -> Segment:
+        """A segment known by its digest (from the index or another store); no rehash."""
+        segment = cls.__new__(cls)
+        segment._init(key, size, n_items, call_ids, durable)
+        segment.data = data
+        return segment
+
+    def _init(
+        self, key: str, size: int, n_items: int, call_ids: frozenset[str], durable: bool
+    ) -> None:
+        self.key = key
+        self.data = None
+        self.size = size
         self.n_items = n_items
         self.call_ids = call_ids
         self.durable = durable  # may this reach disk (no store:false content)?
-        self.on_disk = False
+        self.on_disk = False  # a durable spill file holds it
+        self.disk_size = 0  # bytes of that file
+        self.lost = None
         self.refs = 0
 
     def __repr__(self) -> str:
         where = ("mem" if self.data is not None else "") + ("+disk" if self.on_disk else "")
+        if self.lost:
+            where += f" lost:{self.lost}"
         return f"<Segment {self.key[:12]} {self.size}B {where} refs={self.refs}>"
 
 
@@ -46,6 +79,10 @@ class Record:
     backend: str | None = None
     affinity_key: str | None = None
     n_items: int = field(default=0)
+    # When set, `response` holds the response with its output array's contents cut out at
+    # byte offset [0]; they are the last [1] bytes of the record's own (last) segment, so
+    # the output items are stored once. Store.response_bytes() puts them back.
+    output_at: tuple[int, int] | None = None
 
     def has_call_id(self, call_id: str) -> bool:
         return any(call_id in seg.call_ids for seg in self.segments)

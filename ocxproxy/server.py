@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import weakref
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
-from ocxproxy.http import health, passthrough, responses
+from ocxproxy.http import health, passthrough, responses, websocket
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.middleware import handle_errors
 from ocxproxy.metrics import Metrics
@@ -26,16 +27,13 @@ SHUTDOWN_GRACE = 10.0
 
 def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Application:
     metrics = metrics or Metrics()
-    store = Store(
-        max_resident_bytes=config.max_resident_bytes,
-        max_entries=config.max_entries,
-        ttl=config.ttl,
-        metrics=metrics,
-    )
+    store = Store.from_config(config, metrics)
     proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
     # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
     app = web.Application(middlewares=[handle_errors], client_max_size=config.max_body_bytes)
     app[PROXY] = proxy
+    app[websocket.WEBSOCKETS] = weakref.WeakSet()
+    app.on_shutdown.append(websocket.close_websockets)
     app.cleanup_ctx.append(_local_backend)
     app.cleanup_ctx.append(_store_lifecycle)
     app.cleanup_ctx.append(_upstream_session)
@@ -44,6 +42,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_get("/readyz", health.readyz)
     r.add_get("/metrics", health.metrics)
     r.add_post("/v1/responses", responses.create_response)
+    r.add_get("/v1/responses", websocket.responses_socket)  # upgrade, else passthrough
     r.add_get("/v1/responses/{response_id}", responses.get_response)
     r.add_delete("/v1/responses/{response_id}", responses.delete_response)
     r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
@@ -75,12 +74,15 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Load the snapshot before serving (readyz says so); flush it on shutdown."""
     proxy = app[PROXY]
+    await proxy.store.start()
     proxy.ready = True
     sweeper = spawn(_sweep(proxy.store), name="store-sweeper")
     try:
         yield
     finally:
+        proxy.ready = False
         await cancel_and_wait(sweeper)
         await proxy.store.close()
 
@@ -92,8 +94,16 @@ async def _sweep(store: Store) -> None:
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    yield
-    await app[PROXY].pool.close()
+    """The backend session, and the active health probe that runs while it is open."""
+    pool = app[PROXY].pool
+    interval = app[PROXY].config.health_interval
+    prober = spawn(pool.watch(interval), name="backend-prober") if interval > 0 else None
+    try:
+        yield
+    finally:
+        if prober is not None:
+            await cancel_and_wait(prober)
+        await pool.close()
 
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:

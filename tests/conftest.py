@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.server import build_app
 from tests.fakes.backend import FakeBackend
 
-
 # Imported here, at collection, on purpose: CPython 3.11.7 can fail to compile hypothesis
 # ("AST constructor recursion depth mismatch") when it is first imported from a deep stack.
 settings.register_profile("fast", max_examples=50, deadline=None)
@@ -32,6 +31,7 @@ class ProxyHandle:
     url: str  # server root, e.g. http://127.0.0.1:PORT
     app: web.Application
     server: TestServer
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)  # closed at teardown
 
     @property
     def proxy(self) -> Proxy:
@@ -42,7 +42,11 @@ class ProxyHandle:
         return self.url + "/v1"
 
     def client(self, api_key: str = "sk-test-a", **kwargs: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs)
+        client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs
+        )
+        self.clients.append(client)
+        return client
 
 
 MakeProxy = Callable[..., Awaitable[ProxyHandle]]
@@ -62,21 +66,26 @@ async def llama_backend() -> AsyncIterator[FakeBackend]:
 
 @pytest.fixture
 async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
-    servers: list[TestServer] = []
+    handles: list[ProxyHandle] = []
 
     async def make(*upstreams: str, **overrides: Any) -> ProxyHandle:
         overrides.setdefault("state_dir", tmp_path / "state")
         overrides.setdefault("snapshot_delay", 0.05)
+        # No health probes unless a test asks: they would show up in FakeBackend.seen.
+        overrides.setdefault("health_interval", 0)
         config = Config(upstream=tuple(upstreams), port=0, **overrides)
         app = build_app(config)
         server = TestServer(app, host="127.0.0.1", port=0)
         await server.start_server()  # TestServer enables handler_cancellation
-        servers.append(server)
-        return ProxyHandle(str(server.make_url("")).rstrip("/"), app, server)
+        handle = ProxyHandle(str(server.make_url("")).rstrip("/"), app, server)
+        handles.append(handle)
+        return handle
 
     yield make
-    for server in servers:
-        await server.close()
+    for handle in handles:
+        for client in handle.clients:
+            await client.close()
+        await handle.server.close()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ never a parse or re-encode of the history. Only the request itself (small) is pa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from ocxproxy.errors import InvalidRequest
 from ocxproxy.model import Record
 
 _OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
+# A JSON string, or one structural character: numbers and literals lie between tokens.
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},:]', re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,60 @@ def serialize_items(items: Iterable[Any]) -> tuple[bytes, int]:
     """Items → comma-joined JSON values (a segment's bytes) and their count."""
     encoded = [orjson.dumps(item) for item in items]
     return b",".join(encoded), len(encoded)
+
+
+def tail_as_sent(raw: bytes, request: Request) -> bytes:
+    """A first turn's own items as the backend saw them in `raw`, comma-joined: what is
+    remembered, so the next turn replays them byte for byte (C1.2)."""
+    encoded = serialize_items(request.items)[0]
+    if not isinstance(request.body.get("input"), list) or b"[" + encoded + b"]" in raw:
+        return encoded  # a string input, or the client encodes as compactly as orjson
+    found = raw_input_items(raw)
+    return encoded if found is None else found
+
+
+def raw_input_items(raw: bytes) -> bytes | None:
+    """The items of the top-level `input` array exactly as the client wrote them,
+    comma-joined (whitespace between items dropped), or None when `input` is no array.
+
+    `raw` must be valid JSON (it was parsed first).
+    """
+    depth = 0
+    string: bytes | None = None  # the last string seen at depth 1
+    key: bytes | None = None  # the key whose value is being read at depth 1
+    spans: list[bytes] | None = None  # items of the `input` array being read
+    start = 0
+    result: bytes | None = None
+    for match in _TOKEN.finditer(raw):
+        token = match.group()
+        if token[0] == 0x22:  # '"'
+            if depth == 1:
+                string = token
+        elif token == b":":
+            if depth == 1:
+                key = string
+        elif token == b",":
+            if depth == 1:
+                key = None
+            elif depth == 2 and spans is not None:
+                spans.append(raw[start : match.start()].strip())
+                start = match.end()
+        elif token in (b"{", b"["):
+            if depth == 1 and token == b"[" and key is not None and _is_input_key(key):
+                spans, start = [], match.end()
+            depth += 1
+        else:  # } or ]
+            depth -= 1
+            if depth == 1 and spans is not None:
+                last = raw[start : match.start()].strip()
+                if last:
+                    spans.append(last)
+                result, spans = b",".join(spans), None
+    return result
+
+
+def _is_input_key(key: bytes) -> bool:
+    return key == b'"input"' or (b"\\" in key and orjson.loads(key) == "input")
 
 
 def call_ids_of(items: Iterable[Any]) -> frozenset[str]:

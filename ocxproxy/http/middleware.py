@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -9,12 +10,16 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from ocxproxy.errors import OcxError, PayloadTooLarge, to_openai_error
-from ocxproxy.http.context import TIMING_KEY, proxy_of
+from ocxproxy.http.context import TIMING_KEY, check_client_key, proxy_of
 from ocxproxy.upstream.client import Timing
 
 log = logging.getLogger("ocxproxy.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Routes that answer without a client key: liveness, readiness and metrics scrapes.
+_PROBES = frozenset(("/healthz", "/readyz", "/metrics"))
+# Set by a handler that records its own overhead (a WebSocket connection, per turn).
+SELF_TIMED = web.RequestKey("self_timed", bool)
 
 
 def error_response(error: OcxError) -> web.Response:
@@ -37,6 +42,8 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
     start = time.perf_counter()
     outcome = "error"
     try:
+        if route not in _PROBES:
+            check_client_key(request, proxy.config.api_keys)
         response = await handler(request)
         outcome = str(response.status)
         return response
@@ -53,7 +60,7 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
         outcome = str(exc.status)
         body = to_openai_error(exc.reason, "invalid_request_error")
         return web.json_response(body, status=exc.status)
-    except ConnectionResetError:
+    except (ConnectionResetError, asyncio.CancelledError):  # the client went away
         outcome = "client_disconnected"
         raise
     except Exception:
@@ -62,6 +69,6 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return web.json_response(body, status=500)
     finally:
         proxy.metrics.requests.labels(route=route, outcome=outcome).inc()
-        if route != "/metrics":
+        if route != "/metrics" and not request.get(SELF_TIMED, False):
             overhead = time.perf_counter() - start - timing.upstream
             proxy.metrics.proxy_overhead.labels(route=route).observe(max(overhead, 0.0))

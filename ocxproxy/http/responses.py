@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -18,26 +18,34 @@ from ocxproxy.continuation.expand import (
     expand,
     parse_request,
     serialize_items,
+    tail_as_sent,
 )
 from ocxproxy.continuation.record import build_turn, not_recordable_reason
 from ocxproxy.errors import (
     FailureReason,
     InvalidRequest,
     NotFound,
+    OcxError,
     PayloadTooLarge,
     PreviousResponseNotFound,
     StoreFailure,
+    UpstreamError,
 )
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.upstream.client import Backend, Timing
+from ocxproxy.upstream.client import Backend, Timing, read_chunk
+from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.repair import StreamRepair
-from ocxproxy.upstream.sse import Event, EventSplitter
+from ocxproxy.upstream.sse import Event, EventSplitter, encode_event
 
 log = logging.getLogger("ocxproxy.responses")
+
+# Affinity keys (C6) by origin: the client's prompt_cache_key, a chain's root response id,
+# a digest of how a conversation opens.
+PCK_KEY, ROOT_KEY, HEAD_KEY = "pck:", "root:", "head:"
 
 TERMINAL_EVENTS = frozenset(
     ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
@@ -72,9 +80,11 @@ class Exchange:
     backend: Backend | None = None
     affinity_key: str | None = None
     recorded: bool = False
+    finished: bool = False  # a terminal response arrived (remembered or not)
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (C1.6)."""
+        self.finished = True
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
@@ -83,8 +93,8 @@ class Exchange:
         if reason is not None or self.target is None:
             metrics.turns_not_recorded.labels(reason=reason or "store_false").inc()
             return
-        if self.tail is None:
-            self.tail = serialize_items(self.request.items)[0]
+        if self.tail is None:  # forwarded as the client sent it: remember those bytes
+            self.tail = tail_as_sent(self.body, self.request)
         turn = build_turn(
             response=response,
             response_raw=None,
@@ -93,12 +103,22 @@ class Exchange:
             tail=self.tail,
             tail_items=self.request.items,
             backend=self.backend.url if self.backend else None,
-            affinity_key=self.affinity_key,
+            affinity_key=self.chain_key(response),
         )
         self.target.put(turn, self.parent)
         self.recorded = True
         kind = "durable" if self.durable else "memory"
         metrics.turns_recorded.labels(kind=kind).inc()
+
+    def chain_key(self, response: Any) -> str | None:
+        """The affinity key a turn is remembered with. A chain's first turn, routed by how
+        it opens, hands its chain its own id instead: chains that open alike stay apart."""
+        key = self.affinity_key
+        response_id = response.get("id") if isinstance(response, dict) else None
+        opened = key is None or key.startswith(HEAD_KEY)
+        if self.parent is None and opened and isinstance(response_id, str):
+            return ROOT_KEY + response_id
+        return key
 
     def observe_usage(self, response: Any) -> None:
         usage = response.get("usage") if isinstance(response, dict) else None
@@ -193,13 +213,20 @@ def _retention(
     return None, False
 
 
-def affinity_of(request: Request, parent: Record | None) -> str | None:
+def affinity_of(request: Request, parent: Record | None) -> str:
+    """The key a request's backend is chosen by (C6): the client's prompt_cache_key, else
+    its chain's (recorded with the parent: the chain's root response id), else a digest of
+    how the conversation opens (model, instructions, first input item; never the whole
+    history), which full-history requests of one conversation share."""
     key = request.body.get("prompt_cache_key")
     if isinstance(key, str) and key:
-        return "pck:" + key
-    if parent is not None:
+        return PCK_KEY + key
+    if parent is not None and parent.affinity_key:
         return parent.affinity_key
-    return None
+    body = request.body
+    opening = (body.get("model"), body.get("instructions"), request.items[:1])
+    digest = hashlib.blake2b(orjson.dumps(opening, option=orjson.OPT_SORT_KEYS), digest_size=16)
+    return HEAD_KEY + digest.hexdigest()
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -219,8 +246,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         preferred=exchange.parent.backend if exchange.parent else None,
     ) as (backend, upstream):
         exchange.backend = backend
-        if exchange.affinity_key is None:
-            exchange.affinity_key = "backend:" + backend.url
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status == 200 and content_type.startswith("text/event-stream"):
             return await relay_stream(request, upstream, exchange, timing)
@@ -240,7 +265,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     exchange: Exchange,
     timing: Timing,
 ) -> web.StreamResponse:
@@ -248,14 +273,41 @@ async def relay_stream(
         status=upstream.status, headers=client_headers(upstream.headers, body_rewritten=True)
     )
     await response.prepare(request)
-    async for batch in stream_events(upstream, exchange, timing):
-        await response.write(b"".join(event.raw for event in batch))
+    last: Event | None = None  # the last event with data, for the next sequence number
+    try:
+        async for batch in stream_events(upstream, exchange, timing):
+            await response.write(b"".join(event.raw for event in batch))
+            last = next((e for e in reversed(batch) if e.data), last)
+    except UpstreamError as exc:
+        log.warning("backend broke off a stream: %s", exc.message)
+        if not exchange.finished:
+            # The status line is out: say so in the stream, then end it; nothing is recorded.
+            exchange.proxy.metrics.turns_not_recorded.labels(reason="broken_off").inc()
+            await response.write(error_event(exc, _next_sequence_number(last)))
     await response.write_eof()
     return response
 
 
+def error_event(error: OcxError, sequence_number: int | None) -> bytes:
+    """An SSE `error` event: the nested error object, its fields also at the top level."""
+    body = error.to_openai_error()["error"]
+    payload = {"type": "error", "code": body["code"], "message": body["message"]}
+    payload.update(param=body["param"], error=body)
+    if sequence_number is not None:
+        payload["sequence_number"] = sequence_number
+    return encode_event("error", orjson.dumps(payload))
+
+
+def _next_sequence_number(last: Event | None) -> int | None:
+    if last is None:
+        return 0
+    payload = _loads(last.data)
+    seq = payload.get("sequence_number") if isinstance(payload, dict) else None
+    return seq + 1 if isinstance(seq, int) else None
+
+
 async def stream_events(
-    upstream: aiohttp.ClientResponse, exchange: Exchange, timing: Timing
+    upstream: UpstreamResponse, exchange: Exchange, timing: Timing
 ) -> AsyncIterator[list[Event]]:
     """The backend's SSE events in arrival order, a batch per chunk read. Streams that
     lack spec fields are repaired; the turn is recorded before the terminal event is
@@ -265,7 +317,7 @@ async def stream_events(
     decided = False
     while True:
         with timing.waiting():
-            chunk = await upstream.content.readany()
+            chunk = await read_chunk(upstream)
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
         for event in events:

@@ -1,23 +1,42 @@
 """The continuation store: records of remembered responses and the segments they share.
 
-Owns memory and disk state; never imports aiohttp or the upstream package. Every way a
-lookup can fail is a StoreFailure with a FailureReason. Public surface: Store, StoreStats.
+Owns memory and disk state; never imports aiohttp, ocxproxy.http or ocxproxy.upstream.
+Every way a lookup can fail is a StoreFailure with a FailureReason. Segments live in the
+resident tier (memory, byte-capped LRU) and, for durable ones, in the disk tier (spill
+files + snapshot, see disk.py); past the memory cap the oldest are demoted to disk, and
+store:false content (non-durable segments) is dropped instead: it never reaches disk.
+Public surface: Store, StoreStats, default_state_dir.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import platformdirs
+
+from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.store.disk import DiskTier, Offload, Opened
 from ocxproxy.store.resident import ResidentTier
 
+__all__ = ["Store", "StoreStats", "default_state_dir"]
+
+log = logging.getLogger("ocxproxy.store")
+
 _TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
+_OUTPUT = b'"output":['
+
+
+def default_state_dir() -> Path:
+    return platformdirs.user_state_path("ocxproxy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +47,19 @@ class StoreStats:
     resident_bytes: int
     disk_segments: int
     disk_bytes: int
+    pending_segments: int = 0  # demoted, waiting for their spill file
+    pending_bytes: int = 0
+    snapshot_age: float | None = None
 
 
 class Store:
+    """Records by id, their shared segments, and the tiers that hold segment bytes.
+
+    `put`, `lookup`, `delete` and `sweep` are synchronous and never touch disk; `history`
+    and `response_bytes` only leave the event loop when a segment is not resident. With a
+    `state_dir`, `start()` loads the snapshot and starts the writer; `close()` flushes.
+    """
+
     def __init__(
         self,
         *,
@@ -39,6 +68,10 @@ class Store:
         ttl: float,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
+        state_dir: Path | None = None,
+        max_disk_bytes: int = 1024**3,
+        snapshot_delay: float = 2.0,
+        offload: Offload = asyncio.to_thread,
     ) -> None:
         self.max_entries = max_entries
         self.ttl = ttl
@@ -48,14 +81,141 @@ class Store:
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._segments: dict[str, Segment] = {}
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
+        self._started = False
+        self._offload = offload
+        self.disk: DiskTier | None = None
+        if state_dir is not None:
+            self.disk = DiskTier(
+                state_dir,
+                max_bytes=max_disk_bytes,
+                snapshot_delay=snapshot_delay,
+                metrics=self.metrics,
+                clock=clock,
+                offload=offload,
+                index=self._segments,
+                resident=self.resident,
+                durable_records=self._durable_records,
+                publish=self._publish,
+            )
+
+    @classmethod
+    def from_config(cls, config: Config, metrics: Metrics | None = None) -> Store:
+        """The proxy's shared store: memory-only under --zdr, else backed by the state dir."""
+        state_dir = None if config.zdr else (config.state_dir or default_state_dir())
+        return cls(
+            max_resident_bytes=config.max_resident_bytes,
+            max_entries=config.max_entries,
+            ttl=config.ttl,
+            metrics=metrics,
+            state_dir=state_dir,
+            max_disk_bytes=config.max_disk_bytes,
+            snapshot_delay=config.snapshot_delay,
+        )
 
     def __repr__(self) -> str:
         return (
-            f"<Store {len(self._records)} records {len(self._segments)} segments {self.resident!r}>"
+            f"<Store {len(self._records)} records {len(self._segments)} segments "
+            f"{self.resident!r} {self.disk!r}>"
         )
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def _has_disk(self) -> bool:
+        return self.disk is not None and self.disk.enabled
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the snapshot (serving every intact chain) and start the writer. Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        disk = self.disk
+        if disk is None:
+            return
+        opened = await self._offload(disk.open)
+        if opened is None:
+            return
+        if opened.error is not None:
+            disk.metrics.snapshot_failures.labels(reason=opened.error.reason).inc()
+            log.error("snapshot unusable (%s): starting empty; spill files kept", opened.error)
+        self._restore(opened)
+        removed = await self._offload(disk.sweep, opened, set(self._segments))
+        log.info(
+            "store loaded: %d records, %d files (%d bytes) from %s; %d stale entries removed",
+            len(self._records), len(disk.files), disk.bytes, disk.root, removed,
+        )  # fmt: skip
+        self._publish()
+        disk.start()
+
+    async def flush(self) -> bool:
+        """Write out every demoted segment and a snapshot now; True when durable."""
+        return await self.disk.flush() if self.disk is not None else False
+
+    async def close(self) -> None:
+        if self.disk is not None:
+            await self.disk.close()
+
+    async def abandon(self) -> None:
+        """Stop the writer without flushing, as a crash would (for tests)."""
+        if self.disk is not None:
+            await self.disk.abandon()
+
+    def _restore(self, opened: Opened) -> None:
+        index = opened.index
+        if index is None:
+            return
+        assert self.disk is not None
+        now = self.clock()
+        on_disk = opened.scan.files
+        segs = [
+            Segment.restore(
+                s.key, s.size, s.n_items, s.call_ids, durable=True, data=b"" if not s.size else None
+            )
+            for s in index.segments
+        ]
+        missing: set[str] = set()
+        skipped = 0
+        for info in index.records:
+            chain = tuple(segs[i] for i in info.chain)
+            response = segs[info.response]
+            if info.expires_at <= now or info.id in self._records:
+                skipped += 1
+                continue
+            absent = [s for s in (*chain, response) if s.size and s.key not in on_disk]
+            if absent:
+                skipped += 1
+                missing.update(s.key for s in absent)
+                self._tombstone(info.id, FailureReason.MISSING)
+                continue
+            for segment in (*chain, response):
+                if segment.refs == 0:
+                    self._segments[segment.key] = segment
+                    if segment.size:
+                        self.disk._add_file(segment, on_disk[segment.key])
+                segment.refs += 1
+            self._records[info.id] = Record(
+                id=info.id,
+                scope=info.scope,
+                created_at=info.created_at,
+                expires_at=info.expires_at,
+                durable=True,
+                segments=chain,
+                response=response,
+                backend=info.backend,
+                affinity_key=info.affinity_key,
+                n_items=info.n_items,
+                output_at=info.output_at,
+            )
+        if missing:
+            self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
+            log.warning("snapshot names %d spill files that are gone", len(missing))
+        if skipped:  # rewrite the index without them
+            self.disk.mark_dirty()
+        self._enforce_bounds()
+        self.disk._enforce_cap()
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -67,28 +227,68 @@ class Store:
                 raise StoreFailure(self._tombstones[response_id])
             raise StoreFailure(FailureReason.UNKNOWN)
         if record.expires_at <= self.clock():
-            self._drop(record, FailureReason.EXPIRED)
+            self._drop(record, FailureReason.EXPIRED, "expired")
+            self._publish()
             raise StoreFailure(FailureReason.EXPIRED)
         return record
 
     async def history(self, record: Record) -> list[bytes]:
         """The chain's segment bytes, oldest first (empty segments left out)."""
         parts: list[bytes] = []
+        touch = self.resident.touch
         for segment in record.segments:
-            data = await self._read(segment)
+            data = segment.data
+            if data is None:
+                return [d for d in await self._fetch(record.segments) if d]
+            touch(segment)
             if data:
                 parts.append(data)
         return parts
 
     async def response_bytes(self, record: Record) -> bytes:
-        return await self._read(record.response)
+        """The stored response object, with its output items put back when they were cut."""
+        if record.output_at is None:
+            (skeleton,) = await self._fetch((record.response,))
+            return skeleton
+        skeleton, own = await self._fetch((record.response, record.segments[-1]))
+        offset, length = record.output_at
+        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
 
-    async def _read(self, segment: Segment) -> bytes:
-        data = segment.data
-        if data is not None:
-            self.resident.touch(segment)
-            return data
-        raise StoreFailure(FailureReason.EVICTED, segment.key)
+    async def _fetch(self, segments: Sequence[Segment]) -> list[bytes]:
+        """Bytes of each segment, reading the non-resident ones from disk in a thread and
+        taking them back into the resident tier."""
+        datas = [s.data for s in segments]
+        cold = list({id(s): s for s, d in zip(segments, datas, strict=True) if d is None}.values())
+        for segment in cold:
+            if segment.lost is not None:
+                raise StoreFailure(FailureReason(segment.lost), segment.key)
+            if not segment.on_disk or self.disk is None:
+                raise StoreFailure(FailureReason.EVICTED, segment.key)
+        results = await self.disk.read(cold) if cold and self.disk is not None else []
+        got: dict[int, bytes] = {}
+        failure: StoreFailure | None = None
+        for segment, result in zip(cold, results, strict=True):
+            live = self._segments.get(segment.key) is segment
+            if isinstance(result, bytes):
+                self.metrics.spill_reads.inc()
+                got[id(segment)] = result
+                if live and segment.data is None:
+                    segment.data = result
+                    self._admit(segment)
+                continue
+            self.metrics.spill_failures.labels(reason=str(result.reason)).inc()
+            log.warning("spill read failed for segment %s: %s", segment.key[:12], result)
+            if live and result.reason != FailureReason.READ_FAILED and segment.data is None:
+                if self.disk is not None:
+                    self.disk.discard(segment, reusable=False)
+                segment.lost = segment.lost or str(result.reason)
+            failure = failure or StoreFailure(FailureReason(segment.lost or result.reason))
+        if failure is not None:
+            raise failure
+        if got:
+            self._enforce_bounds()
+            self._publish()
+        return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
     # -- changes -------------------------------------------------------------------------
 
@@ -96,11 +296,17 @@ class Store:
         """Remember a finished turn on top of its parent's chain."""
         now = self.clock()
         own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=turn.durable))
-        response = self._intern(Segment(turn.response, 0, frozenset(), durable=turn.durable))
-        chain = (*parent.segments, own) if parent is not None else (own,)
+        skeleton, output_at = split_output(turn.response, turn.items)
+        response = self._intern(Segment(skeleton, 0, frozenset(), durable=turn.durable))
+        if parent is None:
+            chain: tuple[Segment, ...] = (own,)
+        elif self._records.get(parent.id) is parent:
+            chain = (*parent.segments, own)
+        else:  # dropped meanwhile, or another store's record: take its segments in
+            chain = (*(self._adopt(s) for s in parent.segments), own)
         old = self._records.get(turn.response_id)
         if old is not None:
-            self._drop(old, None)
+            self._drop(old, None, None)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
@@ -112,19 +318,24 @@ class Store:
             backend=turn.backend,
             affinity_key=turn.affinity_key,
             n_items=(parent.n_items if parent else 0) + turn.n_items,
+            output_at=output_at,
         )
         for segment in (*chain, response):
             segment.refs += 1
         self._records[record.id] = record
-        self._enforce_bounds(keep=frozenset((own.key, response.key)))
+        self._tombstones.pop(record.id, None)
+        if record.durable and self.disk is not None:
+            self.disk.mark_dirty()
+        self._enforce_bounds()
         self._publish()
         return record
 
     def delete(self, scope: str, response_id: str) -> bool:
+        """Forget a record: memory now, its files after the next snapshot (which omits it)."""
         record = self._records.get(response_id)
         if record is None or record.scope != scope:
             return False
-        self._drop(record, None)
+        self._drop(record, None, None)
         self._publish()
         return True
 
@@ -133,84 +344,151 @@ class Store:
         now = self.clock()
         expired = [r for r in self._records.values() if r.expires_at <= now]
         for record in expired:
-            self._drop(record, FailureReason.EXPIRED)
+            self._drop(record, FailureReason.EXPIRED, "expired")
         if expired:
             self._publish()
         return len(expired)
 
+    def _admit(self, segment: Segment) -> None:
+        if segment.size:
+            self.resident.admit(segment)
+
     def _intern(self, segment: Segment) -> Segment:
         existing = self._segments.get(segment.key)
-        if existing is not None:
-            if existing.data is None:  # lost or on disk only: take the fresh bytes back
-                existing.data = segment.data
-                self.resident.admit(existing)
-            self.resident.touch(existing)
-            existing.durable = existing.durable and segment.durable
-            return existing
-        self._segments[segment.key] = segment
-        self.resident.admit(segment)
-        return segment
+        if existing is None:
+            self._segments[segment.key] = segment
+            self._admit(segment)
+            return segment
+        if existing.data is None:  # on disk only, or lost: take the fresh bytes back
+            existing.data = segment.data
+            existing.lost = None
+        self._admit(existing)
+        existing.durable = existing.durable or segment.durable
+        return existing
 
-    def _drop(self, record: Record, reason: FailureReason | None) -> None:
+    def _adopt(self, segment: Segment) -> Segment:
+        """This store's segment for a segment object it does not index."""
+        mine = self._segments.get(segment.key)
+        if mine is segment:
+            return mine
+        if mine is not None:
+            if mine.data is None and segment.data is not None:
+                mine.data, mine.lost = segment.data, None
+                self._admit(mine)
+            return mine
+        copy = Segment.restore(
+            segment.key,
+            segment.size,
+            segment.n_items,
+            segment.call_ids,
+            durable=segment.durable,
+            data=segment.data,
+        )
+        self._segments[copy.key] = copy
+        if copy.data is not None:
+            self._admit(copy)
+        elif not (self.disk is not None and self.disk.resurrect(copy)):
+            copy.lost = str(FailureReason.EVICTED)
+        return copy
+
+    def _tombstone(self, response_id: str, reason: FailureReason) -> None:
+        self._tombstones[response_id] = reason
+        if len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _drop(self, record: Record, reason: FailureReason | None, label: str | None) -> None:
         del self._records[record.id]
         if reason is not None:
-            self._tombstones[record.id] = reason
-            if len(self._tombstones) > _TOMBSTONES:
-                self._tombstones.popitem(last=False)
-            self.metrics.store_evictions.labels(reason=str(reason)).inc()
+            self._tombstone(record.id, reason)
+        if label is not None:
+            self.metrics.store_evictions.labels(reason=label).inc()
+        if record.durable and self.disk is not None:
+            self.disk.mark_dirty()
         for segment in (*record.segments, record.response):
             segment.refs -= 1
             if segment.refs <= 0:
                 self._forget(segment)
 
     def _forget(self, segment: Segment) -> None:
-        self._segments.pop(segment.key, None)
+        # The object keeps its bytes for anyone still holding it (an in-flight exchange's
+        # parent record); put() adopts them back.
+        del self._segments[segment.key]
         self.resident.remove(segment)
-        segment.data = None
+        if segment.on_disk and self.disk is not None:
+            self.disk.discard(segment)
 
-    def _enforce_bounds(self, keep: frozenset[str]) -> None:
+    def _enforce_bounds(self) -> None:
         while len(self._records) > self.max_entries:
-            oldest = next(iter(self._records.values()))
-            self._drop(oldest, FailureReason.EVICTED)
-        for segment in self.resident.over_budget(keep):
-            # No disk tier here: the bytes are gone, chains that need them fail as evicted.
-            segment.data = None
-            self.metrics.store_evictions.labels(reason="resident_bytes").inc()
+            self._drop(next(iter(self._records.values())), FailureReason.EVICTED, "max_entries")
+        # Demoted segments stay in memory until their file is durable: they count against
+        # the budget, so a burst the disk cannot absorb shrinks the resident tier instead.
+        held = self.disk.pending_bytes if self.disk is not None else 0
+        for segment in self.resident.over_budget(held=held):
+            if segment.on_disk:
+                segment.data = None  # its file is durable: just release the bytes
+            elif segment.durable and self._has_disk:
+                assert self.disk is not None
+                self.disk.enqueue(segment)  # stays in memory until its file is durable
+            else:  # store:false content, or no disk tier: gone
+                segment.data = None
+                segment.lost = str(FailureReason.EVICTED)
+                self.metrics.store_evictions.labels(reason="resident_bytes").inc()
+
+    def _durable_records(self) -> list[Record]:
+        now = self.clock()
+        return [r for r in self._records.values() if r.durable and r.expires_at > now]
 
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> StoreStats:
-        on_disk = [s for s in self._segments.values() if s.on_disk]
+        disk = self.disk
         return StoreStats(
             records=len(self._records),
             segments=len(self._segments),
             resident_segments=len(self.resident),
             resident_bytes=self.resident.bytes,
-            disk_segments=len(on_disk),
-            disk_bytes=sum(s.size for s in on_disk),
+            disk_segments=len(disk.files) if disk else 0,
+            disk_bytes=disk.bytes if disk else 0,
+            pending_segments=len(disk.pending) if disk else 0,
+            pending_bytes=disk.pending_bytes if disk else 0,
+            snapshot_age=disk._snapshot_age() if disk and disk.last_snapshot else None,
         )
 
     def _publish(self) -> None:
-        m = self.metrics
+        m, disk = self.metrics, self.disk
         m.store_entries.labels(tier="records").set(len(self._records))
         m.store_entries.labels(tier="resident").set(len(self.resident))
         m.store_bytes.labels(tier="resident").set(self.resident.bytes)
+        if disk is not None:
+            m.store_entries.labels(tier="disk").set(len(disk.files))
+            m.store_bytes.labels(tier="disk").set(disk.bytes)
+            m.store_bytes.labels(tier="pending").set(disk.pending_bytes)
 
     def check(self) -> list[str]:
-        """Index drift, for tests: refcounts and the resident byte count must add up."""
-        problems: list[str] = []
-        refs: dict[str, int] = {}
-        for record in self._records.values():
-            for segment in (*record.segments, record.response):
-                refs[segment.key] = refs.get(segment.key, 0) + 1
-                if self._segments.get(segment.key) is not segment:
-                    problems.append(f"{record.id} references unindexed {segment.key}")
-        for key, segment in self._segments.items():
-            if segment.refs != refs.get(key, 0):
-                problems.append(f"{key} refs {segment.refs} != {refs.get(key, 0)}")
-        if sum(s.size for s in self.resident) != self.resident.bytes:
-            problems.append("resident byte count drifted")
-        return problems
+        """Index and file drift, for tests and `state verify`; call it while idle (it lists
+        the spill directory, blocking). Empty when refcounts, byte counts and files agree."""
+        from ocxproxy.store.check import check_store
 
-    async def close(self) -> None:
-        await asyncio.sleep(0)
+        return check_store(self)
+
+
+def split_output(response: bytes, items: bytes) -> tuple[bytes, tuple[int, int] | None]:
+    """Cut from `response` the leading bytes of its output array that equal the tail of
+    `items` (the same serialized output items), so they are stored once. Any cut is
+    verified byte for byte, so putting them back always restores `response` exactly."""
+    start = response.find(_OUTPUT)
+    if start < 0:
+        return response, None
+    start += len(_OUTPUT)
+    probe = response[start : start + 64]
+    if not probe or probe.startswith(b"]"):
+        return response, None
+    at = items.find(probe)
+    for _ in range(4):
+        if at < 0:
+            break
+        length = len(items) - at
+        if response.startswith(items[at:], start):
+            return response[:start] + response[start + length :], (start, length)
+        at = items.find(probe, at + 1)
+    return response, None

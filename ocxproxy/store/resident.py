@@ -46,9 +46,10 @@ class ResidentTier:
         if self._lru.pop(segment.key, None) is not None:
             self.bytes -= segment.size
 
-    def over_budget(self, keep: frozenset[str] = frozenset()) -> list[Segment]:
-        """Oldest segments to take out until the tier fits; `keep` ones stay."""
-        excess = self.bytes - self.max_bytes
+    def over_budget(self, keep: frozenset[str] = frozenset(), held: int = 0) -> list[Segment]:
+        """Oldest segments to take out until the tier, plus `held` bytes kept in memory
+        elsewhere (demoted but not yet written), fits; `keep` ones stay."""
+        excess = self.bytes + held - self.max_bytes
         victims: list[Segment] = []
         if excess <= 0:
             return victims

@@ -1,18 +1,20 @@
-"""The backend pool: one keep-alive session, backend choice by affinity, passive health.
+"""The backend pool's I/O: one keep-alive session, requests, health probes.
 
 `open()` is the only way to talk to a backend; every aiohttp or timeout error that
-escapes it is an UpstreamError. A request is tried on another backend only when the
-failure happened before anything was sent back (connect errors).
+escapes it is an UpstreamError. The choice of backend, health state and admission are
+upstream/pool.py's (the Fleet); this module sends, probes and tells the Fleet what it saw.
+A request is tried on another backend only when nothing came back from the first (no
+status line), so nothing can have reached the client.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,34 +22,14 @@ import aiohttp
 from ocxproxy.config import Config
 from ocxproxy.errors import UpstreamError
 from ocxproxy.metrics import Metrics
+from ocxproxy.upstream.dialect import Translator, UpstreamResponse
+from ocxproxy.upstream.pool import Backend, Choice, Fleet, Placement, Routing
 
 log = logging.getLogger("ocxproxy.upstream")
 
-_BACKOFF_START = 1.0
-_BACKOFF_MAX = 30.0
+__all__ = ["Backend", "Timing", "UpstreamPool", "read_chunk"]
 
-
-@dataclass(slots=True)
-class Backend:
-    url: str  # server root, no trailing slash, no /v1
-    healthy: bool = True
-    in_flight: int = 0
-    down_until: float = 0.0
-    backoff: float = _BACKOFF_START
-    failures: int = field(default=0)
-
-    def is_available(self, now: float) -> bool:
-        return self.healthy or now >= self.down_until
-
-    def mark_down(self, now: float) -> None:
-        self.healthy = False
-        self.failures += 1
-        self.down_until = now + self.backoff
-        self.backoff = min(self.backoff * 2, _BACKOFF_MAX)
-
-    def mark_up(self) -> None:
-        self.healthy = True
-        self.backoff = _BACKOFF_START
+PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
 
 
 @dataclass(slots=True)
@@ -65,23 +47,50 @@ class Timing:
             self.upstream += time.perf_counter() - start
 
 
+async def read_chunk(response: UpstreamResponse) -> bytes:
+    """The next chunk of a backend's body, b"" at its end. A backend that breaks off or
+    goes silent mid-body is an UpstreamError."""
+    try:
+        return await response.content.readany()
+    except TimeoutError:
+        raise UpstreamError(
+            "The backend went silent mid-response.", code="upstream_timeout", status=504
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"The backend broke off its response: {type(exc).__name__}.") from None
+
+
 class UpstreamPool:
+    """The backends behind one keep-alive session: sends requests, probes health.
+
+    Which backend serves a request, and whether it may be sent at all, is the Fleet's
+    decision (upstream/pool.py); this class does the I/O and maps its errors.
+    """
+
     def __init__(self, urls: tuple[str, ...], config: Config, metrics: Metrics) -> None:
-        self.backends = [Backend(url) for url in urls]
         self.config = config
         self.metrics = metrics
+        self.fleet = Fleet(
+            urls,
+            metrics,
+            routing=Routing(config.routing),
+            max_concurrency=config.max_concurrency,
+            max_per_backend=config.max_concurrency_per_backend,
+            admission_timeout=config.admission_timeout,
+        )
+        for backend in self.fleet.backends:
+            backend.dialect = config.dialect_of(backend.url)
         self._session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:
-        parts = ", ".join(
-            f"{b.url} {'up' if b.healthy else 'down'} {b.in_flight} in flight"
-            for b in self.backends
-        )
-        return f"<UpstreamPool {parts}>"
+        return f"<UpstreamPool {self.fleet!r}>"
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self.fleet.backends
 
     def add(self, url: str) -> None:
-        if all(b.url != url for b in self.backends):
-            self.backends.append(Backend(url))
+        self.fleet.add(url).dialect = self.config.dialect_of(url)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -105,20 +114,48 @@ class UpstreamPool:
             self._session = None
 
     def is_ready(self) -> bool:
-        now = time.monotonic()
-        return any(b.is_available(now) for b in self.backends)
+        return self.fleet.is_ready(time.monotonic())
 
-    def candidates(self, affinity_key: str | None, preferred: str | None) -> list[Backend]:
-        """Backends in the order to try: the chain's own first, then by rendezvous hash."""
-        now = time.monotonic()
-        available = [b for b in self.backends if b.is_available(now)] or list(self.backends)
-        if affinity_key is None:
-            ranked = sorted(available, key=lambda b: b.in_flight)
+    # -- active health -------------------------------------------------------------------
+
+    async def watch(self, interval: float) -> None:
+        """Probe every backend's health path every `interval` seconds, until cancelled.
+        While this runs, only a probe brings a down backend back."""
+        self.fleet.probing = True
+        try:
+            while True:
+                await self.probe()
+                await asyncio.sleep(interval)
+        finally:
+            self.fleet.probing = False
+
+    async def probe(self) -> None:
+        """One round: GET the health path of every backend; 2xx-4xx is up."""
+        await asyncio.gather(*(self._probe(b) for b in list(self.fleet.backends)))
+
+    async def _probe(self, backend: Backend) -> None:
+        headers = {}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        try:
+            async with (
+                asyncio.timeout(min(self.config.connect_timeout, PROBE_TIMEOUT)),
+                self.session.get(
+                    backend.url + self.config.health_path,
+                    headers=headers,
+                    allow_redirects=False,
+                ) as response,
+            ):
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.fleet.mark_down(backend, f"health probe failed: {type(exc).__name__}")
+            return
+        if status < 500:
+            self.fleet.mark_up(backend)
         else:
-            ranked = sorted(available, key=lambda b: _rendezvous(affinity_key, b.url))
-        if preferred is not None:
-            ranked.sort(key=lambda b: b.url != preferred)
-        return ranked
+            self.fleet.mark_down(backend, f"health probe answered {status}")
+
+    # -- requests ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def open(
@@ -132,55 +169,94 @@ class UpstreamPool:
         affinity_key: str | None = None,
         preferred: str | None = None,
         retry: bool = True,
-    ) -> AsyncIterator[tuple[Backend, aiohttp.ClientResponse]]:
-        """Send the request; yield the backend and its response with headers read."""
-        candidates = self.candidates(affinity_key, preferred)
-        if not retry:
-            candidates = candidates[:1]
-        last_error = UpstreamError("No backend is configured.", code="upstream_unreachable")
-        for backend in candidates:
-            start = time.perf_counter()
-            backend.in_flight += 1
-            gauge = self.metrics.upstream_in_flight.labels(backend=backend.url)
-            gauge.inc()
+    ) -> AsyncIterator[tuple[Backend, UpstreamResponse]]:
+        """Send the request; yield the backend and its response with headers read.
+
+        The backend is the Fleet's choice (affinity key, then `preferred`, the backend that
+        served the chain). With `retry`, a request that got no answer is sent to another
+        backend (a dropped connection first gets one more try on the same one); once the
+        headers are in, it is never sent again, so a client never sees two answers.
+        """
+        fleet, metrics = self.fleet, self.metrics
+        tried: set[str] = set()  # backends that failed this request
+        redialed: set[str] = set()  # backends that dropped a connection once already
+        first: Choice | None = None
+        last_error: UpstreamError | None = None
+        # A chat backend gets the request translated, and answers through a ChatAnswer.
+        translator = Translator(method, path_qs, data)
+        while True:
             try:
+                with timing.waiting():  # waiting for a slot is waiting on the backends
+                    choice = await fleet.admit(affinity_key, preferred, exclude=tried)
+            except UpstreamError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            backend = choice.backend
+            first = first or choice
+            start = time.perf_counter()
+            try:
+                path, body = translator.request(backend.dialect)  # InvalidRequest: unsent
                 try:
                     with timing.waiting():
                         response = await self.session.request(
                             method,
-                            backend.url + path_qs,
+                            backend.url + path,
                             headers=headers,
-                            data=data,
+                            data=body,
                             allow_redirects=False,
                         )
-                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                    backend.mark_down(time.monotonic())
-                    self.metrics.upstream_requests.labels(backend.url, "connect_error").inc()
-                    log.warning("backend %s unreachable: %s", backend.url, type(exc).__name__)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                    fleet.mark_down(backend, f"connect failed: {type(exc).__name__}")
+                    metrics.upstream_requests.labels(backend.url, "connect_error").inc()
                     last_error = UpstreamError(
                         f"The backend at {backend.url} is unreachable.",
                         code="upstream_unreachable",
                     )
-                    continue
+                    tried.add(backend.url)
+                    if retry:
+                        continue
+                    raise last_error from None
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                    # Often a keep-alive connection the backend had just closed: one more
+                    # try on the same backend, then it counts as down.
+                    metrics.upstream_requests.labels(backend.url, "disconnected").inc()
+                    last_error = UpstreamError(
+                        f"The backend at {backend.url} dropped the connection.",
+                        code="upstream_unreachable",
+                    )
+                    if backend.url in redialed:
+                        fleet.mark_down(backend, f"dropped connections: {type(exc).__name__}")
+                        tried.add(backend.url)
+                    else:
+                        redialed.add(backend.url)
+                        preferred = backend.url
+                    if retry:
+                        continue
+                    raise last_error from None
                 except TimeoutError:
-                    self.metrics.upstream_requests.labels(backend.url, "timeout").inc()
+                    fleet.mark_down(backend, "no answer within the read timeout")
+                    metrics.upstream_requests.labels(backend.url, "timeout").inc()
                     raise UpstreamError(
                         "The backend did not answer in time.",
                         code="upstream_timeout",
                         status=504,
                     ) from None
                 except aiohttp.ClientError as exc:
-                    self.metrics.upstream_requests.labels(backend.url, "error").inc()
+                    metrics.upstream_requests.labels(backend.url, "error").inc()
                     raise UpstreamError(
                         f"The backend request failed: {type(exc).__name__}."
                     ) from None
-                self.metrics.upstream_ttfb.labels(backend.url).observe(time.perf_counter() - start)
-                if response.status < 500:
-                    backend.mark_up()
-                outcome = str(response.status // 100) + "xx"
-                self.metrics.upstream_requests.labels(backend.url, outcome).inc()
+                metrics.upstream_ttfb.labels(backend.url).observe(time.perf_counter() - start)
+                fleet.observe_status(backend, response.status)
+                metrics.upstream_requests.labels(backend.url, f"{response.status // 100}xx").inc()
+                placement = first.placement
+                if placement is not None:
+                    if backend is not first.backend:
+                        placement = Placement.REROUTE
+                    metrics.affinity.labels(result=str(placement)).inc()
                 try:
-                    yield backend, response
+                    yield backend, translator.response(backend.dialect, response)
                 except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
                     raise UpstreamError(
                         f"The backend broke off its response: {type(exc).__name__}."
@@ -198,15 +274,9 @@ class UpstreamPool:
                         response.release()
                     else:
                         response.close()
-                    self.metrics.upstream_latency.labels(backend.url).observe(
+                    metrics.upstream_latency.labels(backend.url).observe(
                         time.perf_counter() - start
                     )
                 return
             finally:
-                backend.in_flight -= 1
-                gauge.dec()
-        raise last_error
-
-
-def _rendezvous(key: str, url: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
+                fleet.release(backend)

@@ -156,8 +156,14 @@ class LocalBackend:
         log_path: Path | None = None,
         max_restarts: int = _MAX_RESTARTS,
         restart_backoff: float = _RESTART_BACKOFF,
+        parallel: int = 1,
+        cache_ram_mib: int = CACHE_RAM_MIB,
     ) -> None:
+        """`parallel` slots split `ctx` between them; `cache_ram_mib=0` turns off the host-RAM
+        prompt cache (a GPU server without one keeps only what its slots hold)."""
         self.model_path = Path(model_path)
+        self.parallel = parallel
+        self.cache_ram_mib = cache_ram_mib
         self.host = host
         self.ctx = ctx
         self.threads = threads
@@ -320,6 +326,10 @@ class LocalBackend:
         ]
         if self.threads is not None:
             cmd += ["--threads", str(self.threads)]
+        if self.parallel != 1:
+            cmd += ["--parallel", str(self.parallel)]
+        if self.cache_ram_mib != CACHE_RAM_MIB:
+            cmd += ["--cache-ram-mib", str(self.cache_ram_mib)]
         return cmd
 
     def _prepare_log(self) -> Any:
@@ -444,17 +454,18 @@ def _build_params(args: argparse.Namespace) -> Any:
     if args.threads is not None:
         params.cpuparams.n_threads = args.threads
         params.cpuparams_batch.n_threads = args.threads
-    # One slot. The proxy replays each conversation append-only, so the only thing that
-    # matters for speed is that turn N+1 lands on the KV cache left by turn N; with a single
-    # slot it always does (measured: ~99% of the prompt cached). A second slot would not
-    # help: slots split n_ctx (kv_unified is off, so 2 slots = 4096 tokens each, or twice
-    # the KV memory), llama.cpp could route a chain's next turn to the other, cold slot,
-    # and on a small CPU box two concurrent decodes are no faster than queueing them.
-    # Interleaved conversations still hit: llama.cpp saves the slot's state to its host-RAM
-    # prompt cache when another prompt takes the slot and restores it on the next turn.
-    params.n_parallel = 1
+    # One slot by default (--parallel). The proxy replays each conversation append-only,
+    # so the only thing that matters for speed is that turn N+1 lands on the KV cache left
+    # by turn N; with a single slot it always does (measured: ~99% of the prompt cached).
+    # A second slot would not help: slots split n_ctx (kv_unified is off, so 2 slots =
+    # 4096 tokens each, or twice the KV memory), llama.cpp could route a chain's next turn
+    # to the other, cold slot, and on a small CPU box two concurrent decodes are no faster
+    # than queueing them. Interleaved conversations still hit: llama.cpp saves the slot's
+    # state to its host-RAM prompt cache (--cache-ram-mib) when another prompt takes the
+    # slot and restores it on the next turn.
+    params.n_parallel = args.parallel
     params.cache_prompt = True  # reuse the slot's KV cache for the common prefix
-    params.cache_ram_mib = CACHE_RAM_MIB
+    params.cache_ram_mib = args.cache_ram_mib
     # Full-size KV cache for sliding-window-attention models; without it llama.cpp cannot
     # reuse a prefix longer than the window. (No effect on SmolLM2, which has no SWA.)
     params.swa_full = True
@@ -472,6 +483,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
     parser.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="context size in tokens")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: auto)")
+    parser.add_argument("--parallel", type=int, default=1, help="slots (they split --ctx)")
+    parser.add_argument(
+        "--cache-ram-mib",
+        type=int,
+        default=CACHE_RAM_MIB,
+        help="host-RAM prompt cache for other prompts' KV state (0: off)",
+    )
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )

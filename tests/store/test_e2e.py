@@ -1,0 +1,237 @@
+"""The store through the real proxy: a `python -m ocxproxy serve` process that is stopped
+(SIGTERM) or killed (-9) and restarted on the same state dir, privacy of store:false and
+--zdr (every byte under the state dir scanned), and the stored-response routes when every
+segment has been spilled to disk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import MakeProxy
+from tests.fakes.backend import FakeBackend
+from tests.store.helpers import all_bytes_under
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ProxyProcess:
+    def __init__(self, upstream: str, state_dir: Path, *extra: str) -> None:
+        self.args = [
+            sys.executable, "-m", "ocxproxy", "serve", "--upstream", upstream,
+            "--state-dir", str(state_dir), "--port", "0", "--snapshot-delay", "0.2", *extra,
+        ]  # fmt: skip
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args,
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(20):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                assert line, "the proxy exited before listening"
+                found = re.search(r"listening on (http://\S+)/v1", line)
+                if found:
+                    self.url = found.group(1)
+                    return self.url
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="sk-x", max_retries=0)
+
+    async def stop(self, sig: int) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        async with asyncio.timeout(20):
+            await self.proc.communicate()
+        return self.proc.returncode or 0
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[list[ProxyProcess]]:
+    started: list[ProxyProcess] = []
+    yield started
+    for p in started:
+        if p.proc is not None and p.proc.returncode is None:
+            p.proc.kill()
+            await p.proc.wait()
+
+
+async def chain_through(proxy: ProxyProcess, prev: str | None, *texts: str) -> tuple[str, str]:
+    client = proxy.client()
+    text = ""
+    for t in texts:
+        kwargs: dict[str, Any] = {"previous_response_id": prev} if prev else {}
+        r = await client.responses.create(model="m", input=t, **kwargs)
+        prev, text = r.id, r.output_text
+    await client.close()
+    assert prev is not None
+    return prev, text
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill -9"])
+async def test_a_chain_survives_a_restart(
+    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess], how: str
+) -> None:
+    state = tmp_path / "state"
+    first = ProxyProcess(backend.url, state)
+    processes.append(first)
+    await first.start()
+    last, text = await chain_through(first, None, "one", "two", "three")
+    assert text == "echo#5: three"
+    if how == "sigterm":
+        assert await first.stop(signal.SIGTERM) == 0
+    else:
+        await asyncio.sleep(0.6)  # > the snapshot delay
+        assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
+    second = ProxyProcess(backend.url, state)
+    processes.append(second)
+    await second.start()
+    _, text = await chain_through(second, last, "four")
+    assert text == "echo#7: four"  # the backend saw the whole history again
+    body = backend.responses_seen[-1].json
+    assert [i["content"] for i in body["input"] if i.get("role") == "user"] == [
+        "one",
+        "two",
+        "three",
+        "four",
+    ]
+    assert await second.stop(signal.SIGTERM) == 0
+
+
+async def test_state_cli_on_a_stopped_proxy_dir(
+    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess]
+) -> None:
+    state = tmp_path / "state"
+    proxy = ProxyProcess(backend.url, state)
+    processes.append(proxy)
+    await proxy.start()
+    await chain_through(proxy, None, "one", "two")
+    assert await proxy.stop(signal.SIGTERM) == 0
+
+    async def cli(*args: str) -> tuple[int, str]:
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ocxproxy", "state", *args, "--state-dir", str(state),
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await p.communicate()
+        return p.returncode or 0, out.decode()
+
+    code, out = await cli("stats")
+    assert code == 0 and re.search(r"records\s+2", out) and "disk tier      4 files" in out
+    code, out = await cli("verify")
+    assert code == 0 and "0 problems, 4 files checked" in out
+    code, out = await cli("gc")
+    assert code == 0 and "0 entries removed" in out
+
+
+# -- privacy ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("retain_unstored", [False, True])
+async def test_store_false_never_touches_disk(
+    make_proxy: MakeProxy, backend: FakeBackend, tmp_path: Path, retain_unstored: bool
+) -> None:
+    state = tmp_path / "state"
+    # small enough that stored turns spill, big enough to keep retained store:false turns
+    handle = await make_proxy(
+        backend.url, state_dir=state, max_resident_bytes=2048, retain_unstored=retain_unstored
+    )
+    client = handle.client()
+    secret, public = f"SECRET-{uuid.uuid4().hex}", f"PUBLIC-{uuid.uuid4().hex}"
+    kept = await client.responses.create(model="m", input=f"{public} one")
+    r = await client.responses.create(
+        model="m", input=f"{secret} a", store=False, previous_response_id=kept.id
+    )
+    for i in range(3):
+        r = await client.responses.create(model="m", input=f"{secret} {i}", store=False)
+        if retain_unstored:
+            r = await client.responses.create(
+                model="m", input=f"{secret} more {i}", store=False, previous_response_id=r.id
+            )
+    kept = await client.responses.create(
+        model="m", input=f"{public} two", previous_response_id=kept.id
+    )
+    store = handle.proxy.store
+    assert await store.flush()
+    await handle.server.close()  # shutdown flush too
+    everything = all_bytes_under(state)
+    assert public.encode() in everything  # the scan does see stored content
+    assert secret.encode() not in everything
+
+
+async def test_zdr_writes_nothing(
+    make_proxy: MakeProxy, backend: FakeBackend, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    handle = await make_proxy(backend.url, state_dir=state, zdr=True)
+    client = handle.client()
+    r = await client.responses.create(model="m", input="hello")
+    r = await client.responses.create(model="m", input="again", previous_response_id=r.id)
+    assert r.output_text == "echo#3: again"
+    assert handle.proxy.store.disk is None
+    await handle.server.close()
+    assert not state.exists() or all_bytes_under(state) == b""
+
+
+# -- stored-response routes over spilled segments ----------------------------------------
+
+
+async def test_routes_work_when_everything_is_spilled(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    handle = await make_proxy(backend.url, max_resident_bytes=1)
+    client = handle.client()
+    r1 = await client.responses.create(model="m", input="one")
+    r2 = await client.responses.create(model="m", input="two", previous_response_id=r1.id)
+    store = handle.proxy.store
+    assert await store.flush()
+    assert store.stats().resident_bytes == 0 and store.stats().disk_segments >= 4
+
+    got = await client.responses.retrieve(r2.id)
+    assert got.id == r2.id and got.output_text == "echo#3: two"
+    assert got.model_dump() == r2.model_dump()
+    auth = {"Authorization": "Bearer sk-test-a"}
+    async with aiohttp.ClientSession() as http:
+        url = f"{handle.url}/v1/responses/{r2.id}/input_items?order=asc"
+        async with http.get(url, headers=auth) as resp:
+            listed = await resp.json()
+    assert listed["data"][0]["content"] == "one"
+    assert len(listed["data"]) == 3  # one, echo#1: one, two
+
+    r3 = await client.responses.create(model="m", input="three", previous_response_id=r2.id)
+    assert r3.output_text == "echo#5: three"
+    assert await store.flush()
+
+    deleted = await client.responses.delete(r2.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"{handle.url}/v1/responses/{r2.id}/input_items",
+            headers={"Authorization": "Bearer sk-test-a"},
+        ) as resp,
+    ):
+        assert resp.status == 404
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="m", input="x", previous_response_id=r2.id)
+    r4 = await client.responses.create(model="m", input="four", previous_response_id=r3.id)
+    assert r4.output_text == "echo#7: four"
+    assert await store.flush() and store.check() == []

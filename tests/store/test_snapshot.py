@@ -1,0 +1,134 @@
+"""The snapshot index: linear, versioned, strict; a bad file is a SnapshotError."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ocxproxy.model import Record, Segment
+from ocxproxy.store import snapshot
+from tests.store.helpers import HYPOTHESIS
+
+
+def chain_records(n: int) -> list[Record]:
+    records, segments = [], ()
+    for i in range(n):
+        seg = Segment(b'"item %d"' % i, 1, frozenset({f"call_{i}"}), durable=True)
+        segments = (*segments, seg)
+        response = Segment(b'{"id":"r%d"}' % i, 0, frozenset(), durable=True)
+        records.append(
+            Record(f"r{i}", "s", 1.0, 2.0, True, segments, response, "b", "k", i + 1, (3, 4))
+        )
+    return records
+
+
+def test_round_trip_is_linear_in_the_chain() -> None:
+    records = chain_records(50)
+    blob, count = snapshot.encode(records, 10.0)
+    assert count == 50
+    doc = orjson.loads(blob)
+    assert doc["format"] == "ocxproxy-state" and doc["version"] == 1
+    assert len(doc["chains"]) == 50  # one node per turn, not one per (record, segment)
+    index = snapshot.decode(blob)
+    assert index.written_at == 10.0
+    for record, info in zip(records, index.records, strict=True):
+        keys = [index.segments[i].key for i in info.chain]
+        assert keys == [s.key for s in record.segments]
+        assert index.segments[info.response].key == record.response.key
+        assert (info.id, info.scope, info.n_items, info.output_at) == (
+            "r" + info.id[1:],
+            "s",
+            record.n_items,
+            (3, 4),
+        )
+    assert index.segments[0].call_ids == frozenset({"call_0"})
+
+
+def test_write_and_load(tmp_path: Path) -> None:
+    assert snapshot.load(tmp_path) is None
+    blob, _ = snapshot.encode(chain_records(3), 1.0)
+    snapshot.write(tmp_path, blob)
+    assert oct(os.stat(tmp_path / "state.json").st_mode & 0o777) == "0o600"
+    assert [r.id for r in snapshot.load(tmp_path).records] == ["r0", "r1", "r2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp left
+
+
+@pytest.mark.parametrize(
+    ("mangle", "reason"),
+    [
+        (lambda b: b[: len(b) // 2], "corrupt"),
+        (lambda b: b"", "corrupt"),
+        (lambda b: b.replace(b'"version":1', b'"version":99'), "version"),
+        (lambda b: b.replace(b'"ocxproxy-state"', b'"other"'), "corrupt"),
+        (lambda b: b.replace(b",true,0,", b",true,7,"), "corrupt"),
+        (lambda b: b.replace(b"[3,4],1,2,1]", b"[3,4],1,2,-1]"), "corrupt"),
+        (lambda b: b.replace(b'"n_items"]', b'"items"]'), "corrupt"),
+        (lambda b: b.replace(b'"strings":["s"', b'"strings":[7'), "corrupt"),
+        (lambda b: b"[1,2,3]", "corrupt"),
+    ],
+)
+def test_a_damaged_snapshot_is_a_typed_error(tmp_path: Path, mangle, reason: str) -> None:
+    blob, _ = snapshot.encode(chain_records(2), 1.0)
+    (tmp_path / "state.json").write_bytes(mangle(blob))
+    with pytest.raises(snapshot.SnapshotError) as info:
+        snapshot.load(tmp_path)
+    assert info.value.reason == reason
+
+
+def test_oversized_symlinked_or_odd_snapshots_are_not_parsed(tmp_path: Path) -> None:
+    blob, _ = snapshot.encode(chain_records(2), 1.0)
+    (tmp_path / "state.json").write_bytes(blob)
+    with pytest.raises(snapshot.SnapshotError) as info:
+        snapshot.load(tmp_path, limit=len(blob) - 1)
+    assert info.value.reason == "too_large"
+    (tmp_path / "state.json").unlink()
+    (tmp_path / "real.json").write_bytes(blob)
+    (tmp_path / "state.json").symlink_to(tmp_path / "real.json")
+    with pytest.raises(snapshot.SnapshotError) as info:
+        snapshot.load(tmp_path)
+    assert info.value.reason == "unsafe"
+    (tmp_path / "state.json").unlink()
+    (tmp_path / "state.json").mkdir()
+    with pytest.raises(snapshot.SnapshotError) as info:
+        snapshot.load(tmp_path)
+    assert info.value.reason in ("unsafe", "read_failed")
+
+
+@HYPOTHESIS
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_raise_only_snapshot_error(raw: bytes) -> None:
+    with contextlib.suppress(snapshot.SnapshotError):
+        snapshot.decode(raw)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 100)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@HYPOTHESIS
+@given(
+    segments=json_values,
+    chains=json_values,
+    records=json_values,
+)
+def test_arbitrary_json_documents_raise_only_snapshot_error(segments, chains, records) -> None:
+    doc = {"format": "ocxproxy-state", "version": 1, "written_at": 1.0}
+    doc.update(segments=segments, chains=chains, records=records, strings=["s"])
+    doc["fields"] = list(snapshot.FIELDS)
+    with contextlib.suppress(snapshot.SnapshotError):
+        snapshot.decode(orjson.dumps(doc))

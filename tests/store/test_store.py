@@ -1,0 +1,321 @@
+"""The Store façade: tiers, demotion, disk cap, snapshot, restart, crash, delete."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.model import Record
+from ocxproxy.store import Store, split_output
+from tests.store.helpers import Clock, inline, make_store, make_turn, sample, spill_files
+
+
+async def no_thread(fn: Any, /, *args: Any) -> Any:
+    raise AssertionError(f"unexpected thread hop for {fn}")
+
+
+def build_chain(store: Store, n: int, *, prefix: str = "r", durable: bool = True) -> list[Record]:
+    records: list[Record] = []
+    parent = None
+    for i in range(n):
+        parent = store.put(
+            make_turn(f"{prefix}{i}", f"turn {i} of {prefix}", durable=durable), parent
+        )
+        records.append(parent)
+    return records
+
+
+def expected_items(prefix: str, n: int) -> list[Any]:
+    items: list[Any] = []
+    for i in range(n):
+        items.append({"role": "user", "content": f"turn {i} of {prefix}"})
+        items.append(
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": f"echo: turn {i} of {prefix}"}],
+            }
+        )
+    return items
+
+
+async def items_of(store: Store, record_id: str, scope: str = "scope-a") -> list[Any]:
+    history = await store.history(store.lookup(scope, record_id))
+    return orjson.loads(b"[" + b",".join(history) + b"]")
+
+
+async def test_all_resident_history_never_leaves_the_loop(tmp_path: Path) -> None:
+    store = make_store(tmp_path, offload=no_thread)
+    records = build_chain(store, 5)
+    assert await items_of(store, "r4") == expected_items("r", 5)
+    assert (await store.response_bytes(records[2]))[:9] == b'{"id":"r2'
+    assert store.check() == []
+
+
+async def test_past_the_byte_cap_segments_are_demoted_not_dropped(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=600, offload=inline)
+    await store.start()
+    build_chain(store, 30)
+    stats = store.stats()
+    assert stats.resident_bytes <= 600 and stats.pending_segments > 0
+    await store.flush()
+    stats = store.stats()
+    assert stats.pending_segments == 0 and stats.disk_segments >= 55
+    assert sample(store.metrics.spill_writes) == stats.disk_segments
+    assert sample(store.metrics.store_evictions, reason="resident_bytes") == 0
+    for i in range(30):  # every turn still resolves, reading back what it needs
+        assert await items_of(store, f"r{i}") == expected_items("r", i + 1)
+        assert store.stats().resident_bytes <= 600
+    assert sample(store.metrics.spill_reads) > 0
+    original = make_turn("r7", "turn 7 of r").response
+    assert await store.response_bytes(store.lookup("scope-a", "r7")) == original
+    await store.flush()
+    assert store.check() == []
+    await store.close()
+
+
+async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=400, offload=inline)
+    await store.start()
+    build_chain(store, 20, prefix="private", durable=False)
+    await store.flush()
+    assert spill_files(tmp_path) == {}
+    assert sample(store.metrics.store_evictions, reason="resident_bytes") > 0
+    with pytest.raises(StoreFailure) as info:
+        await store.history(store.lookup("scope-a", "private19"))
+    assert info.value.reason == FailureReason.EVICTED
+    assert orjson.loads((tmp_path / "state.json").read_bytes())["records"] == []
+    assert store.check() == []
+    await store.close()
+
+
+async def test_disk_cap_evicts_the_oldest_files(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=300, max_disk_bytes=3000, offload=inline)
+    await store.start()
+    build_chain(store, 10, prefix="old")
+    await store.flush()
+    build_chain(store, 10, prefix="new")
+    await store.flush()
+    await store.flush()  # the second snapshot lets the evicted files go
+    assert store.stats().disk_bytes <= 3000
+    assert sum(p.stat().st_size for p in spill_files(tmp_path).values()) <= 3000
+    assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
+    with pytest.raises(StoreFailure) as info:
+        await store.history(store.lookup("scope-a", "old9"))
+    assert info.value.reason == FailureReason.EVICTED
+    assert await items_of(store, "new9") == expected_items("new", 10)
+    assert store.check() == []
+    await store.close()
+
+
+async def test_restart_serves_every_chain_from_disk(tmp_path: Path) -> None:
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    build_chain(store, 6, prefix="a")
+    build_chain(store, 3, prefix="b")
+    await store.close()
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    assert len(store) == 9 and store.stats().resident_bytes == 0
+    assert await items_of(store, "a5") == expected_items("a", 6)
+    assert await items_of(store, "b2") == expected_items("b", 3)
+    assert store.lookup("scope-a", "a5").has_call_id("nope") is False
+    with pytest.raises(StoreFailure):
+        store.lookup("scope-b", "a5")  # another credential
+    parent = store.lookup("scope-a", "a5")
+    store.put(make_turn("a6", "turn 6 of a"), parent)
+    assert await items_of(store, "a6") == expected_items("a", 7)
+    assert store.check() == []
+    await store.close()
+
+
+async def test_crash_before_a_snapshot_leaves_only_orphans(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=300, offload=inline, snapshot_delay=60)
+    await store.start()
+    build_chain(store, 8)
+    await store.disk._write_pending()  # demoted files land, no snapshot yet
+    assert spill_files(tmp_path)
+    await store.abandon()
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    assert len(store) == 0 and spill_files(tmp_path) == {}  # orphans swept
+    assert store.check() == []
+
+
+async def test_crash_after_a_snapshot_keeps_what_it_named(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=300, offload=inline, snapshot_delay=60)
+    await store.start()
+    records = build_chain(store, 5)
+    await store.flush()
+    store.delete("scope-a", "r4")
+    store.delete("scope-a", "r3")
+    store.put(make_turn("x", "later"), records[2])
+    await store.abandon()  # the deletes and "x" were never snapshotted
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    assert sorted(store._records) == ["r0", "r1", "r2", "r3", "r4"]
+    assert await items_of(store, "r4") == expected_items("r", 5)
+    assert store.check() == []
+
+
+async def test_delete_removes_memory_snapshot_entry_and_files(tmp_path: Path) -> None:
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    build_chain(store, 3, prefix="keep")
+    build_chain(store, 3, prefix="gone")
+    await store.flush()
+    before = set(spill_files(tmp_path))
+    for i in range(3):
+        assert store.delete("scope-a", f"gone{i}")
+    assert not store.delete("scope-a", "gone0")
+    with pytest.raises(StoreFailure):
+        store.lookup("scope-a", "gone2")
+    assert set(spill_files(tmp_path)) == before  # not before a snapshot forgets them
+    await store.flush()
+    ids = [r[0] for r in orjson.loads((tmp_path / "state.json").read_bytes())["records"]]
+    assert ids == ["keep0", "keep1", "keep2"]
+    assert len(spill_files(tmp_path)) == 6  # 3 item segments + 3 responses
+    assert store.check() == []
+    await store.close()
+
+
+async def test_delete_in_another_scope_is_refused(tmp_path: Path) -> None:
+    store = make_store(None)
+    build_chain(store, 1)
+    assert not store.delete("scope-b", "r0")
+    assert store.lookup("scope-a", "r0")
+
+
+async def test_ttl_and_max_entries(tmp_path: Path) -> None:
+    clock = Clock()
+    store = make_store(tmp_path, clock=clock, ttl=10, max_entries=3, offload=inline)
+    await store.start()
+    build_chain(store, 5)
+    assert sorted(store._records) == ["r2", "r3", "r4"]
+    with pytest.raises(StoreFailure) as info:
+        store.lookup("scope-a", "r0")
+    assert info.value.reason == FailureReason.EVICTED
+    assert sample(store.metrics.store_evictions, reason="max_entries") == 2
+    await store.close()
+    clock.now += 11
+    store = make_store(tmp_path, clock=clock, ttl=10, offload=inline)
+    await store.start()
+    assert len(store) == 0  # expired records are not loaded, their files swept
+    assert spill_files(tmp_path) == {}
+    store2 = make_store(None, clock=clock, ttl=10)
+    build_chain(store2, 2)
+    clock.now += 11
+    with pytest.raises(StoreFailure) as info:
+        store2.lookup("scope-a", "r1")
+    assert info.value.reason == FailureReason.EXPIRED
+    assert store2.sweep() == 1 and len(store2) == 0
+
+
+async def test_memory_only_store_writes_nothing(tmp_path: Path) -> None:
+    store = make_store(None, max_resident_bytes=300)
+    await store.start()
+    build_chain(store, 10)
+    assert await store.flush() is False
+    await store.close()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(StoreFailure) as info:
+        await store.history(store.lookup("scope-a", "r9"))
+    assert info.value.reason == FailureReason.EVICTED
+
+
+async def test_a_parent_deleted_mid_turn_still_chains(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=300, offload=inline)
+    await store.start()
+    records = build_chain(store, 4)
+    await store.flush()
+    for i in range(4):
+        store.delete("scope-a", f"r{i}")
+    child = store.put(make_turn("r4", "turn 4 of r"), records[3])
+    assert await items_of(store, "r4") == expected_items("r", 5)
+    await store.flush()
+    assert child.segments[0] is store._segments[child.segments[0].key]
+    assert store.check() == []
+    await store.close()
+
+
+async def test_records_from_another_store_are_copied_not_shared() -> None:
+    shared = make_store(None)
+    local = make_store(None)
+    parent = build_chain(shared, 2)[-1]
+    local.put(make_turn("l", "turn 2 of r", durable=False), parent)
+    assert await items_of(local, "l") == expected_items("r", 3)
+    assert shared.check() == [] and local.check() == []
+    assert all(s.refs == 1 or s.refs == 2 for s in parent.segments)
+
+
+def test_split_output_round_trips() -> None:
+    turn = make_turn("r", "hello")
+    skeleton, at = split_output(turn.response, turn.items)
+    assert at is not None and len(skeleton) < len(turn.response)
+    offset, length = at
+    assert skeleton[:offset] + turn.items[-length:] + skeleton[offset:] == turn.response
+    for response, items in [
+        (b'{"output":[]}', b'"a"'),
+        (b'{"id":"x"}', b'"a"'),
+        (b'{"output":["b"]}', b'"a"'),
+        (b'{"output":["a","a"]}', b'"a","a"'),
+        (b'{"output":["a"],"x":1}', b'"a","a"'),
+    ]:
+        skeleton, at = split_output(response, items)
+        if at is None:
+            assert skeleton == response
+        else:
+            o, n = at
+            assert skeleton[:o] + items[-n:] + skeleton[o:] == response
+
+
+async def test_locked_state_dir_runs_memory_only(tmp_path: Path) -> None:
+    first = make_store(tmp_path, offload=inline)
+    await first.start()
+    second = make_store(tmp_path, offload=inline)
+    await second.start()
+    assert second.disk is not None and not second.disk.enabled
+    assert sample(second.metrics.snapshot_failures, reason="locked") == 1
+    build_chain(second, 2)
+    assert await items_of(second, "r1") == expected_items("r", 2)
+    await second.close()
+    await first.close()
+
+
+async def test_gauges_follow_the_tiers(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_resident_bytes=500, offload=inline)
+    await store.start()
+    build_chain(store, 10)
+    await store.flush()
+    m = store.metrics
+    stats = store.stats()
+    assert sample(m.store_entries, tier="records") == 10
+    assert sample(m.store_bytes, tier="resident") == stats.resident_bytes
+    assert sample(m.store_bytes, tier="disk") == stats.disk_bytes > 0
+    assert sample(m.snapshot_writes) >= 1
+    assert b"ocxproxy_snapshot_age_seconds" in m.render()
+    assert "DiskTier" in repr(store)
+    await store.close()
+
+
+async def test_files_evicted_by_a_snapshot_outlive_it(tmp_path: Path) -> None:
+    """The snapshot that pushed the disk tier over its cap still names the evicted files:
+    they may only go once a later snapshot is durable, or a crash would strand it."""
+    store = make_store(tmp_path, max_disk_bytes=1200, snapshot_delay=60, offload=inline)
+    await store.start()
+    build_chain(store, 8)
+    assert await store.flush()  # writes every file, then evicts the oldest
+    assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
+    named = {s[0] for s in orjson.loads((tmp_path / "state.json").read_bytes())["segments"]}
+    assert named <= set(spill_files(tmp_path))
+    await store.abandon()
+    store = make_store(tmp_path, offload=inline)  # a roomier cap: every named file is used
+    await store.start()
+    assert sample(store.metrics.spill_failures, reason="missing") == 0
+    assert await items_of(store, "r7") == expected_items("r", 8)
+    await store.close()
