@@ -174,13 +174,12 @@ def expand(body: dict[str, Any], history: list[bytes], tail: bytes) -> bytes:
     the stored history followed by the request's own items (`tail`, serialized)."""
     rest = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
     head = orjson.dumps(rest)
-    parts = [head[:-1], b',"input":[' if rest else b'"input":[']
-    for segment in history:
-        parts.append(segment)
-        parts.append(b",")
-    if tail:
-        parts.append(tail)
-    elif history:
-        parts.pop()
-    parts.append(b"]}")
+    opening = head[:-1] + (b',"input":[' if rest else b'"input":[')
+    items = [*history, tail] if tail else history
+    if not items:
+        return opening + b"]}"
+    # [opening, item, ",", item, ..., item, closing]: separators by slice, no Python loop.
+    parts = [b","] * (2 * len(items) + 1)
+    parts[1::2] = items
+    parts[0], parts[-1] = opening, b"]}"
     return b"".join(parts)
