@@ -220,8 +220,7 @@ async def test_routes_work_when_everything_is_spilled(
     assert r3.output_text == "echo#5: three"
     assert await store.flush()
 
-    deleted = await client.responses.delete(r2.id)
-    assert deleted is None or getattr(deleted, "deleted", True)
+    await client.responses.delete(r2.id)
     async with (
         aiohttp.ClientSession() as http,
         http.get(

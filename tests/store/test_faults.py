@@ -51,6 +51,7 @@ async def test_disk_full_on_demotion(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(files, "write_all", full)
     chain(store, "doomed", 6)
+    assert store.disk is not None
     await store.disk._write_pending()
     assert sample(store.metrics.spill_failures, reason="write_failed") > 0
     assert await reason_of(store, "doomed5") == FailureReason.WRITE_FAILED
@@ -75,6 +76,7 @@ async def test_write_error_on_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(os, "fsync", broken)
     chain(store, "c", 4)
+    assert store.disk is not None
     await store.disk._write_pending()
     assert sample(store.metrics.spill_failures, reason="write_failed") > 0
     monkeypatch.undo()

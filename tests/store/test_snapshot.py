@@ -17,7 +17,8 @@ from tests.store.helpers import HYPOTHESIS
 
 
 def chain_records(n: int) -> list[Record]:
-    records, segments = [], ()
+    records: list[Record] = []
+    segments: tuple[Segment, ...] = ()
     for i in range(n):
         seg = Segment(b'"item %d"' % i, 1, frozenset({f"call_{i}"}), durable=True)
         segments = (*segments, seg)
@@ -55,7 +56,8 @@ def test_write_and_load(tmp_path: Path) -> None:
     blob, _ = snapshot.encode(chain_records(3), 1.0)
     snapshot.write(tmp_path, blob)
     assert oct(os.stat(tmp_path / "state.json").st_mode & 0o777) == "0o600"
-    assert [r.id for r in snapshot.load(tmp_path).records] == ["r0", "r1", "r2"]
+    index = snapshot.load(tmp_path)
+    assert index is not None and [r.id for r in index.records] == ["r0", "r1", "r2"]
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp left
 
 

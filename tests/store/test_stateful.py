@@ -138,7 +138,7 @@ class StoreMachine(RuleBasedStateMachine):
             return None
         assert not exp.never, f"{response_id} resolved but must not"
         assert exp.created + TTL > self.clock.now, "an expired record resolved"
-        items = orjson.loads(b"[" + b",".join(history) + b"]")
+        items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
         assert items == expected(exp.texts), response_id
         return items
 

@@ -46,7 +46,8 @@ def expected_items(prefix: str, n: int) -> list[Any]:
 
 async def items_of(store: Store, record_id: str, scope: str = "scope-a") -> list[Any]:
     history = await store.history(store.lookup(scope, record_id))
-    return orjson.loads(b"[" + b",".join(history) + b"]")
+    items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
+    return items
 
 
 async def test_all_resident_history_never_leaves_the_loop(tmp_path: Path) -> None:
@@ -138,6 +139,7 @@ async def test_crash_before_a_snapshot_leaves_only_orphans(tmp_path: Path) -> No
     store = make_store(tmp_path, max_resident_bytes=300, offload=inline, snapshot_delay=60)
     await store.start()
     build_chain(store, 8)
+    assert store.disk is not None
     await store.disk._write_pending()  # demoted files land, no snapshot yet
     assert spill_files(tmp_path)
     await store.abandon()
@@ -319,3 +321,28 @@ async def test_files_evicted_by_a_snapshot_outlive_it(tmp_path: Path) -> None:
     assert sample(store.metrics.spill_failures, reason="missing") == 0
     assert await items_of(store, "r7") == expected_items("r", 8)
     await store.close()
+
+
+async def test_state_dir_is_private_and_defaults_to_the_user_state_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stat
+
+    import platformdirs
+
+    from ocxproxy import store as store_module
+    from ocxproxy.config import Config
+
+    assert store_module.default_state_dir() == platformdirs.user_state_path("ocxproxy")
+    root = tmp_path / "deep" / "state"
+    monkeypatch.setattr(store_module, "default_state_dir", lambda: root)
+    store = Store.from_config(Config(snapshot_delay=0.01))
+    assert store.disk is not None and store.disk.root == root
+    await store.start()
+    build_chain(store, 2)
+    await store.close()
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(root / "spill").st_mode) == 0o700
+    for name in ("state.json", "lock"):
+        assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
+    assert Store.from_config(Config(zdr=True, state_dir=root)).disk is None
