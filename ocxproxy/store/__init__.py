@@ -234,16 +234,12 @@ class Store:
 
     async def history(self, record: Record) -> list[bytes]:
         """The chain's segment bytes, oldest first (empty segments left out)."""
-        parts: list[bytes] = []
-        touch = self.resident.touch
-        for segment in record.segments:
-            data = segment.data
-            if data is None:
-                return [d for d in await self._fetch(record.segments) if d]
-            touch(segment)
-            if data:
-                parts.append(data)
-        return parts
+        segments = record.segments
+        datas = [s.data for s in segments]
+        if None in datas:
+            return [d for d in await self._fetch(segments) if d]
+        self.resident.touch_all(segments)
+        return [d for d in datas if d]
 
     async def response_bytes(self, record: Record) -> bytes:
         """The stored response object, with its output items put back when they were cut."""

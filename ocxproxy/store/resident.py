@@ -7,8 +7,8 @@ demoted to disk or dropped.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 
 from ocxproxy.model import Segment
 
@@ -41,6 +41,17 @@ class ResidentTier:
     def touch(self, segment: Segment) -> None:
         if segment.key in self._lru:
             self._lru.move_to_end(segment.key)
+
+    def touch_all(self, segments: Sequence[Segment]) -> None:
+        """Mark a whole chain recently used (the hot path: one C-level pass)."""
+        lru = self._lru
+        keys = [s.key for s in segments]
+        try:
+            deque(map(lru.move_to_end, keys), maxlen=0)
+        except KeyError:  # some segment is not resident: the slow, checking way
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
 
     def remove(self, segment: Segment) -> None:
         if self._lru.pop(segment.key, None) is not None:
