@@ -151,6 +151,7 @@ async def prepare_exchange(
     (C1.1). `local` is a WebSocket connection's own store: store:false turns live
     there, and a chain that started there stays there.
     """
+    await proxy.store.wait_for_room()
     prev = request.previous_response_id
     if prev is None:
         target, durable = _retention(proxy, request, local, parent_store=None)

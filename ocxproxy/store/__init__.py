@@ -11,6 +11,7 @@ Public surface: Store, StoreStats, default_state_dir.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +33,7 @@ __all__ = ["Store", "StoreStats", "default_state_dir"]
 log = logging.getLogger("ocxproxy.store")
 
 _TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
+BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait for the spill writer
 _OUTPUT = b'"output":['
 
 
@@ -78,6 +80,7 @@ class Store:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.resident = ResidentTier(max_resident_bytes)
+        self.backpressure_timeout = BACKPRESSURE_TIMEOUT
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._segments: dict[str, Segment] = {}
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
@@ -153,6 +156,18 @@ class Store:
     async def flush(self) -> bool:
         """Write out every demoted segment and a snapshot now; True when durable."""
         return await self.disk.flush() if self.disk is not None else False
+
+    async def wait_for_room(self) -> None:
+        """Backpressure: while more demoted bytes wait for their spill file than the
+        resident budget, a new turn waits (at most `backpressure_timeout`) for the writer
+        to catch up, so memory stays near its cap when requests outrun fsync."""
+        disk, budget = self.disk, self.resident.max_bytes
+        if disk is None or disk.pending_bytes <= budget:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.backpressure_timeout):
+                while disk.pending_bytes > budget:
+                    await disk.wait_progress()
 
     async def close(self) -> None:
         if self.disk is not None:

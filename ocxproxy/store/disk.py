@@ -82,6 +82,7 @@ class DiskTier:
         self.bytes = 0
         self.pending: OrderedDict[str, Segment] = OrderedDict()  # demoted, not yet written
         self.pending_bytes = 0
+        self._progress = asyncio.Event()  # set (and replaced) after each written batch
         self.doomed: dict[str, tuple[int, int, bool]] = {}  # key -> (capture, size, reusable)
         self.captures = 0
         self.dirty_at: float | None = None  # monotonic time of the first unsaved change
@@ -281,6 +282,12 @@ class DiskTier:
                 self._written(segment, result, release=True)
         self._enforce_cap()
         self._publish()
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def wait_progress(self) -> None:
+        """Until the writer has finished its next batch."""
+        await self._progress.wait()
 
     def _release(self, segment: Segment) -> None:
         if segment.key not in self._resident:  # read again meanwhile: keep it resident

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -346,3 +347,46 @@ async def test_state_dir_is_private_and_defaults_to_the_user_state_dir(
     for name in ("state.json", "lock"):
         assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600
     assert Store.from_config(Config(zdr=True, state_dir=root)).disk is None
+
+
+async def test_new_turns_wait_while_the_spill_writer_is_behind(tmp_path: Path) -> None:
+    """Backpressure: demoted bytes waiting for their file beyond the resident budget hold
+    new turns back until the writer catches up, so memory stays near its cap."""
+    gate = asyncio.Event()
+    gate.set()
+
+    async def slow_disk(fn: Any, /, *args: Any) -> Any:
+        await gate.wait()
+        return fn(*args)
+
+    store = make_store(tmp_path, max_resident_bytes=2048, offload=slow_disk)
+    await store.start()
+    gate.clear()
+    build_chain(store, 40)  # ~40 segments: most are demoted, none can be written yet
+    assert store.stats().pending_bytes > 2048
+    waiting = asyncio.ensure_future(store.wait_for_room())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    gate.set()
+    await asyncio.wait_for(waiting, 5.0)
+    assert store.stats().pending_bytes <= 2048
+    await store.close()
+
+
+async def test_backpressure_gives_up_after_its_timeout(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    gate.set()
+
+    async def stuck_disk(fn: Any, /, *args: Any) -> Any:
+        await gate.wait()
+        return fn(*args)
+
+    store = make_store(tmp_path, max_resident_bytes=2048, offload=stuck_disk)
+    await store.start()
+    gate.clear()
+    build_chain(store, 40)
+    store.backpressure_timeout = 0.1
+    await asyncio.wait_for(store.wait_for_room(), 2.0)  # returns, does not hang
+    assert store.stats().pending_bytes > 2048
+    gate.set()
+    await store.close()
