@@ -83,6 +83,7 @@ class Record:
     # byte offset [0]; they are the last [1] bytes of the record's own (last) segment, so
     # the output items are stored once. Store.response_bytes() puts them back.
     output_at: tuple[int, int] | None = None
+    stored: bool = True  # the client asked for store:true (GET and input_items serve it)
 
     def has_call_id(self, call_id: str) -> bool:
         return any(call_id in seg.call_ids for seg in self.segments)
@@ -101,3 +102,4 @@ class Turn:
     response: bytes
     backend: str | None = None
     affinity_key: str | None = None
+    stored: bool = True  # store:true; False for store:false turns kept in memory

@@ -37,6 +37,7 @@ def build_turn(
     tail_items: list[Any],
     backend: str | None = None,
     affinity_key: str | None = None,
+    stored: bool = True,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded, then the output items."""
     output = response["output"]
@@ -52,4 +53,5 @@ def build_turn(
         response=response_raw if response_raw is not None else orjson.dumps(response),
         backend=backend,
         affinity_key=affinity_key,
+        stored=stored,
     )

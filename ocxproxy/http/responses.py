@@ -105,6 +105,7 @@ class Exchange:
             tail_items=self.request.items,
             backend=self.backend.url if self.backend else None,
             affinity_key=self.chain_key(response),
+            stored=self.request.store,
         )
         self.target.put(turn, self.parent)
         self.recorded = True
@@ -360,10 +361,13 @@ def _loads(data: bytes) -> Any:
 
 
 def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
+    """The caller's stored response; a store:false turn kept in memory for chaining is not
+    retrievable (as on OpenAI)."""
     try:
-        return proxy.store.lookup(scope_of(request), request.match_info["response_id"])
+        record = proxy.store.lookup(scope_of(request), request.match_info["response_id"])
     except StoreFailure:
         return None
+    return record if record.stored else None
 
 
 def _not_found(response_id: str) -> NotFound:
@@ -433,8 +437,9 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
 
 
 def _input_items(response_id: str, history: list[bytes], n_output: int) -> list[dict[str, Any]]:
-    """The model-visible input of a stored response, each item with an id (minted when the
-    client sent none, stable per response and position)."""
+    """The model-visible input of a stored response as OpenAI lists it: each item with an
+    id (minted when the client sent none, stable per response and position), messages in
+    the typed form (content parts, status)."""
     items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
     if n_output:
         items = items[:-n_output]
@@ -442,8 +447,13 @@ def _input_items(response_id: str, history: list[bytes], n_output: int) -> list[
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             continue
-        if "id" not in item:
-            item = {"id": f"msg_{response_id.removeprefix('resp_')}_{index}", **item}
+        item = {"id": f"msg_{response_id.removeprefix('resp_')}_{index}", **item}
+        if "role" in item:
             item.setdefault("type", "message")
+        if item.get("type") == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
         result.append(item)
     return result

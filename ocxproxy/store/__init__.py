@@ -330,6 +330,7 @@ class Store:
             affinity_key=turn.affinity_key,
             n_items=(parent.n_items if parent else 0) + turn.n_items,
             output_at=output_at,
+            stored=turn.stored,
         )
         for segment in (*chain, response):
             segment.refs += 1

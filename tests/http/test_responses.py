@@ -425,6 +425,9 @@ async def test_store_false_chains_with_retain_unstored(
     )
     assert r2.output_text == "echo#3: y"
     assert backend.responses_seen[1].json["store"] is False
+    # Kept only so it can be chained: not retrievable, as on OpenAI (C2: GET serves store:true).
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r2.id)
 
 
 async def test_instructions_and_tools_are_not_inherited(
@@ -690,16 +693,13 @@ async def test_input_items_pagination(proxy: ProxyHandle) -> None:
     r3 = await client.responses.create(model="m", input="u3", previous_response_id=r2.id)
 
     def texts(items: list[Any]) -> list[str]:
-        out = []
-        for item in items:
-            content = item.content
-            out.append(content if isinstance(content, str) else content[0].text)
-        return out
+        return [item.content[0].text for item in items]
 
     everything = [i async for i in client.responses.input_items.list(r3.id, limit=2)]
     assert texts(everything) == ["u3", "echo#3: u2", "u2", "echo#1: u1", "u1"]  # desc
     assert len({i.id for i in everything}) == 5
-    assert all(i.type == "message" for i in everything)
+    assert all(i.type == "message" and i.status == "completed" for i in everything)
+    assert [i.content[0].type for i in everything[:2]] == ["input_text", "output_text"]
 
     page = await client.responses.input_items.list(r3.id, limit=2, order="asc")
     assert texts(page.data) == ["u1", "echo#1: u1"]

@@ -213,7 +213,7 @@ async def test_routes_work_when_everything_is_spilled(
         url = f"{handle.url}/v1/responses/{r2.id}/input_items?order=asc"
         async with http.get(url, headers=auth) as resp:
             listed = await resp.json()
-    assert listed["data"][0]["content"] == "one"
+    assert listed["data"][0]["content"] == [{"type": "input_text", "text": "one"}]
     assert len(listed["data"]) == 3  # one, echo#1: one, two
 
     r3 = await client.responses.create(model="m", input="three", previous_response_id=r2.id)
