@@ -162,6 +162,7 @@ async def many_chains(
             c = todo.pop()
             parent: Record | None = None
             for t in range(chain_turns):
+                await store.wait_for_room()  # as the request path does (backpressure)
                 if parent is not None:
                     was_resident = all(s.data is not None for s in parent.segments)
                     t0 = time.perf_counter()
