@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +233,21 @@ def affinity_of(request: Request, parent: Record | None) -> str:
     return HEAD_KEY + digest.hexdigest()
 
 
+def open_upstream(
+    exchange: Exchange, path_qs: str, headers: Mapping[str, str], timing: Timing
+) -> AbstractAsyncContextManager[tuple[Backend, UpstreamResponse]]:
+    """The backend request of a create exchange, routed by its chain's affinity (C6)."""
+    return exchange.proxy.pool.open(
+        "POST",
+        path_qs,
+        headers,
+        exchange.body,
+        timing=timing,
+        affinity_key=exchange.affinity_key,
+        preferred=exchange.parent.backend if exchange.parent else None,
+    )
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     timing = timing_of(request)
@@ -239,15 +255,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     exchange = await prepare_exchange(proxy, scope_of(request), parse_request(raw), raw)
     headers = upstream_headers(request.headers, proxy.config, identity=True)
     headers["Content-Type"] = "application/json"
-    async with proxy.pool.open(
-        "POST",
-        request.path_qs,
-        headers,
-        exchange.body,
-        timing=timing,
-        affinity_key=exchange.affinity_key,
-        preferred=exchange.parent.backend if exchange.parent else None,
-    ) as (backend, upstream):
+    async with open_upstream(exchange, request.path_qs, headers, timing) as (backend, upstream):
         exchange.backend = backend
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status == 200 and content_type.startswith("text/event-stream"):

@@ -37,7 +37,13 @@ from ocxproxy.http.context import Proxy, check_client_key, proxy_of, scope_of
 from ocxproxy.http.headers import upstream_headers
 from ocxproxy.http.middleware import SELF_TIMED
 from ocxproxy.http.passthrough import passthrough
-from ocxproxy.http.responses import TERMINAL_EVENTS, Exchange, prepare_exchange, stream_events
+from ocxproxy.http.responses import (
+    TERMINAL_EVENTS,
+    Exchange,
+    open_upstream,
+    prepare_exchange,
+    stream_events,
+)
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store
 from ocxproxy.upstream.client import Timing
@@ -233,18 +239,11 @@ class Connection:
         self.proxy.metrics.ws_cache.labels(result=result).inc()
 
     async def _generate(self, exchange: Exchange, timing: Timing) -> TurnOutcome:
-        async with self.proxy.pool.open(
-            "POST",
-            self.path_qs,
-            self.headers,
-            exchange.body,
-            timing=timing,
-            affinity_key=exchange.affinity_key,
-            preferred=exchange.parent.backend if exchange.parent else None,
-        ) as (backend, upstream):
+        async with open_upstream(exchange, self.path_qs, self.headers, timing) as (
+            backend,
+            upstream,
+        ):
             exchange.backend = backend
-            if exchange.affinity_key is None:
-                exchange.affinity_key = "backend:" + backend.url
             content_type = upstream.headers.get("Content-Type", "")
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 with timing.waiting():
