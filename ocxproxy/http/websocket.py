@@ -33,7 +33,7 @@ from ocxproxy.errors import (
     StoreFailure,
     UpstreamError,
 )
-from ocxproxy.http.context import Proxy, check_client_key, proxy_of, scope_of
+from ocxproxy.http.context import Proxy, proxy_of, scope_of
 from ocxproxy.http.headers import upstream_headers
 from ocxproxy.http.middleware import SELF_TIMED
 from ocxproxy.http.passthrough import passthrough
@@ -78,8 +78,7 @@ _EVICTING = frozenset((TurnOutcome.REJECTED, TurnOutcome.BACKEND_ERROR, TurnOutc
 async def responses_socket(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Upgrade", "").strip().lower() != "websocket":
         return await passthrough(request)
-    proxy = proxy_of(request)
-    check_client_key(request, proxy.config.api_keys)
+    proxy = proxy_of(request)  # the client key was checked by the middleware
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT, max_msg_size=proxy.config.max_body_bytes)
     await ws.prepare(request)
     request[SELF_TIMED] = True  # a connection is not one request: turns record overhead
