@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -32,19 +31,25 @@ __all__ = ["Backend", "Timing", "UpstreamPool", "read_chunk"]
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
 
 
-@dataclass(slots=True)
 class Timing:
-    """Where a request's time went; the handler subtracts it from its own wall time."""
+    """Where a request's time went; the handler subtracts it from its own wall time.
+    `with timing.waiting():` brackets each wait on a backend (a plain class: a generator
+    context manager costs microseconds on every chunk)."""
 
-    upstream: float = 0.0  # seconds spent waiting on the backend
+    __slots__ = ("_since", "upstream")
 
-    @contextlib.contextmanager
-    def waiting(self) -> Any:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.upstream += time.perf_counter() - start
+    def __init__(self) -> None:
+        self.upstream = 0.0  # seconds spent waiting on the backend
+        self._since = 0.0
+
+    def waiting(self) -> Timing:
+        return self
+
+    def __enter__(self) -> None:
+        self._since = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.upstream += time.perf_counter() - self._since
 
 
 async def read_chunk(response: UpstreamResponse) -> bytes:
