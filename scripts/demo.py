@@ -31,7 +31,7 @@ QUESTIONS = (
 
 
 def long_message(tokens: int, seed: int = 7) -> str:
-    """Deterministic filler of roughly `tokens` tokens (≈ 0.75 words a token)."""
+    """Deterministic filler of roughly `tokens` SmolLM2 tokens (≈ 0.72 words a token)."""
     rng = random.Random(seed)
     words = [
         "proxy",
@@ -56,7 +56,7 @@ def long_message(tokens: int, seed: int = 7) -> str:
         "budget",
     ]
     out = ["Project notes:"]
-    for i in range(int(tokens * 0.6)):
+    for i in range(int(tokens * 0.72)):
         out.append(rng.choice(words) if i % 9 else str(rng.randint(10, 999)))
     return " ".join(out)
 
