@@ -2,33 +2,76 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from aiohttp import web
 
+from ocxproxy.errors import PayloadTooLarge, UpstreamError
 from ocxproxy.http.context import proxy_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
+from ocxproxy.upstream.client import Timing
+from ocxproxy.upstream.dialect import UpstreamResponse
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     timing = timing_of(request)
     headers = upstream_headers(request.headers, proxy.config, identity=False)
-    data = request.content if request.body_exists else None
-    async with proxy.pool.open(
-        request.method, request.path_qs, headers, data, timing=timing, retry=data is None
-    ) as (_, upstream):
-        response = web.StreamResponse(
-            status=upstream.status,
-            reason=upstream.reason,
-            headers=client_headers(upstream.headers, body_rewritten=False),
-        )
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
-        await response.prepare(request)
-        while True:
-            with timing.waiting():
-                chunk = await upstream.content.readany()
-            if not chunk:
-                break
-            await response.write(chunk)
-        await response.write_eof()
-        return response
+    limit = proxy.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
+    body = _BoundedBody(request, limit) if request.body_exists else None
+    try:
+        async with proxy.pool.open(
+            request.method,
+            request.path_qs,
+            headers,
+            body.chunks() if body else None,
+            timing=timing,
+            retry=body is None,
+        ) as (_, upstream):
+            return await _relay(request, upstream, timing)
+    except UpstreamError:
+        if body is not None and body.exceeded:  # aiohttp wraps what the body raised
+            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.") from None
+        raise
+
+
+async def _relay(
+    request: web.Request, upstream: UpstreamResponse, timing: Timing
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        status=upstream.status,
+        reason=upstream.reason,
+        headers=client_headers(upstream.headers, body_rewritten=False),
+    )
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    await response.prepare(request)
+    while True:
+        with timing.waiting():
+            chunk = await upstream.content.readany()
+        if not chunk:
+            break
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+class _BoundedBody:
+    """The client's body, streamed on and cut off past the limit (a chunked body has no
+    Content-Length to check up front)."""
+
+    def __init__(self, request: web.Request, limit: int) -> None:
+        self.request = request
+        self.limit = limit
+        self.exceeded = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self.request.content.iter_any():
+            size += len(chunk)
+            if size > self.limit:
+                self.exceeded = True
+                raise PayloadTooLarge(f"Request body exceeds {self.limit} bytes.")
+            yield chunk

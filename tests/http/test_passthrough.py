@@ -134,3 +134,22 @@ async def test_large_bodies_stream_both_ways(
         answer = await resp.json()
     assert answer["choices"][0]["message"]["content"] == "echo#1: " + content
     assert backend.seen[0].body == body
+
+
+async def test_bodies_over_the_limit_are_413_and_never_reach_the_backend(
+    backend: FakeBackend, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(backend.url, max_body_bytes=1000)
+    url = proxy.url + "/v1/chat/completions"
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length to check up front
+        for _ in range(4):
+            yield b"y" * 500
+
+    for data in (b"x" * 2000, chunked()):
+        async with http.post(url, data=data) as resp:
+            assert resp.status == 413
+            assert (await resp.json())["error"]["code"] == "request_too_large"
+    assert not [s for s in backend.seen if s.path == "/v1/chat/completions"]
+    async with http.post(url, json=CHAT) as resp:  # the proxy stays up
+        assert resp.status == 200
