@@ -8,47 +8,26 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import openai
 import orjson
 import pytest
-import pytest_asyncio
 
-from ocxproxy.upstream import local
 from scripts.demo import QUESTIONS, long_message
 from tests.conftest import MakeProxy, ProxyHandle
+from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, cached_ratio
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(300)]
 
-MODEL = local.default_model_path()
-if MODEL is None or not local.is_available():
-    pytest.skip("xllamacpp or the SmolLM2 model is not installed", allow_module_level=True)
-
-MIN_CACHED_RATIO = 0.9
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def llama_url() -> AsyncIterator[str]:
-    assert MODEL is not None
-    backend = local.LocalBackend(MODEL)
-    url = await backend.start()
-    try:
-        yield url
-    finally:
-        await backend.stop()
+if not HAVE_LLAMA:
+    pytest.skip(MISSING, allow_module_level=True)
 
 
 @pytest.fixture
 async def llama_proxy(make_proxy: MakeProxy, llama_url: str) -> ProxyHandle:
     return await make_proxy(llama_url)
-
-
-def cached_ratio(usage: openai.types.responses.ResponseUsage | None) -> float:
-    assert usage is not None and usage.input_tokens > 0
-    return usage.input_tokens_details.cached_tokens / usage.input_tokens
 
 
 async def test_chain_hits_prefix_cache_every_continuation(llama_proxy: ProxyHandle) -> None:
