@@ -107,17 +107,22 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
     return 0
 
 
-def _raw_settings(args: argparse.Namespace, environ: dict[str, str]) -> dict[str, Any]:
-    """Flags win over the environment; list settings take a comma list from the env."""
+def _raw_settings(
+    args: argparse.Namespace, environ: dict[str, str]
+) -> tuple[dict[str, Any], set[str]]:
+    """Flags win over the environment; list settings take a comma list from the env.
+    Also returns which settings came from the environment (errors name the variable)."""
     raw: dict[str, Any] = {}
+    from_env: set[str] = set()
     for name in SETTINGS:
         value = getattr(args, name, None)
         if value is None:
             env = environ.get(env_name(name))
             if env is not None:
                 value = [env] if name in LIST_SETTINGS else env
+                from_env.add(name)
         raw[name] = value
-    return raw
+    return raw, from_env
 
 
 def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
@@ -126,7 +131,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     if args.command == "state":
         return _state(args, environ)
     try:
-        config = build_config(_raw_settings(args, environ))
+        raw, from_env = _raw_settings(args, environ)
+        config = build_config(raw, from_env=from_env)
     except ConfigError as exc:
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 2

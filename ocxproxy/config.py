@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,8 +284,9 @@ def metavar_for(setting: str) -> str | None:
     return None if metavar is None else str(metavar)
 
 
-def build_config(raw: Mapping[str, Any]) -> Config:
-    """Raw strings (flags, else environment) → a validated Config, or ConfigError."""
+def build_config(raw: Mapping[str, Any], *, from_env: Collection[str] = ()) -> Config:
+    """Raw strings (flags, else environment) → a validated Config, or ConfigError naming
+    the flag, or the environment variable for the settings in `from_env`."""
     values: dict[str, Any] = {}
     for name, value in raw.items():
         if value is None:
@@ -304,7 +305,8 @@ def build_config(raw: Mapping[str, Any]) -> Config:
             else:
                 values[name] = value
         except ValueError as exc:
-            raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+            source = env_name(name) if name in from_env else "--" + name.replace("_", "-")
+            raise ConfigError(f"{source}: {exc}") from None
     try:
         return Config(**values)
     except ValueError as exc:

@@ -48,9 +48,9 @@ def test_serve_help_names_flags_and_env(capsys: pytest.CaptureFixture[str]) -> N
         (["--upstream", "ftp://x"], {}, "--upstream"),
         (["--port", "99999"], {}, "--port"),
         (["--ttl", "forever"], {}, "--ttl"),
-        ([], {"OCXPROXY_PORT": "99999"}, "port"),
-        ([], {"OCXPROXY_UPSTREAM": "ftp://x"}, "upstream"),
-        ([], {"OCXPROXY_ZDR": "perhaps"}, "zdr"),
+        ([], {"OCXPROXY_PORT": "99999"}, "OCXPROXY_PORT:"),
+        ([], {"OCXPROXY_UPSTREAM": "ftp://x"}, "OCXPROXY_UPSTREAM:"),
+        ([], {"OCXPROXY_ZDR": "perhaps"}, "OCXPROXY_ZDR:"),
     ],
 )
 def test_bad_value_exits_2_with_one_line(
