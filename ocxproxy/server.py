@@ -43,6 +43,8 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_get("/metrics", health.metrics)
     r.add_post("/v1/responses", responses.create_response)
     r.add_get("/v1/responses", websocket.responses_socket)  # upgrade, else passthrough
+    r.add_post("/v1/responses/input_tokens", responses.create_sibling)
+    r.add_post("/v1/responses/compact", responses.create_sibling)
     r.add_get("/v1/responses/{response_id}", responses.get_response)
     r.add_delete("/v1/responses/{response_id}", responses.delete_response)
     r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)

@@ -13,26 +13,28 @@ from ocxproxy.upstream.client import Timing
 from ocxproxy.upstream.dialect import UpstreamResponse
 
 
-async def passthrough(request: web.Request) -> web.StreamResponse:
+async def passthrough(request: web.Request, *, body: bytes | None = None) -> web.StreamResponse:
+    """Forward the request as it is. `body`: the client's body when a handler already read
+    it (then it may be sent again to another backend)."""
     proxy = proxy_of(request)
     timing = timing_of(request)
     headers = upstream_headers(request.headers, proxy.config, identity=False)
     limit = proxy.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
-    body = _BoundedBody(request, limit) if request.body_exists else None
+    stream = _BoundedBody(request, limit) if request.body_exists and body is None else None
     try:
         async with proxy.pool.open(
             request.method,
             request.path_qs,
             headers,
-            body.chunks() if body else None,
+            stream.chunks() if stream else body,
             timing=timing,
-            retry=body is None,
+            retry=stream is None,
         ) as (_, upstream):
             return await _relay(request, upstream, timing)
     except UpstreamError:
-        if body is not None and body.exceeded:  # aiohttp wraps what the body raised
+        if stream is not None and stream.exceeded:  # aiohttp wraps what the body raised
             raise PayloadTooLarge(f"Request body exceeds {limit} bytes.") from None
         raise
 

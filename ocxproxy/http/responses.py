@@ -16,6 +16,7 @@ from aiohttp import web
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
+    check_request,
     expand,
     parse_request,
     serialize_items,
@@ -267,6 +268,29 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 exchange.finish(orjson.loads(body), raw=body)
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
+        return web.Response(
+            body=body,
+            status=upstream.status,
+            headers=client_headers(upstream.headers, body_rewritten=False),
+        )
+
+
+async def create_sibling(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses/input_tokens` and `/v1/responses/compact` take
+    `previous_response_id` too: it is expanded the same way (the backend counts or compacts
+    the whole chain), and nothing is remembered. Without one, the body passes unchanged."""
+    proxy = proxy_of(request)
+    raw = await read_body(request, proxy.config.max_body_bytes)
+    parsed = _loads(raw)
+    if not isinstance(parsed, dict) or parsed.get("previous_response_id") is None:
+        return await passthrough(request, body=raw)
+    exchange = await prepare_exchange(proxy, scope_of(request), check_request(parsed), raw)
+    timing = timing_of(request)
+    headers = upstream_headers(request.headers, proxy.config, identity=False)
+    headers["Content-Type"] = "application/json"
+    async with open_upstream(exchange, request.path_qs, headers, timing) as (_, upstream):
+        with timing.waiting():
+            body = await upstream.read()
         return web.Response(
             body=body,
             status=upstream.status,

@@ -200,6 +200,7 @@ class FakeBackend:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
         app.router.add_post(RESPONSES_PATH, self._responses)
+        app.router.add_post("/v1/responses/input_tokens", self._input_tokens)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -321,6 +322,21 @@ class FakeBackend:
 
     async def _models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+
+    async def _input_tokens(self, request: web.Request) -> web.Response:
+        """`POST /v1/responses/input_tokens`, stateless: the count reveals the items seen."""
+        payload = await self._payload(request)
+        if isinstance(payload, web.Response):
+            return payload
+        if payload.get("previous_response_id") is not None:
+            return _json_response(
+                error_body("'previous_response_id' is not supported", param="previous_response_id"),
+                400,
+            )
+        turn = _interpret(payload)
+        return _json_response(
+            {"object": "response.input_tokens", "input_tokens": _tokens(len(turn.canonical))}
+        )
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -788,3 +788,47 @@ async def test_logs_never_carry_content_or_tokens(
         text = record.getMessage()
         for secret in ("SECRET", "echo#", "sk-secret-token"):
             assert secret not in text, text
+
+
+async def test_input_tokens_counts_the_whole_chain(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    """`/v1/responses/input_tokens` takes previous_response_id too: expanded, not stored."""
+    client = proxy.client()
+    r1 = await client.responses.create(model="m", input="hello " * 50)
+    alone = await client.responses.input_tokens.count(model="m", input="how long?")
+    chained = await client.responses.input_tokens.count(
+        model="m", input="how long?", previous_response_id=r1.id
+    )
+    assert chained.input_tokens > alone.input_tokens
+    forwarded = backend.seen[-1]
+    assert forwarded.path == "/v1/responses/input_tokens"
+    assert "previous_response_id" not in forwarded.json
+    assert len(forwarded.json["input"]) == 3  # hello…, its answer, how long?
+    assert len(proxy.proxy.store) == 1  # counting remembers nothing
+
+    before = len(backend.seen)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.input_tokens.count(model="m", previous_response_id="resp_nope")
+    assert info.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError):  # another credential
+        await proxy.client(api_key="sk-other").responses.input_tokens.count(
+            model="m", previous_response_id=r1.id
+        )
+    assert len(backend.seen) == before
+
+
+async def test_input_tokens_without_previous_id_passes_unchanged(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    raw = b'{"input":  "x",   "model":"m"}'
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            proxy.url + "/v1/responses/input_tokens",
+            data=raw,
+            headers={"Content-Type": "application/json"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+    assert backend.seen[-1].body == raw
