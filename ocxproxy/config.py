@@ -238,9 +238,6 @@ class Config:
             return dialects[self.upstream.index(url)]
         return DIALECTS[0]
 
-    def with_(self, **changes: Any) -> Config:
-        return dataclasses.replace(self, **changes)
-
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "port": parse_port,

@@ -55,6 +55,7 @@ from benchkit import (
     OUTPUT_ITEM,
     Child,
     Summary,
+    add_common_options,
     cpu_seconds,
     machine_busy_seconds,
     make_items,
@@ -656,13 +657,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run, < 30 s")
-    parser.add_argument(
-        "--nice",
-        type=int,
-        metavar="N",
-        help="run the benchmark's processes at niceness N (e.g. -10, as root) on a shared box",
-    )
+    add_common_options(parser)
     parser.add_argument("--n", type=int, default=2000, help="pairs per size scenario")
     parser.add_argument("--m", type=int, default=1000, help="pairs per chain point")
     parser.add_argument("--warmup", type=int, default=100)

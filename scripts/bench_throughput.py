@@ -34,6 +34,7 @@ import orjson
 from benchkit import (
     PYTHON,
     Summary,
+    add_common_options,
     cpu_seconds,
     machine_busy_seconds,
     make_items,
@@ -307,13 +308,7 @@ def main() -> None:
     w.add_argument("--history-kb", type=int, default=0)
     w.add_argument("--chain-turns", type=int, default=172)
     w.add_argument("--client", choices=("raw", "aiohttp"), default="raw")
-    parser.add_argument("--quick", action="store_true", help="smoke run, < 30 s")
-    parser.add_argument(
-        "--nice",
-        type=int,
-        metavar="N",
-        help="run the benchmark's processes at niceness N (e.g. -10, as root) on a shared box",
-    )
+    add_common_options(parser)
     parser.add_argument("--chains", type=int, default=64, help="concurrent conversations")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per configuration")
     parser.add_argument("--clients", type=int, default=1, help="load-generator processes")

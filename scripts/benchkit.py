@@ -7,6 +7,7 @@ percentiles, a plain-text table, and a py-spy summary.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import os
@@ -139,6 +140,17 @@ def running(*children: Child) -> Iterator[None]:
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """`--quick` and `--nice`, the options every benchmark takes."""
+    parser.add_argument("--quick", action="store_true", help="smoke run, < 30 s")
+    parser.add_argument(
+        "--nice",
+        type=int,
+        metavar="N",
+        help="run the benchmark's processes at niceness N (e.g. -10, as root) on a shared box",
+    )
 
 
 def raise_priority(niceness: int) -> str:

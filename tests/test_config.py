@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -203,9 +204,9 @@ def test_config_is_frozen_and_with_validates() -> None:
     config = Config()
     with pytest.raises(AttributeError):
         config.port = 1  # type: ignore[misc]
-    assert config.with_(port=1).port == 1
+    assert dataclasses.replace(config, port=1).port == 1
     with pytest.raises(ValueError):
-        config.with_(max_entries=0)
+        dataclasses.replace(config, max_entries=0)
 
 
 def test_fleet_settings_parse_and_validate() -> None:

@@ -38,10 +38,6 @@ class ResidentTier:
         self._lru[segment.key] = segment
         self.bytes += segment.size
 
-    def touch(self, segment: Segment) -> None:
-        if segment.key in self._lru:
-            self._lru.move_to_end(segment.key)
-
     def touch_all(self, segments: Sequence[Segment]) -> None:
         """Mark a whole chain recently used (the hot path: one C-level pass)."""
         lru = self._lru

@@ -18,10 +18,6 @@ class Event:
     name: str | None
     data: bytes
 
-    @property
-    def is_comment(self) -> bool:
-        return self.name is None and not self.data
-
 
 def parse_event(raw: bytes) -> Event:
     name: str | None = None

@@ -30,22 +30,14 @@ from typing import Any, Literal, Self
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
+
+from tests.fakes.backend import Seen
 
 CHAT_PATH = "/v1/chat/completions"
 _CALL_RE = re.compile(r"CALL:([A-Za-z0-9_\-]+)")
 
 Json = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    method: str
-    path: str
-    body: bytes
-
-    @property
-    def json(self) -> Any:
-        return orjson.loads(self.body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +136,9 @@ class ChatBackend:
         return web.json_response({"object": "list", "data": [{"id": "chat-model"}]})
 
     async def _not_found(self, request: web.Request) -> web.Response:
-        self.seen.append(Seen(request.method, request.path, await request.read()))
+        self.seen.append(
+            Seen(request.method, request.path, CIMultiDict(request.headers), await request.read())
+        )
         return web.json_response(
             {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
             status=404,
@@ -152,7 +146,7 @@ class ChatBackend:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        self.seen.append(Seen(request.method, request.path, raw))
+        self.seen.append(Seen(request.method, request.path, CIMultiDict(request.headers), raw))
         script = self.script.pop(0) if self.script else None
         if script is not None and script.kind == "fail":
             return web.Response(

@@ -27,7 +27,8 @@ CR = LF.replace(b"\n", b"\r")
 )
 def test_parse_event(raw: bytes, name: str | None, data: bytes, comment: bool) -> None:
     event = parse_event(raw)
-    assert (event.raw, event.name, event.data, event.is_comment) == (raw, name, data, comment)
+    is_comment = event.name is None and not event.data
+    assert (event.raw, event.name, event.data, is_comment) == (raw, name, data, comment)
 
 
 @pytest.mark.parametrize("stream", [LF, CRLF, CR], ids=["lf", "crlf", "cr"])
