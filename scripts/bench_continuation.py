@@ -472,7 +472,6 @@ def naive_section(args: argparse.Namespace) -> list[list[object]]:
         tail, _ = serialize_items(items)
         turn = build_turn(
             response={"id": "resp_base", "output": [OUTPUT_ITEM]},
-            response_raw=None,
             scope="anonymous",
             durable=False,
             tail=tail,

@@ -30,7 +30,6 @@ def not_recordable_reason(response: Any) -> str | None:
 def build_turn(
     *,
     response: dict[str, Any],
-    response_raw: bytes | None,
     scope: str,
     durable: bool,
     tail: bytes,
@@ -50,7 +49,8 @@ def build_turn(
         items=items,
         n_items=len(tail_items) + n_out,
         call_ids=call_ids_of(tail_items) | call_ids_of(output),
-        response=response_raw if response_raw is not None else orjson.dumps(response),
+        # Encoded like the items, so the store finds the output in them and keeps it once.
+        response=orjson.dumps(response),
         backend=backend,
         affinity_key=affinity_key,
         stored=stored,

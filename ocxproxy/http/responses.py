@@ -84,9 +84,8 @@ class Exchange:
     recorded: bool = False
     finished: bool = False  # a terminal response arrived (remembered or not)
 
-    def finish(self, response: Any, raw: bytes | None = None) -> None:
-        """Remember the turn when the response is one to remember (C1.6). `raw` is the
-        response object's JSON as received, when the backend sent it bare."""
+    def finish(self, response: Any) -> None:
+        """Remember the turn when the response is one to remember (C1.6)."""
         self.finished = True
         metrics = self.proxy.metrics
         self.observe_usage(response)
@@ -100,7 +99,6 @@ class Exchange:
             self.tail = tail_as_sent(self.body, self.request)
         turn = build_turn(
             response=response,
-            response_raw=raw,
             scope=self.scope,
             durable=self.durable,
             tail=self.tail,
@@ -265,7 +263,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             body = await upstream.read()
         if upstream.status == 200 and "json" in content_type:
             try:
-                exchange.finish(orjson.loads(body), raw=body)
+                exchange.finish(orjson.loads(body))
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
         return web.Response(

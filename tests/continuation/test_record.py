@@ -68,7 +68,6 @@ def test_build_turn_is_tail_then_output(
     resp = response(output=output)
     turn = build_turn(
         response=resp,
-        response_raw=None,
         scope="s",
         durable=True,
         tail=tail,
@@ -87,15 +86,14 @@ def test_build_turn_is_tail_then_output(
     assert (turn.backend, turn.affinity_key) == ("http://b", "k")
 
 
-def test_build_turn_keeps_raw_response_bytes() -> None:
+def test_build_turn_encodes_the_response_like_its_items() -> None:
     raw = b'{"id": "resp_1",  "output": []}'
     turn = build_turn(
         response=orjson.loads(raw),
-        response_raw=raw,
         scope="s",
         durable=False,
         tail=b"",
         tail_items=[],
     )
-    assert turn.response == raw
+    assert turn.response == b'{"id":"resp_1","output":[]}'
     assert turn.durable is False
