@@ -1,6 +1,6 @@
-"""The backend pool's I/O: one keep-alive session, requests, health probes.
+"""The backend pool's I/O: keep-alive connections, requests, health probes.
 
-`open()` is the only way to talk to a backend; every aiohttp or timeout error that
+`open()` is the only way to talk to a backend; every connection or timeout error that
 escapes it is an UpstreamError. The choice of backend, health state and admission are
 upstream/pool.py's (the Fleet); this module sends, probes and tells the Fleet what it saw.
 A request is tried on another backend only when nothing came back from the first (no
@@ -16,12 +16,17 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import aiohttp
-
 from ocxproxy.config import Config
 from ocxproxy.errors import UpstreamError
 from ocxproxy.metrics import Metrics
 from ocxproxy.upstream.dialect import Translator, UpstreamResponse
+from ocxproxy.upstream.http1 import (
+    BrokenOff,
+    ConnectFailed,
+    Disconnected,
+    Http1Client,
+    Http1Error,
+)
 from ocxproxy.upstream.pool import Backend, Choice, Fleet, Placement, Routing
 
 log = logging.getLogger("ocxproxy.upstream")
@@ -61,12 +66,12 @@ async def read_chunk(response: UpstreamResponse) -> bytes:
         raise UpstreamError(
             "The backend went silent mid-response.", code="upstream_timeout", status=504
         ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"The backend broke off its response: {type(exc).__name__}.") from None
+    except Http1Error:
+        raise UpstreamError("The backend broke off its response.") from None
 
 
 class UpstreamPool:
-    """The backends behind one keep-alive session: sends requests, probes health.
+    """The backends behind keep-alive connections: sends requests, probes health.
 
     Which backend serves a request, and whether it may be sent at all, is the Fleet's
     decision (upstream/pool.py); this class does the I/O and maps its errors.
@@ -85,7 +90,9 @@ class UpstreamPool:
         )
         for backend in self.fleet.backends:
             backend.dialect = config.dialect_of(backend.url)
-        self._session: aiohttp.ClientSession | None = None
+        self.http = Http1Client(
+            connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
+        )
 
     def __repr__(self) -> str:
         return f"<UpstreamPool {self.fleet!r}>"
@@ -97,26 +104,8 @@ class UpstreamPool:
     def add(self, url: str) -> None:
         self.fleet.add(url).dialect = self.config.dialect_of(url)
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=self.config.connect_timeout,
-                    sock_read=self.config.read_timeout,
-                ),
-            )
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self.http.close()
 
     def is_ready(self) -> bool:
         return self.fleet.is_ready(time.monotonic())
@@ -143,16 +132,13 @@ class UpstreamPool:
         if self.config.upstream_api_key:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         try:
-            async with (
-                asyncio.timeout(min(self.config.connect_timeout, PROBE_TIMEOUT)),
-                self.session.get(
-                    backend.url + self.config.health_path,
-                    headers=headers,
-                    allow_redirects=False,
-                ) as response,
-            ):
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(min(self.config.connect_timeout, PROBE_TIMEOUT)):
+                response = await self.http.request(
+                    "GET", backend.url, self.config.health_path, headers, None
+                )
+            response.close()
+            status = response.status
+        except (Http1Error, TimeoutError) as exc:
             self.fleet.mark_down(backend, f"health probe failed: {type(exc).__name__}")
             return
         if status < 500:
@@ -204,15 +190,9 @@ class UpstreamPool:
                 path, body = translator.request(backend.dialect)  # InvalidRequest: unsent
                 try:
                     with timing.waiting():
-                        response = await self.session.request(
-                            method,
-                            backend.url + path,
-                            headers=headers,
-                            data=body,
-                            allow_redirects=False,
-                        )
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                    fleet.mark_down(backend, f"connect failed: {type(exc).__name__}")
+                        response = await self.http.request(method, backend.url, path, headers, body)
+                except ConnectFailed as exc:
+                    fleet.mark_down(backend, str(exc))
                     metrics.upstream_requests.labels(backend.url, "connect_error").inc()
                     last_error = UpstreamError(
                         f"The backend at {backend.url} is unreachable.",
@@ -222,7 +202,7 @@ class UpstreamPool:
                     if retry:
                         continue
                     raise last_error from None
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                except Disconnected as exc:
                     # Often a keep-alive connection the backend had just closed: one more
                     # try on the same backend, then it counts as down.
                     metrics.upstream_requests.labels(backend.url, "disconnected").inc()
@@ -247,7 +227,7 @@ class UpstreamPool:
                         code="upstream_timeout",
                         status=504,
                     ) from None
-                except aiohttp.ClientError as exc:
+                except Http1Error as exc:
                     metrics.upstream_requests.labels(backend.url, "error").inc()
                     raise UpstreamError(
                         f"The backend request failed: {type(exc).__name__}."
@@ -262,10 +242,8 @@ class UpstreamPool:
                     metrics.affinity.labels(result=str(placement)).inc()
                 try:
                     yield backend, translator.response(backend.dialect, response)
-                except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-                    raise UpstreamError(
-                        f"The backend broke off its response: {type(exc).__name__}."
-                    ) from None
+                except BrokenOff:
+                    raise UpstreamError("The backend broke off its response.") from None
                 except TimeoutError:
                     raise UpstreamError(
                         "The backend went silent mid-response.",

@@ -3,7 +3,7 @@
 The pool builds one `Translator` per request. For a backend of the `chat` dialect it turns a
 `POST /v1/responses` body into a `POST /v1/chat/completions` request (an unsupported field
 raises InvalidRequest before anything is sent) and wraps the answer in a `ChatAnswer`: the
-same surface the http layer reads from an aiohttp response (`status`, `headers`,
+same surface the http layer reads from a backend's answer (`status`, `headers`,
 `content.readany()`, `read()`), producing Responses JSON or Responses SSE. Every other
 request, and every request to a `responses` backend, passes through untouched. The
 translation itself is pure (chat.py, chat_stream.py); this module only moves the bytes.
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ocxproxy.errors import InvalidRequest, UpstreamError
 from ocxproxy.upstream.chat import CHAT_PATH, ChatRequest, chat_error, to_chat
 from ocxproxy.upstream.chat_stream import ChatStream
+from ocxproxy.upstream.http1 import Http1Response
 
 CHAT = "chat"
 RESPONSES_PATH = "/v1/responses"
@@ -34,8 +34,8 @@ class BodyReader(Protocol):
 
 
 class UpstreamResponse(Protocol):
-    """What the proxy reads from a backend's answer: an aiohttp.ClientResponse, or a
-    ChatAnswer standing in for one."""
+    """What the proxy reads from a backend's answer: an Http1Response, or a ChatAnswer
+    standing in for one."""
 
     @property
     def status(self) -> int: ...
@@ -86,7 +86,7 @@ class Translator:
             self._encoded = self._chat.encode()
         return CHAT_PATH, self._encoded
 
-    def response(self, dialect: str, raw: aiohttp.ClientResponse) -> UpstreamResponse:
+    def response(self, dialect: str, raw: Http1Response) -> UpstreamResponse:
         if dialect != CHAT or self._chat is None:
             return raw
         return ChatAnswer(raw, self._chat)
@@ -97,7 +97,7 @@ class ChatAnswer:
     stream and the backend answered 200, else JSON; non-200 answers keep their status
     with an OpenAI-shaped error body."""
 
-    def __init__(self, raw: aiohttp.ClientResponse, request: ChatRequest) -> None:
+    def __init__(self, raw: Http1Response, request: ChatRequest) -> None:
         self._raw = raw
         self._translation = ChatStream(request)
         self._sse_in = raw.headers.get("Content-Type", "").startswith("text/event-stream")
