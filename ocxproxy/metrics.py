@@ -2,14 +2,28 @@
 
 Components receive the Metrics object; nothing imports a global. Names follow
 `ocxproxy_<thing>_<unit>`.
+
+The metric types are our own, not prometheus_client's: a turn updates about twenty of
+them, and prometheus_client's `labels()` + `inc()`/`observe()` (validation, locks, one
+object per sample) cost ~120 µs a turn, the largest share of the proxy's own CPU. Here a
+labelled child is a dict lookup and an update is an attribute add; all updates happen on
+the event loop thread. prometheus_client still renders them, through one Collector.
 """
 
 from __future__ import annotations
 
-import functools
+import bisect
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 _FAST_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -18,180 +32,283 @@ _SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
+class Value:
+    """One sample of a counter or gauge."""
+
+    __slots__ = ("function", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.function: Callable[[], float] | None = None
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def set_function(self, function: Callable[[], float]) -> None:
+        """The gauge reads `function()` at each scrape instead."""
+        self.function = function
+
+    def get(self) -> float:
+        return self.function() if self.function is not None else self.value
+
+
+class Buckets:
+    """One histogram: a count per bucket (the last is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # `le` is inclusive
+        self.sum += value
+
+
+C = TypeVar("C", Value, Buckets)
+
+
+class _Family(Generic[C]):
+    """A named metric and its children by label values."""
+
+    _only: C  # the one child of a metric without labels
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = ()) -> None:
+        self.name = name
+        self.doc = doc
+        self.labelnames = tuple(labelnames)
+        self.children: dict[tuple[str, ...], C] = {}
+        if not self.labelnames:
+            self._only = self.labels()
+
+    def new_child(self) -> C:
+        raise NotImplementedError
+
+    def labels(self, *values: str, **named: str) -> C:
+        key = values or tuple(named[n] for n in self.labelnames)
+        child = self.children.get(key)
+        if child is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
+            child = self.children[key] = self.new_child()
+        return child
+
+    def collect(self) -> Metric:
+        raise NotImplementedError
+
+
+class Counter(_Family[Value]):
+    def new_child(self) -> Value:
+        return Value()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._only.value += amount
+
+    def get(self) -> float:
+        return self._only.get()
+
+    def collect(self) -> Metric:
+        name = self.name.removesuffix("_total")
+        family = CounterMetricFamily(name, self.doc, labels=self.labelnames)
+        for key, child in self.children.items():
+            family.add_metric(key, child.get())
+        return family
+
+
+class Gauge(Counter):
+    def set(self, value: float) -> None:
+        self._only.value = value
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._only.value -= amount
+
+    def set_function(self, function: Callable[[], float]) -> None:
+        self._only.function = function
+
+    def collect(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for key, child in self.children.items():
+            family.add_metric(key, child.get())
+        return family
+
+
+class Histogram(_Family[Buckets]):
+    def __init__(
+        self, name: str, doc: str, labelnames: Sequence[str], *, buckets: tuple[float, ...]
+    ) -> None:
+        self.bounds = tuple(sorted(buckets))
+        super().__init__(name, doc, labelnames)
+
+    def new_child(self) -> Buckets:
+        return Buckets(self.bounds)
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        les = [_le(b) for b in self.bounds] + ["+Inf"]
+        for key, child in self.children.items():
+            running, cumulative = 0, []
+            for le, count in zip(les, child.counts, strict=True):
+                running += count
+                cumulative.append((le, running))
+            family.add_metric(key, cumulative, child.sum)
+        return family
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for value in vars(self.metrics).values():
+            if isinstance(value, Counter | Histogram):
+                yield value.collect()
+
+
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "ocxproxy_requests_total",
             "Requests by route and outcome",
             ["route", "outcome"],
-            registry=r,
         )
         self.expansions = Counter(
             "ocxproxy_expansions_total",
             "previous_response_id expansions by outcome (hit or failure reason)",
             ["outcome"],
-            registry=r,
         )
         self.turns_recorded = Counter(
             "ocxproxy_turns_recorded_total",
             "Turns remembered, by where they live",
             ["kind"],
-            registry=r,
         )
         self.turns_not_recorded = Counter(
             "ocxproxy_turns_not_recorded_total",
             "Finished turns not remembered, by reason",
             ["reason"],
-            registry=r,
         )
         self.proxy_overhead = Histogram(
             "ocxproxy_proxy_overhead_seconds",
             "Time spent in the proxy per request, excluding time waiting on the backend",
             ["route"],
             buckets=_FAST_BUCKETS,
-            registry=r,
         )
         self.upstream_latency = Histogram(
             "ocxproxy_upstream_latency_seconds",
             "Backend request duration, to the last byte",
             ["backend"],
             buckets=_SLOW_BUCKETS,
-            registry=r,
         )
         self.upstream_ttfb = Histogram(
             "ocxproxy_upstream_ttfb_seconds",
             "Backend time to response headers",
             ["backend"],
             buckets=_SLOW_BUCKETS,
-            registry=r,
         )
         self.upstream_requests = Counter(
             "ocxproxy_upstream_requests_total",
             "Backend requests by outcome",
             ["backend", "outcome"],
-            registry=r,
         )
         self.upstream_in_flight = Gauge(
-            "ocxproxy_upstream_in_flight", "Backend requests in flight", ["backend"], registry=r
+            "ocxproxy_upstream_in_flight", "Backend requests in flight", ["backend"]
         )
         # Fleet (C6)
         self.backend_up = Gauge(
             "ocxproxy_backend_up",
             "1 while a backend is considered healthy, 0 while it is skipped",
             ["backend"],
-            registry=r,
         )
         self.affinity = Counter(
             "ocxproxy_affinity_total",
             "Keyed requests by placement: hit (their backend), new (placed by load), "
             "reroute (their backend was down or full)",
             ["result"],
-            registry=r,
         )
         self.admission_rejected = Counter(
             "ocxproxy_admission_rejected_total",
             "Requests answered 429 because a concurrency bound was reached, by bound",
             ["limit"],
-            registry=r,
         )
         self.cached_tokens = Counter(
             "ocxproxy_backend_cached_tokens_total",
             "Input tokens the backend reported as served from its prefix cache",
             ["backend"],
-            registry=r,
         )
         self.input_tokens = Counter(
             "ocxproxy_backend_input_tokens_total",
             "Input tokens the backend reported",
             ["backend"],
-            registry=r,
         )
         self.cached_ratio = Histogram(
             "ocxproxy_backend_cached_ratio",
             "Per-turn cached_tokens / input_tokens reported by the backend",
             ["backend"],
             buckets=_RATIO_BUCKETS,
-            registry=r,
         )
         self.stream_repairs = Counter(
             "ocxproxy_stream_repairs_total",
             "SSE streams that lacked spec fields and were repaired",
-            registry=r,
         )
         # Store (C4)
         self.store_entries = Gauge(
             "ocxproxy_store_entries",
             "Stored responses and segments by tier",
             ["tier"],
-            registry=r,
         )
-        self.store_bytes = Gauge(
-            "ocxproxy_store_bytes", "Stored bytes by tier", ["tier"], registry=r
-        )
+        self.store_bytes = Gauge("ocxproxy_store_bytes", "Stored bytes by tier", ["tier"])
         self.store_evictions = Counter(
             "ocxproxy_store_evictions_total",
             "Records or segments evicted, by reason",
             ["reason"],
-            registry=r,
         )
-        self.spill_writes = Counter(
-            "ocxproxy_spill_writes_total", "Spill files written", registry=r
-        )
-        self.spill_reads = Counter("ocxproxy_spill_reads_total", "Spill files read", registry=r)
+        self.spill_writes = Counter("ocxproxy_spill_writes_total", "Spill files written")
+        self.spill_reads = Counter("ocxproxy_spill_reads_total", "Spill files read")
         self.spill_failures = Counter(
             "ocxproxy_spill_failures_total",
             "Spill tier failures by reason",
             ["reason"],
-            registry=r,
         )
-        self.snapshot_writes = Counter(
-            "ocxproxy_snapshot_writes_total", "Snapshots written", registry=r
-        )
+        self.snapshot_writes = Counter("ocxproxy_snapshot_writes_total", "Snapshots written")
         self.snapshot_failures = Counter(
             "ocxproxy_snapshot_failures_total",
             "Snapshot write or load failures by reason",
             ["reason"],
-            registry=r,
         )
         self.snapshot_age = Gauge(
             "ocxproxy_snapshot_age_seconds",
             "Seconds since the last durable snapshot",
-            registry=r,
         )
         # WebSocket (C3)
-        self.ws_open = Gauge(
-            "ocxproxy_websocket_connections", "Open WebSocket connections", registry=r
-        )
+        self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")
         self.ws_frames = Counter(
             "ocxproxy_websocket_frames_total",
             "WebSocket frames by direction",
             ["direction"],
-            registry=r,
         )
         self.ws_turns = Counter(
             "ocxproxy_websocket_turns_total",
             "WebSocket turns by outcome",
             ["outcome"],
-            registry=r,
         )
         self.ws_cache = Counter(
             "ocxproxy_websocket_cache_total",
             "Connection-local cache lookups",
             ["result"],
-            registry=r,
         )
-
-        for metric in vars(self).values():
-            if isinstance(metric, MetricWrapperBase) and metric._labelnames:
-                _cache_children(metric)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _cache_children(metric: MetricWrapperBase) -> None:
-    """Memoize `labels()`: it validates, sorts and takes a lock on every call (~10 µs, and
-    the hot path labels a dozen metrics a turn). Label values here are few: routes,
-    outcomes, backends, reasons."""
-    metric.__dict__["labels"] = functools.lru_cache(maxsize=4096)(metric.labels)

@@ -61,7 +61,7 @@ async def test_tool_call_round_trip_with_auto_previous_response_id(
     )
     assert calls == ["n=1"]
     # The SDK sent only the tool output on top of the stored call; the proxy expanded it.
-    hits = proxy.proxy.metrics.expansions.labels(outcome="hit")._value.get()
+    hits = proxy.proxy.metrics.expansions.labels(outcome="hit").get()
     assert hits == 1
     last = backend.responses_seen[-1].json
     assert [item.get("type") for item in last["input"]][-2:] == [

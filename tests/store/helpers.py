@@ -104,7 +104,7 @@ def make_store(state_dir: Path | None, **overrides: Any) -> Store:
 def sample(metric: Any, **labels: str) -> float:
     """The current value of a prometheus metric (child)."""
     child = metric.labels(**labels) if labels else metric
-    return float(child._value.get())
+    return float(child.get())
 
 
 def spill_files(state_dir: Path) -> dict[str, Path]:
