@@ -37,6 +37,11 @@ _OWN_HEADERS = frozenset(
     ("host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect")
 )
 _NO_BODY_STATUS = frozenset((204, 304))
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _is_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # isdigit() alone takes "²"
 
 
 class Http1Error(Exception):
@@ -312,7 +317,7 @@ class Http1Response:
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
             self._framing = "chunked"
         elif length is not None:
-            if not length.strip().isdigit():
+            if not _is_digits(length.strip()):
                 raise BrokenOff(f"bad Content-Length {length!r}")
             self.content_length = self._left = int(length)
             self._framing = "length" if self._left else "done"
@@ -341,7 +346,7 @@ class Http1Response:
             del buffer[: end + 4]
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or not code.isdigit() or len(code) != 3:
+            if not version.startswith("HTTP/1.") or not _is_digits(code) or len(code) != 3:
                 raise BrokenOff(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
             status = int(code)
             if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): skip
@@ -453,12 +458,10 @@ class Http1Response:
                     self._framing = "done"
                     break
                 continue
-            try:
-                chunk_size = int(line.split(b";", 1)[0], 16)
-            except ValueError:
-                raise BrokenOff("bad chunked encoding: bad chunk size") from None
-            if chunk_size < 0:
+            digits = bytes(line.split(b";", 1)[0]).rstrip(b" \t")
+            if not digits or digits.strip(_HEX):
                 raise BrokenOff("bad chunked encoding: bad chunk size")
+            chunk_size = int(digits, 16)
             if chunk_size == 0:
                 self._in_trailers = True
             self._chunk_left = chunk_size
