@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -37,21 +38,21 @@ def timing_of(request: web.Request) -> Timing:
     return request[TIMING_KEY]
 
 
-def bearer_token(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
+def bearer_token(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("Authorization", "")
     if value[:7].lower() == "bearer " and value[7:].strip():
         return value[7:].strip()
     return None
 
 
-def scope_of(request: web.Request) -> str:
+def scope_of(headers: Mapping[str, str]) -> str:
     """C5: a stored turn belongs to a hash of the caller's bearer token, never the token."""
-    token = bearer_token(request)
+    token = bearer_token(headers)
     if token is None:
         return ANONYMOUS
     return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
-def check_client_key(request: web.Request, keys: tuple[str, ...]) -> None:
-    if keys and bearer_token(request) not in keys:
+def check_client_key(headers: Mapping[str, str], keys: tuple[str, ...]) -> None:
+    if keys and bearer_token(headers) not in keys:
         raise Unauthorized("Incorrect API key provided.")

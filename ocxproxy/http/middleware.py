@@ -1,16 +1,21 @@
-"""Errors → OpenAI JSON (the one place that happens), per-route counts and proxy overhead."""
+"""Errors → OpenAI JSON (the one place that happens), per-route counts and proxy overhead.
+
+`guarded()` is that place for both ways a request comes in: aiohttp's routes (through the
+`handle_errors` middleware) and the front end's own create path (http/front.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 
-from ocxproxy.errors import OcxError, PayloadTooLarge, to_openai_error
-from ocxproxy.http.context import TIMING_KEY, check_client_key, proxy_of
+from ocxproxy.errors import OcxError, PayloadTooLarge
+from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of
 from ocxproxy.upstream.client import Timing
 
 log = logging.getLogger("ocxproxy.http")
@@ -20,6 +25,59 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PROBES = frozenset(("/healthz", "/readyz", "/metrics"))
 # Set by a handler that records its own overhead (a WebSocket connection, per turn).
 SELF_TIMED = web.RequestKey("self_timed", bool)
+
+
+class _Answered(Protocol):
+    @property
+    def status(self) -> int: ...
+
+
+A = TypeVar("A", bound=_Answered)
+
+
+class HttpError(OcxError):
+    """aiohttp's own refusals (no such route, wrong method), in the one error shape."""
+
+    type = "invalid_request_error"
+
+
+async def guarded(
+    proxy: Proxy,
+    method: str,
+    route: str,
+    headers: Mapping[str, str],
+    handler: Callable[[Timing], Awaitable[A]],
+    fail: Callable[[OcxError], A],
+    *,
+    self_timed: Callable[[], bool] = lambda: False,
+) -> A:
+    """Run a request's handler: check the client's key, turn an error into its answer
+    (`fail`), count the request by route and outcome and record the proxy's overhead (wall
+    time minus the time spent waiting on the backend)."""
+    timing = Timing()
+    start = time.perf_counter()
+    outcome = "error"
+    try:
+        if route not in _PROBES:
+            check_client_key(headers, proxy.config.api_keys)
+        answer = await handler(timing)
+        outcome = str(answer.status)
+        return answer
+    except OcxError as exc:
+        outcome = str(exc.status)
+        log.info("%s %s -> %d %s", method, route, exc.status, exc.code or exc.type)
+        return fail(exc)
+    except (ConnectionResetError, asyncio.CancelledError):  # the client went away
+        outcome = "client_disconnected"
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", method, route)
+        return fail(OcxError("The proxy failed to handle the request."))
+    finally:
+        proxy.metrics.requests.labels(route, outcome).inc()
+        if route != "/metrics" and not self_timed():
+            overhead = time.perf_counter() - start - timing.upstream
+            proxy.metrics.proxy_overhead.labels(route).observe(max(overhead, 0.0))
 
 
 def error_response(error: OcxError) -> web.Response:
@@ -37,38 +95,23 @@ def route_of(request: web.Request) -> str:
 @web.middleware
 async def handle_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     proxy = proxy_of(request)
-    timing = request[TIMING_KEY] = Timing()
-    route = route_of(request)
-    start = time.perf_counter()
-    outcome = "error"
-    try:
-        if route not in _PROBES:
-            check_client_key(request, proxy.config.api_keys)
-        response = await handler(request)
-        outcome = str(response.status)
-        return response
-    except OcxError as exc:
-        outcome = str(exc.status)
-        log.info("%s %s -> %d %s", request.method, route, exc.status, exc.code or exc.type)
-        return error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
-        outcome = "413"
-        return error_response(
-            PayloadTooLarge(f"Request body exceeds {proxy.config.max_body_bytes} bytes.")
-        )
-    except web.HTTPException as exc:
-        outcome = str(exc.status)
-        body = to_openai_error(exc.reason, "invalid_request_error")
-        return web.json_response(body, status=exc.status)
-    except (ConnectionResetError, asyncio.CancelledError):  # the client went away
-        outcome = "client_disconnected"
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, route)
-        body = to_openai_error("The proxy failed to handle the request.", "server_error")
-        return web.json_response(body, status=500)
-    finally:
-        proxy.metrics.requests.labels(route=route, outcome=outcome).inc()
-        if route != "/metrics" and not request.get(SELF_TIMED, False):
-            overhead = time.perf_counter() - start - timing.upstream
-            proxy.metrics.proxy_overhead.labels(route=route).observe(max(overhead, 0.0))
+
+    async def run(timing: Timing) -> web.StreamResponse:
+        request[TIMING_KEY] = timing
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            limit = proxy.config.max_body_bytes
+            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.") from None
+        except web.HTTPException as exc:
+            raise HttpError(exc.reason, status=exc.status) from None
+
+    return await guarded(
+        proxy,
+        request.method,
+        route_of(request),
+        request.headers,
+        run,
+        error_response,
+        self_timed=lambda: request.get(SELF_TIMED, False),
+    )

@@ -8,10 +8,11 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from ocxproxy.continuation.expand import (
     Request,
@@ -247,18 +248,71 @@ def open_upstream(
     )
 
 
+class Reply(Protocol):
+    """Where a create call's answer goes: an aiohttp response (WebReply), or the front
+    end's own connection (http/front.py)."""
+
+    async def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """The whole answer at once."""
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        """The head of a streamed answer."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+class WebReply:
+    """A Reply on aiohttp: the route handler returns `response`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        self.response = web.Response(body=body, status=status, headers=headers)
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    timing = timing_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
-    exchange = await prepare_exchange(proxy, scope_of(request), parse_request(raw), raw)
-    headers = upstream_headers(request.headers, proxy.config, identity=True)
-    headers["Content-Type"] = "application/json"
-    async with open_upstream(exchange, request.path_qs, headers, timing) as (backend, upstream):
+    reply = WebReply(request)
+    await create(proxy, request.headers, request.path_qs, raw, timing_of(request), reply)
+    assert reply.response is not None
+    return reply.response
+
+
+async def create(
+    proxy: Proxy,
+    headers: Mapping[str, str],
+    path_qs: str,
+    raw: bytes,
+    timing: Timing,
+    reply: Reply,
+) -> None:
+    """`POST /v1/responses`: expand, forward, relay the answer, remember the turn."""
+    exchange = await prepare_exchange(proxy, scope_of(headers), parse_request(raw), raw)
+    forwarded = upstream_headers(headers, proxy.config, identity=True)
+    forwarded["Content-Type"] = "application/json"
+    async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
         exchange.backend = backend
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status == 200 and content_type.startswith("text/event-stream"):
-            return await relay_stream(request, upstream, exchange, timing)
+            await relay_stream(reply, upstream, exchange, timing)
+            return
         with timing.waiting():
             body = await upstream.read()
         if upstream.status == 200 and "json" in content_type:
@@ -266,11 +320,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 exchange.finish(orjson.loads(body))
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
-        return web.Response(
-            body=body,
-            status=upstream.status,
-            headers=client_headers(upstream.headers, body_rewritten=False),
-        )
+        answer_headers = client_headers(upstream.headers, body_rewritten=False)
+        await reply.answer(upstream.status, answer_headers, body)
 
 
 async def create_sibling(request: web.Request) -> web.StreamResponse:
@@ -282,7 +333,7 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
     parsed = _loads(raw)
     if not isinstance(parsed, dict) or parsed.get("previous_response_id") is None:
         return await passthrough(request, body=raw)
-    exchange = await prepare_exchange(proxy, scope_of(request), check_request(parsed), raw)
+    exchange = await prepare_exchange(proxy, scope_of(request.headers), check_request(parsed), raw)
     timing = timing_of(request)
     headers = upstream_headers(request.headers, proxy.config, identity=False)
     headers["Content-Type"] = "application/json"
@@ -297,28 +348,24 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
 
 
 async def relay_stream(
-    request: web.Request,
+    reply: Reply,
     upstream: UpstreamResponse,
     exchange: Exchange,
     timing: Timing,
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        status=upstream.status, headers=client_headers(upstream.headers, body_rewritten=True)
-    )
-    await response.prepare(request)
+) -> None:
+    await reply.start(upstream.status, client_headers(upstream.headers, body_rewritten=True))
     last: Event | None = None  # the last event with data, for the next sequence number
     try:
         async for batch in stream_events(upstream, exchange, timing):
-            await response.write(b"".join(event.raw for event in batch))
+            await reply.write(b"".join(event.raw for event in batch))
             last = next((e for e in reversed(batch) if e.data), last)
     except UpstreamError as exc:
         log.warning("backend broke off a stream: %s", exc.message)
         if not exchange.finished:
             # The status line is out: say so in the stream, then end it; nothing is recorded.
             exchange.proxy.metrics.turns_not_recorded.labels(reason="broken_off").inc()
-            await response.write(error_event(exc, _next_sequence_number(last)))
-    await response.write_eof()
-    return response
+            await reply.write(error_event(exc, _next_sequence_number(last)))
+    await reply.end()
 
 
 def error_event(error: OcxError, sequence_number: int | None) -> bytes:
@@ -394,7 +441,7 @@ def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
     """The caller's stored response; a store:false turn kept in memory for chaining is not
     retrievable (as on OpenAI)."""
     try:
-        record = proxy.store.lookup(scope_of(request), request.match_info["response_id"])
+        record = proxy.store.lookup(scope_of(request.headers), request.match_info["response_id"])
     except StoreFailure:
         return None
     return record if record.stored else None
@@ -419,7 +466,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
-    if not proxy.store.delete(scope_of(request), response_id):
+    if not proxy.store.delete(scope_of(request.headers), response_id):
         raise _not_found(response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 

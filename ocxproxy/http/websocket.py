@@ -117,7 +117,7 @@ class Connection:
         config = proxy.config
         self.proxy = proxy
         self.ws = ws
-        self.scope = scope_of(request)
+        self.scope = scope_of(request.headers)
         self.path_qs = request.path_qs
         self.headers = upstream_headers(request.headers, config, identity=True)
         for name in [k for k in self.headers if k.lower().startswith("sec-websocket-")]:
