@@ -14,6 +14,7 @@ from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
 from ocxproxy.http import health, passthrough, responses, websocket
 from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store
@@ -108,18 +109,40 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         await pool.close()
 
 
-async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
-    app = build_app(config)
+class Listener:
+    """A started app: its URL, and close() for the orderly shutdown."""
+
+    def __init__(self, runner: web.AppRunner) -> None:
+        self.runner = runner
+        host, port = runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    async def close(self) -> None:
+        """Stop listening, let requests finish, then the cleanup contexts in reverse."""
+        await self.runner.cleanup()
+
+
+async def listen(app: web.Application, host: str, port: int) -> Listener:
+    """Start the app (its startup hooks and cleanup contexts) and listen on host:port
+    through the front end (http/front.py)."""
+    app.on_response_prepare.append(close_after_answer)
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        print(f"ocxproxy listening on http://{host}:{port}/v1", flush=True)
+        await FrontSite(runner, host, port, grace=SHUTDOWN_GRACE).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return Listener(runner)
+
+
+async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
+    listener = await listen(build_app(config), config.host, config.port)
+    try:
+        print(f"ocxproxy listening on {listener.url}/v1", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -129,7 +152,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("shutting down")
     finally:
-        await runner.cleanup()
+        await listener.close()
 
 
 def run(config: Config) -> None:

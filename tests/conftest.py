@@ -11,12 +11,11 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from hypothesis import settings
 
 from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY, Proxy
-from ocxproxy.server import build_app
+from ocxproxy.server import Listener, build_app, listen
 from tests.fakes.backend import FakeBackend
 
 # Imported here, at collection, on purpose: CPython 3.11.7 can fail to compile hypothesis
@@ -30,7 +29,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 class ProxyHandle:
     url: str  # server root, e.g. http://127.0.0.1:PORT
     app: web.Application
-    server: TestServer
+    server: Listener
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)  # closed at teardown
 
     @property
@@ -75,9 +74,8 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
         overrides.setdefault("health_interval", 0)
         config = Config(upstream=tuple(upstreams), port=0, **overrides)
         app = build_app(config)
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()  # TestServer enables handler_cancellation
-        handle = ProxyHandle(str(server.make_url("")).rstrip("/"), app, server)
+        server = await listen(app, "127.0.0.1", 0)  # as `ocxproxy serve` does
+        handle = ProxyHandle(server.url, app, server)
         handles.append(handle)
         return handle
 
