@@ -98,8 +98,8 @@ class Store:
                 index=self._segments,
                 resident=self.resident,
                 durable_records=self._durable_records,
-                publish=self._publish,
             )
+        self._gauges()
 
     @classmethod
     def from_config(cls, config: Config, metrics: Metrics | None = None) -> Store:
@@ -150,7 +150,6 @@ class Store:
             "store loaded: %d records, %d files (%d bytes) from %s; %d stale entries removed",
             len(self._records), len(disk.files), disk.bytes, disk.root, removed,
         )  # fmt: skip
-        self._publish()
         disk.start()
 
     async def flush(self) -> bool:
@@ -243,7 +242,6 @@ class Store:
             raise StoreFailure(FailureReason.UNKNOWN)
         if record.expires_at <= self.clock():
             self._drop(record, FailureReason.EXPIRED, "expired")
-            self._publish()
             raise StoreFailure(FailureReason.EXPIRED)
         return record
 
@@ -298,7 +296,6 @@ class Store:
             raise failure
         if got:
             self._enforce_bounds()
-            self._publish()
         return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
     # -- changes -------------------------------------------------------------------------
@@ -339,7 +336,6 @@ class Store:
         if record.durable and self.disk is not None:
             self.disk.mark_dirty()
         self._enforce_bounds()
-        self._publish()
         return record
 
     def delete(self, scope: str, response_id: str) -> bool:
@@ -348,7 +344,6 @@ class Store:
         if record is None or record.scope != scope:
             return False
         self._drop(record, None, None)
-        self._publish()
         return True
 
     def sweep(self) -> int:
@@ -357,8 +352,6 @@ class Store:
         expired = [r for r in self._records.values() if r.expires_at <= now]
         for record in expired:
             self._drop(record, FailureReason.EXPIRED, "expired")
-        if expired:
-            self._publish()
         return len(expired)
 
     def _admit(self, segment: Segment) -> None:
@@ -466,15 +459,17 @@ class Store:
             snapshot_age=disk._snapshot_age() if disk and disk.last_snapshot else None,
         )
 
-    def _publish(self) -> None:
-        m, disk = self.metrics, self.disk
-        m.store_entries.labels(tier="records").set(len(self._records))
-        m.store_entries.labels(tier="resident").set(len(self.resident))
-        m.store_bytes.labels(tier="resident").set(self.resident.bytes)
+    def _gauges(self) -> None:
+        """The store's gauges are read when /metrics is scraped, never kept up to date on
+        the request path."""
+        m, disk, resident = self.metrics, self.disk, self.resident
+        m.store_entries.labels(tier="records").set_function(lambda: len(self._records))
+        m.store_entries.labels(tier="resident").set_function(lambda: len(resident))
+        m.store_bytes.labels(tier="resident").set_function(lambda: resident.bytes)
         if disk is not None:
-            m.store_entries.labels(tier="disk").set(len(disk.files))
-            m.store_bytes.labels(tier="disk").set(disk.bytes)
-            m.store_bytes.labels(tier="pending").set(disk.pending_bytes)
+            m.store_entries.labels(tier="disk").set_function(lambda: len(disk.files))
+            m.store_bytes.labels(tier="disk").set_function(lambda: disk.bytes)
+            m.store_bytes.labels(tier="pending").set_function(lambda: disk.pending_bytes)
 
     def check(self) -> list[str]:
         """Index and file drift, for tests and `state verify`; call it while idle (it lists

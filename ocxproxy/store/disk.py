@@ -68,7 +68,6 @@ class DiskTier:
         index: dict[str, Segment],
         resident: ResidentTier,
         durable_records: Callable[[], list[Record]],
-        publish: Callable[[], None],
     ) -> None:
         self.root = root
         self.spill = SpillDir(root / "spill")
@@ -90,7 +89,6 @@ class DiskTier:
         self._index = index
         self._resident = resident
         self._durable_records = durable_records
-        self._publish = publish
         self._lock = files.DirLock(root)
         self._wake = asyncio.Event()
         self._io = asyncio.Lock()
@@ -281,7 +279,6 @@ class DiskTier:
             for (segment, _), result in zip(jobs, results, strict=True):
                 self._written(segment, result, release=True)
         self._enforce_cap()
-        self._publish()
         self._progress.set()
         self._progress = asyncio.Event()
 
@@ -334,7 +331,6 @@ class DiskTier:
         for segment, result in outcome.written:
             self._written(segment, result, release=False)
         self._enforce_cap()
-        self._publish()
         if outcome.error is not None:
             self.metrics.snapshot_failures.labels(reason=outcome.error.reason).inc()
             log.warning("snapshot not written: %s", outcome.error)
