@@ -262,7 +262,7 @@ class SocketReply:
         if transport is not None and not transport.is_closing():
             transport.writelines(data)
 
-    async def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self._write(self._head(status, headers, b"Content-Length: %d\r\n\r\n" % len(body)), body)
 
     async def start(self, status: int, headers: CIMultiDict[str]) -> None:

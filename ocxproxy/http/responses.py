@@ -252,8 +252,9 @@ class Reply(Protocol):
     """Where a create call's answer goes: an aiohttp response (WebReply), or the front
     end's own connection (http/front.py)."""
 
-    async def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        """The whole answer at once."""
+    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """The whole answer at once. Synchronous on purpose: create() remembers the turn
+        right after, before anything else can run."""
 
     async def start(self, status: int, headers: CIMultiDict[str]) -> None:
         """The head of a streamed answer."""
@@ -270,7 +271,7 @@ class WebReply:
         self.request = request
         self.response: web.StreamResponse | None = None
 
-    async def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         self.response = web.Response(body=body, status=status, headers=headers)
 
     async def start(self, status: int, headers: CIMultiDict[str]) -> None:
@@ -315,13 +316,15 @@ async def create(
             return
         with timing.waiting():
             body = await upstream.read()
+        answer_headers = client_headers(upstream.headers, body_rewritten=False)
+        reply.answer(upstream.status, answer_headers, body)
+        # The answer may be on the wire already, but the turn is remembered before this
+        # task yields to the loop (no await from here on), so no request can miss it.
         if upstream.status == 200 and "json" in content_type:
             try:
                 exchange.finish(orjson.loads(body))
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
-        answer_headers = client_headers(upstream.headers, body_rewritten=False)
-        await reply.answer(upstream.status, answer_headers, body)
 
 
 async def create_sibling(request: web.Request) -> web.StreamResponse:
