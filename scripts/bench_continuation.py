@@ -22,7 +22,7 @@ Sections:
   --floor  adds scripts/floor_proxy.py (the same splice, nothing else) on aiohttp and on
          hand-written HTTP, as yardsticks of what the framework costs.
   --profile DIR  per size and for the chain: CPU per turn of ocxproxy next to what-if
-         variants (prometheus labels() cached, metrics off, the floors), then cProfile
+         variants (metrics off, the floors), then cProfile
          (CPU clock) of ocxproxy's turns: by package, top functions, inclusive.
   --nice -10  on a shared box, runs the benchmark's processes (and their autogroup) at a
          higher priority; the "others' CPU" column shows what the rest of the box used.
@@ -316,16 +316,16 @@ async def size_section(
 
 VARIANTS: tuple[tuple[str, str | tuple[str, str]], ...] = (
     ("ocxproxy", ""),
-    ("ocxproxy, labels() cached", "labels-cache"),
     ("ocxproxy, metrics off", "metrics-off"),
     ("floor: aiohttp server + aiohttp client", ("aiohttp", "aiohttp")),
     ("floor: aiohttp server + raw client", ("aiohttp", "raw")),
     ("floor: raw server + raw client", ("raw", "raw")),
 )
 KEY_FUNCTIONS = (
-    "handle_errors",
-    "create_response",
-    "read_body",
+    "_serve",
+    "guarded",
+    "create",
+    "parse_head",
     "prepare_exchange",
     "parse_request",
     "expand",
@@ -334,7 +334,8 @@ KEY_FUNCTIONS = (
     "finish",
     "observe_usage",
     "put",
-    "_publish",
+    "request",
+    "read_head",
     "upstream_headers",
     "client_headers",
 )

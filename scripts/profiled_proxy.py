@@ -6,8 +6,6 @@ clock: `cpu` (default: this thread's CPU time, so time spent preempted by the ba
 the client on a busy box is not charged to the code that happened to be running) or
 `wall`. $OCXPROXY_BENCH_ABLATE (comma list) changes the process for what-if figures,
 without touching ocxproxy's code:
-  labels-cache  prometheus `labels(...)` memoized per label values (what pre-bound
-                children would cost)
   metrics-off   every metric update a no-op (the most that metrics can cost)
 Everything else is `ocxproxy`'s own command line:
 
@@ -42,33 +40,17 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     _profile.clear()
 
 
-class _NullChild:
-    def __getattr__(self, name: str) -> Any:
-        return _noop
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _ablate(what: set[str]) -> None:
-    from prometheus_client.metrics import MetricWrapperBase
-
-    original = MetricWrapperBase.labels
     if "metrics-off" in what:
-        null = _NullChild()
-        MetricWrapperBase.labels = lambda self, *a, **k: null  # type: ignore[method-assign]
-    elif "labels-cache" in what:
-        cache: dict[Any, Any] = {}
+        from ocxproxy import metrics
 
-        def labels(self: Any, *args: Any, **kwargs: Any) -> Any:
-            key = (id(self), args, tuple(kwargs.items()))
-            child = cache.get(key)
-            if child is None:
-                child = cache[key] = original(self, *args, **kwargs)
-            return child
+        def noop(*args: Any, **kwargs: Any) -> None:
+            return None
 
-        MetricWrapperBase.labels = labels  # type: ignore[method-assign]
+        for cls in (metrics.Value, metrics.Buckets, metrics.Counter, metrics.Gauge):
+            for name in ("inc", "dec", "set", "observe"):
+                if hasattr(cls, name):
+                    setattr(cls, name, noop)
 
 
 def main() -> None:
