@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -86,6 +87,7 @@ class _Family(Generic[C]):
         self.doc = doc
         self.labelnames = tuple(labelnames)
         self.children: dict[tuple[str, ...], C] = {}
+        self._key = _key_of(self.labelnames)
         if not self.labelnames:
             self._only = self.labels()
 
@@ -93,10 +95,10 @@ class _Family(Generic[C]):
         raise NotImplementedError
 
     def labels(self, *values: str, **named: str) -> C:
-        key = values or tuple(named[n] for n in self.labelnames)
+        key = values or self._key(named)
         child = self.children.get(key)
         if child is None:
-            if len(key) != len(self.labelnames):
+            if len(key) != len(self.labelnames) or len(named) not in (0, len(key)):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
             child = self.children[key] = self.new_child()
         return child
@@ -160,6 +162,16 @@ class Histogram(_Family[Buckets]):
                 cumulative.append((le, running))
             family.add_metric(key, cumulative, child.sum)
         return family
+
+
+def _key_of(names: tuple[str, ...]) -> Callable[[dict[str, str]], tuple[str, ...]]:
+    """Label values by name → the children's key, in the metric's label order."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda named: (named[name],)
+    if names:
+        return itemgetter(*names)
+    return lambda named: ()
 
 
 def _le(bound: float) -> str:

@@ -126,7 +126,8 @@ class Fleet:
         self._by_url: dict[str, Backend] = {}
         self._homes: OrderedDict[str, str] = OrderedDict()
         self._turn = 0  # round-robin position
-        self._waiting = 0
+        self._waiting = 0  # requests waiting for a slot (on _released)
+        self._watching = 0  # wait_for() callers (on _changed)
         self._released = asyncio.Event()  # a slot freed or a backend came back
         self._changed = asyncio.Event()  # any change of load or health
         for url in urls:
@@ -162,9 +163,13 @@ class Fleet:
     async def wait_for(self, predicate: Callable[[], bool], within: float = 5.0) -> None:
         """Wait until `predicate()` holds, re-checked on every change of load or health,
         e.g. `lambda: not fleet.backends[0].healthy`. TimeoutError after `within` s."""
-        async with asyncio.timeout(within):
-            while not predicate():
-                await self._changed.wait()
+        self._watching += 1
+        try:
+            async with asyncio.timeout(within):
+                while not predicate():
+                    await self._changed.wait()
+        finally:
+            self._watching -= 1
 
     # -- choice --------------------------------------------------------------------------
 
@@ -293,9 +298,12 @@ class Fleet:
         self._bump(freed=True)
 
     def _bump(self, *, freed: bool) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-        if freed:
+        """Wake who waits on a change (a fresh Event only when someone does: this runs
+        twice per request)."""
+        if self._watching:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+        if freed and self._waiting:
             released, self._released = self._released, asyncio.Event()
             released.set()
 
