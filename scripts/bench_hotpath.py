@@ -1,0 +1,239 @@
+"""The proxy's own CPU per continuation turn, with no sockets: a figure that holds still.
+
+bench_continuation.py measures what a client sees, but on a 2-core box its figures move
+by ±30 % from run to run, and half of a turn is the kernel (two loopback sends wake the
+other processes). This runs ocxproxy's real request path in one process over in-memory
+transports: the client's bytes go into the front end's `FrontConnection.data_received`,
+the forwarded request comes out of the real `Http1Client` and is answered at once, with
+scripts/instant_backend.py's answer, straight into that connection's `data_received`; the
+answer is collected from the front end's transport. What remains is exactly the Python
+a turn costs: parsing, expansion, routing, the HTTP/1.1 on both sides, recording, metrics.
+
+For each history size (~8k and ~128k tokens) and JSON/SSE it reports µs per turn (one
+thread: wall ≈ CPU), the median of --rounds rounds. `--profile` adds cProfile's top
+functions for the 8k JSON case.
+
+    python scripts/bench_hotpath.py            # ~20 s
+    python scripts/bench_hotpath.py --quick
+    python scripts/bench_hotpath.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from benchkit import make_items, user_message
+from instant_backend import InstantBackend
+
+from ocxproxy.config import Config
+from ocxproxy.http.context import PROXY
+from ocxproxy.http.front import FrontConnection, FrontEnd
+from ocxproxy.server import build_app
+from ocxproxy.upstream import http1
+
+SIZES = {"8k": 32 * 1024, "128k": 512 * 1024}
+_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
+_RID = re.compile(rb'"id":"(resp_[^"]*)"')
+
+
+class MemoryTransport:
+    """Enough of asyncio.Transport for both ends of ocxproxy: writes go to `sink`."""
+
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self.sink = sink
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.sink(bytes(data))
+
+    def writelines(self, data: Any) -> None:
+        self.sink(b"".join(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def set_protocol(self, protocol: Any) -> None:
+        raise AssertionError("no request here is handed to aiohttp")
+
+
+def _complete(buffer: bytes | bytearray) -> int:
+    """The length of the first whole HTTP message in `buffer` (Content-Length or chunked
+    framing), else 0."""
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return 0
+    m = _LENGTH.search(buffer, 0, end + 2)
+    if m is not None:
+        total = end + 4 + int(m.group(1))
+        return total if len(buffer) >= total else 0
+    last = buffer.find(b"\r\n0\r\n\r\n", end)
+    return last + 7 if last >= 0 else 0
+
+
+class Backend:
+    """Answers each request the proxy's Http1Client sends, on the next loop turn."""
+
+    def __init__(self) -> None:
+        self.instant = InstantBackend()
+        self.loop = asyncio.get_running_loop()
+
+    def connection(self) -> http1._Connection:
+        conn = http1._Connection(self.loop)
+        received = bytearray()
+
+        def sink(data: bytes) -> None:
+            if not received and _complete(data) == len(data):  # the usual case: no copies
+                self.loop.call_soon(conn.data_received, self.answer(data))
+                return
+            received.extend(data)
+            n = _complete(received)
+            if n:
+                request = bytes(received[:n])
+                del received[:n]
+                self.loop.call_soon(conn.data_received, self.answer(request))
+
+        conn.connection_made(MemoryTransport(sink))  # type: ignore[arg-type]
+        return conn
+
+    def answer(self, request: bytes) -> bytes:
+        body_at = request.index(b"\r\n\r\n") + 4
+        # The proxy writes the request's own fields before "input": look only there.
+        sse = b'"stream":true' in request[body_at : body_at + 256]
+        template = self.instant.sse if sse else self.instant.json
+        payload = self.instant._fill(template, request[body_at : body_at + 4])
+        if not sse:
+            head = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+            )
+            return head % len(payload) + payload
+        chunks = [
+            b"%x\r\n%s\r\n" % (len(event) + 2, event + b"\n\n")
+            for event in payload.split(b"\n\n")
+            if event
+        ]
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        head += b"Transfer-Encoding: chunked\r\n\r\n"
+        return head + b"".join(chunks) + b"0\r\n\r\n"
+
+
+class Client:
+    """One keep-alive client connection into the front end."""
+
+    def __init__(self, front: FrontEnd) -> None:
+        self.conn = FrontConnection(front)
+        self.received = bytearray()
+        self.done: asyncio.Future[bytes] | None = None
+        self.conn.connection_made(MemoryTransport(self.sink))  # type: ignore[arg-type]
+
+    def sink(self, data: bytes) -> None:
+        self.received.extend(data)
+        n = _complete(self.received)
+        if n and self.done is not None:
+            answer = bytes(self.received[:n])
+            del self.received[:n]
+            self.done.set_result(answer)
+
+    async def post(self, body: bytes) -> bytes:
+        self.done = asyncio.get_running_loop().create_future()
+        head = b"POST /v1/responses HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        head += b"Authorization: Bearer sk-bench\r\nContent-Length: %d\r\n\r\n" % len(body)
+        self.conn.data_received(head + body)
+        answer = await self.done
+        if not answer.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(answer[:300].decode(errors="replace"))
+        return answer
+
+
+async def measure(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as state_dir:
+        config = Config(
+            upstream=("http://backend.invalid:80",),
+            state_dir=Path(state_dir),
+            health_interval=0,
+        )
+        proxy = build_app(config)[PROXY]
+        await proxy.store.start()
+        backend = Backend()
+        proxy.pool.http._connect = lambda origin: _connected(backend)  # type: ignore[method-assign]
+        client = Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
+        try:
+            await run_sizes(client, args)
+        finally:
+            await proxy.store.close()
+
+
+async def _connected(backend: Backend) -> http1._Connection:
+    return backend.connection()
+
+
+async def run_sizes(client: Client, args: argparse.Namespace) -> None:
+    print(f"µs per continuation turn, in-process (median of {args.rounds} rounds of {args.n})")
+    print(f"{'history':<8} {'JSON':>8} {'SSE':>8}")
+    for name, size in SIZES.items():
+        first = orjson.dumps({"model": "m", "input": make_items(size)})
+        rid = _RID.search(await client.post(first))
+        assert rid is not None
+        row = []
+        for stream in (False, True):
+            turn = {"model": "m", "previous_response_id": rid.group(1).decode()}
+            turn |= {"input": [user_message("next")], "stream": stream}
+            body = orjson.dumps(turn)
+            for _ in range(args.n // 5):  # warm-up
+                await client.post(body)
+            rounds = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                for _ in range(args.n):
+                    await client.post(body)
+                rounds.append((time.perf_counter() - start) / args.n)
+            row.append(statistics.median(rounds) * 1e6)
+            if args.profile and name == "8k" and not stream:
+                await profile(client, body, args)
+        print(f"{name:<8} {row[0]:>8.1f} {row[1]:>8.1f}")
+
+
+async def profile(client: Client, body: bytes, args: argparse.Namespace) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.n):
+        await client.post(body)
+    profiler.disable()
+    stats = pstats.Stats(profiler, stream=sys.stderr)
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=2000, help="turns per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument("--profile", action="store_true", help="cProfile the 8k JSON turns")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.rounds = 300, 3
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(measure(args))
+    else:
+        uvloop.run(measure(args))
+
+
+if __name__ == "__main__":
+    main()
