@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import http
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -41,6 +42,8 @@ log = logging.getLogger("ocxproxy.http")
 ROUTE = "/v1/responses"
 MAX_HEAD = 64 * 1024
 KEEPALIVE = 75.0  # seconds an idle connection stays open, as aiohttp's default
+# Control bytes other than tab, and CR or LF outside a CRLF pair.
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
 
 
 class _Head:
@@ -55,6 +58,8 @@ class _Head:
 
 def parse_head(head: bytes) -> _Head | None:
     """The head of a request this front end serves, else None (aiohttp's then)."""
+    if _CONTROL.search(head):
+        return None  # a bare CR or LF, NUL or other control byte: never forwarded from here
     lines = head.decode("utf-8", "surrogateescape").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or parts[0] != "POST" or parts[2] != "HTTP/1.1":
@@ -168,7 +173,7 @@ class FrontConnection(asyncio.Protocol):
         if self.head is None:
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
-                if len(buffer) > MAX_HEAD:
+                if len(buffer) > MAX_HEAD or b"\n\n" in buffer:  # too long, or bare LFs
                     self._hand_over()
                 return
             head = parse_head(bytes(buffer[:end]))
@@ -253,6 +258,8 @@ class SocketReply:
             phrase = "Unknown"
         lines = [f"HTTP/1.1 {status} {phrase}\r\n"]
         lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+        if self.conn.front.closing:  # shutdown began while this request ran
+            self.keep_alive = False
         if not self.keep_alive:
             lines.append("Connection: close\r\n")
         return "".join(lines).encode("utf-8", "surrogateescape") + framing
