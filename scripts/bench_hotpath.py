@@ -10,7 +10,9 @@ answer is collected from the front end's transport. What remains is exactly the 
 a turn costs: parsing, expansion, routing, the HTTP/1.1 on both sides, recording, metrics.
 
 For each history size (~8k and ~128k tokens) and JSON/SSE it reports µs per turn (one
-thread: wall ≈ CPU), the median of --rounds rounds. `--profile` adds cProfile's top
+thread: wall ≈ CPU), the median of --rounds rounds. The store is memory-only (`--zdr`), as
+in the other benchmarks; `--durable` gives it a state dir, whose writer threads (zstd,
+fsync per file, snapshots) then compete for the GIL. `--profile` adds cProfile's top
 functions for the 8k JSON case.
 
     python scripts/bench_hotpath.py            # ~20 s
@@ -164,6 +166,7 @@ async def measure(args: argparse.Namespace) -> None:
         config = Config(
             upstream=("http://backend.invalid:80",),
             state_dir=Path(state_dir),
+            zdr=not args.durable,  # as the other benchmarks run the proxy
             health_interval=0,
         )
         proxy = build_app(config)[PROXY]
@@ -182,7 +185,9 @@ async def _connected(backend: Backend) -> http1._Connection:
 
 
 async def run_sizes(client: Client, args: argparse.Namespace) -> None:
-    print(f"µs per continuation turn, in-process (median of {args.rounds} rounds of {args.n})")
+    store = "durable store (state dir)" if args.durable else "memory-only store (--zdr)"
+    print(f"µs per continuation turn, in-process, {store}")
+    print(f"(median of {args.rounds} rounds of {args.n} turns)")
     print(f"{'history':<8} {'JSON':>8} {'SSE':>8}")
     for name, size in SIZES.items():
         first = orjson.dumps({"model": "m", "input": make_items(size)})
@@ -224,6 +229,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run")
     parser.add_argument("--profile", action="store_true", help="cProfile the 8k JSON turns")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--durable",
+        action="store_true",
+        help="a state dir instead of --zdr: the disk writer's threads then share the GIL",
+    )
     args = parser.parse_args()
     if args.quick:
         args.n, args.rounds = 300, 3
