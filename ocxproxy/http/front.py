@@ -31,6 +31,7 @@ from typing import Any, cast
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ocxproxy.aio import FlowControlled
 from ocxproxy.errors import OcxError
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.middleware import guarded
@@ -117,10 +118,11 @@ class FrontEnd:
             conn.close()
 
 
-class FrontConnection(asyncio.Protocol):
+class FrontConnection(FlowControlled):
     """One client connection, until it is closed or handed to aiohttp."""
 
     def __init__(self, front: FrontEnd) -> None:
+        super().__init__()
         self.front = front
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -129,7 +131,6 @@ class FrontConnection(asyncio.Protocol):
         self.body_at = 0
         self.task: asyncio.Task[None] | None = None
         self.idle: asyncio.TimerHandle | None = None
-        self.drained: asyncio.Future[None] | None = None
         self.lost = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -155,15 +156,6 @@ class FrontConnection(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()  # the client went away: so does the backend request
         self.resume_writing()
-
-    def pause_writing(self) -> None:
-        if self.drained is None:
-            self.drained = self.loop.create_future()
-
-    def resume_writing(self) -> None:
-        drained, self.drained = self.drained, None
-        if drained is not None and not drained.done():
-            drained.set_result(None)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -229,10 +221,6 @@ class FrontConnection(asyncio.Protocol):
         if data:
             handler.data_received(data)
 
-    async def drain(self) -> None:
-        if self.drained is not None:
-            await self.drained
-
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -278,7 +266,7 @@ class SocketReply:
     async def write(self, data: bytes) -> None:
         if data:
             self._write(b"%x\r\n" % len(data), data, b"\r\n")
-            await self.conn.drain()
+            await self.conn.wait_drained()
 
     async def end(self) -> None:
         self._write(b"0\r\n\r\n")

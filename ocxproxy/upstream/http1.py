@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ocxproxy.aio import FlowControlled
+
 __all__ = [
     "BrokenOff",
     "ConnectFailed",
@@ -60,18 +62,18 @@ class BrokenOff(Http1Error):
     """The answer ended early or could not be parsed."""
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(FlowControlled):
     """One socket: bytes in a buffer, a waiter woken by new data or by the end."""
 
-    __slots__ = ("buffer", "closed", "drained", "idle_since", "loop", "transport", "waiter")
+    __slots__ = ("buffer", "closed", "idle_since", "loop", "transport", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.closed = False
         self.waiter: asyncio.Future[None] | None = None
-        self.drained: asyncio.Future[None] | None = None
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -91,15 +93,6 @@ class _Connection(asyncio.Protocol):
         self._wake()
         self.resume_writing()
 
-    def pause_writing(self) -> None:
-        if self.drained is None:
-            self.drained = self.loop.create_future()
-
-    def resume_writing(self) -> None:
-        drained, self.drained = self.drained, None
-        if drained is not None and not drained.done():
-            drained.set_result(None)
-
     def _wake(self) -> None:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -118,8 +111,7 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
 
     async def drain(self) -> None:
-        if self.drained is not None:
-            await self.drained
+        await self.wait_drained()
         if self.closed:
             raise Disconnected("The connection closed while the request was being sent.")
 
