@@ -5,25 +5,24 @@ middleware chain, payload streams) cost about as much CPU as everything else the
 does. Coding agents send almost nothing but `POST /v1/responses`, so that one request
 gets a lean path; every other request keeps aiohttp.
 
-A connection starts here. A request whose head is a plain `POST /v1/responses` (HTTP/1.1,
-one Content-Length within `--max-body-bytes`, no Transfer-Encoding, Expect or Upgrade,
-no folded or odd header lines) is served here, by the same `guarded()` (errors, counts,
-overhead) and `responses.create` as aiohttp's route. The first request that is anything
-else is handed, with the connection and every byte not yet read, to aiohttp's
-RequestHandler, which keeps the connection from then on: aiohttp parses, answers, or
-refuses it exactly as it would have. So this parser only has to recognise its own case,
-never to judge anything else. aiohttp closes a handed-over connection after its answer
-(`Connection: close`), so the client's next request opens a new connection that starts
-here again: one GET of a model list does not put an agent's turns on the slow path for
-the rest of its connection's life.
+A connection starts here. A request whose head is a plain `POST /v1/responses`
+(HTTP/1.1, one Content-Length within `--max-body-bytes`, no Transfer-Encoding, Expect or
+Upgrade, no control bytes, bare line ends or folded header lines) is served here, by the
+same `guarded()` (errors, counts, overhead) and `responses.create` as aiohttp's route.
+The first request that is anything else is handed, with the connection and every byte
+not yet read, to aiohttp's RequestHandler, which owns the connection from then on: aiohttp
+parses, answers, or refuses it exactly as it would have. So this parser only has to
+recognise its own case, never to judge anything else. aiohttp closes a handed-over
+connection after its answer (`Connection: close`; not a WebSocket's, nor one whose body it
+did not read), so the client's next request opens a new connection that starts here
+again: one GET of a model list does not put an agent's turns on the slow path for the
+rest of its connection's life.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import http
-import logging
 import re
 from collections.abc import Callable
 from typing import Any, cast
@@ -37,8 +36,6 @@ from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.middleware import guarded
 from ocxproxy.http.responses import create
 from ocxproxy.upstream.client import Timing
-
-log = logging.getLogger("ocxproxy.http")
 
 ROUTE = "/v1/responses"
 MAX_HEAD = 64 * 1024
@@ -131,6 +128,7 @@ class FrontConnection(FlowControlled):
         self.body_at = 0
         self.task: asyncio.Task[None] | None = None
         self.idle: asyncio.TimerHandle | None = None
+        self.reading_paused = False
         self.lost = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -144,6 +142,8 @@ class FrontConnection(FlowControlled):
         self.buffer += data
         if self.task is None:
             self._next()
+        elif len(self.buffer) > self.front.proxy.config.max_body_bytes + MAX_HEAD:
+            self._pause_reading()  # pipelined far ahead of the request in flight
 
     def eof_received(self) -> bool:
         return False  # the client is done sending: close (a request in flight is cancelled)
@@ -204,8 +204,17 @@ class FrontConnection(FlowControlled):
             self.close()
             return
         self.idle = self.loop.call_later(KEEPALIVE, self.close)
+        if self.reading_paused:
+            self.reading_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
         if self.buffer:
             self._next()
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
 
     def _hand_over(self) -> None:
         """From now on aiohttp serves this connection, starting with the bytes not yet read."""
@@ -321,5 +330,4 @@ class FrontSite(web.TCPSite):
 
     async def stop(self) -> None:
         await super().stop()
-        with contextlib.suppress(Exception):
-            await self.front.shutdown(self.grace)
+        await self.front.shutdown(self.grace)

@@ -253,6 +253,30 @@ async def test_request_sent_while_one_is_in_flight_waits_its_turn(
     assert front_served == [turn("slow"), turn("quick")]
 
 
+async def test_bytes_pipelined_far_ahead_of_the_request_in_flight_are_not_all_buffered(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    proxy = await make_proxy(backend.url, max_body_bytes=4096)
+    (site,) = proxy.server.runner.sites
+    assert isinstance(site, front.FrontSite)
+    backend.stall_next(1.0)
+    flood = post(b"x" * 4000) * 2000  # 8 MB of pipelined requests behind the stalled one
+    async with connect(proxy) as conn:
+        await conn.send(post(turn("slow")))
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        conn.writer.write(flood)
+        await asyncio.sleep(0.5)  # the proxy reads until it pauses; the rest waits in TCP
+        (connection,) = site.front.connections
+        buffered = len(connection.buffer)
+        assert connection.reading_paused
+        assert buffered <= 4096 + front.MAX_HEAD + 1024 * 1024  # the bound, plus one read
+        first = await conn.answer()
+        assert first.text == "echo#1: slow"
+        second = await conn.answer()  # reading resumed: the flood is served in turn
+        assert second.status == 400  # "x..." is not JSON
+    assert buffered < len(flood)
+
+
 async def test_request_dribbled_one_byte_at_a_time_is_served(
     proxy: ProxyHandle, front_served: list[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
