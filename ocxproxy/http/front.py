@@ -40,8 +40,9 @@ from ocxproxy.upstream.client import Timing
 ROUTE = "/v1/responses"
 MAX_HEAD = 64 * 1024
 KEEPALIVE = 75.0  # seconds an idle connection stays open, as aiohttp's default
-# Control bytes other than tab, and CR or LF outside a CRLF pair.
-_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+# Control bytes other than tab (searched for once the CRLF pairs are gone: a lookaround
+# pattern for "CR or LF outside a pair" costs ~13 µs a head, this ~2 µs).
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class _Head:
@@ -56,7 +57,7 @@ class _Head:
 
 def parse_head(head: bytes) -> _Head | None:
     """The head of a request this front end serves, else None (aiohttp's then)."""
-    if _CONTROL.search(head):
+    if _CONTROL.search(head.replace(b"\r\n", b"")):
         return None  # a bare CR or LF, NUL or other control byte: never forwarded from here
     lines = head.decode("utf-8", "surrogateescape").split("\r\n")
     parts = lines[0].split(" ")
