@@ -227,17 +227,21 @@ class Http1Client:
         headers: Mapping[str, str],
         body: bytes | AsyncIterable[bytes] | None,
     ) -> None:
-        head = [
-            b"%s %s%s HTTP/1.1\r\nHost: %s\r\n"
-            % (method.encode(), origin.prefix, path.encode(), origin.host_header)
+        lines = [
+            f"{name}: {value}\r\n"
+            for name, value in headers.items()
+            if name.lower() not in _OWN_HEADERS
         ]
-        for name, value in headers.items():
-            if name.lower() in _OWN_HEADERS:
-                continue
-            line = f"{name}: {value}\r\n"
-            if "\n" in line[:-1] or "\r" in line[:-2]:
-                raise ValueError(f"header {name!r} holds a line break")
-            head.append(line.encode("utf-8", "surrogateescape"))
+        fields = "".join(lines)
+        if fields.count("\n") != len(lines) or fields.count("\r") != len(lines):
+            raise ValueError("a header holds a line break")  # one CRLF per line, no more
+        request_line = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (
+            method.encode(),
+            origin.prefix,
+            path.encode(),
+            origin.host_header,
+        )
+        head = [request_line, fields.encode("utf-8", "surrogateescape")]
         transport = conn.transport
         assert transport is not None
         if body is None or isinstance(body, bytes | bytearray):
