@@ -10,10 +10,9 @@ status line), so nothing can have reached the client.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ocxproxy.config import Config
@@ -26,12 +25,13 @@ from ocxproxy.upstream.http1 import (
     Disconnected,
     Http1Client,
     Http1Error,
+    Http1Response,
 )
 from ocxproxy.upstream.pool import Backend, Choice, Fleet, Placement, Routing
 
 log = logging.getLogger("ocxproxy.upstream")
 
-__all__ = ["Backend", "Timing", "UpstreamPool", "read_chunk"]
+__all__ = ["Backend", "Sent", "Timing", "UpstreamPool", "read_chunk"]
 
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
 
@@ -148,8 +148,7 @@ class UpstreamPool:
 
     # -- requests ------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def open(
+    def open(
         self,
         method: str,
         path_qs: str,
@@ -160,25 +159,30 @@ class UpstreamPool:
         affinity_key: str | None = None,
         preferred: str | None = None,
         retry: bool = True,
-    ) -> AsyncIterator[tuple[Backend, UpstreamResponse]]:
-        """Send the request; yield the backend and its response with headers read.
+    ) -> Sent:
+        """`async with pool.open(...) as (backend, response)`: send the request; the
+        backend and its response with headers read.
 
         The backend is the Fleet's choice (affinity key, then `preferred`, the backend that
         served the chain). With `retry`, a request that got no answer is sent to another
         backend (a dropped connection first gets one more try on the same one); once the
         headers are in, it is never sent again, so a client never sees two answers.
         """
-        fleet, metrics = self.fleet, self.metrics
+        translator = Translator(method, path_qs, data)
+        return Sent(self, method, headers, translator, timing, affinity_key, preferred, retry)
+
+    async def dial(self, sent: Sent) -> tuple[Backend, Http1Response, float]:
+        """Send `sent`'s request until a backend answers; its slot stays reserved."""
+        fleet, metrics, timing = self.fleet, self.metrics, sent.timing
         tried: set[str] = set()  # backends that failed this request
         redialed: set[str] = set()  # backends that dropped a connection once already
         first: Choice | None = None
         last_error: UpstreamError | None = None
-        # A chat backend gets the request translated, and answers through a ChatAnswer.
-        translator = Translator(method, path_qs, data)
+        preferred = sent.preferred
         while True:
             try:
                 with timing.waiting():  # waiting for a slot is waiting on the backends
-                    choice = await fleet.admit(affinity_key, preferred, exclude=tried)
+                    choice = await fleet.admit(sent.affinity_key, preferred, exclude=tried)
             except UpstreamError:
                 if last_error is not None:
                     raise last_error from None
@@ -186,11 +190,15 @@ class UpstreamPool:
             backend = choice.backend
             first = first or choice
             start = time.perf_counter()
+            answered = False
             try:
-                path, body = translator.request(backend.dialect)  # InvalidRequest: unsent
+                # A chat backend gets the request translated (InvalidRequest: unsent).
+                path, body = sent.translator.request(backend.dialect)
                 try:
                     with timing.waiting():
-                        response = await self.http.request(method, backend.url, path, headers, body)
+                        response = await self.http.request(
+                            sent.method, backend.url, path, sent.headers, body
+                        )
                 except ConnectFailed as exc:
                     fleet.mark_down(backend, str(exc))
                     metrics.upstream_requests.labels(backend.url, "connect_error").inc()
@@ -199,7 +207,7 @@ class UpstreamPool:
                         code="upstream_unreachable",
                     )
                     tried.add(backend.url)
-                    if retry:
+                    if sent.retry:
                         continue
                     raise last_error from None
                 except Disconnected as exc:
@@ -216,7 +224,7 @@ class UpstreamPool:
                     else:
                         redialed.add(backend.url)
                         preferred = backend.url
-                    if retry:
+                    if sent.retry:
                         continue
                     raise last_error from None
                 except TimeoutError:
@@ -240,26 +248,73 @@ class UpstreamPool:
                     if backend is not first.backend:
                         placement = Placement.REROUTE
                     metrics.affinity.labels(result=str(placement)).inc()
-                try:
-                    yield backend, translator.response(backend.dialect, response)
-                except BrokenOff:
-                    raise UpstreamError("The backend broke off its response.") from None
-                except TimeoutError:
-                    raise UpstreamError(
-                        "The backend went silent mid-response.",
-                        code="upstream_timeout",
-                        status=504,
-                    ) from None
-                finally:
-                    # A body read to its end returns the connection to the pool; anything
-                    # else (client gone, error) closes it, which cancels the backend's work.
-                    if response.content.at_eof():
-                        response.release()
-                    else:
-                        response.close()
-                    metrics.upstream_latency.labels(backend.url).observe(
-                        time.perf_counter() - start
-                    )
-                return
+                answered = True
+                return backend, response, start
             finally:
-                fleet.release(backend)
+                if not answered:
+                    fleet.release(backend)
+
+
+class Sent:
+    """One backend request as an async context manager (a class, not a generator: it
+    runs on every turn). Entering sends it (UpstreamPool.dial); leaving maps what went
+    wrong reading the answer to UpstreamError, keeps the connection if the body was read
+    to its end or else closes it (which cancels the backend's work), and frees the slot."""
+
+    __slots__ = (
+        "_backend",
+        "_response",
+        "_start",
+        "affinity_key",
+        "headers",
+        "method",
+        "pool",
+        "preferred",
+        "retry",
+        "timing",
+        "translator",
+    )
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        method: str,
+        headers: Mapping[str, str],
+        translator: Translator,
+        timing: Timing,
+        affinity_key: str | None,
+        preferred: str | None,
+        retry: bool,
+    ) -> None:
+        self.pool = pool
+        self.method = method
+        self.headers = headers
+        self.translator = translator
+        self.timing = timing
+        self.affinity_key = affinity_key
+        self.preferred = preferred
+        self.retry = retry
+
+    async def __aenter__(self) -> tuple[Backend, UpstreamResponse]:
+        backend, response, self._start = await self.pool.dial(self)
+        self._backend, self._response = backend, response
+        return backend, self.translator.response(backend.dialect, response)
+
+    async def __aexit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        backend, response = self._backend, self._response
+        try:
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
+            self.pool.metrics.upstream_latency.labels(backend.url).observe(
+                time.perf_counter() - self._start
+            )
+        finally:
+            self.pool.fleet.release(backend)
+        if isinstance(exc, BrokenOff):
+            raise UpstreamError("The backend broke off its response.") from None
+        if isinstance(exc, TimeoutError):
+            raise UpstreamError(
+                "The backend went silent mid-response.", code="upstream_timeout", status=504
+            ) from None
