@@ -12,7 +12,7 @@ from dataclasses import dataclass
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs three times more
 class Event:
     raw: bytes  # including its terminating blank line
     name: str | None
@@ -20,7 +20,10 @@ class Event:
 
 
 def parse_event(raw: bytes) -> Event:
-    name: str | None = None
+    simple = _parse_simple(raw)
+    if simple is not None:
+        return simple
+    name = None
     data: list[bytes] = []
     for line in raw.splitlines():
         if line.startswith(b"data:"):
@@ -29,6 +32,22 @@ def parse_event(raw: bytes) -> Event:
         elif line.startswith(b"event:"):
             name = line[6:].strip().decode("utf-8", "replace")
     return Event(raw, name, b"\n".join(data))
+
+
+def _parse_simple(raw: bytes) -> Event | None:
+    """The usual event (LF line ends, an optional `event:` line, one `data:` line) by
+    find() and slices: a regex over the payload costs ~10 ns a byte."""
+    name: str | None = None
+    at = 0
+    if raw.startswith(b"event:"):
+        at = raw.find(b"\n") + 1
+        name = raw[6 : at - 1].strip().decode("utf-8", "replace")
+    if not raw.startswith(b"data:", at) or b"\r" in raw:
+        return None
+    at += 6 if raw.startswith(b" ", at + 5) else 5
+    if raw.find(b"\n", at) != len(raw) - 2:
+        return None  # more lines than that
+    return Event(raw, name, raw[at:-2])
 
 
 class EventSplitter:
@@ -43,6 +62,12 @@ class EventSplitter:
         buffer = self._buffer + chunk if self._buffer else chunk
         events: list[Event] = []
         start = 0
+        if b"\r" not in buffer:  # LF line ends, the usual case: find() beats the regex
+            while (end := buffer.find(b"\n\n", start)) >= 0:
+                events.append(parse_event(buffer[start : end + 2]))
+                start = end + 2
+            self._buffer = buffer[start:]
+            return events
         for match in _BOUNDARY.finditer(buffer):
             end = match.end()
             events.append(parse_event(buffer[start:end]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ocxproxy.upstream.sse import Event, EventSplitter, encode_event, parse_event
 
@@ -29,6 +31,31 @@ def test_parse_event(raw: bytes, name: str | None, data: bytes, comment: bool) -
     event = parse_event(raw)
     is_comment = event.name is None and not event.data
     assert (event.raw, event.name, event.data, is_comment) == (raw, name, data, comment)
+
+
+_VALUE = st.binary(max_size=12).filter(lambda b: b"\n" not in b and b"\r" not in b)
+_LINE = st.one_of(
+    st.builds(lambda v: b"data:" + v, _VALUE),
+    st.builds(lambda v: b"data: " + v, _VALUE),
+    st.builds(lambda v: b"event:" + v, _VALUE),
+    st.builds(lambda v: b"id: " + v, _VALUE),
+    st.just(b": comment"),
+)
+
+
+@given(st.lists(_LINE, min_size=1, max_size=4), st.sampled_from([b"\n", b"\r\n"]))
+def test_any_event_parses_as_the_spec_says(lines: list[bytes], end: bytes) -> None:
+    """The fast path (one LF `data:` line, maybe after `event:`) and the general one agree
+    with a plain reading of the spec, whatever the lines."""
+    raw = end.join(lines) + end + end
+    name, data = None, []
+    for line in lines:
+        if line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+        elif line.startswith(b"event:"):
+            name = line[6:].strip().decode("utf-8", "replace")
+    event = parse_event(raw)
+    assert (event.raw, event.name, event.data) == (raw, name, b"\n".join(data))
 
 
 @pytest.mark.parametrize("stream", [LF, CRLF, CR], ids=["lf", "crlf", "cr"])
