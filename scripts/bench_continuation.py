@@ -27,8 +27,8 @@ Sections:
   --nice -10  on a shared box, runs the benchmark's processes (and their autogroup) at a
          higher priority; the "others' CPU" column shows what the rest of the box used.
 
-    /work/.venv-dev/bin/python scripts/bench_continuation.py            # a few minutes
-    /work/.venv-dev/bin/python scripts/bench_continuation.py --quick    # smoke, < 30 s
+    .venv/bin/python scripts/bench_continuation.py            # a few minutes
+    .venv/bin/python scripts/bench_continuation.py --quick    # smoke, < 30 s
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ The default load generator is a hand-written HTTP/1.1 keep-alive client (one con
 per chain) because aiohttp's client costs several times more CPU per request and would
 take cores from the proxy; `--client aiohttp` uses aiohttp (connector limit = chains).
 
-    /work/.venv-dev/bin/python scripts/bench_throughput.py            # ~1 minute
-    /work/.venv-dev/bin/python scripts/bench_throughput.py --quick    # smoke, < 30 s
+    .venv/bin/python scripts/bench_throughput.py            # ~1 minute
+    .venv/bin/python scripts/bench_throughput.py --quick    # smoke, < 30 s
 """
 
 from __future__ import annotations
