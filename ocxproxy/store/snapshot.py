@@ -90,7 +90,8 @@ def encode(records: Iterable[Record], now: float) -> tuple[bytes, int]:
         index = seg_index.get(seg.key)
         if index is None:
             index = seg_index[seg.key] = len(segments)
-            segments.append([seg.key, seg.size, seg.n_items, sorted(seg.call_ids)])
+            call_ids = sorted(seg.call_ids) if seg.call_ids else []
+            segments.append([seg.key, seg.size, seg.n_items, call_ids])
         return index
 
     def string_id(value: str | None) -> int | None:
@@ -98,15 +99,30 @@ def encode(records: Iterable[Record], now: float) -> tuple[bytes, int]:
             return None
         return string_index.setdefault(value, len(string_index))
 
+    def extend(node: int, seg: Segment) -> int:
+        link = (node, segment_id(seg))
+        found = chain_index.get(link)
+        if found is None:
+            found = chain_index[link] = len(chains)
+            chains.append(link)
+        return found
+
+    # A chain's node, by its segments: a child's chain is its parent's plus one segment, so
+    # most records take one step from their parent's node instead of a walk from the root
+    # (which made a snapshot cost the sum of all chain depths).
+    node_of: dict[tuple[Segment, ...], int] = {}
     for record in records:
-        node = -1
-        for seg in record.segments:
-            link = (node, segment_id(seg))
-            found = chain_index.get(link)
-            if found is None:
-                found = chain_index[link] = len(chains)
-                chains.append(link)
-            node = found
+        chain = record.segments
+        node = node_of.get(chain)
+        if node is None:
+            parent = node_of.get(chain[:-1]) if len(chain) > 1 else -1
+            if parent is None:
+                node = -1
+                for seg in chain:
+                    node = extend(node, seg)
+            else:
+                node = extend(parent, chain[-1]) if chain else -1
+            node_of[chain] = node
         rows.append(
             [
                 record.id,
