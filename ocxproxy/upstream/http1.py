@@ -12,6 +12,7 @@ pool (client.py) decides what to do with each failure, told apart by type here.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections.abc import AsyncIterable, Mapping
@@ -40,6 +41,17 @@ _OWN_HEADERS = frozenset(
 )
 _NO_BODY_STATUS = frozenset((204, 304))
 _HEX = b"0123456789abcdefABCDEF"
+
+
+# Control bytes other than tab: searched for once the CRLF pairs are gone (a lookaround
+# pattern for "CR or LF outside a pair" costs ~13 µs a head, this ~2 µs).
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def has_control_bytes(head: bytes) -> bool:
+    """A bare CR or LF, NUL or another control byte in an HTTP head (CRLF line ends
+    excluded): never passed on, since it could split one header into two."""
+    return _CONTROL.search(head.replace(b"\r\n", b"")) is not None
 
 
 def _is_digits(text: str) -> bool:
@@ -338,8 +350,12 @@ class Http1Response:
                     raise Disconnected("The connection closed before an answer came back.")
                 await conn.wait(client.read_timeout)
                 continue
-            lines = bytes(buffer[:end]).decode("latin-1").split("\r\n")
+            head = bytes(buffer[:end])
             del buffer[: end + 4]
+            if end > MAX_HEAD or has_control_bytes(head):
+                raise BrokenOff("the answer's head is too large or holds control bytes")
+            # As aiohttp decodes heads, and as front.py encodes them again: byte-exact.
+            lines = head.decode("utf-8", "surrogateescape").split("\r\n")
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
             if not version.startswith("HTTP/1.") or not _is_digits(code) or len(code) != 3:

@@ -151,6 +151,7 @@ class RawBackend:
 
     def __init__(self) -> None:
         self.heads: list[bytes] = []
+        self.extra_head = b""  # header lines added to every answer, as they are
         self.url = ""
 
     async def __aenter__(self) -> RawBackend:
@@ -168,7 +169,7 @@ class RawBackend:
         length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
         await reader.readexactly(int(length.group(1)) if length else 0)
         body = orjson.dumps(response_object("resp_raw", "raw"))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + self.extra_head)
         writer.write(b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
         await writer.drain()
         writer.close()
@@ -547,3 +548,38 @@ async def test_head_with_bare_lf_line_ends_is_answered_at_once(proxy: ProxyHandl
         async with asyncio.timeout(1):
             answer = await conn.answer()
     assert answer.status == 400
+
+
+async def test_a_target_that_is_not_ascii_is_aiohttps_400_not_a_500(
+    raw_backend: RawBackend, make_proxy: MakeProxy, front_served: list[bytes]
+) -> None:
+    proxy = await make_proxy(raw_backend.url)
+    request = post(turn("x")).replace(b"/v1/responses", b"/v1/responses?x=\xff", 1)
+    async with connect(proxy) as conn:
+        answer = await conn.ask(request)
+    assert answer.status == 400
+    assert (front_served, raw_backend.heads) == ([], [])
+    async with connect(proxy) as conn:
+        answer = await conn.ask(post(turn("y")))
+    assert (answer.status, answer.text, len(front_served)) == (200, "raw", 1)
+
+
+async def test_a_backend_header_with_a_bare_lf_never_reaches_the_client(
+    raw_backend: RawBackend, make_proxy: MakeProxy
+) -> None:
+    raw_backend.extra_head = b"X-Evil: a\nInjected: yes\r\n"
+    proxy = await make_proxy(raw_backend.url)
+    async with connect(proxy) as conn:
+        answer = await conn.ask(post(turn("x")))
+    assert answer.status == 502
+    assert "Injected" not in answer.headers
+
+
+async def test_non_ascii_backend_header_bytes_reach_the_client_unchanged(
+    raw_backend: RawBackend, make_proxy: MakeProxy
+) -> None:
+    raw_backend.extra_head = "X-Name: café\r\n".encode()
+    proxy = await make_proxy(raw_backend.url)
+    async with connect(proxy) as conn:
+        answer = await conn.ask(post(turn("x")))
+    assert (answer.status, answer.headers["X-Name"]) == (200, "café")

@@ -595,6 +595,16 @@ async def test_a_malformed_header_line_is_broken_off(
         await get(client, server)
 
 
+@pytest.mark.parametrize("header", [b"Split: a\nInjected: 1", b"Cr: a\rb", b"Nul: a\x00b"])
+async def test_control_bytes_in_the_head_are_broken_off(
+    server: ScriptedServer, client: Http1Client, header: bytes
+) -> None:
+    """A bare LF would split one header into two on the way to the client."""
+    server.answer(b"HTTP/1.1 200 OK\r\n" + header + b"\r\nContent-Length: 0\r\n\r\n")
+    with pytest.raises(BrokenOff, match="control bytes"):
+        await get(client, server)
+
+
 @pytest.mark.parametrize("length", [b"abc", b"-1", b"1, 1"])
 async def test_a_bad_content_length_is_broken_off(
     server: ScriptedServer, client: Http1Client, length: bytes
