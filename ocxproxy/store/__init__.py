@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -303,6 +304,9 @@ class Store:
     def put(self, turn: Turn, parent: Record | None) -> Record:
         """Remember a finished turn on top of its parent's chain."""
         now = self.clock()
+        old = self._records.get(turn.response_id)
+        if old is not None:  # a reused id: drop the old record before its segments are shared
+            self._drop(old, None, None)
         own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=turn.durable))
         skeleton, output_at = split_output(turn.response, turn.items)
         response = self._intern(Segment(skeleton, 0, frozenset(), durable=turn.durable))
@@ -312,9 +316,6 @@ class Store:
             chain = (*parent.segments, own)
         else:  # dropped meanwhile, or another store's record: take its segments in
             chain = (*(self._adopt(s) for s in parent.segments), own)
-        old = self._records.get(turn.response_id)
-        if old is not None:
-            self._drop(old, None, None)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
@@ -461,15 +462,21 @@ class Store:
 
     def _gauges(self) -> None:
         """The store's gauges are read when /metrics is scraped, never kept up to date on
-        the request path."""
-        m, disk, resident = self.metrics, self.disk, self.resident
-        m.store_entries.labels(tier="records").set_function(lambda: len(self._records))
-        m.store_entries.labels(tier="resident").set_function(lambda: len(resident))
-        m.store_bytes.labels(tier="resident").set_function(lambda: resident.bytes)
-        if disk is not None:
-            m.store_entries.labels(tier="disk").set_function(lambda: len(disk.files))
-            m.store_bytes.labels(tier="disk").set_function(lambda: disk.bytes)
-            m.store_bytes.labels(tier="pending").set_function(lambda: disk.pending_bytes)
+        the request path. They reach the store through a weak reference: registering them
+        must not keep a store (a closed WebSocket connection's, say) and its bytes alive."""
+        ref = weakref.ref(self)
+
+        def gauge(read: Callable[[Store], float]) -> Callable[[], float]:
+            return lambda: read(store) if (store := ref()) is not None else 0.0
+
+        m = self.metrics
+        m.store_entries.labels(tier="records").set_function(gauge(lambda s: len(s._records)))
+        m.store_entries.labels(tier="resident").set_function(gauge(lambda s: len(s.resident)))
+        m.store_bytes.labels(tier="resident").set_function(gauge(lambda s: s.resident.bytes))
+        if self.disk is not None:
+            m.store_entries.labels(tier="disk").set_function(gauge(_disk_files))
+            m.store_bytes.labels(tier="disk").set_function(gauge(_disk_bytes))
+            m.store_bytes.labels(tier="pending").set_function(gauge(_pending_bytes))
 
     def check(self) -> list[str]:
         """Index and file drift, for tests and `state verify`; call it while idle (it lists
@@ -477,6 +484,18 @@ class Store:
         from ocxproxy.store.check import check_store
 
         return check_store(self)
+
+
+def _disk_files(store: Store) -> float:
+    return len(store.disk.files) if store.disk else 0
+
+
+def _disk_bytes(store: Store) -> float:
+    return store.disk.bytes if store.disk else 0
+
+
+def _pending_bytes(store: Store) -> float:
+    return store.disk.pending_bytes if store.disk else 0
 
 
 def split_output(response: bytes, items: bytes) -> tuple[bytes, tuple[int, int] | None]:

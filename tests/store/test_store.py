@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import orjson
 import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record
 from ocxproxy.store import Store, split_output
 from tests.store.helpers import Clock, inline, make_store, make_turn, sample, spill_files
@@ -254,6 +257,40 @@ async def test_records_from_another_store_are_copied_not_shared() -> None:
     assert await items_of(local, "l") == expected_items("r", 3)
     assert shared.check() == [] and local.check() == []
     assert all(s.refs == 1 or s.refs == 2 for s in parent.segments)
+
+
+async def test_a_reused_response_id_replaces_its_record_cleanly(tmp_path: Path) -> None:
+    """A backend that reuses an id for identical bytes: the old record goes, the new one
+    owns the very same segments, and the index stays whole through a delete."""
+    store = make_store(tmp_path)
+    first = store.put(make_turn("r0", "hello"), None)
+    again = store.put(make_turn("r0", "hello"), None)
+    assert store.lookup("scope-a", "r0") is again is not first
+    assert store.check() == []
+    assert await items_of(store, "r0") == [
+        {"role": "user", "content": "hello"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "echo: hello"}],
+        },
+    ]
+    assert store.delete("scope-a", "r0")
+    assert store.check() == []
+
+
+def test_a_store_is_not_kept_alive_by_its_metrics() -> None:
+    """WebSocket connections share one Metrics object; a closed connection's store, and
+    the store:false bytes it holds, must go with it."""
+    metrics = Metrics()
+    store = make_store(None, metrics=metrics)
+    store.put(make_turn("r0", "private"), None)
+    gone = weakref.ref(store)
+    assert sample(metrics.store_entries, tier="records") == 1
+    del store
+    gc.collect()
+    assert gone() is None
+    assert sample(metrics.store_entries, tier="records") == 0
 
 
 def test_split_output_round_trips() -> None:
