@@ -15,8 +15,8 @@ class Segment:
     """
 
     __slots__ = (
-        "call_ids", "data", "disk_size", "durable", "key", "lost", "n_items", "on_disk",
-        "refs", "size",
+        "call_ids", "data", "disk_size", "durable", "durable_refs", "key", "lost", "n_items",
+        "on_disk", "refs", "size",
     )  # fmt: skip
     data: bytes | None
     lost: str | None
@@ -56,7 +56,8 @@ class Segment:
         self.on_disk = False  # a durable spill file holds it
         self.disk_size = 0  # bytes of that file
         self.lost = None
-        self.refs = 0
+        self.refs = 0  # records holding it
+        self.durable_refs = 0  # durable records holding it; `durable` while above 0 in a Store
 
     def __repr__(self) -> str:
         where = ("mem" if self.data is not None else "") + ("+disk" if self.on_disk else "")

@@ -210,7 +210,7 @@ class Store:
                     self._segments[segment.key] = segment
                     if segment.size:
                         self.disk._add_file(segment, on_disk[segment.key])
-                segment.refs += 1
+                self._hold(segment, durable=True)
             self._records[info.id] = Record(
                 id=info.id,
                 scope=info.scope,
@@ -307,21 +307,22 @@ class Store:
         old = self._records.get(turn.response_id)
         if old is not None:  # a reused id: drop the old record before its segments are shared
             self._drop(old, None, None)
-        own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=turn.durable))
+        durable = turn.durable and (parent is None or parent.durable)
+        own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=False))
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = self._intern(Segment(skeleton, 0, frozenset(), durable=turn.durable))
+        response = self._intern(Segment(skeleton, 0, frozenset(), durable=False))
         if parent is None:
             chain: tuple[Segment, ...] = (own,)
         elif self._records.get(parent.id) is parent:
             chain = (*parent.segments, own)
         else:  # dropped meanwhile, or another store's record: take its segments in
-            chain = (*(self._adopt(s) for s in parent.segments), own)
+            chain = (*(self._adopt(s, durable) for s in parent.segments), own)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
             created_at=now,
             expires_at=now + self.ttl,
-            durable=turn.durable and (parent is None or parent.durable),
+            durable=durable,
             segments=chain,
             response=response,
             backend=turn.backend,
@@ -331,7 +332,7 @@ class Store:
             stored=turn.stored,
         )
         for segment in (*chain, response):
-            segment.refs += 1
+            self._hold(segment, durable=durable)
         self._records[record.id] = record
         self._tombstones.pop(record.id, None)
         if record.durable and self.disk is not None:
@@ -369,11 +370,11 @@ class Store:
             existing.data = segment.data
             existing.lost = None
         self._admit(existing)
-        existing.durable = existing.durable or segment.durable
         return existing
 
-    def _adopt(self, segment: Segment) -> Segment:
-        """This store's segment for a segment object it does not index."""
+    def _adopt(self, segment: Segment, durable: bool) -> Segment:
+        """This store's segment for a segment object it does not index, for a record that
+        is `durable` or not."""
         mine = self._segments.get(segment.key)
         if mine is segment:
             return mine
@@ -387,13 +388,13 @@ class Store:
             segment.size,
             segment.n_items,
             segment.call_ids,
-            durable=segment.durable,
+            durable=False,
             data=segment.data,
         )
         self._segments[copy.key] = copy
         if copy.data is not None:
             self._admit(copy)
-        elif not (self.disk is not None and self.disk.resurrect(copy)):
+        elif not (durable and self.disk is not None and self.disk.resurrect(copy)):
             copy.lost = str(FailureReason.EVICTED)
         return copy
 
@@ -411,9 +412,35 @@ class Store:
         if record.durable and self.disk is not None:
             self.disk.mark_dirty()
         for segment in (*record.segments, record.response):
-            segment.refs -= 1
-            if segment.refs <= 0:
-                self._forget(segment)
+            self._release(segment, durable=record.durable)
+
+    def _hold(self, segment: Segment, *, durable: bool) -> None:
+        """A record takes the segment. A segment may reach disk while, and only while, a
+        durable record holds it: store:false content shared by a store:true turn (the
+        same bytes, content-addressed) stops being durable when that turn goes."""
+        segment.refs += 1
+        if durable:
+            segment.durable_refs += 1
+            segment.durable = True
+
+    def _release(self, segment: Segment, *, durable: bool) -> None:
+        segment.refs -= 1
+        if durable:
+            segment.durable_refs -= 1
+            if segment.durable_refs <= 0:
+                segment.durable = False
+                if segment.refs > 0:
+                    self._undurable(segment)
+        if segment.refs <= 0:
+            self._forget(segment)
+
+    def _undurable(self, segment: Segment) -> None:
+        """Only records that may not reach disk still hold the segment: its file goes (after
+        the next snapshot, which no longer names it); bytes only on disk go with it."""
+        if segment.on_disk and self.disk is not None:
+            self.disk.discard(segment)
+            if segment.data is None:
+                segment.lost = str(FailureReason.EVICTED)
 
     def _forget(self, segment: Segment) -> None:
         # The object keeps its bytes for anyone still holding it (an in-flight exchange's

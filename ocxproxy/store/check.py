@@ -14,9 +14,12 @@ def check_store(store: Store) -> list[str]:
     problems: list[str] = []
     segments, resident, disk = store._segments, store.resident, store.disk
     refs: dict[str, int] = {}
+    durable_refs: dict[str, int] = {}
     for record in store._records.values():
         for segment in (*record.segments, record.response):
             refs[segment.key] = refs.get(segment.key, 0) + 1
+            if record.durable:
+                durable_refs[segment.key] = durable_refs.get(segment.key, 0) + 1
             if segments.get(segment.key) is not segment:
                 problems.append(f"{record.id} references unindexed {segment.key}")
     for key, segment in segments.items():
@@ -26,6 +29,9 @@ def check_store(store: Store) -> list[str]:
             problems.append(f"{key} resident without bytes")
         if segment.lost is not None and segment.data is not None:
             problems.append(f"{key} lost ({segment.lost}) but has bytes")
+        want = durable_refs.get(key, 0)
+        if segment.durable_refs != want or segment.durable != (want > 0):
+            problems.append(f"{key} durable {segment.durable} ({segment.durable_refs}) != {want}")
         if segment.on_disk and not segment.durable:
             problems.append(f"{key} is store:false content on disk")
         if segment.on_disk and (disk is None or disk.files.get(key) is not segment):

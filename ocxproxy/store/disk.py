@@ -270,6 +270,9 @@ class DiskTier:
             data = segment.data
             if self._index.get(segment.key) is not segment or data is None:
                 continue  # dropped meanwhile
+            if not segment.durable:  # its durable records went meanwhile: not to disk
+                self._evict(segment)
+                continue
             if segment.on_disk:
                 self._release(segment)
             else:
@@ -290,13 +293,22 @@ class DiskTier:
         if segment.key not in self._resident:  # read again meanwhile: keep it resident
             segment.data = None
 
+    def _evict(self, segment: Segment) -> None:
+        """A demoted segment that may not be written: its bytes go, unless read again."""
+        if segment.key not in self._resident:
+            segment.data = None
+            segment.lost = str(FailureReason.EVICTED)
+
     def _written(self, segment: Segment, result: int | StoreFailure, *, release: bool) -> None:
         current = self._index.get(segment.key)
         if isinstance(result, int):
             self.metrics.spill_writes.inc()
-            if current is None:
+            if current is None or not current.durable:  # dropped, or no durable holder now
                 self._doom(segment.key, result, True)
-            elif not current.on_disk:
+                if release and current is segment:
+                    self._evict(segment)
+                return
+            if not current.on_disk:
                 self._add_file(current, result)
             if current is segment and not segment.n_items and segment.key in self._resident:
                 # A response object (no items): only GET /v1/responses/{id} reads it, so

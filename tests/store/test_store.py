@@ -279,6 +279,50 @@ async def test_a_reused_response_id_replaces_its_record_cleanly(tmp_path: Path) 
     assert store.check() == []
 
 
+@pytest.mark.parametrize("demoted", [False, True], ids=["resident", "demoted"])
+async def test_content_shared_with_a_deleted_stored_turn_leaves_the_disk(
+    tmp_path: Path, demoted: bool
+) -> None:
+    """A store:false turn kept for chaining (--retain-unstored) whose new items are the
+    same bytes as a store:true turn's share that turn's segment. Once the store:true turn
+    is deleted, nothing durable holds it: its file goes, and it is never written again."""
+    store = make_store(tmp_path, offload=inline, max_resident_bytes=1 << 20)
+    await store.start()
+    public = store.put(make_turn("public", "same words"), None)
+    private = store.put(make_turn("private", "same words", durable=False), None)
+    assert private.segments[0] is public.segments[0]
+    await store.flush()
+    shared = public.segments[0].key
+    assert shared in spill_files(tmp_path)
+    if demoted:  # memory pressure: the shared bytes now live only in the file
+        store.resident.max_bytes = 1
+        store.put(make_turn("filler", "other words", durable=False), None)
+        await store.flush()
+        assert public.segments[0].data is None
+    assert store.delete("scope-a", "public")
+    await store.flush()
+    await store.flush()  # the second snapshot lets the dropped file go
+    assert shared not in spill_files(tmp_path)
+    assert store.check() == []
+    store.resident.max_bytes = 1 << 20
+    store.put(make_turn("more", "more words", durable=False), private)
+    await store.flush()
+    assert shared not in spill_files(tmp_path)  # not written again for store:false holders
+    if demoted:  # its bytes were only on disk: the store:false chain is gone, and says so
+        with pytest.raises(StoreFailure):
+            await store.history(store.lookup("scope-a", "private"))
+    else:
+        assert await items_of(store, "private") == [
+            {"role": "user", "content": "same words"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "echo: same words"}],
+            },
+        ]
+    await store.close()
+
+
 def test_a_store_is_not_kept_alive_by_its_metrics() -> None:
     """WebSocket connections share one Metrics object; a closed connection's store, and
     the store:false bytes it holds, must go with it."""
