@@ -4,7 +4,8 @@ Owns memory and disk state; never imports aiohttp, ocxproxy.http or ocxproxy.ups
 Every way a lookup can fail is a StoreFailure with a FailureReason. Segments live in the
 resident tier (memory, byte-capped LRU) and, for durable ones, in the disk tier (spill
 files + snapshot, see disk.py); past the memory cap the oldest are demoted to disk, and
-store:false content (non-durable segments) is dropped instead: it never reaches disk.
+content no durable record holds (store:false turns) is dropped instead: it never
+reaches disk.
 Public surface: Store, StoreStats, default_state_dir.
 """
 

@@ -197,8 +197,11 @@ class Http1Client:
                 origin.idle.pop().close()
 
     def _idle(self, origin: _Origin) -> _Connection | None:
+        """The newest usable idle connection; stale ones (the oldest first) are closed."""
         oldest = time.monotonic() - self.keepalive
         idle = origin.idle
+        while idle and idle[0].idle_since <= oldest:
+            idle.pop(0).close()
         while idle:
             conn = idle.pop()
             if not conn.closed and conn.idle_since > oldest and not conn.buffer:
