@@ -6,8 +6,9 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
@@ -25,6 +26,14 @@ settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 
+def unavailable(reason: str) -> NoReturn:
+    """The real llama.cpp backend is missing: skip, or fail where it must be there (.ci/run
+    sets OCXPROXY_REQUIRE_LLAMA=1, so a broken install cannot pass as skipped tests)."""
+    if os.environ.get("OCXPROXY_REQUIRE_LLAMA") == "1":
+        pytest.fail(f"{reason} (OCXPROXY_REQUIRE_LLAMA=1)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
 @dataclass
 class ProxyHandle:
     url: str  # server root, e.g. http://127.0.0.1:PORT
@@ -35,6 +44,11 @@ class ProxyHandle:
     @property
     def proxy(self) -> Proxy:
         return self.app[PROXY]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the proxy's metrics (0 when it has none yet)."""
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
 
     @property
     def base_url(self) -> str:
@@ -49,6 +63,13 @@ class ProxyHandle:
 
 
 MakeProxy = Callable[..., Awaitable[ProxyHandle]]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain HTTP client, for requests the SDK does not make."""
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
 @pytest.fixture

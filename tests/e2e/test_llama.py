@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from scripts.demo import QUESTIONS, long_message
-from tests.conftest import MakeProxy, ProxyHandle
+from tests.conftest import MakeProxy, ProxyHandle, unavailable
 from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, cached_ratio
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(300)]
 
 if not HAVE_LLAMA:
-    pytest.skip(MISSING, allow_module_level=True)
+    unavailable(MISSING)
 
 
 @pytest.fixture

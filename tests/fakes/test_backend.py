@@ -27,12 +27,6 @@ async def backend() -> AsyncIterator[FakeBackend]:
         yield fb
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 

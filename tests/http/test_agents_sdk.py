@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
+import agents
 import pytest
 
 from tests.conftest import ProxyHandle
 from tests.fakes.backend import FakeBackend
-
-agents = pytest.importorskip("agents")
 
 
 @pytest.fixture(autouse=True)

