@@ -106,12 +106,19 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
         except web.HTTPException as exc:
             raise HttpError(exc.reason, status=exc.status) from None
 
+    def fail(error: OcxError) -> web.StreamResponse:
+        if request.writer.output_size:  # the head is out: an error answer would land in the body
+            if request.transport is not None:
+                request.transport.close()  # the client sees a short body instead
+            raise ConnectionResetError("answer cut short")
+        return error_response(error)
+
     return await guarded(
         proxy,
         request.method,
         route_of(request),
         request.headers,
         run,
-        error_response,
+        fail,
         self_timed=lambda: request.get(SELF_TIMED, False),
     )

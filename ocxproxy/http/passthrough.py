@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from ocxproxy.errors import PayloadTooLarge, UpstreamError
+from ocxproxy.errors import PayloadTooLarge
 from ocxproxy.http.context import proxy_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.upstream.client import Timing
@@ -23,20 +23,16 @@ async def passthrough(request: web.Request, *, body: bytes | None = None) -> web
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
     stream = _BoundedBody(request, limit) if request.body_exists and body is None else None
-    try:
-        async with proxy.pool.open(
-            request.method,
-            request.path_qs,
-            headers,
-            stream.chunks() if stream else body,
-            timing=timing,
-            retry=stream is None,
-        ) as (_, upstream):
-            return await _relay(request, upstream, timing)
-    except UpstreamError:
-        if stream is not None and stream.exceeded:  # aiohttp wraps what the body raised
-            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.") from None
-        raise
+    # A streamed body over the limit raises PayloadTooLarge out of open(): a 413.
+    async with proxy.pool.open(
+        request.method,
+        request.path_qs,
+        headers,
+        stream.chunks() if stream else body,
+        timing=timing,
+        retry=stream is None,
+    ) as (_, upstream):
+        return await _relay(request, upstream, timing)
 
 
 async def _relay(
@@ -67,13 +63,11 @@ class _BoundedBody:
     def __init__(self, request: web.Request, limit: int) -> None:
         self.request = request
         self.limit = limit
-        self.exceeded = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         size = 0
         async for chunk in self.request.content.iter_any():
             size += len(chunk)
             if size > self.limit:
-                self.exceeded = True
                 raise PayloadTooLarge(f"Request body exceeds {self.limit} bytes.")
             yield chunk

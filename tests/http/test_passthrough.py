@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator
 
@@ -146,3 +147,26 @@ async def test_bodies_over_the_limit_are_413_and_never_reach_the_backend(
     assert not [s for s in backend.seen if s.path == "/v1/chat/completions"]
     async with http.post(url, json=CHAT) as resp:  # the proxy stays up
         assert resp.status == 200
+
+
+async def test_a_body_the_backend_breaks_off_is_cut_short_not_patched(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """The status line is already out when the backend hangs up mid-body: the client's
+    connection is closed, so it sees a short body; no error answer is written into it."""
+
+    async def half_an_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 100\r\n\r\n")
+        writer.write(b"hello")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(half_an_answer, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        proxy = await make_proxy(f"http://127.0.0.1:{port}")
+        async with http.get(proxy.url + "/v1/files/file_1") as resp:
+            assert resp.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
