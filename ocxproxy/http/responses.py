@@ -42,17 +42,13 @@ from ocxproxy.store import Store
 from ocxproxy.upstream.client import Backend, Timing, read_chunk
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.repair import StreamRepair
-from ocxproxy.upstream.sse import Event, EventSplitter, encode_event
+from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, EventSplitter, encode_event
 
 log = logging.getLogger("ocxproxy.responses")
 
 # Affinity keys (C6) by origin: the client's prompt_cache_key, a chain's root response id,
 # a digest of how a conversation opens.
 PCK_KEY, ROOT_KEY, HEAD_KEY = "pck:", "root:", "head:"
-
-TERMINAL_EVENTS = frozenset(
-    ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
-)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -394,10 +390,13 @@ async def stream_events(
 ) -> AsyncIterator[list[Event]]:
     """The backend's SSE events in arrival order, a batch per chunk read. Streams that
     lack spec fields are repaired; the turn is recorded before the terminal event is
-    yielded, so a continuation sent the instant it arrives resolves (C1.7)."""
+    yielded, so a continuation sent the instant it arrives resolves (C1.7). A stream that
+    ends with neither a terminal event nor an `error` one is an UpstreamError: the
+    client would otherwise take a cut-short response for a finished one."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
     decided = False
+    last: str | None = None  # the type of the last event with data
     while True:
         with timing.waiting():
             chunk = await read_chunk(upstream)
@@ -423,11 +422,17 @@ async def stream_events(
                 payload = payload if payload is not None else _loads(event.data)
                 if isinstance(payload, dict):
                     exchange.finish(payload.get("response"))
+            last = kind
             batch.append(event)
         if batch:
             yield batch
         if not chunk:
+            if last not in FINAL_EVENTS:
+                raise UpstreamError("The backend's stream ended before the response finished.")
             return
+
+
+FINAL_EVENTS = TERMINAL_EVENTS | {"error"}  # after one of these the client expects nothing more
 
 
 def _loads(data: bytes) -> Any:

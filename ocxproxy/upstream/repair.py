@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from ocxproxy.upstream.sse import Event, encode_event
+from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event
 
 # Events addressed to one content part of one output item.
 _CONTENT_EVENTS = frozenset(
@@ -55,16 +55,7 @@ class StreamRepair:
         kind = payload.get("type")
         if kind in _STUB_EVENTS:
             self._complete_stub(payload.get("response"))
-        elif (
-            isinstance(kind, str)
-            and kind.startswith("response.")
-            and kind
-            not in (
-                "response.completed",
-                "response.incomplete",
-                "response.failed",
-            )
-        ):
+        elif isinstance(kind, str) and kind.startswith("response.") and kind not in TERMINAL_EVENTS:
             self._index(kind, payload)
         data = orjson.dumps(payload)
         return Event(encode_event(event.name or kind, data), event.name or kind, data), payload

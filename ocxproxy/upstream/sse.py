@@ -9,6 +9,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# The events that end a response: after one, the client expects nothing more of it.
+TERMINAL_EVENTS = frozenset(
+    ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+)
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 

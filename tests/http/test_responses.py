@@ -537,6 +537,26 @@ async def test_stream_the_backend_hung_up_on_is_not_remembered(
         assert status == 200  # the proxy is fine afterwards
 
 
+async def test_a_stream_that_ends_before_its_terminal_event_ends_with_an_error(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """A backend that closes its stream cleanly but early: the client is told, and the
+    turn is not remembered (the WebSocket path says so too, through the same check)."""
+    events = script_events("resp_cut", "partial", spec=True)[:-1]  # no response.completed
+    script = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    async with ScriptedBackend([script]) as scripted:
+        proxy = await make_proxy(scripted.url)
+        async with http.post(
+            proxy.url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}
+        ) as resp:
+            payloads = sse_payloads(await resp.read())
+        assert [p["type"] for p in payloads] == [*(e["type"] for e in events), "error"]
+        assert payloads[-1]["sequence_number"] == len(events)
+        body = {"model": "m", "input": "y", "previous_response_id": "resp_cut"}
+        status, raw, _ = await post(http, proxy, body, key=None)
+        assert (status, orjson.loads(raw)) == (400, not_found("resp_cut"))
+
+
 async def test_sdk_sees_a_broken_stream_as_an_error(
     proxy: ProxyHandle, backend: FakeBackend
 ) -> None:
