@@ -48,6 +48,13 @@ class OcxError(Exception):
     def body(self) -> bytes:
         return orjson.dumps(self.to_openai_error())
 
+    def headers(self) -> dict[str, str]:
+        """The answer's headers: JSON, and when to try again for a 429."""
+        headers = {"Content-Type": "application/json"}
+        if self.status == 429:
+            headers["Retry-After"] = "1"
+        return headers
+
 
 def to_openai_error(
     message: str, type_: str, code: str | None = None, param: str | None = None
@@ -122,3 +129,35 @@ class StoreFailure(Exception):
         super().__init__(f"{reason}: {detail}" if detail else str(reason))
         self.reason = reason
         self.detail = detail
+
+
+def backend_error(status: int, body: bytes) -> dict[str, Any]:
+    """A backend's error answer as the inner OpenAI error object (the status is the
+    caller's). Backends disagree on the shape: OpenAI/llama.cpp nest it under `error`
+    (llama.cpp with a numeric `code`), older vLLM is flat, TGI puts a string in `error`,
+    some answer plain text."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        doc = None
+    inner: dict[str, Any] = {}
+    message: Any = None
+    if isinstance(doc, dict):
+        error = doc.get("error")
+        if isinstance(error, dict):
+            inner = error
+        else:
+            inner, message = doc, error
+    message = inner.get("message") or inner.get("detail") or message
+    if not isinstance(message, str) or not message:
+        text = body.decode("utf-8", "replace").strip()
+        message = text[:500] if text and doc is None else f"The backend answered {status}."
+    kind, code, param = inner.get("type"), inner.get("code"), inner.get("param")
+    fallback = "server_error" if status >= 500 else "invalid_request_error"
+    shaped: dict[str, Any] = to_openai_error(
+        message,
+        kind if isinstance(kind, str) and kind else fallback,
+        code if isinstance(code, str) else None,
+        param if isinstance(param, str) else None,
+    )["error"]
+    return shaped

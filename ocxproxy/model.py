@@ -87,7 +87,8 @@ class Record:
     stored: bool = True  # the client asked for store:true (GET and input_items serve it)
 
     def has_call_id(self, call_id: str) -> bool:
-        return any(call_id in seg.call_ids for seg in self.segments)
+        # Newest first: a tool output almost always answers the last turn's call.
+        return any(call_id in seg.call_ids for seg in reversed(self.segments))
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,13 +286,7 @@ class SocketReply:
             self.keep_alive = False
             self.status = error.status
             return self
-        headers: CIMultiDict[str] = CIMultiDict({"Content-Type": "application/json"})
-        if error.status == 429:
-            headers["Retry-After"] = "1"
-        body = error.body()
-        self._write(
-            self._head(error.status, headers, b"Content-Length: %d\r\n\r\n" % len(body)), body
-        )
+        self.answer(error.status, CIMultiDict(error.headers()), error.body())
         return self
 
 

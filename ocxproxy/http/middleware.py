@@ -81,10 +81,7 @@ async def guarded(
 
 
 def error_response(error: OcxError) -> web.Response:
-    headers = {"Retry-After": "1"} if error.status == 429 else None
-    return web.Response(
-        body=error.body(), status=error.status, content_type="application/json", headers=headers
-    )
+    return web.Response(body=error.body(), status=error.status, headers=error.headers())
 
 
 def route_of(request: web.Request) -> str:

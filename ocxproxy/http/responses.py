@@ -89,9 +89,10 @@ class Exchange:
         reason = not_recordable_reason(response)
         if reason is None and self.target is None:
             reason = "store_false"
-        if reason is not None or self.target is None:
-            metrics.turns_not_recorded.labels(reason=reason or "store_false").inc()
+        if reason is not None:
+            metrics.turns_not_recorded.labels(reason=reason).inc()
             return
+        assert self.target is not None  # else reason is "store_false"
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
         turn = build_turn(
@@ -149,10 +150,10 @@ async def prepare_exchange(
     (C1.1). `local` is a WebSocket connection's own store: store:false turns live
     there, and a chain that started there stays there.
     """
-    await proxy.store.wait_for_room()
     prev = request.previous_response_id
     if prev is None:
         target, durable = _retention(proxy, request, local, parent_store=None)
+        await _room_in(proxy, target)
         body = raw if raw is not None else orjson.dumps(request.body)
         return Exchange(
             proxy,
@@ -178,6 +179,7 @@ async def prepare_exchange(
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
     target, durable = _retention(proxy, request, local, parent_store=store)
+    await _room_in(proxy, target)
     return Exchange(
         proxy,
         scope,
@@ -189,6 +191,13 @@ async def prepare_exchange(
         tail=tail,
         affinity_key=affinity_of(request, parent),
     )
+
+
+async def _room_in(proxy: Proxy, target: Store | None) -> None:
+    """A turn the shared store will take waits while its disk writer is behind (bounded);
+    one remembered elsewhere, or nowhere, does not."""
+    if target is proxy.store:
+        await proxy.store.wait_for_room()
 
 
 def _resolve(proxy: Proxy, scope: str, prev: str, local: Store | None) -> tuple[Store, Record]:

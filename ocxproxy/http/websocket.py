@@ -32,6 +32,7 @@ from ocxproxy.errors import (
     RateLimited,
     StoreFailure,
     UpstreamError,
+    backend_error,
 )
 from ocxproxy.http.context import Proxy, proxy_of, scope_of
 from ocxproxy.http.headers import upstream_headers
@@ -245,7 +246,7 @@ class Connection:
             if upstream.status != 200 or not content_type.startswith("text/event-stream"):
                 with timing.waiting():
                     body = await upstream.read()
-                await self._send(orjson.dumps(backend_error(upstream.status, body)))
+                await self._send(orjson.dumps(backend_error_event(upstream.status, body)))
                 return TurnOutcome.BACKEND_ERROR
             last: str | None = None
             async for batch in stream_events(upstream, exchange, timing):
@@ -367,32 +368,12 @@ def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
     return {"type": "error", "status": status, "error": error}
 
 
-def backend_error(status: int, body: bytes) -> dict[str, Any]:
+def backend_error_event(status: int, body: bytes) -> dict[str, Any]:
     """A backend's non-streaming answer → an error event keeping its status and details."""
     if status == 200:  # a backend that ignored stream:true
         exc = UpstreamError("The backend answered without an event stream.")
         return error_event(exc.status, exc.to_openai_error()["error"])
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        doc = None
-    detail: dict[str, Any] = {}
-    if isinstance(doc, dict):
-        inner = doc.get("error")
-        detail = inner if isinstance(inner, dict) else doc  # vLLM's older flat shape
-    message = detail.get("message") or detail.get("detail")
-    code, param, kind = detail.get("code"), detail.get("param"), detail.get("type")
-    return error_event(
-        status,
-        {
-            "type": kind
-            if isinstance(kind, str)
-            else ("server_error" if status >= 500 else "invalid_request_error"),
-            "code": code if isinstance(code, str) else None,
-            "message": message if isinstance(message, str) else f"The backend answered {status}.",
-            "param": param if isinstance(param, str) else None,
-        },
-    )
+    return error_event(status, backend_error(status, body))
 
 
 def ws_payload(event: Event) -> tuple[bytes, str | None]:

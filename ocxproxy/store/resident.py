@@ -53,16 +53,14 @@ class ResidentTier:
         if self._lru.pop(segment.key, None) is not None:
             self.bytes -= segment.size
 
-    def over_budget(self, keep: frozenset[str] = frozenset(), held: int = 0) -> list[Segment]:
+    def over_budget(self, held: int = 0) -> list[Segment]:
         """Oldest segments to take out until the tier, plus `held` bytes kept in memory
-        elsewhere (demoted but not yet written), fits; `keep` ones stay."""
+        elsewhere (demoted but not yet written), fits."""
         excess = self.bytes + held - self.max_bytes
         victims: list[Segment] = []
         if excess <= 0:
             return victims
         for segment in self._lru.values():
-            if segment.key in keep:
-                continue
             victims.append(segment)
             excess -= segment.size
             if excess <= 0:

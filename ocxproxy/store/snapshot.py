@@ -73,9 +73,6 @@ class Index:
     segments: list[SegmentInfo]
     records: list[RecordInfo]
 
-    def keys(self) -> set[str]:
-        return {s.key for s in self.segments}
-
 
 def encode(records: Iterable[Record], now: float) -> tuple[bytes, int]:
     """The snapshot bytes for `records` (all of whose segments are on disk), and the count."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from ocxproxy.errors import InvalidRequest
+from ocxproxy.errors import InvalidRequest, backend_error
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -264,36 +264,5 @@ def _unsupported(param: str, message: str) -> InvalidRequest:
 
 
 def chat_error(status: int, body: bytes) -> bytes:
-    """A chat backend's error answer → an OpenAI-shaped error body (status kept by the caller).
-
-    Backends disagree on the shape: OpenAI/llama.cpp nest it under `error` (llama.cpp with a
-    numeric `code`), older vLLM is flat, TGI puts a string in `error`.
-    """
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        doc = None
-    inner: dict[str, Any] = {}
-    message: Any = None
-    if isinstance(doc, dict):
-        error = doc.get("error")
-        if isinstance(error, dict):
-            inner = error
-        else:
-            inner, message = doc, error
-    message = inner.get("message") or inner.get("detail") or message
-    if not isinstance(message, str) or not message:
-        text = body.decode("utf-8", "replace").strip()
-        message = text[:500] if text and doc is None else f"The backend answered {status}."
-    kind, code, param = inner.get("type"), inner.get("code"), inner.get("param")
-    fallback = "server_error" if status >= 500 else "invalid_request_error"
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": kind if isinstance(kind, str) and kind else fallback,
-                "param": param if isinstance(param, str) else None,
-                "code": code if isinstance(code, str) else None,
-            }
-        }
-    )
+    """A chat backend's error answer → an OpenAI-shaped error body (status kept by the caller)."""
+    return orjson.dumps({"error": backend_error(status, body)})

@@ -20,7 +20,6 @@ from ocxproxy.errors import UpstreamError
 from ocxproxy.metrics import Metrics
 from ocxproxy.upstream.dialect import Translator, UpstreamResponse
 from ocxproxy.upstream.http1 import (
-    BrokenOff,
     ConnectFailed,
     Disconnected,
     Http1Client,
@@ -62,12 +61,17 @@ async def read_chunk(response: UpstreamResponse) -> bytes:
     goes silent mid-body is an UpstreamError."""
     try:
         return await response.content.readany()
-    except TimeoutError:
-        raise UpstreamError(
+    except (TimeoutError, Http1Error) as exc:
+        raise _mid_body(exc) from None
+
+
+def _mid_body(exc: BaseException) -> UpstreamError:
+    """A backend that went silent or broke off after its status line, as the client sees it."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamError(
             "The backend went silent mid-response.", code="upstream_timeout", status=504
-        ) from None
-    except Http1Error:
-        raise UpstreamError("The backend broke off its response.") from None
+        )
+    return UpstreamError("The backend broke off its response.")
 
 
 class UpstreamPool:
@@ -312,9 +316,5 @@ class Sent:
             )
         finally:
             self.pool.fleet.release(backend)
-        if isinstance(exc, BrokenOff):
-            raise UpstreamError("The backend broke off its response.") from None
-        if isinstance(exc, TimeoutError):
-            raise UpstreamError(
-                "The backend went silent mid-response.", code="upstream_timeout", status=504
-            ) from None
+        if isinstance(exc, TimeoutError | Http1Error):
+            raise _mid_body(exc) from None

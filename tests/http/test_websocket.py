@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from ocxproxy.http.websocket import (
     TURN_ROUTE,
-    backend_error,
+    backend_error_event,
     parse_frame,
     warmup_response,
 )
@@ -798,7 +798,7 @@ def test_warmup_response_echoes_the_request() -> None:
             {
                 "type": "server_error",
                 "code": None,
-                "message": "The backend answered 502.",
+                "message": "<html>bad gateway</html>",  # a text body is the message
                 "param": None,
             },
         ),
@@ -807,9 +807,13 @@ def test_warmup_response_echoes_the_request() -> None:
 def test_backend_error_keeps_status_and_openai_details(
     status: int, body: bytes, expected: Json
 ) -> None:
-    assert backend_error(status, body) == {"type": "error", "status": status, "error": expected}
+    assert backend_error_event(status, body) == {
+        "type": "error",
+        "status": status,
+        "error": expected,
+    }
 
 
 def test_backend_error_for_a_non_streaming_200() -> None:
-    event = backend_error(200, b"{}")
+    event = backend_error_event(200, b"{}")
     assert event["status"] == 502 and event["error"]["code"] == "upstream_error"
