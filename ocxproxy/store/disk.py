@@ -365,16 +365,32 @@ class DiskTier:
         task sets `on_disk` or unlinks, and unlinks wait for a later capture (rule 3).
         """
         needed: dict[str, tuple[Segment, bytes]] = {}
+
+        def ready(segment: Segment) -> bool:
+            """On disk, or its bytes are in hand to be written now."""
+            if segment.size == 0 or segment.on_disk or segment.key in needed:
+                return True
+            data = segment.data
+            if data is None or not segment.durable:
+                return False
+            needed[segment.key] = (segment, data)
+            return True
+
+        # Whether a chain can be written, by its segments: a child's chain is its parent's
+        # plus one segment, so most records check one (see snapshot.encode).
+        chain_ready: dict[tuple[Segment, ...], bool] = {}
         included: list[Record] = []
         for record in records:
-            for segment in (*record.segments, record.response):
-                if segment.size == 0 or segment.on_disk or segment.key in needed:
-                    continue
-                data = segment.data
-                if data is None or not segment.durable:
-                    break
-                needed[segment.key] = (segment, data)
-            else:
+            chain = record.segments
+            ok = chain_ready.get(chain)
+            if ok is None:
+                prefix = chain_ready.get(chain[:-1]) if len(chain) > 1 else None
+                if prefix is None:
+                    ok = all(ready(segment) for segment in chain)
+                else:
+                    ok = prefix and ready(chain[-1])
+                chain_ready[chain] = ok
+            if ok and ready(record.response):
                 included.append(record)
         todo = list(needed.values())
         results = self.spill.write_many([(s.key, d) for s, d in todo])
