@@ -2,7 +2,7 @@
 
 `open()` is the only way to talk to a backend; every connection or timeout error that
 escapes it is an UpstreamError. The choice of backend, health state and admission are
-upstream/pool.py's (the Fleet); this module sends, probes and tells the Fleet what it saw.
+upstream/fleet.py's (the Fleet); this module sends, probes and tells the Fleet what it saw.
 A request is tried on another backend only when nothing came back from the first (no
 status line), so nothing can have reached the client.
 """
@@ -26,7 +26,7 @@ from ocxproxy.upstream.http1 import (
     Http1Error,
     Http1Response,
 )
-from ocxproxy.upstream.pool import Backend, Choice, Fleet, Placement, Routing
+from ocxproxy.upstream.fleet import Backend, Choice, Fleet, Placement, Routing
 
 log = logging.getLogger("ocxproxy.upstream")
 
@@ -78,7 +78,7 @@ class UpstreamPool:
     """The backends behind keep-alive connections: sends requests, probes health.
 
     Which backend serves a request, and whether it may be sent at all, is the Fleet's
-    decision (upstream/pool.py); this class does the I/O and maps its errors.
+    decision (upstream/fleet.py); this class does the I/O and maps its errors.
     """
 
     def __init__(self, urls: tuple[str, ...], config: Config, metrics: Metrics) -> None:

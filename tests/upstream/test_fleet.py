@@ -1,4 +1,4 @@
-"""upstream/pool.py: the Fleet's choice, health state and admission, without sockets."""
+"""upstream/fleet.py: the Fleet's choice, health state and admission, without sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import RateLimited, UpstreamError
 from ocxproxy.metrics import Metrics
-from ocxproxy.upstream.pool import (
+from ocxproxy.upstream.fleet import (
     BACKOFF_MAX,
     ERRORS_BEFORE_DOWN,
     Choice,
