@@ -18,7 +18,7 @@ from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store
-from ocxproxy.upstream.client import UpstreamPool
+from ocxproxy.upstream.pool import UpstreamPool
 
 log = logging.getLogger("ocxproxy")
 

@@ -92,7 +92,7 @@ def test_pure_modules_do_no_async_io(module: str) -> None:
         "aiohttp",
         "ocxproxy.http",
         "ocxproxy.store",
-        "ocxproxy.upstream.client",
+        "ocxproxy.upstream.pool",
     ):
         if module.startswith("ocxproxy.store") and banned == "ocxproxy.store":
             continue

@@ -12,7 +12,7 @@ from ocxproxy.config import Config
 from ocxproxy.errors import Unauthorized
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store
-from ocxproxy.upstream.client import Timing, UpstreamPool
+from ocxproxy.upstream.pool import Timing, UpstreamPool
 
 ANONYMOUS = "anonymous"
 

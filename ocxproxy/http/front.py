@@ -34,7 +34,7 @@ from ocxproxy.errors import OcxError
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.middleware import guarded
 from ocxproxy.http.responses import create
-from ocxproxy.upstream.client import Timing
+from ocxproxy.upstream.pool import Timing
 from ocxproxy.upstream.http1 import has_control_bytes
 
 ROUTE = "/v1/responses"

@@ -39,7 +39,7 @@ from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.upstream.client import Backend, Timing, read_chunk
+from ocxproxy.upstream.pool import Backend, Timing, read_chunk
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.repair import StreamRepair
 from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, EventSplitter, encode_event

@@ -46,7 +46,7 @@ from ocxproxy.http.responses import (
 )
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store
-from ocxproxy.upstream.client import Timing
+from ocxproxy.upstream.pool import Timing
 from ocxproxy.upstream.sse import Event
 
 log = logging.getLogger("ocxproxy.websocket")

@@ -2,7 +2,7 @@
 
 Decisions only. `Fleet.choose` is synchronous and does no I/O, so a choice and the slot it
 reserves happen with no `await` in between; `Fleet.admit` adds the one bounded wait for a
-free slot. Sending requests and probing health paths is upstream/client.py's job: this
+free slot. Sending requests and probing health paths is upstream/pool.py's job: this
 module never opens a socket.
 
 Routing (affinity mode). A request carries an affinity key (the client's prompt_cache_key,

@@ -11,7 +11,7 @@ import pytest
 from ocxproxy.config import Config, ConfigError, build_config
 from ocxproxy.errors import InvalidRequest
 from ocxproxy.metrics import Metrics
-from ocxproxy.upstream.client import UpstreamPool
+from ocxproxy.upstream.pool import UpstreamPool
 from ocxproxy.upstream.dialect import Translator
 
 A, B = "http://a:8000", "http://b:8000"
