@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Generic, TypeVar
@@ -324,3 +325,24 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Timing:
+    """Where a request's time went; the handler subtracts it from its own wall time.
+    `with timing.waiting():` brackets each wait on a backend (a plain class: a generator
+    context manager costs microseconds on every chunk)."""
+
+    __slots__ = ("_since", "upstream")
+
+    def __init__(self) -> None:
+        self.upstream = 0.0  # seconds spent waiting on the backend
+        self._since = 0.0
+
+    def waiting(self) -> Timing:
+        return self
+
+    def __enter__(self) -> None:
+        self._since = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.upstream += time.perf_counter() - self._since

@@ -72,6 +72,7 @@ def test_only_http_and_server_import_aiohttp_web() -> None:
     "module",
     [
         "ocxproxy.continuation",
+        "ocxproxy.continuation.affinity",
         "ocxproxy.continuation.expand",
         "ocxproxy.continuation.record",
         "ocxproxy.upstream.sse",
@@ -106,6 +107,17 @@ LEVEL_ZERO = ("ocxproxy.errors", "ocxproxy.config", "ocxproxy.model", "ocxproxy.
 def test_level_zero_imports_only_level_zero(module: str) -> None:
     own = {i for i in MODULES[module] if i.startswith("ocxproxy")}
     assert all(any(uses({i}, low) for low in LEVEL_ZERO) for i in own), own
+
+
+def test_the_create_turn_is_not_tied_to_aiohttp_web() -> None:
+    """http/exchange.py runs a turn for the front end, aiohttp's route and WebSocket alike."""
+    assert not uses(MODULES["ocxproxy.http.exchange"], "aiohttp.web")
+
+
+def test_websocket_takes_the_turn_from_exchange_not_the_routes() -> None:
+    imports = MODULES["ocxproxy.http.websocket"]
+    assert uses(imports, "ocxproxy.http.exchange")
+    assert not uses(imports, "ocxproxy.http.responses")
 
 
 def test_store_never_imports_upstream_or_http() -> None:

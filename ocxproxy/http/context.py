@@ -10,9 +10,9 @@ from aiohttp import web
 
 from ocxproxy.config import Config
 from ocxproxy.errors import Unauthorized
-from ocxproxy.metrics import Metrics
+from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
-from ocxproxy.upstream.pool import Timing, UpstreamPool
+from ocxproxy.upstream.pool import UpstreamPool
 
 ANONYMOUS = "anonymous"
 

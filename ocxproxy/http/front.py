@@ -8,7 +8,7 @@ gets a lean path; every other request keeps aiohttp.
 A connection starts here. A request whose head is a plain `POST /v1/responses`
 (HTTP/1.1, one Content-Length within `--max-body-bytes`, no Transfer-Encoding, Expect or
 Upgrade, no control bytes, bare line ends or folded header lines) is served here, by the
-same `guarded()` (errors, counts, overhead) and `responses.create` as aiohttp's route.
+same `guarded()` (errors, counts, overhead) and `exchange.create` as aiohttp's route.
 The first request that is anything else is handed, with the connection and every byte
 not yet read, to aiohttp's RequestHandler, which owns the connection from then on: aiohttp
 parses, answers, or refuses it exactly as it would have. So this parser only has to
@@ -32,9 +32,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from ocxproxy.aio import FlowControlled
 from ocxproxy.errors import OcxError
 from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.http.exchange import create
 from ocxproxy.http.middleware import guarded
-from ocxproxy.http.responses import create
-from ocxproxy.upstream.pool import Timing
+from ocxproxy.metrics import Timing
 from ocxproxy.upstream.http1 import has_control_bytes
 
 ROUTE = "/v1/responses"

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ocxproxy.errors import OcxError, PayloadTooLarge
 from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of
-from ocxproxy.upstream.pool import Timing
+from ocxproxy.metrics import Timing
 
 log = logging.getLogger("ocxproxy.http")
 

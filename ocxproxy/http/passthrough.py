@@ -9,7 +9,7 @@ from aiohttp import web
 from ocxproxy.errors import PayloadTooLarge
 from ocxproxy.http.context import proxy_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
-from ocxproxy.upstream.pool import Timing
+from ocxproxy.metrics import Timing
 from ocxproxy.upstream.dialect import UpstreamResponse
 
 

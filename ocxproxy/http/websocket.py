@@ -35,19 +35,18 @@ from ocxproxy.errors import (
     backend_error,
 )
 from ocxproxy.http.context import Proxy, proxy_of, scope_of
-from ocxproxy.http.headers import upstream_headers
-from ocxproxy.http.middleware import SELF_TIMED
-from ocxproxy.http.passthrough import passthrough
-from ocxproxy.http.responses import (
+from ocxproxy.http.exchange import (
     Exchange,
     open_upstream,
     prepare_exchange,
     stream_events,
 )
-from ocxproxy.metrics import Metrics
+from ocxproxy.http.headers import upstream_headers
+from ocxproxy.http.middleware import SELF_TIMED
+from ocxproxy.http.passthrough import passthrough
+from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
-from ocxproxy.upstream.pool import Timing
-from ocxproxy.upstream.sse import Event
+from ocxproxy.upstream.sse import SUCCESS_EVENTS, Event
 
 log = logging.getLogger("ocxproxy.websocket")
 
@@ -57,7 +56,6 @@ QUEUE_LIMIT = 16  # response.create frames waiting behind the one in flight
 LOCAL_MAX_ENTRIES = 4096
 TURN_ROUTE = "websocket /v1/responses"  # proxy_overhead label: one observation per turn
 _CLIENT_ONLY = ("type", "generate", "stream_id")
-_SUCCESS = frozenset(("response.completed", "response.incomplete"))
 # Connection stores publish their gauges here, so they never overwrite the shared store's.
 _DETACHED_METRICS = Metrics()
 
@@ -254,7 +252,7 @@ class Connection:
                     if event.data and event.data != b"[DONE]":
                         data, last = ws_payload(event)
                         await self._send(data)
-        if exchange.recorded or last in _SUCCESS:
+        if exchange.recorded or last in SUCCESS_EVENTS:
             return TurnOutcome.COMPLETED
         return TurnOutcome.FAILED
 
@@ -281,7 +279,9 @@ class Connection:
         self._frames_out.inc()
 
     async def _send_error(self, error: OcxError) -> None:
-        await self._send(orjson.dumps(error_event(error.status, error.to_openai_error()["error"])))
+        await self._send(
+            orjson.dumps(ws_error_event(error.status, error.to_openai_error()["error"]))
+        )
 
 
 # -- pure helpers ------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def warmup_response(body: dict[str, Any], response_id: str, created_at: int) -> 
     return response
 
 
-def error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
+def ws_error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
     """The WebSocket error event (`ResponseWsError`): status on top, the error nested."""
     return {"type": "error", "status": status, "error": error}
 
@@ -372,8 +372,8 @@ def backend_error_event(status: int, body: bytes) -> dict[str, Any]:
     """A backend's non-streaming answer → an error event keeping its status and details."""
     if status == 200:  # a backend that ignored stream:true
         exc = UpstreamError("The backend answered without an event stream.")
-        return error_event(exc.status, exc.to_openai_error()["error"])
-    return error_event(status, backend_error(status, body))
+        return ws_error_event(exc.status, exc.to_openai_error()["error"])
+    return ws_error_event(status, backend_error(status, body))
 
 
 def ws_payload(event: Event) -> tuple[bytes, str | None]:
@@ -397,7 +397,7 @@ def ws_payload(event: Event) -> tuple[bytes, str | None]:
         "param": payload.get("param"),
     }
     status = payload.get("status")
-    converted = error_event(status if isinstance(status, int) else 500, detail)
+    converted = ws_error_event(status if isinstance(status, int) else 500, detail)
     if "sequence_number" in payload:
         converted["sequence_number"] = payload["sequence_number"]
     return orjson.dumps(converted), "error"

@@ -5,9 +5,9 @@ reserves happen with no `await` in between; `Fleet.admit` adds the one bounded w
 free slot. Sending requests and probing health paths is upstream/pool.py's job: this
 module never opens a socket.
 
-Routing (affinity mode). A request carries an affinity key (the client's prompt_cache_key,
-its chain's, or a digest of how its conversation starts) and, for a continuation, the
-backend that served its parent. Its *home* is that backend, else the backend its key was
+Routing (affinity mode). A request carries an affinity key (continuation/affinity.py says
+what a key means; here keys are only compared) and, for a continuation, the backend that
+served its parent. Its *home* is that backend, else the backend its key was
 last sent to. It goes home while home is up and has room ("hit"). A key seen for the first
 time goes to the least-loaded backend, ties broken by rendezvous hash of the key ("new"),
 and its home is remembered. A request whose home is down, or still full after the

@@ -17,8 +17,9 @@ from typing import Any
 
 from ocxproxy.config import Config
 from ocxproxy.errors import UpstreamError
-from ocxproxy.metrics import Metrics
+from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.upstream.dialect import Translator, UpstreamResponse
+from ocxproxy.upstream.fleet import Backend, Choice, Fleet, Placement, Routing
 from ocxproxy.upstream.http1 import (
     ConnectFailed,
     Disconnected,
@@ -26,34 +27,12 @@ from ocxproxy.upstream.http1 import (
     Http1Error,
     Http1Response,
 )
-from ocxproxy.upstream.fleet import Backend, Choice, Fleet, Placement, Routing
 
 log = logging.getLogger("ocxproxy.upstream")
 
-__all__ = ["Backend", "Sent", "Timing", "UpstreamPool", "read_chunk"]
+__all__ = ["Backend", "BackendRequest", "UpstreamPool", "read_chunk"]
 
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
-
-
-class Timing:
-    """Where a request's time went; the handler subtracts it from its own wall time.
-    `with timing.waiting():` brackets each wait on a backend (a plain class: a generator
-    context manager costs microseconds on every chunk)."""
-
-    __slots__ = ("_since", "upstream")
-
-    def __init__(self) -> None:
-        self.upstream = 0.0  # seconds spent waiting on the backend
-        self._since = 0.0
-
-    def waiting(self) -> Timing:
-        return self
-
-    def __enter__(self) -> None:
-        self._since = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.upstream += time.perf_counter() - self._since
 
 
 async def read_chunk(response: UpstreamResponse) -> bytes:
@@ -163,7 +142,7 @@ class UpstreamPool:
         affinity_key: str | None = None,
         preferred: str | None = None,
         retry: bool = True,
-    ) -> Sent:
+    ) -> BackendRequest:
         """`async with pool.open(...) as (backend, response)`: send the request; the
         backend and its response with headers read.
 
@@ -173,20 +152,22 @@ class UpstreamPool:
         headers are in, it is never sent again, so a client never sees two answers.
         """
         translator = Translator(method, path_qs, data)
-        return Sent(self, method, headers, translator, timing, affinity_key, preferred, retry)
+        return BackendRequest(
+            self, method, headers, translator, timing, affinity_key, preferred, retry
+        )
 
-    async def dial(self, sent: Sent) -> tuple[Backend, Http1Response, float]:
-        """Send `sent`'s request until a backend answers; its slot stays reserved."""
-        fleet, metrics, timing = self.fleet, self.metrics, sent.timing
+    async def dial(self, request: BackendRequest) -> tuple[Backend, Http1Response, float]:
+        """Send `request` until a backend answers; its slot stays reserved."""
+        fleet, metrics, timing = self.fleet, self.metrics, request.timing
         tried: set[str] = set()  # backends that failed this request
         redialed: set[str] = set()  # backends that dropped a connection once already
         first: Choice | None = None
         last_error: UpstreamError | None = None
-        preferred = sent.preferred
+        preferred = request.preferred
         while True:
             try:
                 with timing.waiting():  # waiting for a slot is waiting on the backends
-                    choice = await fleet.admit(sent.affinity_key, preferred, exclude=tried)
+                    choice = await fleet.admit(request.affinity_key, preferred, exclude=tried)
             except UpstreamError:
                 if last_error is not None:
                     raise last_error from None
@@ -197,11 +178,11 @@ class UpstreamPool:
             answered = False
             try:
                 # A chat backend gets the request translated (InvalidRequest: unsent).
-                path, body = sent.translator.request(backend.dialect)
+                path, body = request.translator.request(backend.dialect)
                 try:
                     with timing.waiting():
                         response = await self.http.request(
-                            sent.method, backend.url, path, sent.headers, body
+                            request.method, backend.url, path, request.headers, body
                         )
                 except ConnectFailed as exc:
                     fleet.mark_down(backend, str(exc))
@@ -211,7 +192,7 @@ class UpstreamPool:
                         code="upstream_unreachable",
                     )
                     tried.add(backend.url)
-                    if sent.retry:
+                    if request.retry:
                         continue
                     raise last_error from None
                 except Disconnected as exc:
@@ -228,7 +209,7 @@ class UpstreamPool:
                     else:
                         redialed.add(backend.url)
                         preferred = backend.url
-                    if sent.retry:
+                    if request.retry:
                         continue
                     raise last_error from None
                 except TimeoutError:
@@ -259,7 +240,7 @@ class UpstreamPool:
                     fleet.release(backend)
 
 
-class Sent:
+class BackendRequest:
     """One backend request as an async context manager (a class, not a generator: it
     runs on every turn). Entering sends it (UpstreamPool.dial); leaving maps what went
     wrong reading the answer to UpstreamError, keeps the connection if the body was read

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 TERMINAL_EVENTS = frozenset(
     ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 )
+# The terminal events of a response to remember: it finished, wholly or cut short by a limit.
+SUCCESS_EVENTS = frozenset(("response.completed", "response.incomplete"))
+# The last event a whole stream may end with: a terminal one, or the backend's `error`.
+FINAL_EVENTS = TERMINAL_EVENTS | {"error"}
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 

@@ -4,7 +4,7 @@ dribbled bytes, errors); anything else is handed to aiohttp, which closes the co
 after its answer.
 
 Which side answered: the `front_served` fixture counts the calls of front.create (the
-front end's only way into `responses.create`). The `Server:` header cannot tell: the
+front end's only way into `exchange.create`). The `Server:` header cannot tell: the
 front end relays the backend's, and FakeBackend is an aiohttp server too. RawBackend, a
 lenient backend on a bare socket, shows byte for byte what the proxy forwards.
 """
@@ -24,7 +24,7 @@ from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
 from ocxproxy.http import front
-from ocxproxy.http.responses import create
+from ocxproxy.http.exchange import create
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import response_object, sse_payloads

@@ -11,8 +11,8 @@ import pytest
 from ocxproxy.config import Config, ConfigError, build_config
 from ocxproxy.errors import InvalidRequest
 from ocxproxy.metrics import Metrics
-from ocxproxy.upstream.pool import UpstreamPool
 from ocxproxy.upstream.dialect import Translator
+from ocxproxy.upstream.pool import UpstreamPool
 
 A, B = "http://a:8000", "http://b:8000"
 
