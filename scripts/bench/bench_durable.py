@@ -1,0 +1,677 @@
+"""The durable store at deployment scale: issue 18's figures from one run, black-box.
+
+Everything runs against real `python -m ocxproxy serve` processes on the default durable
+configuration (no --zdr, default budgets, each with a fresh --state-dir) in front of
+scripts/instant_backend.py, driven from outside over loopback HTTP:
+
+  1. latency: fill a store to N records through the proxy (16 closed-loop chains of 100
+     turns), then continuation turns open loop at --rate turns/s over 64 chains for
+     --duration s; latency counts from each turn's scheduled send time. Both N in this run
+     (--small-records, --records); the small store is the baseline of the ratio.
+  2. RSS of the filled proxy (VmRSS, and peak VmHWM); allocated bytes of its state dir
+     (st_blocks * 512) ÷ the bytes the store counts (ocxproxy_store_bytes in /metrics, every
+     tier that is not memory) once its writes have settled.
+  3. kill -9: on the big store, --kills rounds of open-loop traffic killed with SIGKILL at a
+     random moment, restarted on the same dir; every turn whose 200 arrived must be there
+     after the restart (GET /v1/responses/{id}, and each chain continues).
+  4. start-up: a SIGTERM (timed), then a fresh start on the big store, timed to /readyz 200.
+  5. throughput: 16 closed-loop clients for --throughput-duration s, durable and --zdr, each
+     counted until its graceful stop completes (until the state is durable); durable ÷ zdr.
+
+Flags the proxy does not know yet are detected from `serve --help` (the script runs on
+stores before and after issue 18). The box has 2 cores shared with everything else running
+on it: the load generator shares them with the proxy and the backend, so figures are noisy.
+
+    .venv/bin/python scripts/bench/bench_durable.py              # ~5 min at 100,000 records
+    .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import orjson
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from benchkit import (  # noqa: E402
+    PYTHON,
+    Child,
+    Summary,
+    add_common_options,
+    raise_priority,
+    start_backend,
+    start_child,
+    status_kib,
+    table,
+    verdict,
+)
+
+READY = r"ocxproxy listening on (http://\S+?)/v1"
+_ID = re.compile(rb'"id":"(resp_[^"]*)"')
+_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
+_CLOSE = re.compile(rb"\r\nconnection: *close", re.I)
+_STORE_BYTES = re.compile(r'^ocxproxy_store_bytes\{tier="([^"]+)"\} (\S+)$', re.M)
+MEMORY_TIERS = ("resident", "pending")  # ocxproxy_store_bytes tiers that are not on disk
+STARTED: list[Child] = []  # every proxy process, stopped at the end whatever happens
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+class Http:
+    """HTTP/1.1 keep-alive requests to one server over a pool of raw connections: far less
+    CPU per request than an aiohttp client, which shares the 2 cores with the proxy."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        """(status, body); raises OSError / IncompleteReadError if the server goes away."""
+        if self.idle:
+            reader, writer = self.idle.pop()
+        else:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer sk-bench"
+            f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        try:
+            writer.write(head.encode() + body)
+            response = await reader.readuntil(b"\r\n\r\n")
+            status = int(response[9:12])
+            m = _LENGTH.search(response)
+            if m is not None:
+                data = await reader.readexactly(int(m.group(1)))
+            else:  # chunked
+                chunks = []
+                while True:
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    chunk = await reader.readexactly(size + 2)
+                    if size == 0:
+                        break
+                    chunks.append(chunk[:-2])
+                data = b"".join(chunks)
+        except BaseException:
+            writer.close()
+            raise
+        if _CLOSE.search(response):
+            writer.close()
+        else:
+            self.idle.append((reader, writer))
+        return status, data
+
+    async def create(self, body: dict[str, object]) -> tuple[int, str | None]:
+        """POST /v1/responses: (status, response id); status 0 if the connection failed."""
+        try:
+            status, data = await self.request("POST", "/v1/responses", orjson.dumps(body))
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            return 0, None
+        m = _ID.search(data)
+        return status, m.group(1).decode() if status == 200 and m else None
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+def turn_body(prev: str | None, text: str) -> dict[str, object]:
+    body: dict[str, object] = {"model": "bench", "input": [{"role": "user", "content": text}]}
+    if prev is not None:
+        body["previous_response_id"] = prev
+    return body
+
+
+async def gather_limited(n: int, jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    queue = list(reversed(jobs))
+
+    async def run() -> None:
+        while queue:
+            await queue.pop()()
+
+    await asyncio.gather(*(run() for _ in range(n)))
+
+
+# -- proxy processes -------------------------------------------------------------------------
+
+
+def serve_flags() -> str:
+    out = subprocess.run(
+        [PYTHON, "-m", "ocxproxy", "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    return out.stdout
+
+
+@dataclass
+class Proxy:
+    """One `ocxproxy serve` process on a state dir, with how long it took to be ready."""
+
+    child: Child
+    state: Path
+    startup: float  # seconds from spawn to /readyz 200
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def kill9(self) -> None:
+        self.child.proc.send_signal(signal.SIGKILL)
+        self.child.proc.wait(10)
+
+    def stop(self) -> float:
+        """SIGTERM; the seconds until the process has exited (its graceful stop)."""
+        start = time.perf_counter()
+        self.child.proc.send_signal(signal.SIGTERM)
+        try:
+            self.child.proc.wait(600)
+        except subprocess.TimeoutExpired:
+            self.child.proc.kill()
+            self.child.proc.wait(10)
+        return time.perf_counter() - start
+
+    async def metrics(self) -> str:
+        http = Http(self.child.url)
+        try:
+            _, data = await http.request("GET", "/metrics")
+        finally:
+            http.close()
+        return data.decode()
+
+
+async def start_proxy(upstream: str, state: Path, name: str, *extra: str) -> Proxy:
+    argv = [PYTHON, "-m", "ocxproxy", "serve", "--upstream", upstream, "--port", "0"]
+    argv += ["--state-dir", str(state), "--log-level", "warning", *extra]
+    start = time.perf_counter()
+    child = await asyncio.to_thread(start_child, name, argv, READY, timeout=600)
+    STARTED.append(child)
+    http = Http(child.url)
+    try:
+        while True:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                if (await http.request("GET", "/readyz"))[0] == 200:
+                    break
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {child.log.read_text()[-2000:]}")
+            await asyncio.sleep(0.01)
+    finally:
+        http.close()
+    return Proxy(child, state, time.perf_counter() - start)
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+async def closed_loop(
+    http: Http, clients: int, chain_turns: int, *, turns: int = 0, seconds: float = 0.0
+) -> tuple[int, int]:
+    """`clients` chains back to back, each restarting after `chain_turns` turns, until
+    `turns` turns were sent or `seconds` passed. (turns acknowledged, failures)."""
+    done = [0, 0]
+    sent = 0
+    end = time.perf_counter() + seconds
+    report = [time.perf_counter() + 10]
+
+    def more() -> bool:
+        nonlocal sent
+        now = time.perf_counter()
+        if now > report[0]:
+            report[0] = now + 10
+            progress(f"{done[0]:,} turns")
+        sent += 1
+        return sent <= turns if turns else now < end
+
+    async def client(n: int) -> None:
+        while True:
+            head: str | None = None
+            for turn in range(chain_turns):
+                if not more():
+                    return
+                status, rid = await http.create(turn_body(head, f"client {n} turn {turn}"))
+                if rid is None:
+                    done[1] += 1
+                    if status == 0:
+                        await asyncio.sleep(0.05)
+                    break
+                head = rid
+                done[0] += 1
+
+    await asyncio.gather(*(client(n) for n in range(clients)))
+    return done[0], done[1]
+
+
+@dataclass
+class OpenLoop:
+    """Continuations at a fixed rate over `chains` chains, timed from the scheduled send."""
+
+    http: Http
+    rate: float
+    chains: int
+    heads: list[str] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    acked: list[str] = field(default_factory=list)
+    skipped: int = 0  # arrivals dropped because too many were in flight
+
+    async def start_chains(self) -> None:
+        for n in range(self.chains):
+            _, rid = await self.http.create(turn_body(None, f"open-loop chain {n}"))
+            if rid is None:
+                raise RuntimeError("could not start a chain")
+            self.heads.append(rid)
+
+    async def run(self, seconds: float, stop: asyncio.Event | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pending: set[asyncio.Task[None]] = set()
+        n = 0
+        while n < seconds * self.rate and not (stop and stop.is_set()):
+            at = start + n / self.rate
+            delay = at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(pending) >= 512:
+                self.skipped += 1
+            else:
+                task = asyncio.ensure_future(self._one(n % self.chains, at, n))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            n += 1
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _one(self, chain: int, at: float, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        status, rid = await self.http.create(turn_body(self.heads[chain], f"turn {n}"))
+        self.statuses[status] += 1
+        if rid is not None:
+            self.latencies.append(loop.time() - at)
+            self.heads[chain] = rid
+            self.acked.append(rid)
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    records: int
+    fill_seconds: float
+    fill_failures: int
+    latency: Summary
+    over_50ms: float
+    statuses: Counter[int]
+    skipped: int
+    rss_mib: float = 0.0
+    hwm_mib: float = 0.0
+    allocated: int = 0
+    counted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> int:
+        return sum(n for status, n in self.statuses.items() if status != 200)
+
+
+def allocated_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def entries(metrics: str) -> int:
+    """Records the store holds (ocxproxy_store_entries{tier="records"})."""
+    m = re.search(r'^ocxproxy_store_entries\{tier="records"\} (\S+)$', metrics, re.M)
+    return int(float(m.group(1))) if m else -1
+
+
+def disk_tiers(metrics: str) -> dict[str, float]:
+    return {tier: float(v) for tier, v in _STORE_BYTES.findall(metrics)}
+
+
+async def settle(proxy: Proxy, limit: float) -> float:
+    """Wait (up to `limit` s) until no bytes wait to be written; the seconds it took."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit:
+        if disk_tiers(await proxy.metrics()).get("pending", 0.0) == 0.0:
+            break
+        await asyncio.sleep(0.2)
+    return time.perf_counter() - start
+
+
+def progress(message: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+async def measure_store(
+    backend: str, state: Path, records: int, args: argparse.Namespace
+) -> tuple[Store, Proxy]:
+    proxy = await start_proxy(backend, state, f"proxy-{records}")
+    http = Http(proxy.child.url)
+    start = time.perf_counter()
+    made, failures = await closed_loop(http, 16, 100, turns=records)
+    fill = time.perf_counter() - start
+    progress(f"{made:,} records in {fill:.1f} s ({made / fill:,.0f}/s); measuring latency")
+    await settle(proxy, 60)
+    load = OpenLoop(http, args.rate, 64)
+    await load.start_chains()
+    await load.run(args.duration)
+    lat = Summary.of(load.latencies)
+    slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
+    store = Store(made, fill, failures, lat, slow, load.statuses, load.skipped)
+    await settle(proxy, 120)
+    store.rss_mib = status_kib(proxy.pid, "VmRSS") / 1024
+    store.hwm_mib = status_kib(proxy.pid, "VmHWM") / 1024
+    store.counted = disk_tiers(await proxy.metrics())
+    store.allocated = allocated_bytes(state)
+    http.close()
+    return store, proxy
+
+
+@dataclass
+class Kills:
+    rounds: int = 0
+    acked: int = 0
+    lost: int = 0
+    chains_broken: int = 0
+    restarts: list[float] = field(default_factory=list)  # start-up after each kill
+    examples: list[str] = field(default_factory=list)
+
+
+async def kill_rounds(
+    backend: str, proxy: Proxy, args: argparse.Namespace, rng: random.Random
+) -> tuple[Kills, Proxy]:
+    """Open-loop traffic killed with SIGKILL at a random moment, restarted on the same
+    state dir; every acknowledged turn must be there afterwards (from every round)."""
+    result = Kills()
+    everything: list[str] = []
+    for n in range(args.kills):
+        http = Http(proxy.child.url)
+        load = OpenLoop(http, args.rate, 16)
+        await load.start_chains()
+        if (await http.request("GET", f"/v1/responses/{load.heads[0]}"))[0] != 200:
+            raise RuntimeError("GET of a stored response failed: the check below would be void")
+        everything += load.heads  # acknowledged too
+        stop = asyncio.Event()
+        traffic = asyncio.ensure_future(load.run(3600, stop))
+        await asyncio.sleep(rng.uniform(0.5, args.kill_after))
+        proxy.kill9()
+        stop.set()
+        await traffic
+        http.close()
+        everything += load.acked
+        proxy = await start_proxy(backend, proxy.state, f"proxy-kill{n}")
+        result.restarts.append(proxy.startup)
+        http = Http(proxy.child.url)
+        missing = await missing_ids(http, everything)
+        chains = [await http.create(turn_body(head, "after the kill")) for head in load.heads]
+        http.close()
+        result.rounds += 1
+        result.acked = len(everything)
+        result.lost = len(missing)
+        result.chains_broken += sum(1 for status, _ in chains if status != 200)
+        result.examples = missing[:3]
+        progress(
+            f"kill -9 #{n + 1}: {len(load.acked)} turns acknowledged this round, "
+            f"{len(missing)} of {len(everything)} acknowledged so far missing; "
+            f"restart to /readyz {proxy.startup:.2f} s"
+        )
+    return result, proxy
+
+
+async def missing_ids(http: Http, ids: list[str]) -> list[str]:
+    missing: list[str] = []
+
+    def job(rid: str) -> Callable[[], Awaitable[None]]:
+        async def get() -> None:
+            status, _ = await http.request("GET", f"/v1/responses/{rid}")
+            if status != 200:
+                missing.append(rid)
+
+        return get
+
+    await gather_limited(16, [job(rid) for rid in ids])
+    return missing
+
+
+@dataclass
+class Throughput:
+    label: str
+    turns: int
+    failures: int
+    window: float
+    stop: float
+
+    @property
+    def tps(self) -> float:
+        return self.turns / (self.window + self.stop)
+
+
+async def throughput(
+    backend: str, root: Path, label: str, args: argparse.Namespace, *extra: str
+) -> Throughput:
+    proxy = await start_proxy(backend, root / label, f"proxy-{label}", *extra)
+    http = Http(proxy.child.url)
+    start = time.perf_counter()
+    turns, failures = await closed_loop(http, 16, 100, seconds=args.throughput_duration)
+    window = time.perf_counter() - start
+    http.close()
+    stop = proxy.stop()
+    progress(f"{label}: {turns / window:,.0f} turns/s in the window, graceful stop {stop:.2f} s")
+    return Throughput(label, turns, failures, window, stop)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f}"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def report(
+    small: Store,
+    big: Store,
+    kills: Kills,
+    startup: float,
+    loaded: int,
+    stop: float,
+    tput: list[Throughput],
+    args: argparse.Namespace,
+) -> None:
+    print(f"\n## Continuation latency, {args.rate:g} turns/s open loop, {args.duration:g} s")
+    headers = ["store", "fill turns/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "> 50 ms"]
+    headers += ["non-200", "skipped", "VmRSS", "VmHWM"]
+    rows = []
+    for s in (small, big):
+        codes = ", ".join(f"{n}x{c}" for c, n in sorted(s.statuses.items()) if c != 200)
+        rows.append(
+            [
+                f"{s.records:,} records",
+                f"{s.records / s.fill_seconds:,.0f}",
+                ms(s.latency.p50),
+                ms(s.latency.p90),
+                ms(s.latency.p99),
+                ms(s.latency.max),
+                f"{s.over_50ms:.1%}",
+                codes or "0",
+                s.skipped,
+                f"{s.rss_mib:,.0f} MiB",
+                f"{s.hwm_mib:,.0f} MiB",
+            ]
+        )
+    print(table(headers, rows))
+    counted = sum(v for tier, v in big.counted.items() if tier not in MEMORY_TIERS)
+    tiers = ", ".join(f"{tier} {mib(v)}" for tier, v in sorted(big.counted.items()))
+    print(f"ocxproxy_store_bytes at {big.records:,} records: {tiers or 'none'}")
+    print(f"state dir allocated (st_blocks x 512): {mib(big.allocated)}")
+    zdr, durable = tput
+    print("\n## Throughput, 16 closed-loop clients, counted until the graceful stop completes")
+    rows = [
+        [
+            t.label,
+            t.turns,
+            t.failures,
+            f"{t.window:.1f}",
+            f"{t.stop:.2f}",
+            f"{t.turns / t.window:,.0f}",
+            f"{t.tps:,.0f}",
+        ]
+        for t in tput
+    ]
+    headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
+    print(table([*headers, "turns/s incl. stop"], rows))
+
+    p99_ratio = big.latency.p99 / small.latency.p99
+    alloc_ratio = big.allocated / counted if counted else float("inf")
+    alloc = f"{alloc_ratio:.2f}x" if counted else "∞ (the store counts 0 bytes)"
+    t_ratio = durable.tps / zdr.tps
+    print("\n## Issue 18 figures (default durable configuration)")
+    lost = f"{kills.lost} of {kills.acked} ({kills.rounds} kills)"
+    if kills.chains_broken:
+        lost += f"; {kills.chains_broken} chain continuations failed"
+    figures = [
+        [
+            f"continuation p99 at {big.records:,} ÷ p99 at {small.records:,} records",
+            "≤ 2x",
+            f"{p99_ratio:.2f}x ({ms(big.latency.p99)} / {ms(small.latency.p99)} ms)",
+            verdict(p99_ratio <= 2),
+        ],
+        [
+            f"continuation max at {big.records:,} records (at {small.records:,})",
+            "≤ 100 ms",
+            f"{ms(big.latency.max)} ms ({ms(small.latency.max)} ms)",
+            verdict(big.latency.max <= 0.1),
+        ],
+        ["acknowledged turns lost over random kill -9s", "0", lost, verdict(kills.lost == 0)],
+        [
+            "durable ÷ --zdr throughput, 16 clients, until stopped",
+            "≥ 0.8x",
+            f"{t_ratio:.2f}x ({durable.tps:,.0f} / {zdr.tps:,.0f} turns/s)",
+            verdict(t_ratio >= 0.8),
+        ],
+        [
+            f"RSS at {big.records:,} records, default budgets",
+            "≤ 200 MiB",
+            f"{big.rss_mib:,.0f} MiB (peak {big.hwm_mib:,.0f})",
+            verdict(big.rss_mib <= 200),
+        ],
+        [
+            "state dir allocated ÷ bytes the store counts",
+            "≤ 1.5x",
+            f"{alloc} ({mib(big.allocated)} / {mib(counted)})",
+            verdict(alloc_ratio <= 1.5),
+        ],
+        [
+            f"start-up to /readyz with {big.records:,} records",
+            "≤ 2 s",
+            f"{startup:.2f} s, {loaded:,} records loaded (after kill -9: "
+            + ", ".join(f"{s:.1f}" for s in kills.restarts)
+            + " s)",
+            verdict(startup <= 2),
+        ],
+    ]
+    print(table(["figure", "target", "measured", ""], figures))
+    print(f"graceful stop with {big.records:,} records: {stop:.2f} s")
+    if kills.examples:
+        print(f"lost, e.g.: {', '.join(kills.examples)}")
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+async def run(args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed)
+    flags = serve_flags()
+    durability = "--durability" in flags
+    print(f"load average at start: {loadavg()} (2 cores, shared with other work: noisy)")
+    print(
+        "proxy: default durable configuration"
+        + (" (--durability default)" if durability else " (no --durability flag: older store)")
+        + f"; instant backend; seed {args.seed}"
+    )
+    backend = await asyncio.to_thread(start_backend)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_durable_", dir=args.tmp) as tmp:
+            root = Path(tmp)
+            small, proxy = await measure_store(
+                backend.url, root / "small", args.small_records, args
+            )
+            proxy.stop()
+            progress(f"{small.records:,} records: p99 {ms(small.latency.p99)} ms")
+            big, proxy = await measure_store(backend.url, root / "big", args.records, args)
+            progress(f"{big.records:,} records: p99 {ms(big.latency.p99)} ms; kill -9 rounds")
+            kills, proxy = await kill_rounds(backend.url, proxy, args, rng)
+            stop = proxy.stop()
+            proxy = await start_proxy(backend.url, proxy.state, "proxy-restart")
+            startup = proxy.startup
+            loaded = entries(await proxy.metrics())
+            proxy.stop()
+            tput = [
+                await throughput(backend.url, root, "--zdr", args, "--zdr"),
+                await throughput(backend.url, root, "durable", args),
+            ]
+            report(small, big, kills, startup, loaded, stop, tput, args)
+    finally:
+        for child in STARTED:
+            child.stop()
+        backend.stop()
+    print(f"load average at end: {loadavg()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_options(parser)
+    parser.add_argument("--records", type=int, default=100_000, help="the big store's records")
+    parser.add_argument("--small-records", type=int, default=1000, help="the baseline store's")
+    parser.add_argument("--rate", type=float, default=200.0, help="open-loop turns/s")
+    parser.add_argument("--duration", type=float, default=20.0, help="latency window, s")
+    parser.add_argument("--kills", type=int, default=5, help="kill -9 rounds")
+    parser.add_argument(
+        "--kill-after", type=float, default=6.0, help="longest traffic before a kill, s"
+    )
+    parser.add_argument("--throughput-duration", type=float, default=15.0)
+    parser.add_argument("--seed", type=int, default=None, help="random kill moments")
+    parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
+    args = parser.parse_args()
+    if args.seed is None:
+        args.seed = random.randrange(1 << 30)
+    if args.quick:
+        args.records, args.small_records, args.duration = 400, 100, 2.0
+        args.kills, args.kill_after, args.throughput_duration = 2, 1.0, 2.0
+    if args.nice is not None:
+        print(raise_priority(args.nice))
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(run(args))
+    else:
+        uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

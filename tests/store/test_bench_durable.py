@@ -1,0 +1,37 @@
+"""scripts/bench/bench_durable.py still runs: a smoke run with tiny counts (its figures are
+not judged here; a benchmark prints them), so a change that breaks it fails the suite."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FIGURES = (
+    "continuation p99 at 80 ÷ p99 at 30 records",
+    "continuation max at 80 records",
+    "acknowledged turns lost over random kill -9s",
+    "durable ÷ --zdr throughput",
+    "RSS at 80 records",
+    "state dir allocated ÷ bytes the store counts",
+    "start-up to /readyz with 80 records",
+)
+
+
+async def test_bench_durable_smoke() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
+    argv += ["--records", "80", "--small-records", "30", "--rate", "100", "--duration", "0.5"]
+    argv += ["--kills", "1", "--kill-after", "0.6", "--throughput-duration", "0.5"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    async with asyncio.timeout(100):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out[-3000:]
+    table = out[out.index("## Issue 18 figures") :]
+    for figure in FIGURES:
+        line = next((line for line in table.splitlines() if line.startswith(figure)), None)
+        assert line is not None, f"no {figure!r} in:\n{table}"
+        assert line.rstrip().endswith(("MET", "MISSED")), line
