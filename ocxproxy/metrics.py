@@ -27,11 +27,19 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from ocxproxy.errors import FailureReason
+
 _FAST_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
 _SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+_SPILL_FAILURES = (
+    FailureReason.MISSING,
+    FailureReason.CORRUPT,
+    FailureReason.WRITE_FAILED,
+    FailureReason.READ_FAILED,
+)
 
 
 class Value:
@@ -264,6 +272,18 @@ class Metrics:
             "Input tokens the backend reported",
             ["backend"],
         )
+        # The same two, for continuation turns only (an expanded previous_response_id):
+        # their history was sent before, so this ratio is what the prefix cache should win.
+        self.continuation_cached_tokens = Counter(
+            "ocxproxy_continuation_cached_tokens_total",
+            "Input tokens of continuation turns the backend served from its prefix cache",
+            ["backend"],
+        )
+        self.continuation_input_tokens = Counter(
+            "ocxproxy_continuation_input_tokens_total",
+            "Input tokens of continuation turns the backend reported",
+            ["backend"],
+        )
         self.cached_ratio = Histogram(
             "ocxproxy_backend_cached_ratio",
             "Per-turn cached_tokens / input_tokens reported by the backend",
@@ -281,6 +301,16 @@ class Metrics:
             ["tier"],
         )
         self.store_bytes = Gauge("ocxproxy_store_bytes", "Stored bytes by tier", ["tier"])
+        self.store_capacity_entries = Gauge(
+            "ocxproxy_store_capacity_entries",
+            "The bound on ocxproxy_store_entries, by tier (--max-entries for records)",
+            ["tier"],
+        )
+        self.store_capacity_bytes = Gauge(
+            "ocxproxy_store_capacity_bytes",
+            "The bound on ocxproxy_store_bytes, by tier (--max-resident-bytes, --max-disk-bytes)",
+            ["tier"],
+        )
         self.store_evictions = Counter(
             "ocxproxy_store_evictions_total",
             "Records or segments evicted, by reason",
@@ -320,6 +350,13 @@ class Metrics:
             "Connection-local cache lookups",
             ["result"],
         )
+        # Known failure labels start at 0: a series born at 1 shows no increase(), so an
+        # alert on the first failure of a kind would never fire.
+        self.expansions.labels(outcome="hit")
+        for reason in FailureReason:
+            self.expansions.labels(outcome=str(reason))
+        for reason in _SPILL_FAILURES:
+            self.spill_failures.labels(reason=str(reason))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 

@@ -79,4 +79,14 @@ def test_wrong_labels_are_refused() -> None:
     with pytest.raises(KeyError):
         m.requests.labels(route="/v1/responses", result="200")  # a name it does not have
     with pytest.raises(ValueError, match="takes labels"):
-        m.expansions.labels(outcome="hit", extra="x")
+        m.store_evictions.labels(reason="expired", extra="x")
+
+
+def test_failure_labels_are_exported_at_zero_before_the_first_failure() -> None:
+    """A counter series born at 1 has no increase() for Prometheus: the alerts on the
+    first spill failure or lost history need these series to exist at 0 beforehand."""
+    got = samples(Metrics())
+    for outcome in ("hit", "unknown", "expired", "evicted", "missing", "corrupt"):
+        assert got["ocxproxy_expansions_total", (("outcome", outcome),)] == 0
+    for reason in ("missing", "corrupt", "write_failed", "read_failed"):
+        assert got["ocxproxy_spill_failures_total", (("reason", reason),)] == 0

@@ -109,6 +109,9 @@ class Exchange:
         if isinstance(cached, int) and cached >= 0:
             metrics.cached_tokens.labels(url).inc(cached)
             metrics.cached_ratio.labels(url).observe(min(cached / total, 1.0))
+            if self.parent is not None:
+                metrics.continuation_input_tokens.labels(url).inc(total)
+                metrics.continuation_cached_tokens.labels(url).inc(cached)
 
 
 async def prepare_exchange(

@@ -501,7 +501,10 @@ class Store:
         m.store_entries.labels(tier="records").set_function(gauge(lambda s: len(s._records)))
         m.store_entries.labels(tier="resident").set_function(gauge(lambda s: len(s.resident)))
         m.store_bytes.labels(tier="resident").set_function(gauge(lambda s: s.resident.bytes))
+        m.store_capacity_entries.labels(tier="records").set(self.max_entries)
+        m.store_capacity_bytes.labels(tier="resident").set(self.resident.max_bytes)
         if self.disk is not None:
+            m.store_capacity_bytes.labels(tier="disk").set(self.disk.max_bytes)
             m.store_entries.labels(tier="disk").set_function(gauge(_disk_files))
             m.store_bytes.labels(tier="disk").set_function(gauge(_disk_bytes))
             m.store_bytes.labels(tier="pending").set_function(gauge(_pending_bytes))

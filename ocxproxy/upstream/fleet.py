@@ -129,6 +129,8 @@ class Fleet:
         self._waiting = 0  # requests waiting for a slot (on _released)
         self._watching = 0  # wait_for() callers (on _changed)
         self._released = asyncio.Event()  # a slot freed or a backend came back
+        for limit in (Refusal.TOTAL, Refusal.BACKEND):  # exported at 0 from the start
+            metrics.admission_rejected.labels(limit=str(limit))
         self._changed = asyncio.Event()  # any change of load or health
         for url in urls:
             self.add(url)

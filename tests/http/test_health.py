@@ -94,6 +94,13 @@ async def test_metrics_move_after_requests(
         "# TYPE ocxproxy_upstream_ttfb_seconds histogram",
     ):
         assert declared in text
+    for at_zero in (  # exported before anything happened, so increase() sees the first one
+        'ocxproxy_admission_rejected_total{limit="total"} 0.0',
+        'ocxproxy_admission_rejected_total{limit="backend"} 0.0',
+        'ocxproxy_expansions_total{outcome="evicted"} 0.0',
+        'ocxproxy_spill_failures_total{reason="write_failed"} 0.0',
+    ):
+        assert at_zero in text
 
     client = proxy.client()
     r1 = await client.responses.create(model="m", input="a fairly long first message " * 8)
@@ -123,6 +130,13 @@ async def test_metrics_move_after_requests(
     inputs = total(after, "ocxproxy_backend_input_tokens_total", backend=backend.url)
     assert inputs > cached
     assert total(after, "ocxproxy_backend_cached_ratio_count", backend=backend.url) == 3
+    # Turns 2 and 3 continued a chain; turn 1 (nothing cached) did not.
+    cont_inputs = total(after, "ocxproxy_continuation_input_tokens_total", backend=backend.url)
+    assert 0 < cont_inputs < inputs
+    assert total(after, "ocxproxy_continuation_cached_tokens_total", backend=backend.url) == cached
+    assert total(after, "ocxproxy_store_capacity_entries", tier="records") == 100_000
+    assert total(after, "ocxproxy_store_capacity_bytes", tier="resident") == 64 * 1024**2
+    assert total(after, "ocxproxy_store_capacity_bytes", tier="disk") == 1024**3
     assert total(after, "ocxproxy_turns_recorded_total") == 3
     assert total(after, "ocxproxy_upstream_requests_total", backend=backend.url) == 4
     assert total(after, "ocxproxy_upstream_ttfb_seconds_count", backend=backend.url) == 4
