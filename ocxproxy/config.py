@@ -191,6 +191,10 @@ class Config:
         default=2.0, metadata={"help": "debounce before the state index is rewritten"}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    access_log: str = field(
+        default="off",
+        metadata={"help": "one line per request on stdout: off, text or json", "metavar": "STYLE"},
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -220,6 +224,8 @@ class Config:
             raise ValueError(f"health_path must start with '/': {self.health_path!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if self.access_log not in ("off", "text", "json"):
+            raise ValueError(f"unknown access log style {self.access_log!r} (off, text or json)")
         for dialect in self.upstream_dialect:
             if dialect not in DIALECTS:
                 raise ValueError(f"unknown upstream dialect {dialect!r} (responses or chat)")
@@ -256,6 +262,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "state_dir": Path,
     "local_model": Path,
     "log_level": str.lower,
+    "access_log": str.lower,
     "routing": str.lower,
     "health_interval": parse_duration,
     "admission_timeout": parse_duration,

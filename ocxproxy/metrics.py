@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import (
@@ -367,13 +367,16 @@ class Metrics:
 class Timing:
     """Where a request's time went; the handler subtracts it from its own wall time.
     `with timing.waiting():` brackets each wait on a backend (a plain class: a generator
-    context manager costs microseconds on every chunk)."""
+    context manager costs microseconds on every chunk). Also where it went: the backend
+    and the create exchange, for the access log."""
 
-    __slots__ = ("_since", "upstream")
+    __slots__ = ("_since", "backend", "exchange", "upstream")
 
     def __init__(self) -> None:
         self.upstream = 0.0  # seconds spent waiting on the backend
         self._since = 0.0
+        self.backend: str | None = None  # the backend last tried
+        self.exchange: Any = None  # the create turn's Exchange (http/exchange.py), if any
 
     def waiting(self) -> Timing:
         return self

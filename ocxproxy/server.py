@@ -13,6 +13,7 @@ from aiohttp import web
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
 from ocxproxy.http import health, passthrough, responses, websocket
+from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors
@@ -30,6 +31,8 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     metrics = metrics or Metrics()
     store = Store.from_config(config, metrics)
     proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
+    if config.access_log != "off":
+        proxy.access_log = AccessLog(config.access_log)
     # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
     app = web.Application(middlewares=[handle_errors], client_max_size=config.max_body_bytes)
     app[PROXY] = proxy

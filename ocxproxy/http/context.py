@@ -10,6 +10,7 @@ from aiohttp import web
 
 from ocxproxy.config import Config
 from ocxproxy.errors import Unauthorized
+from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
 from ocxproxy.upstream.pool import UpstreamPool
@@ -24,6 +25,7 @@ class Proxy:
     pool: UpstreamPool
     metrics: Metrics
     ready: bool = False
+    access_log: AccessLog | None = None  # --access-log off: None
 
 
 PROXY = web.AppKey("proxy", Proxy)

@@ -65,6 +65,12 @@ class Exchange:
     affinity_key: str | None = None
     recorded: bool = False
     finished: bool = False  # a terminal response arrived (remembered or not)
+    # For the access log: how previous_response_id resolved, the stored history's size,
+    # and the usage the backend reported.
+    expansion: str | None = None
+    history_bytes: int = 0
+    input_tokens: int | None = None
+    cached_tokens: int | None = None
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (C1.6)."""
@@ -106,7 +112,9 @@ class Exchange:
             return
         metrics, url = self.proxy.metrics, self.backend.url
         metrics.input_tokens.labels(url).inc(total)
+        self.input_tokens = total
         if isinstance(cached, int) and cached >= 0:
+            self.cached_tokens = cached
             metrics.cached_tokens.labels(url).inc(cached)
             metrics.cached_ratio.labels(url).observe(min(cached / total, 1.0))
             if self.parent is not None:
@@ -150,7 +158,7 @@ async def prepare_exchange(
         metrics.expansions.labels(outcome=str(failure.reason)).inc()
         if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
             body = raw if raw is not None else orjson.dumps(request.body)
-            return Exchange(proxy, scope, request, body, None)
+            return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
         raise PreviousResponseNotFound(prev, failure.reason) from None
     check_call_bindings(request.items, parent)
     tail, _ = serialize_items(request.items)
@@ -168,6 +176,8 @@ async def prepare_exchange(
         parent=parent,
         tail=tail,
         affinity_key=affinity_of(request, parent),
+        expansion="hit",
+        history_bytes=sum(map(len, history)),
     )
 
 
@@ -241,6 +251,7 @@ async def create(
 ) -> None:
     """`POST /v1/responses`: expand, forward, relay the answer, remember the turn."""
     exchange = await prepare_exchange(proxy, scope_of(headers), parse_request(raw), raw)
+    timing.exchange = exchange
     forwarded = upstream_headers(headers, proxy.config, identity=True)
     forwarded["Content-Type"] = "application/json"
     async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):

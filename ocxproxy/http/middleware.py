@@ -15,7 +15,8 @@ from typing import Protocol, TypeVar
 from aiohttp import web
 
 from ocxproxy.errors import OcxError, PayloadTooLarge
-from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of
+from ocxproxy.http.access_log import request_id
+from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of, scope_of
 from ocxproxy.metrics import Timing
 
 log = logging.getLogger("ocxproxy.http")
@@ -23,6 +24,8 @@ log = logging.getLogger("ocxproxy.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Routes that answer without a client key: liveness, readiness and metrics scrapes.
 _PROBES = frozenset(("/healthz", "/readyz", "/metrics"))
+# The status a request without a numeric outcome was answered with (none: the client left).
+_NO_STATUS = {"error": 500}
 # Set by a handler that records its own overhead (a WebSocket connection, per turn).
 SELF_TIMED = web.RequestKey("self_timed", bool)
 
@@ -57,6 +60,7 @@ async def guarded(
     timing = Timing()
     start = time.perf_counter()
     outcome = "error"
+    error: OcxError | None = None
     try:
         if route not in _PROBES:
             check_client_key(headers, proxy.config.api_keys)
@@ -64,6 +68,7 @@ async def guarded(
         outcome = str(answer.status)
         return answer
     except OcxError as exc:
+        error = exc
         outcome = str(exc.status)
         log.info("%s %s -> %d %s", method, route, exc.status, exc.code or exc.type)
         return fail(exc)
@@ -76,8 +81,20 @@ async def guarded(
     finally:
         proxy.metrics.requests.labels(route, outcome).inc()
         if route != "/metrics" and not self_timed():
-            overhead = time.perf_counter() - start - timing.upstream
-            proxy.metrics.proxy_overhead.labels(route).observe(max(overhead, 0.0))
+            elapsed = time.perf_counter() - start
+            proxy.metrics.proxy_overhead.labels(route).observe(max(elapsed - timing.upstream, 0.0))
+            if proxy.access_log is not None and route not in _PROBES:
+                proxy.access_log.write(
+                    request_id=request_id(headers),
+                    method=method,
+                    route=route,
+                    status=int(outcome) if outcome.isdigit() else _NO_STATUS.get(outcome),
+                    outcome=outcome,
+                    elapsed=elapsed,
+                    timing=timing,
+                    scope=scope_of(headers),
+                    error=error,
+                )
 
 
 def error_response(error: OcxError) -> web.Response:

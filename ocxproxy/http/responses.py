@@ -75,6 +75,7 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
         return await passthrough(request, body=raw)
     exchange = await prepare_exchange(proxy, scope_of(request.headers), check_request(parsed), raw)
     timing = timing_of(request)
+    timing.exchange = exchange
     headers = upstream_headers(request.headers, proxy.config, identity=False)
     headers["Content-Type"] = "application/json"
     async with open_upstream(exchange, request.path_qs, headers, timing) as (_, upstream):

@@ -34,6 +34,7 @@ from ocxproxy.errors import (
     UpstreamError,
     backend_error,
 )
+from ocxproxy.http.access_log import request_id
 from ocxproxy.http.context import Proxy, proxy_of, scope_of
 from ocxproxy.http.exchange import (
     Exchange,
@@ -115,6 +116,7 @@ class Connection:
         self.proxy = proxy
         self.ws = ws
         self.scope = scope_of(request.headers)
+        self.request_id = request_id(request.headers)  # turn n logs as <id>.<n>
         self.path_qs = request.path_qs
         self.headers = upstream_headers(request.headers, config, identity=True)
         for name in [k for k in self.headers if k.lower().startswith("sec-websocket-")]:
@@ -197,6 +199,7 @@ class Connection:
         timing = Timing()
         outcome = TurnOutcome.CANCELLED
         prev: str | None = None
+        failure: OcxError | None = None
         try:
             body, generate = parse_frame(frame)
             request = check_request(body)
@@ -206,11 +209,13 @@ class Connection:
             exchange = await prepare_exchange(
                 self.proxy, self.scope, request, None, local=self.local
             )
+            timing.exchange = exchange
             if generate:
                 outcome = await self._generate(exchange, timing)
             else:
                 outcome = await self._warm_up(exchange)
         except OcxError as error:
+            failure = error
             outcome = (
                 TurnOutcome.BACKEND_ERROR
                 if isinstance(error, UpstreamError)
@@ -221,9 +226,22 @@ class Connection:
             self.proxy.metrics.ws_turns.labels(outcome=str(outcome)).inc()
             if prev is not None and outcome in _EVICTING:
                 self.local.delete(self.scope, prev)  # OpenAI's rule for a failed turn
-            overhead = time.perf_counter() - start - timing.upstream
-            self.proxy.metrics.proxy_overhead.labels(route=TURN_ROUTE).observe(max(overhead, 0.0))
+            elapsed = time.perf_counter() - start
+            overhead = max(elapsed - timing.upstream, 0.0)
+            self.proxy.metrics.proxy_overhead.labels(route=TURN_ROUTE).observe(overhead)
             log.debug("websocket turn %d: %s", self.turns, outcome)
+            if self.proxy.access_log is not None:
+                self.proxy.access_log.write(
+                    request_id=f"{self.request_id}.{self.turns}",
+                    method="WS",
+                    route=TURN_ROUTE,
+                    status=failure.status if failure is not None else None,
+                    outcome=str(outcome),
+                    elapsed=elapsed,
+                    timing=timing,
+                    scope=self.scope,
+                    error=failure,
+                )
 
     def _count_cache(self, prev: str) -> None:
         try:

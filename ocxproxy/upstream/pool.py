@@ -173,6 +173,7 @@ class UpstreamPool:
                     raise last_error from None
                 raise
             backend = choice.backend
+            timing.backend = backend.url
             first = first or choice
             start = time.perf_counter()
             answered = False

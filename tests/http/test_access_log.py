@@ -1,0 +1,279 @@
+"""--access-log: one line per request (and per WebSocket turn) with the documented fields,
+from both ways a request comes in (the front end's create path and aiohttp's routes), and
+never a prompt, an output or a key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from ocxproxy.http.access_log import FIELDS, SCOPE_CHARS
+from ocxproxy.http.context import scope_of
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "sk-test-a"
+SCOPE = scope_of({"Authorization": f"Bearer {KEY}"})[:SCOPE_CHARS]
+LOGFMT = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+Line = dict[str, Any]
+
+
+@pytest.fixture
+def access(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level("INFO", logger="ocxproxy.access")
+    return caplog
+
+
+def json_lines(caplog: pytest.LogCaptureFixture) -> list[Line]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "ocxproxy.access"]
+
+
+def logfmt_lines(caplog: pytest.LogCaptureFixture) -> list[Line]:
+    lines = []
+    for record in caplog.records:
+        if record.name == "ocxproxy.access":
+            pairs = LOGFMT.findall(record.getMessage())
+            lines.append({k: json.loads(v) if v.startswith('"') else v for k, v in pairs})
+    return lines
+
+
+def check_common(line: Line, route: str, method: str = "POST") -> None:
+    assert list(line) == list(FIELDS)
+    assert line["route"] == route and line["method"] == method
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"])
+    assert (
+        abs((datetime.fromisoformat(line["time"]) - datetime.now().astimezone()).total_seconds())
+        < 60
+    )
+    assert line["scope"] == SCOPE
+    assert 0 <= line["overhead_ms"] <= line["duration_ms"]
+    assert line["backend_ms"] == pytest.approx(line["duration_ms"] - line["overhead_ms"], abs=0.01)
+
+
+async def json_proxy(make_proxy: MakeProxy, backend: FakeBackend) -> ProxyHandle:
+    return await make_proxy(backend.url, access_log="json")
+
+
+async def test_json_lines_for_a_chain_in_json_then_sse(
+    make_proxy: MakeProxy, backend: FakeBackend, access: pytest.LogCaptureFixture
+) -> None:
+    proxy = await json_proxy(make_proxy, backend)
+    client = proxy.client(KEY)
+    first = await client.responses.create(model="m", input="a first message " * 20)
+    async with client.responses.stream(
+        model="m", input="and a second", previous_response_id=first.id
+    ) as stream:
+        await stream.get_final_response()
+
+    one, two = json_lines(access)
+    for line in (one, two):
+        check_common(line, "/v1/responses")
+        assert line["status"] == 200 and line["outcome"] == "200"
+        assert line["backend"] == backend.url and line["backend_ms"] > 0
+        assert re.fullmatch(r"[0-9a-f]{16}", line["request_id"])
+    assert one["request_id"] != two["request_id"]
+    assert one["expansion"] is None and one["history_bytes"] == 0
+    usage = [r.json["input"] for r in backend.responses_seen]
+    assert one["input_tokens"] > 0 and one["cached_tokens"] == 0
+    # The second turn carried the first one's history, which the fake's cache had seen.
+    assert two["expansion"] == "hit"
+    assert 0 < two["history_bytes"] < len(json.dumps(usage[1]))
+    assert two["input_tokens"] > one["input_tokens"] and two["cached_tokens"] > 0
+
+
+async def test_a_failed_lookup_logs_its_reason_and_no_backend(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    access: pytest.LogCaptureFixture,
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await json_proxy(make_proxy, backend)
+    async with http.post(
+        proxy.base_url + "/responses",
+        json={"input": "x", "previous_response_id": "resp_nowhere"},
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42.a:b"},
+    ) as resp:
+        assert resp.status == 400
+    (line,) = json_lines(access)
+    check_common(line, "/v1/responses")
+    assert line["status"] == 400 and line["expansion"] == "unknown"
+    assert line["backend"] is None and line["backend_ms"] == 0
+    assert line["input_tokens"] is None and line["cached_tokens"] is None
+    assert line["request_id"] == "trace-42.a:b"  # the client's own id, a plain token
+
+
+async def test_passthrough_and_aiohttp_routes_log_too_probes_do_not(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    access: pytest.LogCaptureFixture,
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await json_proxy(make_proxy, backend)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for path in ("/healthz", "/readyz", "/metrics"):
+        async with http.get(proxy.url + path) as resp:
+            assert resp.status == 200
+    async with http.get(
+        proxy.base_url + "/models", headers={**auth, "X-Request-Id": 'bad id with="stuff"'}
+    ) as resp:
+        assert resp.status == 200
+    async with http.delete(proxy.base_url + "/responses/resp_nowhere", headers=auth) as resp:
+        assert resp.status == 404  # answered from the store alone
+    models, lookup = json_lines(access)
+    check_common(models, "/{tail}", "GET")
+    assert models["status"] == 200 and models["backend"] == backend.url
+    assert models["expansion"] is None and models["input_tokens"] is None
+    assert re.fullmatch(r"[0-9a-f]{16}", models["request_id"])  # the odd one was replaced
+    check_common(lookup, "/v1/responses/{response_id}", "DELETE")
+    assert lookup["status"] == 404 and lookup["backend"] is None
+
+
+async def test_websocket_turns_log_one_line_each(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    access: pytest.LogCaptureFixture,
+    http: aiohttp.ClientSession,
+) -> None:
+    proxy = await json_proxy(make_proxy, backend)
+    async with http.ws_connect(
+        proxy.base_url + "/responses",
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "agent-7"},
+    ) as ws:
+        previous = None
+        for word in ("hello", "again", "again"):
+            frame: dict[str, Any] = {"type": "response.create", "model": "m", "input": word}
+            if previous is not None:
+                frame["previous_response_id"] = previous
+            await ws.send_json(frame)
+            while True:
+                event = await ws.receive_json(timeout=5)
+                if event["type"] in ("response.completed", "error"):
+                    break
+            previous = "resp_unknown" if previous is not None else event["response"]["id"]
+    lines = json_lines(access)
+    assert [line["request_id"] for line in lines] == ["agent-7.1", "agent-7.2", "agent-7.3"]
+    for line in lines:
+        check_common(line, "websocket /v1/responses", "WS")
+    first, second, third = lines
+    assert first["outcome"] == "completed" and first["status"] is None
+    assert first["backend"] == backend.url and first["input_tokens"] > 0
+    assert second["expansion"] == "hit" and second["history_bytes"] > 0
+    assert third["outcome"] == "rejected" and third["status"] == 400
+    assert third["expansion"] == "unknown" and third["backend"] is None
+
+
+async def test_text_lines_are_logfmt_with_the_same_fields(
+    make_proxy: MakeProxy, backend: FakeBackend, access: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy(backend.url, access_log="text")
+    client = proxy.client(KEY)
+    await client.responses.create(model="m", input="hi")
+    await client.models.list()
+    create, models = logfmt_lines(access)
+    assert list(create) == list(FIELDS)
+    assert create["route"] == "/v1/responses" and create["status"] == "200"
+    assert create["backend"] == backend.url and create["expansion"] == "-"
+    assert create["scope"] == SCOPE and int(create["input_tokens"]) > 0
+    assert models["route"] == "/{tail}" and models["input_tokens"] == "-"
+
+
+async def test_off_by_default(proxy: ProxyHandle, access: pytest.LogCaptureFixture) -> None:
+    await proxy.client(KEY).responses.create(model="m", input="hi")
+    assert proxy.proxy.access_log is None
+    assert json_lines(access) == []
+
+
+async def test_no_prompt_output_or_key_in_any_log_line(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    caplog: pytest.LogCaptureFixture,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Every log line at every level, the access log's included, while prompts, outputs
+    and a key that carry a marker go through each route."""
+    caplog.set_level("DEBUG")
+    marker = "PRIVATE-7f3a"
+    key = f"sk-{marker}"
+    proxy = await make_proxy(backend.url, access_log="json")
+    client = proxy.client(key)
+    auth = {"Authorization": f"Bearer {key}", "X-Request-Id": marker.lower()[:4]}
+    first = await client.responses.create(
+        model="m", instructions=f"{marker} instructions", input=f"{marker} says hi"
+    )
+    assert marker in first.output_text  # the fake echoes it: outputs carry it too
+    async with client.responses.stream(
+        model="m", input=f"{marker} streams", previous_response_id=first.id
+    ) as stream:
+        await stream.get_final_response()
+    async with http.post(
+        proxy.base_url + "/responses",
+        json={"input": f"{marker} lost", "previous_response_id": f"resp_{marker}"},
+        headers=auth,
+    ) as resp:
+        assert resp.status == 400
+    async with http.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": f"{marker} chat"}]},
+        headers=auth,
+    ) as resp:
+        await resp.read()
+    async with http.post(proxy.base_url + "/responses", data=f"{{{marker}", headers=auth) as resp:
+        assert resp.status == 400
+    async with http.ws_connect(proxy.base_url + "/responses", headers=auth) as ws:
+        await ws.send_json({"type": "response.create", "model": "m", "input": f"{marker} ws"})
+        while (await ws.receive_json(timeout=5))["type"] != "response.completed":
+            pass
+    access_lines = json_lines(caplog)
+    assert len(access_lines) == 6
+    assert all(line["scope"] == scope_of(auth)[:SCOPE_CHARS] for line in access_lines)
+    for record in caplog.records:
+        text = record.getMessage()
+        assert marker not in text and marker.lower() not in text, (record.name, text)
+
+
+async def test_serve_writes_access_lines_to_stdout_alone(
+    backend: FakeBackend, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """`ocxproxy serve --access-log json`: stdout has the lines (after the listening
+    line), stderr the other logs, at --log-level warning too."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ocxproxy", "serve", "--upstream", backend.url,
+        "--port", "0", "--state-dir", str(tmp_path / "state"), "--log-level", "warning",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OCXPROXY_ACCESS_LOG": "json"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            listening = (await proc.stdout.readline()).decode()
+        found = re.search(r"listening on (http://\S+)", listening)
+        assert found, listening
+        base = found.group(1)
+        async with http.post(base + "/responses", json={"model": "m", "input": "hi"}) as resp:
+            assert resp.status == 200
+        async with http.get(base + "/models") as resp:
+            assert resp.status == 200
+        async with asyncio.timeout(10):
+            lines = [json.loads(await proc.stdout.readline()) for _ in range(2)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            _, stderr = await proc.communicate()
+    assert [line["route"] for line in lines] == ["/v1/responses", "/{tail}"]
+    assert all(list(line) == list(FIELDS) for line in lines)
+    assert lines[0]["scope"] == "anonymous"[:SCOPE_CHARS]
+    assert b"request_id" not in stderr
