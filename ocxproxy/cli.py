@@ -140,10 +140,6 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if config.access_log != "off":
-        from ocxproxy.http.access_log import log_to_stdout
-
-        log_to_stdout()
     from ocxproxy import server
     from ocxproxy.upstream.local import LocalBackendError
 

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,21 +31,17 @@ LOGFMT = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 Line = dict[str, Any]
 
 
-@pytest.fixture
-def access(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level("INFO", logger="ocxproxy.access")
-    return caplog
+def json_lines(capsys: pytest.CaptureFixture[str]) -> list[Line]:
+    """The access lines the proxy wrote to stdout so far."""
+    out = capsys.readouterr().out
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def json_lines(caplog: pytest.LogCaptureFixture) -> list[Line]:
-    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "ocxproxy.access"]
-
-
-def logfmt_lines(caplog: pytest.LogCaptureFixture) -> list[Line]:
+def logfmt_lines(capsys: pytest.CaptureFixture[str]) -> list[Line]:
     lines = []
-    for record in caplog.records:
-        if record.name == "ocxproxy.access":
-            pairs = LOGFMT.findall(record.getMessage())
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("time="):
+            pairs = LOGFMT.findall(line)
             lines.append({k: json.loads(v) if v.startswith('"') else v for k, v in pairs})
     return lines
 
@@ -67,7 +64,7 @@ async def json_proxy(make_proxy: MakeProxy, backend: FakeBackend) -> ProxyHandle
 
 
 async def test_json_lines_for_a_chain_in_json_then_sse(
-    make_proxy: MakeProxy, backend: FakeBackend, access: pytest.LogCaptureFixture
+    make_proxy: MakeProxy, backend: FakeBackend, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proxy = await json_proxy(make_proxy, backend)
     client = proxy.client(KEY)
@@ -77,7 +74,7 @@ async def test_json_lines_for_a_chain_in_json_then_sse(
     ) as stream:
         await stream.get_final_response()
 
-    one, two = json_lines(access)
+    one, two = json_lines(capsys)
     for line in (one, two):
         check_common(line, "/v1/responses")
         assert line["status"] == 200 and line["outcome"] == "200"
@@ -93,10 +90,39 @@ async def test_json_lines_for_a_chain_in_json_then_sse(
     assert two["input_tokens"] > one["input_tokens"] and two["cached_tokens"] > 0
 
 
+async def test_a_create_served_by_aiohttp_logs_the_same_fields(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    capsys: pytest.CaptureFixture[str],
+    http: aiohttp.ClientSession,
+) -> None:
+    """A chunked create is not the front end's case: aiohttp's route serves it, through
+    the same guarded() and the same line."""
+    proxy = await json_proxy(make_proxy, backend)
+    first = await proxy.client(KEY).responses.create(model="m", input="a first message")
+
+    async def chunked() -> AsyncIterator[bytes]:
+        yield json.dumps({"model": "m", "input": "more", "previous_response_id": first.id}).encode()
+
+    async with http.post(
+        proxy.base_url + "/responses",
+        data=chunked(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    ) as resp:
+        assert resp.status == 200
+        assert resp.headers.get("Connection") == "close"  # aiohttp served it, not the front end
+    front, routed = json_lines(capsys)
+    assert list(front) == list(routed)
+    check_common(routed, "/v1/responses")
+    assert routed["status"] == 200 and routed["backend"] == backend.url
+    assert routed["expansion"] == "hit" and routed["history_bytes"] > 0
+    assert routed["input_tokens"] > 0 and routed["cached_tokens"] > 0
+
+
 async def test_a_failed_lookup_logs_its_reason_and_no_backend(
     make_proxy: MakeProxy,
     backend: FakeBackend,
-    access: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
     http: aiohttp.ClientSession,
 ) -> None:
     proxy = await json_proxy(make_proxy, backend)
@@ -106,7 +132,7 @@ async def test_a_failed_lookup_logs_its_reason_and_no_backend(
         headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42.a:b"},
     ) as resp:
         assert resp.status == 400
-    (line,) = json_lines(access)
+    (line,) = json_lines(capsys)
     check_common(line, "/v1/responses")
     assert line["status"] == 400 and line["expansion"] == "unknown"
     assert line["backend"] is None and line["backend_ms"] == 0
@@ -117,7 +143,7 @@ async def test_a_failed_lookup_logs_its_reason_and_no_backend(
 async def test_passthrough_and_aiohttp_routes_log_too_probes_do_not(
     make_proxy: MakeProxy,
     backend: FakeBackend,
-    access: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
     http: aiohttp.ClientSession,
 ) -> None:
     proxy = await json_proxy(make_proxy, backend)
@@ -131,7 +157,7 @@ async def test_passthrough_and_aiohttp_routes_log_too_probes_do_not(
         assert resp.status == 200
     async with http.delete(proxy.base_url + "/responses/resp_nowhere", headers=auth) as resp:
         assert resp.status == 404  # answered from the store alone
-    models, lookup = json_lines(access)
+    models, lookup = json_lines(capsys)
     check_common(models, "/{tail}", "GET")
     assert models["status"] == 200 and models["backend"] == backend.url
     assert models["expansion"] is None and models["input_tokens"] is None
@@ -143,7 +169,7 @@ async def test_passthrough_and_aiohttp_routes_log_too_probes_do_not(
 async def test_websocket_turns_log_one_line_each(
     make_proxy: MakeProxy,
     backend: FakeBackend,
-    access: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
     http: aiohttp.ClientSession,
 ) -> None:
     proxy = await json_proxy(make_proxy, backend)
@@ -162,7 +188,7 @@ async def test_websocket_turns_log_one_line_each(
                 if event["type"] in ("response.completed", "error"):
                     break
             previous = "resp_unknown" if previous is not None else event["response"]["id"]
-    lines = json_lines(access)
+    lines = json_lines(capsys)
     assert [line["request_id"] for line in lines] == ["agent-7.1", "agent-7.2", "agent-7.3"]
     for line in lines:
         check_common(line, "websocket /v1/responses", "WS")
@@ -175,13 +201,13 @@ async def test_websocket_turns_log_one_line_each(
 
 
 async def test_text_lines_are_logfmt_with_the_same_fields(
-    make_proxy: MakeProxy, backend: FakeBackend, access: pytest.LogCaptureFixture
+    make_proxy: MakeProxy, backend: FakeBackend, capsys: pytest.CaptureFixture[str]
 ) -> None:
     proxy = await make_proxy(backend.url, access_log="text")
     client = proxy.client(KEY)
     await client.responses.create(model="m", input="hi")
     await client.models.list()
-    create, models = logfmt_lines(access)
+    create, models = logfmt_lines(capsys)
     assert list(create) == list(FIELDS)
     assert create["route"] == "/v1/responses" and create["status"] == "200"
     assert create["backend"] == backend.url and create["expansion"] == "-"
@@ -189,19 +215,20 @@ async def test_text_lines_are_logfmt_with_the_same_fields(
     assert models["route"] == "/{tail}" and models["input_tokens"] == "-"
 
 
-async def test_off_by_default(proxy: ProxyHandle, access: pytest.LogCaptureFixture) -> None:
+async def test_off_by_default(proxy: ProxyHandle, capsys: pytest.CaptureFixture[str]) -> None:
     await proxy.client(KEY).responses.create(model="m", input="hi")
     assert proxy.proxy.access_log is None
-    assert json_lines(access) == []
+    assert json_lines(capsys) == []
 
 
 async def test_no_prompt_output_or_key_in_any_log_line(
     make_proxy: MakeProxy,
     backend: FakeBackend,
     caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
     http: aiohttp.ClientSession,
 ) -> None:
-    """Every log line at every level, the access log's included, while prompts, outputs
+    """Every log line at every level, and the access log on stdout, while prompts, outputs
     and a key that carry a marker go through each route."""
     caplog.set_level("DEBUG")
     marker = "PRIVATE-7f3a"
@@ -235,9 +262,12 @@ async def test_no_prompt_output_or_key_in_any_log_line(
         await ws.send_json({"type": "response.create", "model": "m", "input": f"{marker} ws"})
         while (await ws.receive_json(timeout=5))["type"] != "response.completed":
             pass
-    access_lines = json_lines(caplog)
+    out = capsys.readouterr().out
+    access_lines = [json.loads(line) for line in out.splitlines()]
     assert len(access_lines) == 6
     assert all(line["scope"] == scope_of(auth)[:SCOPE_CHARS] for line in access_lines)
+    assert marker not in out and marker.lower() not in out
+    assert len(caplog.records) > 3  # the other logs did speak (a debug line per turn, ...)
     for record in caplog.records:
         text = record.getMessage()
         assert marker not in text and marker.lower() not in text, (record.name, text)
