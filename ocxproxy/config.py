@@ -141,6 +141,21 @@ class Config:
     max_body_bytes: int = field(
         default=32 * 1024**2, metadata={"help": "largest request body accepted (413 beyond)"}
     )
+    head_timeout: float = field(
+        default=30.0,
+        metadata={"help": "longest a client may take to send a request's head (408 beyond)"},
+    )
+    body_timeout: float = field(
+        default=60.0,
+        metadata={"help": "longest silence from a client mid-body (408 beyond)"},
+    )
+    keepalive_timeout: float = field(
+        default=75.0, metadata={"help": "how long an idle client connection stays open"}
+    )
+    max_connections: int = field(
+        default=512,
+        metadata={"help": "most open client connections, 503 and close beyond (0: no bound)"},
+    )
     connect_timeout: float = field(default=10.0, metadata={"help": "backend connect timeout"})
     read_timeout: float = field(
         default=600.0, metadata={"help": "longest silence from a backend mid-response"}
@@ -206,6 +221,9 @@ class Config:
             "max_body_bytes",
             "connect_timeout",
             "read_timeout",
+            "head_timeout",
+            "body_timeout",
+            "keepalive_timeout",
         ):
             _positive(name)(getattr(self, name))
         if self.snapshot_delay < 0:
@@ -215,6 +233,7 @@ class Config:
             "max_concurrency",
             "max_concurrency_per_backend",
             "admission_timeout",
+            "max_connections",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
@@ -255,6 +274,10 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "ws_max_age": parse_duration,
     "connect_timeout": parse_duration,
     "read_timeout": parse_duration,
+    "head_timeout": parse_duration,
+    "body_timeout": parse_duration,
+    "keepalive_timeout": parse_duration,
+    "max_connections": int,
     "snapshot_delay": parse_duration,
     "retain_unstored": parse_bool,
     "zdr": parse_bool,

@@ -267,6 +267,10 @@ class RequestParser(_Reader):
         self.complete = False
         self._fed = 0
 
+    def on_message_begin(self) -> None:
+        self.head = None
+        self.complete = False
+
     def on_url(self, url: bytes) -> None:
         self._target += url
         if len(self._target) > MAX_FIELD:
@@ -323,6 +327,8 @@ class ResponseParser(_Reader):
         status = self._parser.get_status_code()
         if not 100 <= status <= 599:
             raise BadMessage(f"status {status} is not 100-599")
+        if status == 101:  # never asked for: the bytes after it are not HTTP
+            raise BadMessage("a switch of protocols that was not asked for")
         version = self._version()
         headers, length, chunked, keep_alive = self._headers()
         if status < 200:  # interim (100 Continue, 103 Early Hints): the final one follows

@@ -130,7 +130,11 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
     through the front end (http/front.py)."""
     app.on_response_prepare.append(close_after_answer)
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE,
+        keepalive_timeout=app[PROXY].config.keepalive_timeout,  # for handed-over connections
     )
     await runner.setup()
     try:

@@ -322,6 +322,7 @@ BAD_ANSWERS = [
     ("status 099", answer("Content-Length: 0", line=b"HTTP/1.1 099 X")),
     ("status 600", answer("Content-Length: 0", line=b"HTTP/1.1 600 X")),
     ("status 999", answer("Content-Length: 0", line=b"HTTP/1.1 999 X")),
+    ("101 not asked for", answer("Connection: upgrade", "Upgrade: h2c", line=b"HTTP/1.1 101 Switching")),
     ("non-token name", answer('X(a)@"b"{c}: 1', "Content-Length: 0")),
     ("non-ASCII name", answer("Xé: 1", "Content-Length: 0")),
     # today's cases

@@ -71,6 +71,7 @@ def test_only_http_and_server_import_aiohttp_web() -> None:
 @pytest.mark.parametrize(
     "module",
     [
+        "ocxproxy.h1",
         "ocxproxy.continuation",
         "ocxproxy.continuation.affinity",
         "ocxproxy.continuation.expand",
@@ -107,6 +108,12 @@ LEVEL_ZERO = ("ocxproxy.errors", "ocxproxy.config", "ocxproxy.model", "ocxproxy.
 def test_level_zero_imports_only_level_zero(module: str) -> None:
     own = {i for i in MODULES[module] if i.startswith("ocxproxy")}
     assert all(any(uses({i}, low) for low in LEVEL_ZERO) for i in own), own
+
+
+def test_http_1_1_is_read_in_one_place() -> None:
+    """Both directions read HTTP/1.1 with h1.py (llhttp); nothing else parses it by hand."""
+    assert {"ocxproxy.http.front", "ocxproxy.upstream.http1"} <= set(importing("ocxproxy.h1"))
+    assert not uses(MODULES["ocxproxy.h1"], "ocxproxy")
 
 
 def test_the_create_turn_is_not_tied_to_aiohttp_web() -> None:

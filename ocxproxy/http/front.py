@@ -1,92 +1,68 @@
-"""The listening socket: `POST /v1/responses` on hand-written HTTP/1.1, the rest on aiohttp.
+"""The listening socket: `POST /v1/responses` served here, the rest by aiohttp.
 
 Why: per continuation turn, aiohttp's server (request and response objects, router,
 middleware chain, payload streams) cost about as much CPU as everything else the proxy
 does. Coding agents send almost nothing but `POST /v1/responses`, so that one request
 gets a lean path; every other request keeps aiohttp.
 
-A connection starts here. A request whose head is a plain `POST /v1/responses`
-(HTTP/1.1, one Content-Length within `--max-body-bytes`, no Transfer-Encoding, Expect or
-Upgrade, no control bytes, bare line ends or folded header lines) is served here, by the
-same `guarded()` (errors, counts, overhead) and `exchange.create` as aiohttp's route.
-The first request that is anything else is handed, with the connection and every byte
-not yet read, to aiohttp's RequestHandler, which owns the connection from then on: aiohttp
-parses, answers, or refuses it exactly as it would have. So this parser only has to
-recognise its own case, never to judge anything else. aiohttp closes a handed-over
-connection after its answer (`Connection: close`; not a WebSocket's, nor one whose body it
-did not read), so the client's next request opens a new connection that starts here
-again: one GET of a model list does not put an agent's turns on the slow path for the
-rest of its connection's life.
+A connection starts here, and every request head is read here, by ocxproxy/h1.py (llhttp):
+a malformed one, or one that cannot be framed, gets 400 and the connection closes. A
+plain `POST /v1/responses` (HTTP/1.1, a Content-Length within `--max-body-bytes`, no
+Expect or Upgrade) is served here, by the same `guarded()` (errors, counts, overhead) and
+`exchange.create` as aiohttp's route. The first request that is anything else is handed,
+with the connection and every byte not yet read, to aiohttp's RequestHandler, which owns
+the connection from then on (through `_HandedOver`, which keeps the body timeout and the
+connection count). aiohttp closes a handed-over connection after its answer
+(`Connection: close`; not a WebSocket's, nor one whose body it did not read), so the
+client's next request opens a new connection that starts here again: one GET of a model
+list does not put an agent's turns on the slow path for the rest of its connection's life.
+
+Time limits (config): a head must be complete within `head_timeout` of its first byte; a
+body may pause at most `body_timeout` between reads (both: 408 and close); an idle
+connection closes after `keepalive_timeout`. Past `max_connections` open client
+connections, a new one gets 503 and is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http
 from collections.abc import Callable
 from typing import Any, cast
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from ocxproxy.aio import FlowControlled
-from ocxproxy.errors import OcxError
+from ocxproxy.errors import InvalidRequest, OcxError
+from ocxproxy.h1 import (
+    LAST_CHUNK,
+    MAX_HEAD,
+    BadMessage,
+    RequestHead,
+    RequestParser,
+    chunk,
+    encode_fields,
+    status_line,
+)
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.exchange import create
 from ocxproxy.http.middleware import guarded
 from ocxproxy.metrics import Timing
-from ocxproxy.upstream.http1 import has_control_bytes
 
 ROUTE = "/v1/responses"
-MAX_HEAD = 64 * 1024
-KEEPALIVE = 75.0  # seconds an idle connection stays open, as aiohttp's default
 
 
-class _Head:
-    __slots__ = ("headers", "keep_alive", "length", "target")
-
-    def __init__(self, target: str, headers: CIMultiDictProxy[str], length: int, keep: bool):
-        self.target = target
-        self.headers = headers
-        self.length = length
-        self.keep_alive = keep
-
-
-def parse_head(head: bytes) -> _Head | None:
-    """The head of a request this front end serves, else None (aiohttp's then)."""
-    if len(head) > MAX_HEAD or has_control_bytes(head):
-        return None  # never forwarded from here: aiohttp judges it
-    lines = head.decode("utf-8", "surrogateescape").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or parts[0] != "POST" or parts[2] != "HTTP/1.1":
-        return None
-    target = parts[1]
-    if not target.isascii() or (target != ROUTE and not target.startswith(ROUTE + "?")):
-        return None
-    headers: CIMultiDict[str] = CIMultiDict()
-    length: int | None = None
-    keep_alive = True
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip() or " " in name or "\t" in name:
-            return None  # folded, malformed, or odd: aiohttp judges it
-        value = value.strip(" \t")
-        lower = name.lower()
-        if lower == "content-length":
-            if length is not None or not (value.isascii() and value.isdigit()):
-                return None
-            length = int(value)
-        elif lower in ("transfer-encoding", "expect", "upgrade"):
-            return None
-        elif lower == "connection":
-            tokens = {t.strip().lower() for t in value.split(",")}
-            if "upgrade" in tokens:
-                return None
-            keep_alive = keep_alive and "close" not in tokens
-        headers.add(name, value)
-    if length is None:
-        return None
-    return _Head(target, CIMultiDictProxy(headers), length, keep_alive)
+def _ours(head: RequestHead) -> bool:
+    """A request this front end serves: a plain create with a Content-Length."""
+    target = head.target
+    return (
+        head.method == "POST"
+        and (target == ROUTE or target.startswith(ROUTE + "?"))
+        and head.version == "1.1"
+        and head.length is not None
+        and not head.expect
+        and not head.upgrade
+    )
 
 
 class FrontEnd:
@@ -94,9 +70,15 @@ class FrontEnd:
 
     def __init__(self, proxy: Proxy, web_server: Callable[[], asyncio.Protocol]) -> None:
         self.proxy = proxy
+        self.config = proxy.config
         self.web_server = web_server
         self.connections: set[FrontConnection] = set()
+        self.handed: set[_HandedOver] = set()  # connections aiohttp serves now
         self.closing = False
+
+    def full(self) -> bool:
+        cap = self.config.max_connections
+        return bool(cap) and len(self.connections) + len(self.handed) >= cap
 
     async def shutdown(self, grace: float) -> None:
         """Close idle connections now, let requests in flight finish within `grace`."""
@@ -113,6 +95,19 @@ class FrontEnd:
             conn.close()
 
 
+def _refuse(transport: asyncio.BaseTransport, error: OcxError) -> None:
+    """An error answer, then the end of the connection."""
+    body = error.body()
+    fields = encode_fields([*error.headers().items(), ("Connection", "close")])
+    head = status_line(error.status) + fields + b"Content-Length: %d\r\n\r\n" % len(body)
+    cast(asyncio.Transport, transport).writelines((head, body))
+    transport.close()
+
+
+def _timed_out() -> OcxError:
+    return InvalidRequest("The request was not sent in time.", code="request_timeout", status=408)
+
+
 class FrontConnection(FlowControlled):
     """One client connection, until it is closed or handed to aiohttp."""
 
@@ -122,10 +117,11 @@ class FrontConnection(FlowControlled):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.head: _Head | None = None  # parsed, its body not all in yet
-        self.body_at = 0
+        self.parser = RequestParser()
         self.task: asyncio.Task[None] | None = None
-        self.idle: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_for = ""  # what the timer bounds: "idle", "head" or "body"
+        self.last_read = 0.0
         self.reading_paused = False
         self.lost = False
 
@@ -133,14 +129,20 @@ class FrontConnection(FlowControlled):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if self.front.full():
+            error = OcxError("Too many open connections.", code="too_many_connections")
+            error.status = 503
+            _refuse(transport, error)
+            return
         self.front.connections.add(self)
-        self.idle = self.loop.call_later(KEEPALIVE, self.close)
+        self._idle()
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self.last_read = self.loop.time()
         if self.task is None:
             self._next()
-        elif len(self.buffer) > self.front.proxy.config.max_body_bytes + MAX_HEAD:
+        elif len(self.buffer) > self.front.config.max_body_bytes + MAX_HEAD:
             self._pause_reading()  # pipelined far ahead of the request in flight
 
     def eof_received(self) -> bool:
@@ -149,40 +151,72 @@ class FrontConnection(FlowControlled):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.front.connections.discard(self)
-        if self.idle is not None:
-            self.idle.cancel()
+        self._stop_timer()
         if self.task is not None:
             self.task.cancel()  # the client went away: so does the backend request
         self.resume_writing()
+
+    # -- timers --------------------------------------------------------------------------
+
+    def _start_timer(self, purpose: str, delay: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_for = purpose
+        self.timer = self.loop.call_later(delay, self._expired)
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.timer_for = ""
+
+    def _idle(self) -> None:
+        self._start_timer("idle", self.front.config.keepalive_timeout)
+
+    def _expired(self) -> None:
+        self.timer = None
+        if self.timer_for == "body":  # idle between reads, not since the head
+            left = self.last_read + self.front.config.body_timeout - self.loop.time()
+            if left > 0:
+                self.timer = self.loop.call_later(left, self._expired)
+                return
+        if self.timer_for == "idle":
+            self.close()
+        elif self.transport is not None:
+            _refuse(self.transport, _timed_out())
 
     # -- requests ------------------------------------------------------------------------
 
     def _next(self) -> None:
         """Start the next request if all of it is in; hand over one that is not ours."""
         buffer = self.buffer
-        if self.head is None:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD or b"\n\n" in buffer:  # too long, or bare LFs
-                    self._hand_over()
+        parser = self.parser
+        head = parser.head
+        if head is None:
+            try:
+                head = parser.feed_head(buffer)
+            except BadMessage as exc:
+                assert self.transport is not None
+                self._stop_timer()
+                _refuse(self.transport, InvalidRequest(f"Malformed HTTP request: {exc}."))
                 return
-            head = parse_head(bytes(buffer[:end]))
-            if head is None or head.length > self.front.proxy.config.max_body_bytes:
-                self._hand_over()  # aiohttp serves it, or answers 413 like the route does
+            if head is None:
+                if buffer and self.timer_for != "head":
+                    self._start_timer("head", self.front.config.head_timeout)
                 return
-            self.head, self.body_at = head, end + 4
-            if self.idle is not None:
-                self.idle.cancel()
-                self.idle = None
-        end = self.body_at + self.head.length
-        if len(buffer) < end:
+            if not _ours(head) or cast(int, head.length) > self.front.config.max_body_bytes:
+                self._hand_over(head)  # aiohttp serves it, or answers 413 like the route does
+                return
+        assert head.length is not None
+        if len(buffer) < head.size + head.length:
+            if self.timer_for != "body":
+                self._start_timer("body", self.front.config.body_timeout)
             return
-        head, body = self.head, bytes(buffer[self.body_at : end])
-        del buffer[:end]
-        self.head = None
+        self._stop_timer()
+        body = parser.feed_body(buffer)
         self.task = self.loop.create_task(self._serve(head, body))
 
-    async def _serve(self, head: _Head, body: bytes) -> None:
+    async def _serve(self, head: RequestHead, body: bytes) -> None:
         proxy = self.front.proxy
         reply = SocketReply(self, keep_alive=head.keep_alive and not self.front.closing)
 
@@ -202,36 +236,114 @@ class FrontConnection(FlowControlled):
         if not reply.keep_alive or self.front.closing:
             self.close()
             return
-        self.idle = self.loop.call_later(KEEPALIVE, self.close)
         if self.reading_paused:
             self.reading_paused = False
             assert self.transport is not None
             self.transport.resume_reading()
         if self.buffer:
             self._next()
+        else:
+            self._idle()
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and self.transport is not None:
             self.reading_paused = True
             self.transport.pause_reading()
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, head: RequestHead) -> None:
         """From now on aiohttp serves this connection, starting with the bytes not yet read."""
         transport = self.transport
         assert transport is not None
-        if self.idle is not None:
-            self.idle.cancel()
+        self._stop_timer()
         self.front.connections.discard(self)
         handler = self.front.web_server()
-        transport.set_protocol(handler)
+        watch = _HandedOver(self.front, handler, head, self.parser, self.loop)
+        transport.set_protocol(watch)
         handler.connection_made(transport)
+        watch.transport = transport
         data, self.buffer = bytes(self.buffer), bytearray()
-        if data:
-            handler.data_received(data)
+        watch.received(data, head.size)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class _HandedOver(asyncio.Protocol):
+    """A connection aiohttp serves: every call goes on to aiohttp's handler. Until the
+    body of the request being read is in, the client may pause at most `body_timeout`
+    between reads (aiohttp has no such limit); the connection counts as open here."""
+
+    def __init__(
+        self,
+        front: FrontEnd,
+        handler: asyncio.Protocol,
+        head: RequestHead,
+        parser: RequestParser,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.front = front
+        self.handler = handler
+        self.parser = parser
+        parser.keep_body = False  # aiohttp reads the body; this only frames it
+        self.loop = loop
+        self.transport: asyncio.BaseTransport | None = None
+        self.watching = not head.upgrade  # after an upgrade, the bytes are not HTTP
+        self.last_read = loop.time()
+        self.timer: asyncio.TimerHandle | None = None
+        front.handed.add(self)
+
+    def received(self, data: bytes, offset: int = 0) -> None:
+        """Bytes for aiohttp; the parser reads them from `offset` on (the head is read)."""
+        self.handler.data_received(data)
+        if not self.watching:
+            return
+        parser = self.parser
+        self.last_read = self.loop.time()
+        fed = memoryview(data)[offset:]
+        try:
+            if parser.complete and fed:
+                parser.next()
+            parser.feed(fed)
+        except BadMessage:
+            self.watching = False  # aiohttp answers it as it sees fit, then closes
+        head = parser.head
+        if head is not None and head.upgrade:
+            self.watching = False  # what follows is not HTTP
+        reading = not parser.complete and (head is not None or bool(fed))
+        if not (self.watching and reading):
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+        elif self.timer is None:
+            self.timer = self.loop.call_later(self.front.config.body_timeout, self._expired)
+
+    def _expired(self) -> None:
+        left = self.last_read + self.front.config.body_timeout - self.loop.time()
+        if left > 0:
+            self.timer = self.loop.call_later(left, self._expired)
+            return
+        self.timer = None
+        if self.transport is not None:
+            _refuse(self.transport, _timed_out())
+
+    def data_received(self, data: bytes) -> None:
+        self.received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.front.handed.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
 
 
 class SocketReply:
@@ -248,17 +360,11 @@ class SocketReply:
     def _head(self, status: int, headers: CIMultiDict[str], framing: bytes) -> bytes:
         self.status = status
         self.started = True
-        try:
-            phrase = http.HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Unknown"
-        lines = [f"HTTP/1.1 {status} {phrase}\r\n"]
-        lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
         if self.conn.front.closing:  # shutdown began while this request ran
             self.keep_alive = False
-        if not self.keep_alive:
-            lines.append("Connection: close\r\n")
-        return "".join(lines).encode("utf-8", "surrogateescape") + framing
+        fields = encode_fields(list(headers.items()))
+        close = b"" if self.keep_alive else b"Connection: close\r\n"
+        return b"".join((status_line(status), fields, close, framing))
 
     def _write(self, *data: bytes) -> None:
         transport = self.conn.transport
@@ -273,11 +379,11 @@ class SocketReply:
 
     async def write(self, data: bytes) -> None:
         if data:
-            self._write(b"%x\r\n" % len(data), data, b"\r\n")
+            self._write(*chunk(data))
             await self.conn.wait_drained()
 
     async def end(self) -> None:
-        self._write(b"0\r\n\r\n")
+        self._write(LAST_CHUNK)
 
     def fail(self, error: OcxError) -> SocketReply:
         """guarded()'s answer to an error: the error body, or, once the head is out, the

@@ -17,13 +17,24 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 
+def _hop_by_hop(headers: Mapping[str, str]) -> frozenset[str]:
+    """The fixed hop-by-hop fields and those the message's Connection names (RFC 9110
+    §7.6.1), lower-case."""
+    getall = getattr(headers, "getall", None)  # a multidict: every Connection field
+    named = ",".join(getall("Connection", ())) if getall else headers.get("Connection", "")
+    if not named:
+        return _HOP_BY_HOP
+    return _HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
+
+
 def upstream_headers(
     client: Mapping[str, str], config: Config, *, identity: bool
 ) -> CIMultiDict[str]:
     """Client headers for the backend. `identity` asks for an uncompressed answer, for the
     routes whose bodies the proxy reads."""
+    drop = _hop_by_hop(client)
     headers: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in client.items() if k.lower() not in _HOP_BY_HOP
+        (k, v) for k, v in client.items() if k.lower() not in drop
     )
     if identity:
         headers["Accept-Encoding"] = "identity"
@@ -34,8 +45,9 @@ def upstream_headers(
 
 def client_headers(backend: CIMultiDictProxy[str], *, body_rewritten: bool) -> CIMultiDict[str]:
     """Backend headers for the client; Content-Length is recomputed by aiohttp."""
+    drop = _hop_by_hop(backend)
     headers: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in backend.items() if k.lower() not in _HOP_BY_HOP
+        (k, v) for k, v in backend.items() if k.lower() not in drop
     )
     if body_rewritten:
         headers.pop("Content-Encoding", None)

@@ -1,12 +1,17 @@
-"""HTTP/1.1 to the backends, written by hand on asyncio.Protocol.
+"""HTTP/1.1 to the backends, on asyncio.Protocol; answers read by ocxproxy/h1.py.
 
 Why not aiohttp's client: on the continuation hot path it cost about 400 µs of CPU per
 request on a 2-core box, more than everything else the proxy does for a turn. This client
 does only what a reverse proxy needs: keep-alive connections per backend, a request body
 sent as given (`writelines`, so a spliced body is never joined twice) or streamed
-chunked, and an answer framed by Content-Length, chunked encoding or the connection's
-close, read as it arrives. No redirects, cookies, proxies, decompression or retries: the
-pool (client.py) decides what to do with each failure, told apart by type here.
+chunked, and an answer read as it arrives. No redirects, cookies, proxies, decompression
+or retries: the pool (client.py) decides what to do with each failure, told apart by type.
+
+A connection goes back to the pool only when its answer ended exactly at its framed end,
+with nothing after it, and the backend allows reuse; an answer that cannot be framed
+exactly (h1.BadMessage) closes it. An idle connection is retired before the backend's own
+idle timeout can close it under a new request: the backend's `Keep-Alive: timeout=` less a
+second, else `keepalive` (2 s by default, below uvicorn's 5 s).
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ import re
 import ssl
 import time
 from collections.abc import AsyncIterable, Mapping
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDictProxy
 
 from ocxproxy.aio import FlowControlled
+from ocxproxy.h1 import LAST_CHUNK, BadMessage, ResponseParser, chunk, encode_fields
 
 __all__ = [
     "BrokenOff",
@@ -32,30 +38,15 @@ __all__ = [
     "Http1Response",
 ]
 
-MAX_HEAD = 64 * 1024  # bytes of status line and headers
-MAX_CHUNK_LINE = 4096
 MAX_IDLE = 64  # kept-alive connections per backend
+IDLE = 2.0  # seconds an idle connection is kept when the backend names no timeout
+IDLE_MARGIN = 1.0  # retire this long before the backend's own Keep-Alive timeout
+MAX_BUFFERED = 1024 * 1024  # body bytes read ahead of the caller before reading pauses
 # Framing is the client's job, never the caller's.
 _OWN_HEADERS = frozenset(
     ("host", "content-length", "transfer-encoding", "connection", "keep-alive", "expect")
 )
-_NO_BODY_STATUS = frozenset((204, 304))
-_HEX = b"0123456789abcdefABCDEF"
-
-
-# Control bytes other than tab: searched for once the CRLF pairs are gone (a lookaround
-# pattern for "CR or LF outside a pair" costs ~13 µs a head, this ~2 µs).
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-def has_control_bytes(head: bytes) -> bool:
-    """A bare CR or LF, NUL or another control byte in an HTTP head (CRLF line ends
-    excluded): never passed on, since it could split one header into two."""
-    return _CONTROL.search(head.replace(b"\r\n", b"")) is not None
-
-
-def _is_digits(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # isdigit() alone takes "²"
+_KEEP_ALIVE_TIMEOUT = re.compile(r"(?:^|[,;\s])timeout\s*=\s*(\d+)", re.IGNORECASE)
 
 
 class Http1Error(Exception):
@@ -71,28 +62,55 @@ class Disconnected(Http1Error):
 
 
 class BrokenOff(Http1Error):
-    """The answer ended early or could not be parsed."""
+    """The answer ended early or could not be framed or passed on."""
 
 
 class _Connection(FlowControlled):
-    """One socket: bytes in a buffer, a waiter woken by new data or by the end."""
+    """One socket. While a request is out, the bytes that arrive go to its answer's
+    parser, and a waiter is woken by them or by the end; idle, any byte spoils it."""
 
-    __slots__ = ("buffer", "closed", "idle_since", "loop", "transport", "waiter")
+    __slots__ = (
+        "buffered",
+        "closed",
+        "error",
+        "idle_limit",
+        "idle_since",
+        "loop",
+        "parser",
+        "paused",
+        "transport",
+        "waiter",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.parser: ResponseParser | None = None  # the answer being read, if any
+        self.error: BadMessage | None = None
+        self.buffered = 0  # bytes received since the caller last took the body
+        self.paused = False
         self.closed = False
         self.waiter: asyncio.Future[None] | None = None
         self.idle_since = 0.0
+        self.idle_limit = IDLE
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
+        parser = self.parser
+        if parser is None:  # nothing was asked: whatever this is, the connection is spoilt
+            self.close()
+            return
+        try:
+            parser.feed(data)
+        except BadMessage as exc:
+            self.error = exc
+        self.buffered += len(data)
+        if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -109,6 +127,13 @@ class _Connection(FlowControlled):
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def taken(self) -> None:
+        """The caller took the body read so far: read on if reading was paused."""
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
     async def wait(self, timeout: float | None) -> None:  # noqa: ASYNC109
         """Until more bytes arrive or the connection ends; TimeoutError after `timeout`.
@@ -162,7 +187,7 @@ class Http1Client:
         *,
         connect_timeout: float | None,
         read_timeout: float | None,
-        keepalive: float = 60.0,
+        keepalive: float = IDLE,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
@@ -183,9 +208,12 @@ class Http1Client:
         if origin is None:
             origin = self._origins[base] = _Origin(base)
         conn = self._idle(origin) or await self._connect(origin)
+        # Set before a byte is sent (no await in between), so an idle connection's stray
+        # bytes were never taken for this answer.
+        conn.parser = ResponseParser(head_only=method == "HEAD")
         try:
             await self._send(conn, origin, method, path, headers, body)
-            return await Http1Response.read_head(self, conn, origin, method == "HEAD")
+            return await Http1Response.read_head(self, conn, origin)
         except BaseException:
             conn.close()
             raise
@@ -197,22 +225,39 @@ class Http1Client:
                 origin.idle.pop().close()
 
     def _idle(self, origin: _Origin) -> _Connection | None:
-        """The newest usable idle connection; stale ones (the oldest first) are closed."""
-        oldest = time.monotonic() - self.keepalive
+        """The newest idle connection still within its idle limit; stale ones are closed."""
+        now = time.monotonic()
         idle = origin.idle
-        while idle and idle[0].idle_since <= oldest:
-            idle.pop(0).close()
+        kept = []
+        found = None
         while idle:
             conn = idle.pop()
-            if not conn.closed and conn.idle_since > oldest and not conn.buffer:
-                return conn
-            conn.close()
-        return None
+            if conn.closed or now - conn.idle_since >= conn.idle_limit:
+                conn.close()
+            elif found is None:
+                found = conn
+            else:
+                kept.append(conn)
+        kept.reverse()
+        idle.extend(kept)
+        return found
 
-    def keep(self, conn: _Connection, origin: _Origin) -> None:
+    def keep(self, conn: _Connection, origin: _Origin, keep_alive: str | None) -> None:
+        """Pool a connection whose answer ended at its framed end; `keep_alive` is the
+        answer's Keep-Alive field, whose timeout the connection is retired before."""
+        conn.parser = None
         if conn.closed or len(origin.idle) >= MAX_IDLE:
             conn.close()
             return
+        limit = self.keepalive
+        if keep_alive is not None:
+            named = _KEEP_ALIVE_TIMEOUT.search(keep_alive)
+            if named:
+                limit = max(0.0, int(named.group(1)) - IDLE_MARGIN)
+        if limit <= 0:
+            conn.close()
+            return
+        conn.idle_limit = limit
         conn.idle_since = time.monotonic()
         origin.idle.append(conn)
 
@@ -242,21 +287,16 @@ class Http1Client:
         headers: Mapping[str, str],
         body: bytes | AsyncIterable[bytes] | None,
     ) -> None:
-        lines = [
-            f"{name}: {value}\r\n"
-            for name, value in headers.items()
-            if name.lower() not in _OWN_HEADERS
-        ]
-        fields = "".join(lines)
-        if fields.count("\n") != len(lines) or fields.count("\r") != len(lines):
-            raise ValueError("a header holds a line break")  # one CRLF per line, no more
+        fields = encode_fields(
+            [(name, value) for name, value in headers.items() if name.lower() not in _OWN_HEADERS]
+        )
         request_line = b"%s %s%s HTTP/1.1\r\nHost: %s\r\n" % (
             method.encode(),
             origin.prefix,
             path.encode(),
             origin.host_header,
         )
-        head = [request_line, fields.encode("utf-8", "surrogateescape")]
+        head = [request_line, fields]
         transport = conn.transport
         assert transport is not None
         if body is None or isinstance(body, bytes | bytearray):
@@ -269,11 +309,11 @@ class Http1Client:
             return
         head.append(b"Transfer-Encoding: chunked\r\n\r\n")
         transport.writelines(head)
-        async for chunk in body:
-            if chunk:
-                transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+        async for data in body:
+            if data:
+                transport.writelines(chunk(data))
                 await conn.drain()
-        transport.write(b"0\r\n\r\n")
+        transport.write(LAST_CHUNK)
 
 
 class Http1Response:
@@ -284,15 +324,10 @@ class Http1Response:
     """
 
     __slots__ = (
-        "_chunk_left",
         "_client",
         "_conn",
-        "_framing",
-        "_in_trailers",
-        "_keep_alive",
-        "_left",
         "_origin",
-        "_want_crlf",
+        "_parser",
         "content_length",
         "headers",
         "reason",
@@ -300,82 +335,33 @@ class Http1Response:
     )
 
     def __init__(
-        self,
-        client: Http1Client,
-        conn: _Connection,
-        origin: _Origin,
-        status: int,
-        reason: str,
-        headers: CIMultiDict[str],
-        keep_alive: bool,
-        no_body: bool,
+        self, client: Http1Client, conn: _Connection, origin: _Origin, parser: ResponseParser
     ) -> None:
         self._client = client
         self._conn = conn
         self._origin = origin
-        self.status = status
-        self.reason = reason
-        self.headers = CIMultiDictProxy(headers)
-        self._keep_alive = keep_alive
-        self._chunk_left = 0
-        self._want_crlf = False
-        self._in_trailers = False
-        self._left = 0
-        self.content_length: int | None = None
-        length = headers.get("Content-Length")
-        if no_body:
-            self._framing = "done"
-        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            self._framing = "chunked"
-        elif length is not None:
-            if not _is_digits(length.strip()):
-                raise BrokenOff(f"bad Content-Length {length!r}")
-            self.content_length = self._left = int(length)
-            self._framing = "length" if self._left else "done"
-        else:
-            self._framing = "close"
-            self._keep_alive = False
+        self._parser = parser
+        self.status = parser.status
+        self.reason = parser.reason
+        self.headers: CIMultiDictProxy[str] = parser.headers
+        self.content_length = None if parser.head_only else parser.content_length
 
     def __repr__(self) -> str:
-        return f"<Http1Response {self.status} {self._framing}>"
+        return f"<Http1Response {self.status} complete={self._parser.complete}>"
 
     @classmethod
     async def read_head(
-        cls, client: Http1Client, conn: _Connection, origin: _Origin, head_only: bool
+        cls, client: Http1Client, conn: _Connection, origin: _Origin
     ) -> Http1Response:
-        buffer = conn.buffer
-        while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD:
-                    raise BrokenOff("the answer's headers are too large")
-                if conn.closed:
-                    raise Disconnected("The connection closed before an answer came back.")
-                await conn.wait(client.read_timeout)
-                continue
-            head = bytes(buffer[:end])
-            del buffer[: end + 4]
-            if end > MAX_HEAD or has_control_bytes(head):
-                raise BrokenOff("the answer's head is too large or holds control bytes")
-            # As aiohttp decodes heads, and as front.py encodes them again: byte-exact.
-            lines = head.decode("utf-8", "surrogateescape").split("\r\n")
-            version, _, rest = lines[0].partition(" ")
-            code, _, reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or not _is_digits(code) or len(code) != 3:
-                raise BrokenOff(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-            status = int(code)
-            if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): skip
-                continue
-            headers: CIMultiDict[str] = CIMultiDict()
-            for line in lines[1:]:
-                name, colon, value = line.partition(":")
-                if not colon or not name or name != name.strip():
-                    raise BrokenOff(f"bad header line: {line[:80]!r}")
-                headers.add(name, value.strip())
-            connection = headers.get("Connection", "").lower()
-            keep_alive = version == "HTTP/1.1" and "close" not in connection
-            no_body = head_only or status in _NO_BODY_STATUS
-            return cls(client, conn, origin, status, reason, headers, keep_alive, no_body)
+        parser = conn.parser
+        assert parser is not None
+        while not parser.status:
+            if conn.error is not None:
+                raise BrokenOff(f"The answer could not be read: {conn.error}")
+            if conn.closed:
+                raise Disconnected("The connection closed before an answer came back.")
+            await conn.wait(client.read_timeout)
+        return cls(client, conn, origin, parser)
 
     # -- the body ------------------------------------------------------------------------
 
@@ -384,113 +370,51 @@ class Http1Response:
         return self
 
     def at_eof(self) -> bool:
-        return self._framing == "done"
+        return self._parser.complete and not self._parser.body
 
     async def readany(self) -> bytes:
         """The body bytes that have arrived (waiting for some), b"" at the end."""
-        conn = self._conn
-        while self._framing != "done":
-            chunk = self._take()
-            if chunk:
-                return chunk
-            if self._framing == "done":
-                break
+        conn, parser = self._conn, self._parser
+        while True:
+            parts = parser.body
+            if parts:
+                parser.body = []
+                conn.taken()
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if parser.complete:
+                return b""
+            if conn.error is not None:
+                raise BrokenOff(f"The answer could not be read: {conn.error}")
             if conn.closed:
-                if self._framing == "close":
-                    self._framing = "done"
-                    break
+                if parser.content_length is None and not parser.chunked:
+                    parser.complete = True  # framed by the close: this is its end
+                    return b""
                 raise BrokenOff("The connection closed mid-answer.")
             await conn.wait(self._client.read_timeout)
-        return b""
 
     async def read(self) -> bytes:
-        """The whole body; a Content-Length body is taken in one slice once all is in."""
-        if self._framing == "length":
-            conn = self._conn
-            while len(conn.buffer) < self._left:
-                if conn.closed:
-                    raise BrokenOff("The connection closed mid-answer.")
-                await conn.wait(self._client.read_timeout)
-            body = bytes(conn.buffer[: self._left])
-            del conn.buffer[: self._left]
-            self._left = 0
-            self._framing = "done"
-            return body
+        """The whole body."""
         parts = []
-        while chunk := await self.readany():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def _take(self) -> bytes:
-        buffer = self._conn.buffer
-        if not buffer:
-            return b""
-        framing = self._framing
-        if framing == "close":
-            data = bytes(buffer)
-            buffer.clear()
-            return data
-        if framing == "length":
-            n = min(len(buffer), self._left)
-            data = bytes(buffer[:n])
-            del buffer[:n]
-            self._left -= n
-            if not self._left:
-                self._framing = "done"
-            return data
-        return self._take_chunked(buffer)
-
-    def _take_chunked(self, buffer: bytearray) -> bytes:
-        parts: list[Any] = []
-        pos, size = 0, len(buffer)
-        while pos < size:
-            if self._chunk_left:
-                n = min(size - pos, self._chunk_left)
-                parts.append(buffer[pos : pos + n])
-                pos += n
-                self._chunk_left -= n
-                if self._chunk_left:
-                    break
-                self._want_crlf = True
-                continue
-            if self._want_crlf:
-                if size - pos < 2:
-                    break
-                if buffer[pos : pos + 2] != b"\r\n":
-                    raise BrokenOff("bad chunked encoding: no CRLF after a chunk")
-                pos += 2
-                self._want_crlf = False
-                continue
-            end = buffer.find(b"\r\n", pos)
-            if end < 0:
-                if size - pos > MAX_CHUNK_LINE:
-                    raise BrokenOff("bad chunked encoding: chunk size line too long")
-                break
-            line = buffer[pos:end]
-            pos = end + 2
-            if self._in_trailers:
-                if not line:
-                    self._framing = "done"
-                    break
-                continue
-            digits = bytes(line.split(b";", 1)[0]).rstrip(b" \t")
-            if not digits or digits.strip(_HEX):
-                raise BrokenOff("bad chunked encoding: bad chunk size")
-            chunk_size = int(digits, 16)
-            if chunk_size == 0:
-                self._in_trailers = True
-            self._chunk_left = chunk_size
-        del buffer[:pos]
+        while data := await self.readany():
+            parts.append(data)
         return b"".join(parts)
 
     # -- the connection ------------------------------------------------------------------
 
     def release(self) -> None:
-        """Done with a body read to its end: keep the connection for the next request."""
-        if self._framing == "done" and self._keep_alive and not self._conn.buffer:
-            self._client.keep(self._conn, self._origin)
+        """Done with a body read to its end: keep the connection for the next request if
+        the answer ended exactly at its framed end, with nothing after it."""
+        parser, conn = self._parser, self._conn
+        if (
+            parser.complete
+            and not parser.body
+            and parser.keep_alive
+            and not parser.trailing
+            and conn.error is None
+        ):
+            self._client.keep(conn, self._origin, parser.headers.get("Keep-Alive"))
         else:
-            self._conn.close()
+            conn.close()
 
     def close(self) -> None:
         """Done early: close the connection, which tells the backend to stop."""

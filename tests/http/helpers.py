@@ -1,15 +1,14 @@
-"""Helpers for the HTTP tests: raw JSON spans, SSE parsing, a byte-scripted backend."""
+"""Helpers for the HTTP tests: raw JSON spans, SSE parsing, scripted Responses events
+(the byte-scripted backend is tests/fakes/scripted.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import socket
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 _DECODER = json.JSONDecoder()
 
@@ -105,51 +104,3 @@ def script_events(rid: str, text: str, *, spec: bool) -> list[dict[str, Any]]:
             for key in ("output_index", "content_index"):
                 event.pop(key, None)
     return events
-
-
-class ScriptedBackend:
-    """Answers every POST /v1/responses with fixed bytes, written in the given chunks.
-    With `hold_after=k`, the first answer stops after k chunks until `release` is set.
-    Records each request body."""
-
-    def __init__(self, chunks: list[bytes], *, hold_after: int | None = None) -> None:
-        self.chunks = chunks
-        self.hold_after = hold_after
-        self.release = asyncio.Event()
-        self.bodies: list[bytes] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def __aenter__(self) -> ScriptedBackend:
-        app = web.Application()
-        app.router.add_post("/v1/responses", self._answer)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _wait_release(self) -> None:
-        async with asyncio.timeout(5):
-            await self.release.wait()
-
-    async def _answer(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.read())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        hold = self.hold_after if len(self.bodies) == 1 else None
-        for index, chunk in enumerate(self.chunks):
-            if index == hold:
-                await self._wait_release()
-            await response.write(chunk)
-            await asyncio.sleep(0.005)
-        if hold == len(self.chunks):
-            await self._wait_release()
-        await response.write_eof()
-        return response

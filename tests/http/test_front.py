@@ -5,7 +5,7 @@ after its answer.
 
 Which side answered: the `front_served` fixture counts the calls of front.create (the
 front end's only way into `exchange.create`). The `Server:` header cannot tell: the
-front end relays the backend's, and FakeBackend is an aiohttp server too. RawBackend, a
+front end relays the backend's, and FakeBackend is an aiohttp server too. ScriptedPeer, a
 lenient backend on a bare socket, shows byte for byte what the proxy forwards.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +22,12 @@ import pytest
 from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
+from ocxproxy.h1 import MAX_HEAD
 from ocxproxy.http import front
 from ocxproxy.http.exchange import create
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
+from tests.fakes.scripted import ScriptedPeer, Step, json_answer
 from tests.http.helpers import response_object, sse_payloads
 
 MODELS = {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
@@ -145,40 +146,15 @@ def front_served(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     return served
 
 
-class RawBackend:
-    """A lenient backend on a bare socket: records each request head exactly as it came
-    and answers every request with one fixed Responses JSON."""
-
-    def __init__(self) -> None:
-        self.heads: list[bytes] = []
-        self.extra_head = b""  # header lines added to every answer, as they are
-        self.url = ""
-
-    async def __aenter__(self) -> RawBackend:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        self.heads.append(head)
-        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
-        await reader.readexactly(int(length.group(1)) if length else 0)
-        body = orjson.dumps(response_object("resp_raw", "raw"))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + self.extra_head)
-        writer.write(b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
-        writer.close()
+def raw_answer(*extra: bytes) -> list[Step]:
+    """The scripted backend's standing answer: one fixed Responses JSON, then the close."""
+    return [json_answer(response_object("resp_raw", "raw"), *extra, b"Connection: close"), None]
 
 
 @pytest.fixture
-async def raw_backend() -> AsyncIterator[RawBackend]:
-    async with RawBackend() as raw:
-        yield raw
+async def raw_backend() -> AsyncIterator[ScriptedPeer]:
+    async with ScriptedPeer(*raw_answer()) as peer:
+        yield peer
 
 
 def assert_openai_error(answer: Answer, status: int, code: str | None) -> dict[str, Any]:
@@ -270,7 +246,7 @@ async def test_bytes_pipelined_far_ahead_of_the_request_in_flight_are_not_all_bu
         (connection,) = site.front.connections
         buffered = len(connection.buffer)
         assert connection.reading_paused
-        assert buffered <= 4096 + front.MAX_HEAD + 1024 * 1024  # the bound, plus one read
+        assert buffered <= 4096 + MAX_HEAD + 1024 * 1024  # the bound, plus one read
         first = await conn.answer()
         assert first.text == "echo#1: slow"
         second = await conn.answer()  # reading resumed: the flood is served in turn
@@ -426,15 +402,15 @@ async def test_expect_100_continue_gets_the_interim_answer_first(
     [b"NoColonHere", b"X-Spaced : value", b"X Spaced: value", b" folded-continuation"],
     ids=str,
 )
-async def test_malformed_header_line_is_aiohttps_400(
+async def test_malformed_header_line_is_400_and_the_connection_closes(
     line: bytes, proxy: ProxyHandle, backend: FakeBackend, front_served: list[bytes]
 ) -> None:
     request = post(turn("odd"))
     head, body = request.split(b"\r\n\r\n", 1)
     async with connect(proxy) as conn:
         answer = await conn.ask(head + b"\r\n" + line + b"\r\n\r\n" + body)
-        assert answer.status == 400
-        assert answer.headers["Content-Type"] == "text/plain; charset=utf-8"  # aiohttp's own
+        assert_openai_error(answer, 400, None)
+        assert answer.headers["Connection"] == "close"
         assert await conn.closed_by_server()
     assert backend.seen == []
     assert front_served == []
@@ -489,7 +465,7 @@ async def test_client_disconnect_cancels_the_backend_request(
 
 
 async def test_raw_backend_sees_a_plain_create(
-    raw_backend: RawBackend, make_proxy: MakeProxy, front_served: list[bytes]
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy, front_served: list[bytes]
 ) -> None:
     """The control for the tests below: a plain create does reach the raw backend."""
     proxy = await make_proxy(raw_backend.url)
@@ -502,7 +478,7 @@ async def test_raw_backend_sees_a_plain_create(
 
 
 async def test_bare_lf_in_the_target_never_reaches_the_backend(
-    raw_backend: RawBackend, make_proxy: MakeProxy
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy
 ) -> None:
     """Whatever aiohttp makes of it (llhttp reads `X-Injected:1 HTTP/1.1` as a header of
     an HTTP/0.9 request), no bare LF may reach the backend's request line."""
@@ -521,7 +497,7 @@ async def test_bare_lf_in_the_target_never_reaches_the_backend(
     "value", [b"b\nX-Injected: 1", b"b\rc", b"b\x00c"], ids=["lf", "cr", "nul"]
 )
 async def test_line_break_or_nul_in_a_header_value_is_400(
-    value: bytes, raw_backend: RawBackend, make_proxy: MakeProxy
+    value: bytes, raw_backend: ScriptedPeer, make_proxy: MakeProxy
 ) -> None:
     proxy = await make_proxy(raw_backend.url)
     async with connect(proxy) as conn:
@@ -531,7 +507,7 @@ async def test_line_break_or_nul_in_a_header_value_is_400(
 
 
 async def test_control_character_in_the_target_never_reaches_the_backend(
-    raw_backend: RawBackend, make_proxy: MakeProxy
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy
 ) -> None:
     proxy = await make_proxy(raw_backend.url)
     request = post(turn("x")).replace(b"/v1/responses", b"/v1/responses?a\x01b", 1)
@@ -549,8 +525,8 @@ async def test_head_with_bare_lf_line_ends_is_answered_at_once(proxy: ProxyHandl
     assert answer.status == 400
 
 
-async def test_a_target_that_is_not_ascii_is_aiohttps_400_not_a_500(
-    raw_backend: RawBackend, make_proxy: MakeProxy, front_served: list[bytes]
+async def test_a_target_that_is_not_ascii_is_400_not_a_500(
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy, front_served: list[bytes]
 ) -> None:
     proxy = await make_proxy(raw_backend.url)
     request = post(turn("x")).replace(b"/v1/responses", b"/v1/responses?x=\xff", 1)
@@ -564,9 +540,9 @@ async def test_a_target_that_is_not_ascii_is_aiohttps_400_not_a_500(
 
 
 async def test_a_backend_header_with_a_bare_lf_never_reaches_the_client(
-    raw_backend: RawBackend, make_proxy: MakeProxy
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy
 ) -> None:
-    raw_backend.extra_head = b"X-Evil: a\nInjected: yes\r\n"
+    raw_backend.standing = raw_answer(b"X-Evil: a\nInjected: yes")
     proxy = await make_proxy(raw_backend.url)
     async with connect(proxy) as conn:
         answer = await conn.ask(post(turn("x")))
@@ -575,10 +551,259 @@ async def test_a_backend_header_with_a_bare_lf_never_reaches_the_client(
 
 
 async def test_non_ascii_backend_header_bytes_reach_the_client_unchanged(
-    raw_backend: RawBackend, make_proxy: MakeProxy
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy
 ) -> None:
-    raw_backend.extra_head = "X-Name: café\r\n".encode()
+    raw_backend.standing = raw_answer("X-Name: café".encode())
     proxy = await make_proxy(raw_backend.url)
     async with connect(proxy) as conn:
         answer = await conn.ask(post(turn("x")))
     assert (answer.status, answer.headers["X-Name"]) == (200, "café")
+
+
+# -- issue 12: hostile clients and backends, both ways into create --------------------------
+#
+# `way` runs a test through the front end's own create (a Content-Length body) and through
+# aiohttp's handler (a chunked body, which the front end hands over), as uvicorn runs its
+# protocol tests on both of its implementations.
+
+
+@pytest.fixture(params=["front", "aiohttp"])
+def way(request: pytest.FixtureRequest, front_served: list[bytes]) -> Any:
+    yield request.param
+    # the request really went the way it says (nothing served: refused before either)
+    assert request.param == "front" or front_served == []
+
+
+def create_request(way: str, body: bytes, *extra: str) -> bytes:
+    """A raw create that the front end serves itself, or hands to aiohttp."""
+    if way == "front":
+        return post(body, *extra)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    return post(chunked, "Transfer-Encoding: chunked", *extra, length=False)
+
+
+OWN = json_answer(response_object("resp_own", "own"))
+SMUGGLED = json_answer(response_object("resp_evil", "smuggled"))
+UNFRAMEABLE = {
+    "CL 5 then 160": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 160\r\n\r\nhello",
+    "TE xchunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: xchunked\r\n\r\n",
+    "TE gzip then chunked": (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ),
+    "status 000": b"HTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\nhi",
+    "non-token name": b'HTTP/1.1 200 OK\r\nX(a)@"b"{c}: 1\r\nContent-Length: 2\r\n\r\nhi',
+}
+
+
+async def next_client_gets_its_own_answer(
+    proxy: ProxyHandle, peer: ScriptedPeer, request: bytes, check: Any
+) -> None:
+    """A second client's request is answered from a new backend connection, and the first
+    backend connection was closed, not pooled with the leftovers in it."""
+    async with connect(proxy) as conn:
+        second = await conn.ask(request)
+    check(second)
+    await asyncio.wait_for(peer.connections[0].done.wait(), 2)
+    assert [len(c.requests) for c in peer.connections] == [1, 1]
+
+
+@pytest.mark.parametrize("bad", UNFRAMEABLE.values(), ids=UNFRAMEABLE.keys())
+async def test_an_answer_that_cannot_be_framed_is_502_and_never_reaches_the_next_client(
+    bad: bytes, way: str, make_proxy: MakeProxy
+) -> None:
+    async with ScriptedPeer(OWN) as peer:
+        peer.answer(bad + SMUGGLED)
+        proxy = await make_proxy(peer.url)
+        async with connect(proxy) as conn:
+            first = await conn.ask(create_request(way, turn("one")))
+        assert first.status == 502
+
+        def own(answer: Answer) -> None:
+            assert (answer.status, answer.text) == (200, "own")
+
+        await next_client_gets_its_own_answer(proxy, peer, create_request(way, turn("two")), own)
+
+
+@pytest.mark.parametrize("bad", UNFRAMEABLE.values(), ids=UNFRAMEABLE.keys())
+async def test_a_passthrough_answer_that_cannot_be_framed_is_502_and_goes_no_further(
+    bad: bytes, make_proxy: MakeProxy
+) -> None:
+    async with ScriptedPeer(json_answer(MODELS)) as peer:
+        peer.answer(bad + json_answer({"smuggled": True}))
+        proxy = await make_proxy(peer.url)
+        models = b"GET /v1/models HTTP/1.1\r\nHost: proxy\r\n\r\n"
+        async with connect(proxy) as conn:
+            first = await conn.ask(models)
+        assert first.status == 502
+
+        def own(answer: Answer) -> None:
+            assert (answer.status, answer.json()) == (200, MODELS)
+
+        await next_client_gets_its_own_answer(proxy, peer, models, own)
+
+
+BAD_HEADS = {
+    "tab in the target": lambda r: r.replace(b"/v1/responses", b"/v1/responses?a=1\tHTTP/1.0", 1),
+    "space in the target": lambda r: r.replace(b"/v1/responses", b"/v1/responses?a b", 1),
+    "non-token name": lambda r: r.replace(b"Host: proxy", b'Host: proxy\r\nX(a)@"b"{c}: 1'),
+    "non-ASCII name": lambda r: r.replace(b"Host: proxy", "Host: proxy\r\nXé: 1".encode()),
+    "no Host": lambda r: r.replace(b"Host: proxy\r\n", b""),
+    "two Hosts": lambda r: r.replace(b"Host: proxy", b"Host: proxy\r\nHost: other"),
+    "129 fields": lambda r: r.replace(b"Host: proxy", b"Host: proxy" + b"\r\nX-F: v" * 126),
+    "an 8191-byte value": lambda r: r.replace(b"Host: p", b"Host: p\r\nX-Big: " + b"v" * 8191),
+    "head ending LF CR LF": lambda r: r.replace(b"\r\n\r\n", b"\n\r\n", 1),
+    "bare CR line ends": lambda r: r.replace(b"\r\n", b"\r"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spoil", BAD_HEADS.values(), ids=BAD_HEADS.keys())
+async def test_a_bad_head_is_400_at_once_and_nothing_is_forwarded(
+    spoil: Any, way: str, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    proxy = await make_proxy(raw_backend.url)
+    async with connect(proxy) as conn:
+        await conn.send(spoil(create_request(way, turn("x"))))
+        async with asyncio.timeout(1):  # at once, not at a deadline
+            answer = await conn.answer()
+        assert_openai_error(answer, 400, None)
+        assert await conn.closed_by_server()
+    assert raw_backend.requests == []
+
+
+async def test_aiohttps_limits_are_the_front_ends_too(
+    way: str, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    """128 fields and an 8190-byte value are served; one more of either is 400 (above)."""
+    proxy = await make_proxy(raw_backend.url)
+    fields = [f"X-F{i}: v" for i in range(124)] + ["X-Big: " + "v" * 8190]
+    async with connect(proxy) as conn:  # with Host, Content-Type and the framing: 128
+        answer = await conn.ask(create_request(way, turn("x"), *fields))
+    assert (answer.status, answer.text) == (200, "raw")
+    assert raw_backend.heads[0].count(b"\r\nX-F") == 124
+
+
+async def test_fields_named_in_connection_are_removed_both_ways(
+    way: str, make_proxy: MakeProxy
+) -> None:
+    answer_fields = (b"Connection: X-Bar, keep-alive", b"X-Bar: 1", b"X-Shown: 1")
+    body = response_object("resp_raw", "raw")
+    async with ScriptedPeer(json_answer(body, *answer_fields)) as peer:
+        proxy = await make_proxy(peer.url)
+        extra = ("Connection: keep-alive, X-Foo", "X-Foo: secret", "X-Kept: yes")
+        async with connect(proxy) as conn:
+            answer = await conn.ask(create_request(way, turn("x"), *extra))
+    assert (answer.status, answer.text) == (200, "raw")
+    assert (answer.headers.get("X-Bar"), answer.headers.get("X-Shown")) == (None, "1")
+    (head,) = peer.heads
+    assert b"X-Kept: yes" in head
+    assert b"X-Foo" not in head
+
+
+# -- issue 12: time limits and the connection cap -------------------------------------------
+
+LIMITS = {"head_timeout": 0.4, "body_timeout": 0.4, "keepalive_timeout": 0.4}
+
+
+async def times_out(conn: Raw, *, within: float) -> Answer:
+    """The 408 the proxy sends when a limit runs out, and the close after it."""
+    async with asyncio.timeout(within):
+        answer = await conn.answer()
+    assert_openai_error(answer, 408, "request_timeout")
+    assert await conn.closed_by_server()
+    return answer
+
+
+async def test_a_stalled_body_is_408_and_closed_by_the_body_timeout(
+    way: str, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    proxy = await make_proxy(raw_backend.url, **LIMITS)
+    if way == "front":  # declares 32 MiB, then sends nothing
+        request = post(b"", f"Content-Length: {32 * 1024 * 1024}", length=False) + b"{"
+    else:
+        request = create_request(way, turn("x"))[:-20]  # mid-chunk
+    async with connect(proxy) as conn:
+        await conn.send(request)
+        start = asyncio.get_running_loop().time()
+        await times_out(conn, within=3)
+        assert asyncio.get_running_loop().time() - start >= 0.35
+    assert raw_backend.requests == []
+
+
+async def test_a_body_that_keeps_coming_is_not_cut_off_by_the_body_timeout(
+    way: str, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    """The body timeout bounds silence between reads, not the whole body (nginx's
+    client_body_timeout): a body dribbled over longer than the timeout is served."""
+    proxy = await make_proxy(raw_backend.url, **LIMITS)
+    request = create_request(way, turn("dribbled"))
+    cut = len(request) - 8
+    async with connect(proxy) as conn:
+        await conn.send(request[:cut])
+        for i in range(cut, len(request)):  # ~0.8 s in all, 0.1 s apart
+            await asyncio.sleep(0.1)
+            await conn.send(request[i : i + 1])
+        answer = await conn.answer()
+    assert (answer.status, answer.text) == (200, "raw")
+
+
+@pytest.mark.parametrize("dribble", [False, True], ids=["stalled", "dribbled"])
+async def test_a_head_not_complete_in_time_is_408_and_closed(
+    dribble: bool, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    """A deadline from the head's first byte: bytes that keep coming do not extend it."""
+    proxy = await make_proxy(raw_backend.url, **LIMITS)
+    async with connect(proxy) as conn:
+        await conn.send(b"POST /v1/responses HTTP/1.1\r\nHost: p\r\n")
+        sender = None
+        if dribble:
+
+            async def drip() -> None:
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(20):
+                        await asyncio.sleep(0.1)
+                        await conn.send(b"X-A: 1\r\n")
+
+            sender = spawn(drip(), name="test-drip")
+        await times_out(conn, within=2)
+        if sender is not None:
+            sender.cancel()
+    assert raw_backend.requests == []
+
+
+async def test_an_idle_connection_is_closed_by_the_keepalive_timeout(
+    raw_backend: ScriptedPeer, make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    proxy = await make_proxy(backend.url, **LIMITS)
+    async with connect(proxy) as conn:  # never says a thing
+        async with asyncio.timeout(2):
+            assert await conn.reader.read() == b""
+    async with connect(proxy) as conn:  # idle after an answer
+        answer = await conn.ask(post(turn("once")))
+        assert (answer.status, answer.text) == (200, "echo#1: once")
+        start = asyncio.get_running_loop().time()
+        assert await conn.closed_by_server()
+        assert asyncio.get_running_loop().time() - start >= 0.35
+
+
+async def test_connections_past_the_cap_get_503_and_are_closed(
+    way: str, raw_backend: ScriptedPeer, make_proxy: MakeProxy
+) -> None:
+    proxy = await make_proxy(raw_backend.url, max_connections=3)
+    async with contextlib.AsyncExitStack() as stack:
+        idle = [await stack.enter_async_context(connect(proxy)) for _ in range(2)]
+        busy = await stack.enter_async_context(connect(proxy))
+        await busy.send(
+            create_request(way, turn("x"))[:-20]
+        )  # mid-body: served here, or by aiohttp
+        await asyncio.sleep(0.1)
+        async with connect(proxy) as refused:
+            answer = await refused.answer()
+            assert answer.status == 503
+            assert answer.json()["error"]["code"] == "too_many_connections"
+            assert answer.headers["Connection"] == "close"
+            assert await refused.closed_by_server()
+        idle[0].writer.close()
+        await asyncio.sleep(0.1)
+        async with connect(proxy) as conn:  # room again
+            answer = await conn.ask(create_request(way, turn("x"), "Connection: close"))
+            assert (answer.status, answer.text) == (200, "raw")

@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
+from tests.fakes.scripted import ScriptedPeer, chunked
 from tests.http.helpers import (
-    ScriptedBackend,
     assert_append_only,
     script_events,
     sse_payloads,
@@ -178,7 +178,7 @@ async def test_spec_stream_is_relayed_byte_for_byte(
 ) -> None:
     script = odd_sse(script_events("resp_s1", "héllo", spec=True))
     chunks = [script[i : i + 37] for i in range(0, len(script), 37)]  # cuts mid-event
-    async with ScriptedBackend(chunks) as scripted:
+    async with ScriptedPeer(*chunked(chunks)) as scripted:
         proxy = await make_proxy(scripted.url)
         async with http.post(
             proxy.url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}
@@ -244,7 +244,9 @@ async def test_continuation_sent_the_instant_completed_arrives(
     script = b"".join(
         b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events
     )
-    async with ScriptedBackend([script], hold_after=1) as scripted:
+    release = asyncio.Event()
+    async with ScriptedPeer(*chunked([script])) as scripted:
+        scripted.answer(*chunked([script], hold_at=1, release=release))
         proxy = await make_proxy(scripted.url)
         async with http.post(
             proxy.url + "/v1/responses", json={"model": "m", "input": "a", "stream": True}
@@ -263,7 +265,7 @@ async def test_continuation_sent_the_instant_completed_arrives(
                 key=None,
             )
             assert status == 200, raw
-            scripted.release.set()
+            release.set()
             assert await resp.read() == b""
         forwarded = orjson.loads(scripted.bodies[-1])
         assert [i.get("role") for i in forwarded["input"]] == ["user", "assistant", "user"]
@@ -279,7 +281,8 @@ async def test_events_are_relayed_as_they_arrive(
     chunks = [
         b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events
     ]
-    async with ScriptedBackend(chunks, hold_after=len(chunks) - 1) as scripted:
+    release = asyncio.Event()
+    async with ScriptedPeer(*chunked(chunks, hold_at=len(chunks) - 1, release=release)) as scripted:
         proxy = await make_proxy(scripted.url)
         async with http.post(
             proxy.url + "/v1/responses", json={"model": "m", "input": "a", "stream": True}
@@ -291,7 +294,7 @@ async def test_events_are_relayed_as_they_arrive(
             kinds = [p["type"] for p in sse_payloads(seen)]
             assert kinds == [e["type"] for e in events[:-1]]
             assert sse_payloads(seen)[3]["delta"] == "partial"
-            scripted.release.set()
+            release.set()
             rest = await resp.read()
         assert [p["type"] for p in sse_payloads(rest)] == ["response.completed"]
 
@@ -544,7 +547,7 @@ async def test_a_stream_that_ends_before_its_terminal_event_ends_with_an_error(
     turn is not remembered (the WebSocket path says so too, through the same check)."""
     events = script_events("resp_cut", "partial", spec=True)[:-1]  # no response.completed
     script = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-    async with ScriptedBackend([script]) as scripted:
+    async with ScriptedPeer(*chunked([script])) as scripted:
         proxy = await make_proxy(scripted.url)
         async with http.post(
             proxy.url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}
