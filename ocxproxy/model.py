@@ -3,7 +3,48 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+
+class ItemIds:
+    """The ids of a segment's items that carry one, each with the item's byte span in the
+    segment's bytes: what an `item_reference` resolves to. Compact (a tuple of ids and an
+    array of offsets, no object per item); an id given twice keeps its last item."""
+
+    __slots__ = ("_ids", "_spans")
+
+    def __init__(self, entries: Iterable[tuple[str, int, int]] = ()) -> None:
+        last = {item_id: (start, end) for item_id, start, end in entries}
+        self._ids = tuple(last)
+        self._spans = array("Q", [offset for span in last.values() for offset in span])
+
+    def span(self, item_id: str) -> tuple[int, int] | None:
+        """The (start, end) of the item with this id, or None."""
+        try:
+            at = 2 * self._ids.index(item_id)
+        except ValueError:
+            return None
+        return self._spans[at], self._spans[at + 1]
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return self._ids
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
+        spans = self._spans
+        for index, item_id in enumerate(self._ids):
+            yield item_id, spans[2 * index], spans[2 * index + 1]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __repr__(self) -> str:
+        return f"ItemIds({list(self)!r})"
+
+
+NO_ITEMS = ItemIds()
 
 
 class Segment:
@@ -15,16 +56,23 @@ class Segment:
     """
 
     __slots__ = (
-        "call_ids", "data", "disk_size", "durable", "durable_refs", "key", "lost", "n_items",
-        "on_disk", "refs", "size",
+        "call_ids", "data", "disk_size", "durable", "durable_refs", "item_ids", "key", "lost",
+        "n_items", "on_disk", "refs", "size",
     )  # fmt: skip
     data: bytes | None
     lost: str | None
 
     def __init__(
-        self, data: bytes, n_items: int, call_ids: frozenset[str], *, durable: bool
+        self,
+        data: bytes,
+        n_items: int,
+        call_ids: frozenset[str],
+        *,
+        durable: bool,
+        item_ids: ItemIds = NO_ITEMS,
     ) -> None:
         self._init(hashlib.sha256(data).hexdigest(), len(data), n_items, call_ids, durable)
+        self.item_ids = item_ids
         self.data = data
 
     @classmethod
@@ -37,10 +85,12 @@ class Segment:
         *,
         durable: bool,
         data: bytes | None = None,
+        item_ids: ItemIds = NO_ITEMS,
     ) -> Segment:
         """A segment known by its digest (from the index or another store); no rehash."""
         segment = cls.__new__(cls)
         segment._init(key, size, n_items, call_ids, durable)
+        segment.item_ids = item_ids
         segment.data = data
         return segment
 
@@ -102,6 +152,7 @@ class Turn:
     n_items: int
     call_ids: frozenset[str]
     response: bytes
+    item_ids: ItemIds = NO_ITEMS  # the items that carry an id, with their spans in `items`
     backend: str | None = None
     affinity_key: str | None = None
     stored: bool = True  # store:true; False for store:false turns kept in memory

@@ -470,7 +470,7 @@ def naive_section(args: argparse.Namespace) -> list[list[object]]:
         items = make_items(SIZES[size_name], seed=1)
         history_items = [*items, OUTPUT_ITEM]
         store = Store(max_resident_bytes=1 << 30, max_entries=1000, ttl=3600.0)
-        tail, _ = serialize_items(items)
+        tail = serialize_items(items)
         turn = build_turn(
             response={"id": "resp_base", "output": [OUTPUT_ITEM]},
             scope="anonymous",
@@ -487,7 +487,7 @@ def naive_section(args: argparse.Namespace) -> list[list[object]]:
         def proxy_path(raw: bytes = raw, record: Any = record, segments: Any = segments) -> bytes:
             request = parse_request(raw)
             check_call_bindings(request.items, record)
-            own, _ = serialize_items(request.items)
+            own = serialize_items(request.items)
             return expand(request.body, segments, own)
 
         expected = naive_expand(raw, stored)

@@ -77,25 +77,24 @@ def _bad_type(param: str, expected: str) -> InvalidRequest:
     )
 
 
-def serialize_items(items: Iterable[Any]) -> tuple[bytes, int]:
-    """Items → comma-joined JSON values (a segment's bytes) and their count."""
-    encoded = [orjson.dumps(item) for item in items]
-    return b",".join(encoded), len(encoded)
+def serialize_items(items: Iterable[Any]) -> list[bytes]:
+    """Items → one JSON value each (a segment's bytes once comma-joined)."""
+    return [orjson.dumps(item) for item in items]
 
 
-def tail_as_sent(raw: bytes, request: Request) -> bytes:
-    """A first turn's own items as the backend saw them in `raw`, comma-joined: what is
-    remembered, so the next turn replays them byte for byte (C1.2)."""
-    encoded = serialize_items(request.items)[0]
-    if not isinstance(request.body.get("input"), list) or b"[" + encoded + b"]" in raw:
+def tail_as_sent(raw: bytes, request: Request) -> list[bytes]:
+    """A first turn's own items as the backend saw them in `raw`, one serialized item
+    each: what is remembered, so the next turn replays them byte for byte (C1.2)."""
+    encoded = [orjson.dumps(item) for item in request.items]
+    if not isinstance(request.body.get("input"), list) or b"[" + b",".join(encoded) + b"]" in raw:
         return encoded  # a string input, or the client encodes as compactly as orjson
     found = raw_input_items(raw)
-    return encoded if found is None else found
+    return encoded if found is None or len(found) != len(encoded) else found
 
 
-def raw_input_items(raw: bytes) -> bytes | None:
-    """The items of the top-level `input` array exactly as the client wrote them,
-    comma-joined (whitespace between items dropped), or None when `input` is no array.
+def raw_input_items(raw: bytes) -> list[bytes] | None:
+    """The items of the top-level `input` array exactly as the client wrote them
+    (whitespace around them dropped), or None when `input` is no array.
 
     `raw` must be valid JSON (it was parsed first).
     """
@@ -104,7 +103,7 @@ def raw_input_items(raw: bytes) -> bytes | None:
     key: bytes | None = None  # the key whose value is being read at depth 1
     spans: list[bytes] | None = None  # items of the `input` array being read
     start = 0
-    result: bytes | None = None
+    result: list[bytes] | None = None
     for match in _TOKEN.finditer(raw):
         token = match.group()
         if token[0] == 0x22:  # '"'
@@ -129,7 +128,7 @@ def raw_input_items(raw: bytes) -> bytes | None:
                 last = raw[start : match.start()].strip()
                 if last:
                     spans.append(last)
-                result, spans = b",".join(spans), None
+                result, spans = spans, None
     return result
 
 
@@ -169,13 +168,14 @@ def check_call_bindings(items: list[Any], record: Record) -> None:
             )
 
 
-def expand(body: dict[str, Any], history: list[bytes], tail: bytes) -> bytes:
+def expand(body: dict[str, Any], history: list[bytes], tail: list[bytes]) -> bytes:
     """The forwarded body: the request without `previous_response_id`, its input being
-    the stored history followed by the request's own items (`tail`, serialized)."""
+    the stored history followed by the request's own items (`tail`, one serialized item
+    each)."""
     rest = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
     head = orjson.dumps(rest)
     opening = head[:-1] + (b',"input":[' if rest else b'"input":[')
-    items = [*history, tail] if tail else history
+    items = [*history, *tail]
     if not items:
         return opening + b"]}"
     # [opening, item, ",", item, ..., item, closing]: separators by slice, no Python loop.

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.continuation.expand import call_ids_of, serialize_items
-from ocxproxy.model import Turn
+from ocxproxy.model import ItemIds, Turn
 
 
 def not_recordable_reason(response: Any) -> str | None:
@@ -32,26 +32,40 @@ def build_turn(
     response: dict[str, Any],
     scope: str,
     durable: bool,
-    tail: bytes,
+    tail: list[bytes],
     tail_items: list[Any],
     backend: str | None = None,
     affinity_key: str | None = None,
     stored: bool = True,
 ) -> Turn:
-    """The new segment is the tail exactly as forwarded, then the output items."""
+    """The new segment is the tail exactly as forwarded (one serialized item each, parsed
+    in `tail_items`), then the output items."""
     output = response["output"]
-    out_bytes, n_out = serialize_items(output)
-    items = tail + b"," + out_bytes if tail and out_bytes else tail or out_bytes
+    parts = [*tail, *serialize_items(output)]
     return Turn(
         response_id=response["id"],
         scope=scope,
         durable=durable,
-        items=items,
-        n_items=len(tail_items) + n_out,
+        items=b",".join(parts),
+        n_items=len(parts),
         call_ids=call_ids_of(tail_items) | call_ids_of(output),
         # Encoded like the items, so the store finds the output in them and keeps it once.
         response=orjson.dumps(response),
+        item_ids=item_ids_of(parts, [*tail_items, *output]),
         backend=backend,
         affinity_key=affinity_key,
         stored=stored,
     )
+
+
+def item_ids_of(parts: list[bytes], items: list[Any]) -> ItemIds:
+    """The ids of the items that carry one, with each item's span in the comma-joined
+    `parts` (`items` parsed): what a later `item_reference` to it resolves to."""
+    entries = []
+    at = 0
+    for part, item in zip(parts, items, strict=True):
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if isinstance(item_id, str) and item_id:
+            entries.append((item_id, at, at + len(part)))
+        at += len(part) + 1
+    return ItemIds(entries)

@@ -60,7 +60,7 @@ class Exchange:
     target: Store | None  # where the finished turn is remembered; None: not at all
     durable: bool = False  # may the turn reach disk
     parent: Record | None = None
-    tail: bytes | None = None  # the request's own items as forwarded (serialized)
+    tail: list[bytes] | None = None  # the request's own items as forwarded (serialized)
     backend: Backend | None = None
     affinity_key: str | None = None
     recorded: bool = False
@@ -161,7 +161,7 @@ async def prepare_exchange(
             return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
         raise PreviousResponseNotFound(prev, failure.reason) from None
     check_call_bindings(request.items, parent)
-    tail, _ = serialize_items(request.items)
+    tail = serialize_items(request.items)
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
     target, durable = _retention(proxy, request, local, parent_store=store)

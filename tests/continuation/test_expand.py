@@ -28,8 +28,8 @@ def record_with(*segments: Segment) -> Record:
 
 
 def segment(items: list[Any]) -> Segment:
-    data, n = serialize_items(items)
-    return Segment(data, n, call_ids_of(items), durable=True)
+    encoded = serialize_items(items)
+    return Segment(b",".join(encoded), len(encoded), call_ids_of(items), durable=True)
 
 
 # -- parse_request ----------------------------------------------------------------------
@@ -95,22 +95,28 @@ def test_parse_request_rejects(raw: bytes, param: str | None, code: str | None) 
         (
             {"model": "m", "previous_response_id": "r", "input": "x"},
             [b"1,2", b"3"],
-            b"4",
+            [b"4"],
             b'{"model":"m","input":[1,2,3,4]}',
         ),
-        ({"previous_response_id": "r"}, [b"1"], b"", b'{"input":[1]}'),
-        ({"previous_response_id": "r"}, [], b"", b'{"input":[]}'),
-        ({"previous_response_id": "r", "input": []}, [], b"7", b'{"input":[7]}'),
+        (
+            {"previous_response_id": "r", "input": [5, 6]},
+            [b"1"],
+            [b"5", b"6"],
+            b'{"input":[1,5,6]}',
+        ),
+        ({"previous_response_id": "r"}, [b"1"], [], b'{"input":[1]}'),
+        ({"previous_response_id": "r"}, [], [], b'{"input":[]}'),
+        ({"previous_response_id": "r", "input": []}, [], [b"7"], b'{"input":[7]}'),
         (
             {"input": "x", "stream": True, "previous_response_id": "r", "store": False},
             [b'{"a":1}'],
-            b'{"b":2}',
+            [b'{"b":2}'],
             b'{"stream":true,"store":false,"input":[{"a":1},{"b":2}]}',
         ),
     ],
 )
 def test_expand_splices_bytes(
-    body: dict[str, Any], history: list[bytes], tail: bytes, expected: bytes
+    body: dict[str, Any], history: list[bytes], tail: list[bytes], expected: bytes
 ) -> None:
     assert expand(body, history, tail) == expected
     assert orjson.loads(expected)  # always valid JSON
@@ -119,13 +125,13 @@ def test_expand_splices_bytes(
 def test_expand_keeps_history_bytes_verbatim() -> None:
     """Stored bytes are spliced, never re-encoded: odd spacing and escapes survive."""
     odd = b'{"role" : "user",  "content":"caf\\u00e9"}'
-    forwarded = expand({"previous_response_id": "r", "input": "next"}, [odd], b'"t"')
+    forwarded = expand({"previous_response_id": "r", "input": "next"}, [odd], [b'"t"'])
     assert forwarded == b'{"input":[' + odd + b',"t"]}'
 
 
 def test_expand_drops_only_previous_response_id_and_input() -> None:
     body = {"instructions": "be brief", "tools": [], "previous_response_id": "r", "input": "x"}
-    forwarded = orjson.loads(expand(body, [b"1"], b"2"))
+    forwarded = orjson.loads(expand(body, [b"1"], [b"2"]))
     assert forwarded == {"instructions": "be brief", "tools": [], "input": [1, 2]}
 
 
@@ -135,22 +141,22 @@ def test_expand_drops_only_previous_response_id_and_input() -> None:
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        (b'{"input": [ {"role" : "user"} , 1,"x\\"]" ]}', b'{"role" : "user"},1,"x\\"]"'),
-        (b'{"model":"m","input":[[1,[2]],{"a":{"b":[]}}],"z":1}', b'[1,[2]],{"a":{"b":[]}}'),
-        (b'{"meta":{"input":[9]},"input":[3]}', b"3"),  # only the top-level key
-        (b'{"in\\u0070ut":[4]}', b"4"),  # an escaped key is still "input"
-        (b'{"input":[1],"input":[2]}', b"2"),  # the last duplicate wins, as in the parse
-        (b'{"input" :\r\n[\t1 ,\n2\t]}', b"1,2"),
-        (b'{"input":[]}', b""),
+        (b'{"input": [ {"role" : "user"} , 1,"x\\"]" ]}', [b'{"role" : "user"}', b"1", b'"x\\"]"']),
+        (b'{"model":"m","input":[[1,[2]],{"a":{"b":[]}}],"z":1}', [b"[1,[2]]", b'{"a":{"b":[]}}']),
+        (b'{"meta":{"input":[9]},"input":[3]}', [b"3"]),  # only the top-level key
+        (b'{"in\\u0070ut":[4]}', [b"4"]),  # an escaped key is still "input"
+        (b'{"input":[1],"input":[2]}', [b"2"]),  # the last duplicate wins, as in the parse
+        (b'{"input" :\r\n[\t1 ,\n2\t]}', [b"1", b"2"]),
+        (b'{"input":[]}', []),
         (b'{"input":"text"}', None),
         (b'{"model":"m"}', None),
         (b'{"input":null}', None),
     ],
 )
-def test_raw_input_items(raw: bytes, expected: bytes | None) -> None:
+def test_raw_input_items(raw: bytes, expected: list[bytes] | None) -> None:
     assert raw_input_items(raw) == expected
     if expected is not None:  # the spans are exactly the parsed items
-        assert orjson.loads(b"[" + expected + b"]") == orjson.loads(raw)["input"]
+        assert [orjson.loads(span) for span in expected] == orjson.loads(raw)["input"]
 
 
 # -- check_call_bindings ------------------------------------------------------------------
@@ -203,13 +209,14 @@ def test_call_ids_of_ignores_outputs_and_junk() -> None:
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [
-        (b'{"input":"hi"}', b'{"role":"user","content":"hi"}'),
-        (b'{"input":[{"role":"user","content":"hi"}]}', b'{"role":"user","content":"hi"}'),
-        (b'{"input": [{"content": "hi", "role": "user"}]}', b'{"content": "hi", "role": "user"}'),
-        (b'{"input":["caf\\u00e9"]}', b'"caf\\u00e9"'),
-        (b'{"input":[ ]}', b""),
-        (b'{"model":"m"}', b""),
+        (b'{"input":"hi"}', [b'{"role":"user","content":"hi"}']),
+        (b'{"input":[{"role":"user","content":"hi"}]}', [b'{"role":"user","content":"hi"}']),
+        (b'{"input": [{"content": "hi", "role": "user"}]}', [b'{"content": "hi", "role": "user"}']),
+        (b'{"input": [1, {"a": 2}]}', [b"1", b'{"a": 2}']),
+        (b'{"input":["caf\\u00e9"]}', [b'"caf\\u00e9"']),
+        (b'{"input":[ ]}', []),
+        (b'{"model":"m"}', []),
     ],
 )
-def test_tail_as_sent_keeps_the_clients_bytes(raw: bytes, expected: bytes) -> None:
+def test_tail_as_sent_keeps_the_clients_bytes(raw: bytes, expected: list[bytes]) -> None:
     assert tail_as_sent(raw, parse_request(raw)) == expected

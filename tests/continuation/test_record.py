@@ -50,15 +50,16 @@ def test_not_recordable_reason(candidate: Any, reason: str | None) -> None:
 @pytest.mark.parametrize(
     ("tail", "tail_items", "output", "items", "n_items", "call_ids"),
     [
-        (b'{"role":"user","content":"a"}', [{}], [MESSAGE], None, 2, set()),
-        (b"", [], [MESSAGE], orjson.dumps(MESSAGE), 1, set()),
-        (b'"t"', ["t"], [], b'"t"', 1, set()),
-        (b"", [], [], b"", 0, set()),
-        (b"1", [{"type": "function_call", "call_id": "c0"}], [CALL], None, 2, {"c0", "call_1"}),
+        ([b'{"role":"user","content":"a"}'], [{}], [MESSAGE], None, 2, set()),
+        ([], [], [MESSAGE], orjson.dumps(MESSAGE), 1, set()),
+        ([b'"t"'], ["t"], [], b'"t"', 1, set()),
+        ([], [], [], b"", 0, set()),
+        ([b"1"], [{"type": "function_call", "call_id": "c0"}], [CALL], None, 2, {"c0", "call_1"}),
+        ([b"1", b"2"], [1, 2], [], b"1,2", 2, set()),
     ],
 )
 def test_build_turn_is_tail_then_output(
-    tail: bytes,
+    tail: list[bytes],
     tail_items: list[Any],
     output: list[Any],
     items: bytes | None,
@@ -76,7 +77,7 @@ def test_build_turn_is_tail_then_output(
         affinity_key="k",
     )
     if items is None:
-        items = tail + b"," + b",".join(orjson.dumps(o) for o in output)
+        items = b",".join([*tail, *(orjson.dumps(o) for o in output)])
     assert turn.items == items
     assert turn.n_items == n_items
     assert turn.call_ids == call_ids
@@ -92,8 +93,34 @@ def test_build_turn_encodes_the_response_like_its_items() -> None:
         response=orjson.loads(raw),
         scope="s",
         durable=False,
-        tail=b"",
+        tail=[],
         tail_items=[],
     )
     assert turn.response == b'{"id":"resp_1","output":[]}'
     assert turn.durable is False
+
+
+def test_build_turn_knows_where_each_item_with_an_id_lies() -> None:
+    """Input items that carry an id (as the client wrote them) and every output item with
+    one: each id with its item's byte span in the segment."""
+    tail_items = [
+        {"role": "user", "content": "no id"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"id": "msg_dup", "role": "assistant", "content": "first"},
+        {"id": "msg_dup", "role": "assistant", "content": "second"},
+        {"id": 5, "role": "user", "content": "not a string id"},
+    ]
+    tail = [orjson.dumps(tail_items[0]), b'{ "type" : "reasoning", "id":"rs_1","summary":[]}']
+    tail += [orjson.dumps(item) for item in tail_items[2:]]
+    output = [{**MESSAGE, "id": "msg_out"}, {**CALL, "id": "fc_out"}]
+    turn = build_turn(
+        response=response(output=output), scope="s", durable=True, tail=tail, tail_items=tail_items
+    )
+    spans = {item_id: (start, end) for item_id, start, end in turn.item_ids}
+    assert set(spans) == {"rs_1", "msg_dup", "fc_out", "msg_out"}
+    assert turn.items[slice(*spans["rs_1"])] == tail[1]  # the client's own bytes
+    assert orjson.loads(turn.items[slice(*spans["msg_dup"])])["content"] == "second"
+    assert orjson.loads(turn.items[slice(*spans["msg_out"])]) == output[0]
+    assert orjson.loads(turn.items[slice(*spans["fc_out"])]) == output[1]
+    assert turn.item_ids.span("msg_out") == spans["msg_out"]
+    assert turn.item_ids.span("nope") is None

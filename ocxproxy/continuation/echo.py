@@ -1,0 +1,39 @@
+"""The Response object a client receives names the `previous_response_id` its request
+gave, as OpenAI's does; a stateless backend never saw one and answers null (or nothing).
+
+Patched in the bytes, not by decoding and re-encoding: the response JSON, and the few
+stream events that carry a whole response, get the member set or inserted; everything else
+passes untouched.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+_NULL = re.compile(rb'"previous_response_id"\s*:\s*null')
+_SET = re.compile(rb'"previous_response_id"\s*:\s*"')
+_RESPONSE = re.compile(rb'"response"\s*:\s*\{')
+
+
+def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -> bytes:
+    """`data` (a Response object, or with `in_event` a stream event holding one under
+    `response`) with `previous_response_id` set to `previous_id` where it was null or
+    absent; unchanged when it already names one, or when `data` holds no object to patch.
+
+    A JSON string cannot hold the member's unescaped quotes, so a match is a real member.
+    """
+    member = b'"previous_response_id":' + orjson.dumps(previous_id)
+    patched, count = _NULL.subn(member, data, count=1)
+    if count or _SET.search(data):
+        return patched
+    if in_event:
+        match = _RESPONSE.search(data)
+        at = match.end() if match else -1
+    else:
+        at = data.find(b"{") + 1 if data.lstrip().startswith(b"{") else -1
+    if at <= 0:
+        return data
+    rest = data[at:].lstrip()
+    return data[:at] + member + (b"" if rest.startswith(b"}") else b",") + data[at:]
