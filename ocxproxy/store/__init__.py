@@ -26,8 +26,9 @@ import platformdirs
 from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.model import ItemIds, Record, Segment, Turn
 from ocxproxy.store.disk import DiskTier, Offload, Opened
+from ocxproxy.store.items import ItemIndex
 from ocxproxy.store.resident import ResidentTier
 
 __all__ = ["Store", "StoreStats", "default_state_dir"]
@@ -86,6 +87,7 @@ class Store:
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._segments: dict[str, Segment] = {}
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
+        self.items = ItemIndex()
         self._started = False
         self._offload = offload
         self.disk: DiskTier | None = None
@@ -188,7 +190,13 @@ class Store:
         on_disk = opened.scan.files
         segs = [
             Segment.restore(
-                s.key, s.size, s.n_items, s.call_ids, durable=True, data=b"" if not s.size else None
+                s.key,
+                s.size,
+                s.n_items,
+                s.call_ids,
+                durable=True,
+                data=b"" if not s.size else None,
+                item_ids=ItemIds(s.item_ids),
             )
             for s in index.segments
         ]
@@ -212,7 +220,7 @@ class Store:
                     if segment.size:
                         self.disk._add_file(segment, on_disk[segment.key])
                 self._hold(segment, durable=True)
-            self._records[info.id] = Record(
+            self._records[info.id] = record = Record(
                 id=info.id,
                 scope=info.scope,
                 created_at=info.created_at,
@@ -225,6 +233,7 @@ class Store:
                 n_items=info.n_items,
                 output_at=info.output_at,
             )
+            self.items.add(record)
         if missing:
             self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("snapshot names %d spill files that are gone", len(missing))
@@ -300,6 +309,30 @@ class Store:
             self._enforce_bounds()
         return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
+    def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+        """The newest live record of `scope` whose turn added an item with this id (one a
+        client did not ask to store only with `unstored`), or StoreFailure."""
+        now = self.clock()
+        for record in self.items.holders(scope, item_id):
+            if record.expires_at <= now:
+                self._drop(record, FailureReason.EXPIRED, "expired")
+            elif record.stored or unstored:
+                return record
+        raise StoreFailure(FailureReason.UNKNOWN)
+
+    async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
+        """Each (record, item id)'s item, as the bytes its record's own segment holds."""
+        segments = [record.segments[-1] for record, _ in found]
+        datas = await self._fetch(segments)
+        self.resident.touch_all(segments)
+        result = []
+        for segment, data, (_, item_id) in zip(segments, datas, found, strict=True):
+            span = segment.item_ids.span(item_id)
+            if span is None:  # cannot happen: the index holds only ids of own segments
+                raise StoreFailure(FailureReason.UNKNOWN)
+            result.append(data[span[0] : span[1]])
+        return result
+
     # -- changes -------------------------------------------------------------------------
 
     def put(self, turn: Turn, parent: Record | None) -> Record:
@@ -309,7 +342,9 @@ class Store:
         if old is not None:  # a reused id: drop the old record before its segments are shared
             self._drop(old, None, None)
         durable = turn.durable and (parent is None or parent.durable)
-        own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=False))
+        own = self._intern(
+            Segment(turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids)
+        )
         skeleton, output_at = split_output(turn.response, turn.items)
         response = self._intern(Segment(skeleton, 0, frozenset(), durable=False))
         if parent is None:
@@ -335,6 +370,7 @@ class Store:
         for segment in (*chain, response):
             self._hold(segment, durable=durable)
         self._records[record.id] = record
+        self.items.add(record)
         self._tombstones.pop(record.id, None)
         if record.durable and self.disk is not None:
             self.disk.mark_dirty()
@@ -370,6 +406,8 @@ class Store:
         if existing.data is None:  # on disk only, or lost: take the fresh bytes back
             existing.data = segment.data
             existing.lost = None
+        if not existing.item_ids:  # restored from a snapshot written before item ids
+            existing.item_ids = segment.item_ids
         self._admit(existing)
         return existing
 
@@ -391,6 +429,7 @@ class Store:
             segment.call_ids,
             durable=False,
             data=segment.data,
+            item_ids=segment.item_ids,
         )
         self._segments[copy.key] = copy
         if copy.data is not None:
@@ -406,6 +445,7 @@ class Store:
 
     def _drop(self, record: Record, reason: FailureReason | None, label: str | None) -> None:
         del self._records[record.id]
+        self.items.remove(record)
         if reason is not None:
             self._tombstone(record.id, reason)
         if label is not None:

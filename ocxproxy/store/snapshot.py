@@ -3,7 +3,7 @@ segment bytes, which live in spill files). Linear in size: each segment's metada
 each chain as a node pointing at its parent chain, each record as one row.
 
     {"format": "ocxproxy-state", "version": 1, "written_at": <unix time>,
-     "segments": [[key, size, n_items, [call_id, ...]], ...],
+     "segments": [[key, size, n_items, [call_id, ...], [[item_id, start, end], ...]], ...],
      "chains":   [[parent chain index or -1, segment index], ...],   parents come first
      "strings":  [scope hash, backend, affinity key, ...],           shared by rows
      "fields":   ["id", "scope", "created_at", "expires_at", "durable", "chain",
@@ -28,15 +28,25 @@ from ocxproxy.store import files
 from ocxproxy.store.spill import is_key
 
 FORMAT = "ocxproxy-state"
-VERSION = 1
+VERSION = 2
 NAME = "state.json"
 MAX_BYTES = 256 * 1024**2
 FIELDS = (
     "id", "scope", "created_at", "expires_at", "durable", "chain", "response", "output_at",
     "backend", "affinity_key", "n_items",
 )  # fmt: skip
+
+
+def _v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 added the item ids of each segment (none known for older ones)."""
+    segments = doc.get("segments")
+    if isinstance(segments, list):
+        doc["segments"] = [[*s, []] if isinstance(s, list) else s for s in segments]
+    return {**doc, "version": 2}
+
+
 # version n -> function turning a version-n document into a version n+1 one
-_MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+_MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
 
 
 class SnapshotError(Exception):
@@ -51,6 +61,7 @@ class SegmentInfo:
     size: int
     n_items: int
     call_ids: frozenset[str]
+    item_ids: tuple[tuple[str, int, int], ...] = ()  # (id, start, end) of items with one
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +99,7 @@ def encode(records: Iterable[Record], now: float) -> tuple[bytes, int]:
         if index is None:
             index = seg_index[seg.key] = len(segments)
             call_ids = sorted(seg.call_ids) if seg.call_ids else []
-            segments.append([seg.key, seg.size, seg.n_items, call_ids])
+            segments.append([seg.key, seg.size, seg.n_items, call_ids, list(seg.item_ids)])
         return index
 
     def string_id(value: str | None) -> int | None:
@@ -169,8 +180,14 @@ def decode(raw: bytes) -> Index:
 
 def _parse(doc: dict[str, Any]) -> Index:
     segments = [
-        SegmentInfo(_key(k), _count(size), _count(n), frozenset(_str(c) for c in _list(ids)))
-        for k, size, n, ids in _list(doc["segments"])
+        SegmentInfo(
+            _key(k),
+            _count(size),
+            _count(n),
+            frozenset(_str(c) for c in _list(ids)),
+            _item_ids(items, _count(size)),
+        )
+        for k, size, n, ids, items in _list(doc["segments"])
     ]
     chains: list[tuple[int, ...]] = []
     for parent, seg in _list(doc["chains"]):
@@ -274,6 +291,15 @@ def _key(value: Any) -> str:
     if not isinstance(value, str) or not is_key(value):
         raise ValueError("bad segment key")
     return value
+
+
+def _item_ids(value: Any, size: int) -> tuple[tuple[str, int, int], ...]:
+    entries = []
+    for item_id, start, end in _list(value):
+        if not _count(start) <= _count(end) <= size:
+            raise ValueError(f"item span {start}..{end} outside its segment")
+        entries.append((_str(item_id), int(start), int(end)))
+    return tuple(entries)
 
 
 def _ref(value: Any, segments: list[SegmentInfo]) -> int:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import ItemIds, Record, Segment
 from ocxproxy.store import snapshot
 from tests.store.helpers import HYPOTHESIS
 
@@ -20,7 +20,9 @@ def chain_records(n: int) -> list[Record]:
     records: list[Record] = []
     segments: tuple[Segment, ...] = ()
     for i in range(n):
-        seg = Segment(b'"item %d"' % i, 1, frozenset({f"call_{i}"}), durable=True)
+        data = b'{"id":"msg_%d"}' % i
+        ids = ItemIds([(f"msg_{i}", 0, len(data))])
+        seg = Segment(data, 1, frozenset({f"call_{i}"}), durable=True, item_ids=ids)
         segments = (*segments, seg)
         response = Segment(b'{"id":"r%d"}' % i, 0, frozenset(), durable=True)
         records.append(
@@ -34,7 +36,7 @@ def test_round_trip_is_linear_in_the_chain() -> None:
     blob, count = snapshot.encode(records, 10.0)
     assert count == 50
     doc = orjson.loads(blob)
-    assert doc["format"] == "ocxproxy-state" and doc["version"] == 1
+    assert doc["format"] == "ocxproxy-state" and doc["version"] == 2
     assert len(doc["chains"]) == 50  # one node per turn, not one per (record, segment)
     index = snapshot.decode(blob)
     assert index.written_at == 10.0
@@ -48,6 +50,21 @@ def test_round_trip_is_linear_in_the_chain() -> None:
             record.n_items,
             (3, 4),
         )
+    assert index.segments[0].call_ids == frozenset({"call_0"})
+    by_key = {s.key: s for s in index.segments}
+    assert by_key[records[7].segments[7].key].item_ids == (("msg_7", 0, 14),)
+    assert by_key[records[7].response.key].item_ids == ()
+
+
+def test_a_version_1_snapshot_loads_without_item_ids() -> None:
+    blob, _ = snapshot.encode(chain_records(3), 10.0)
+    doc = orjson.loads(blob)
+    doc["version"] = 1
+    for row in doc["segments"]:
+        del row[4]  # version 1 had no item ids
+    index = snapshot.decode(orjson.dumps(doc))
+    assert [r.id for r in index.records] == ["r0", "r1", "r2"]
+    assert all(s.item_ids == () for s in index.segments)
     assert index.segments[0].call_ids == frozenset({"call_0"})
 
 
@@ -91,7 +108,10 @@ def test_write_and_load(tmp_path: Path) -> None:
     [
         (lambda b: b[: len(b) // 2], "corrupt"),
         (lambda b: b"", "corrupt"),
-        (lambda b: b.replace(b'"version":1', b'"version":99'), "version"),
+        (lambda b: b.replace(b'"version":2', b'"version":99'), "version"),
+        (lambda b: b.replace(b'[["msg_0",0,', b'[["msg_0",-1,'), "corrupt"),
+        (lambda b: b.replace(b'[["msg_0",0,14]]', b'[["msg_0",0,99]]'), "corrupt"),
+        (lambda b: b.replace(b'[["msg_0",0,14]]', b"[[0,0,14]]"), "corrupt"),
         (lambda b: b.replace(b'"ocxproxy-state"', b'"other"'), "corrupt"),
         (lambda b: b.replace(b",true,0,", b",true,7,"), "corrupt"),
         (lambda b: b.replace(b"[3,4],1,2,1]", b"[3,4],1,2,-1]"), "corrupt"),
