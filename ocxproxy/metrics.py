@@ -209,6 +209,11 @@ class Metrics:
             "previous_response_id expansions by outcome (hit or failure reason)",
             ["outcome"],
         )
+        self.item_references = Counter(
+            "ocxproxy_item_references_total",
+            "item_reference input items by outcome (resolved or failure reason)",
+            ["outcome"],
+        )
         self.turns_recorded = Counter(
             "ocxproxy_turns_recorded_total",
             "Turns remembered, by where they live",

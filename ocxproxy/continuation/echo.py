@@ -26,8 +26,10 @@ def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -
     """
     member = b'"previous_response_id":' + orjson.dumps(previous_id)
     patched, count = _NULL.subn(member, data, count=1)
-    if count or _SET.search(data):
+    if count:
         return patched
+    if _SET.search(data):
+        return data
     if in_event:
         match = _RESPONSE.search(data)
         at = match.end() if match else -1

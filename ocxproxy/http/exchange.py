@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
+from ocxproxy.continuation.echo import echo_previous_id
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -29,6 +30,7 @@ from ocxproxy.continuation.expand import (
     tail_as_sent,
 )
 from ocxproxy.continuation.record import build_turn, not_recordable_reason
+from ocxproxy.continuation.references import not_found, references, splice
 from ocxproxy.errors import (
     FailureReason,
     OcxError,
@@ -44,7 +46,15 @@ from ocxproxy.store import Store
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.pool import Backend, read_chunk
 from ocxproxy.upstream.repair import StreamRepair
-from ocxproxy.upstream.sse import FINAL_EVENTS, TERMINAL_EVENTS, Event, EventSplitter, encode_event
+from ocxproxy.upstream.sse import (
+    FINAL_EVENTS,
+    RESPONSE_EVENTS,
+    TERMINAL_EVENTS,
+    Event,
+    EventSplitter,
+    encode_event,
+    with_data,
+)
 
 log = logging.getLogger("ocxproxy.responses")
 
@@ -132,15 +142,24 @@ async def prepare_exchange(
 ) -> Exchange:
     """Resolve and expand a create request; raises before anything is forwarded.
 
-    `raw` is the client's body, forwarded unchanged when there is nothing to expand
-    (C1.1). `local` is a WebSocket connection's own store: store:false turns live
+    `raw` is the client's body, forwarded unchanged when there is nothing to expand or
+    resolve (C1.1). `local` is a WebSocket connection's own store: store:false turns live
     there, and a chain that started there stays there.
     """
+    refs = references(request.items)
+    resolved = await _resolve_items(proxy, scope, refs, local) if refs else {}
     prev = request.previous_response_id
     if prev is None:
         target, durable = _retention(proxy, request, local, parent_store=None)
         await _room_in(proxy, target)
-        body = raw if raw is not None else orjson.dumps(request.body)
+        tail: list[bytes] | None = None
+        if resolved:
+            own = tail_as_sent(raw, request) if raw is not None else serialize_items(request.items)
+            tail, items = splice(own, request.items, resolved)
+            request = replace(request, items=items)
+            body = expand(request.body, [], tail)
+        else:
+            body = raw if raw is not None else orjson.dumps(request.body)
         return Exchange(
             proxy,
             scope,
@@ -148,6 +167,7 @@ async def prepare_exchange(
             body,
             target,
             durable,
+            tail=tail,
             affinity_key=affinity_of(request, None),
         )
     metrics = proxy.metrics
@@ -160,8 +180,9 @@ async def prepare_exchange(
             body = raw if raw is not None else orjson.dumps(request.body)
             return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
         raise PreviousResponseNotFound(prev, failure.reason) from None
+    tail, items = splice(serialize_items(request.items), request.items, resolved)
+    request = replace(request, items=items)
     check_call_bindings(request.items, parent)
-    tail = serialize_items(request.items)
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
     target, durable = _retention(proxy, request, local, parent_store=store)
@@ -179,6 +200,45 @@ async def prepare_exchange(
         expansion="hit",
         history_bytes=sum(map(len, history)),
     )
+
+
+async def _resolve_items(
+    proxy: Proxy, scope: str, refs: dict[int, str], local: Store | None
+) -> dict[int, bytes]:
+    """Each referenced item's stored bytes, by input index: from the caller's scope, over
+    WebSocket the connection's own store first (its store:false items too), else the
+    shared store's stored items. An id found nowhere is an InvalidRequest naming it,
+    unless the operator forwards unknown ids (the reference then goes as it came)."""
+    metrics = proxy.metrics.item_references
+    stores = ((local, True), (proxy.store, False)) if local is not None else ((proxy.store, False),)
+    wanted: dict[Store, list[tuple[int, Record, str]]] = {}
+    for index, item_id in refs.items():
+        for store, unstored in stores:
+            try:
+                record = store.find_item(scope, item_id, unstored=unstored)
+            except StoreFailure:
+                continue
+            wanted.setdefault(store, []).append((index, record, item_id))
+            break
+        else:
+            metrics.labels(outcome=str(FailureReason.UNKNOWN)).inc()
+            if not proxy.config.forward_unknown_ids:
+                raise not_found(item_id)
+    resolved: dict[int, bytes] = {}
+    for store, entries in wanted.items():
+        try:
+            datas = await store.item_bytes([(record, item_id) for _, record, item_id in entries])
+        except StoreFailure as failure:  # which one: ask for each
+            metrics.labels(outcome=str(failure.reason)).inc()
+            datas = []
+            for _, record, item_id in entries:
+                try:
+                    datas += await store.item_bytes([(record, item_id)])
+                except StoreFailure:
+                    raise not_found(item_id) from None
+        resolved.update((index, data) for (index, _, _), data in zip(entries, datas, strict=True))
+    metrics.labels(outcome="resolved").inc(len(resolved))
+    return resolved
 
 
 async def _room_in(proxy: Proxy, target: Store | None) -> None:
@@ -262,6 +322,9 @@ async def create(
             return
         with timing.waiting():
             body = await upstream.read()
+        prev = exchange.request.previous_response_id
+        if prev is not None and upstream.status == 200 and "json" in content_type:
+            body = echo_previous_id(body, prev)
         answer_headers = client_headers(upstream.headers, body_rewritten=False)
         reply.answer(upstream.status, answer_headers, body)
         # The answer may be on the wire already, but the turn is remembered before this
@@ -322,6 +385,7 @@ async def stream_events(
     client would otherwise take a cut-short response for a finished one."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
+    echo = exchange.request.previous_response_id
     decided = False
     last: str | None = None  # the type of the last event with data
     while True:
@@ -345,6 +409,8 @@ async def stream_events(
             if kind is None:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 kind = payload.get("type") if isinstance(payload, dict) else None
+            if echo is not None and kind in RESPONSE_EVENTS:
+                event, payload = _echoed(event, payload, echo)
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):
@@ -357,6 +423,18 @@ async def stream_events(
             if last not in FINAL_EVENTS:
                 raise UpstreamError("The backend's stream ended before the response finished.")
             return
+
+
+def _echoed(event: Event, payload: Any, previous_id: str) -> tuple[Event, Any]:
+    """A Response-carrying event naming the request's previous_response_id, patched in
+    its bytes (and in its decoded payload, when there is one)."""
+    data = echo_previous_id(event.data, previous_id, in_event=True)
+    if data is event.data:
+        return event, payload
+    response = payload.get("response") if isinstance(payload, dict) else None
+    if isinstance(response, dict):
+        response["previous_response_id"] = previous_id
+    return with_data(event, data), payload
 
 
 def loads_or_none(data: bytes) -> Any:

@@ -11,6 +11,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ocxproxy.continuation.expand import check_request
+from ocxproxy.continuation.references import references
 from ocxproxy.errors import InvalidRequest, NotFound, PayloadTooLarge, StoreFailure
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import create, loads_or_none, open_upstream, prepare_exchange
@@ -66,12 +67,16 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def create_sibling(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses/input_tokens` and `/v1/responses/compact` take
-    `previous_response_id` too: it is expanded the same way (the backend counts or compacts
-    the whole chain), and nothing is remembered. Without one, the body passes unchanged."""
+    `previous_response_id` and item references too: they are expanded and resolved the
+    same way (the backend counts or compacts the whole chain), and nothing is remembered.
+    Without either, the body passes unchanged."""
     proxy = proxy_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
     parsed = loads_or_none(raw)
-    if not isinstance(parsed, dict) or parsed.get("previous_response_id") is None:
+    if not isinstance(parsed, dict) or (
+        parsed.get("previous_response_id") is None
+        and not (isinstance(parsed.get("input"), list) and references(parsed["input"]))
+    ):
         return await passthrough(request, body=raw)
     exchange = await prepare_exchange(proxy, scope_of(request.headers), check_request(parsed), raw)
     timing = timing_of(request)

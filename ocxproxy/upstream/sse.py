@@ -17,6 +17,8 @@ TERMINAL_EVENTS = frozenset(
 SUCCESS_EVENTS = frozenset(("response.completed", "response.incomplete"))
 # The last event a whole stream may end with: a terminal one, or the backend's `error`.
 FINAL_EVENTS = TERMINAL_EVENTS | {"error"}
+# The events that carry a whole Response object (under `response`).
+RESPONSE_EVENTS = TERMINAL_EVENTS | {"response.created", "response.in_progress", "response.queued"}
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
@@ -87,6 +89,16 @@ class EventSplitter:
         """The last event of a stream that ended without a blank line."""
         rest, self._buffer = self._buffer, b""
         return [parse_event(rest + b"\n\n")] if rest.strip() else []
+
+
+def with_data(event: Event, data: bytes) -> Event:
+    """The event carrying `data` instead: framed as it was when its payload was one line
+    at its end (the usual case), else re-encoded."""
+    raw, old = event.raw, event.data
+    end = len(raw) - 2
+    if raw.endswith(b"\n\n") and b"\n" not in old and raw.endswith(old, 0, end):
+        return Event(raw[: end - len(old)] + data + b"\n\n", event.name, data)
+    return Event(encode_event(event.name, data), event.name, data)
 
 
 def encode_event(name: str | None, data: bytes) -> bytes:
