@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -37,13 +38,24 @@ async def test_chain_hits_prefix_cache_every_continuation(llama_proxy: ProxyHand
     )
     assert first.usage is not None and first.usage.input_tokens > 1350
     previous, ratios = first.id, []
+    # The same history as a client that resends it would: its answers by item_reference.
+    history: list[Any] = [{"role": "user", "content": long_message(1500, seed=1)}]
+    history += [{"type": "item_reference", "id": item.id} for item in first.output]
     for question in QUESTIONS[:4]:
         turn = await client.responses.create(
             model="local", input=question, previous_response_id=previous, max_output_tokens=16
         )
         assert turn.usage is not None and turn.usage.input_tokens > first.usage.input_tokens
+        assert turn.previous_response_id == previous
         ratios.append(cached_ratio(turn.usage))
         previous = turn.id
+        history.append({"role": "user", "content": question})
+        history += [{"type": "item_reference", "id": item.id} for item in turn.output]
+    history.append({"role": "user", "content": QUESTIONS[4]})
+    by_reference = await client.responses.create(model="local", input=history, max_output_tokens=16)
+    assert by_reference.usage is not None
+    assert by_reference.usage.input_tokens > turn.usage.input_tokens
+    ratios.append(cached_ratio(by_reference.usage))
     assert min(ratios) >= MIN_CACHED_RATIO, ratios
 
 

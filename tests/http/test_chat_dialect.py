@@ -350,7 +350,7 @@ async def test_failed_turn_is_not_remembered(
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0]",
         ),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),  # unknown id
     ],
 )
 async def test_unsupported_features_are_400_before_forwarding(
@@ -398,6 +398,26 @@ async def test_each_turns_messages_extend_the_previous_turns(
         assert orjson.dumps(grown).startswith(orjson.dumps(old)[:-1] + b",")
     usage = last.usage
     assert usage is not None and usage.input_tokens_details.cached_tokens / usage.input_tokens > 0.8
+
+
+async def test_history_by_reference_is_resolved_before_translation(
+    chat_proxy: ProxyHandle, chat_backend: ChatBackend
+) -> None:
+    """The AI SDK's shape (history resent, its answers as item references) reaches a chat
+    backend as the same messages as the history in full: prefix-stable, cache hits."""
+    client: Any = chat_proxy.client()
+    history: list[Any] = []
+    for word in ("one", "two", "three"):
+        history.append({"role": "user", "content": word})
+        turn = await client.responses.create(model="m", input=history)
+        assert turn.previous_response_id is None
+        history.append({"type": "item_reference", "id": turn.output[0].id})
+    chats = chat_backend.chats
+    assert [m["role"] for m in chats[-1]["messages"]] == ["user", "assistant"] * 2 + ["user"]
+    assert chats[-1]["messages"][1]["content"] == "echo#1: one"
+    for before, after in itertools.pairwise(s.body for s in chat_backend.posts):
+        old = orjson.dumps(orjson.loads(before)["messages"])
+        assert orjson.dumps(orjson.loads(after)["messages"]).startswith(old[:-1] + b",")
 
 
 # -- WebSocket mode works unchanged ----------------------------------------------------------

@@ -5,7 +5,9 @@ a 400 with nothing forwarded; and `previous_response_id` echoed in what the clie
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,6 +17,7 @@ import pytest
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
+from tests.store.test_proxy_process import ProxyProcess
 
 Json = dict[str, Any]
 KEY = "sk-test-a"
@@ -268,6 +271,47 @@ async def test_unknown_references_pass_through_with_forward_unknown_ids(
     handle = await make_proxy(backend.url, forward_unknown_ids=True)
     await post(handle, {"model": "m", "input": [user("q"), ref("msg_backends")]})
     assert backend.responses_seen[-1].json["input"] == [user("q"), ref("msg_backends")]
+
+
+# -- after a restart -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["sigterm", "kill -9"])
+async def test_references_resolve_after_a_restart(
+    backend: FakeBackend, tmp_path: Path, how: str
+) -> None:
+    """A `serve` process stopped, or killed once the turn was durable (its snapshot
+    written), and started again on the same state dir resolves the item ids it held."""
+    state = tmp_path / "state"
+    procs = [ProxyProcess(backend.url, state), ProxyProcess(backend.url, state)]
+    try:
+        await procs[0].start()
+        client = procs[0].client()
+        first = await client.responses.create(model="m", input=[user("before")])
+        await client.close()
+        if how == "sigterm":
+            assert await procs[0].stop(signal.SIGTERM) == 0
+        else:
+            await asyncio.sleep(0.6)  # > the snapshot delay: the turn is durable
+            assert await procs[0].stop(signal.SIGKILL) == -signal.SIGKILL
+        answered = backend.responses_seen[-1]
+        await procs[1].start()
+        client = procs[1].client()
+        item_id = first.output[0].id
+        second = await client.responses.create(
+            model="m", input=[user("before"), ref(item_id), user("after")]
+        )
+        await client.close()
+        assert second.output_text == "echo#3: after"
+        forwarded = orjson.loads(top_level_span(backend.responses_seen[-1].body, "input"))
+        assert forwarded[1]["id"] == item_id
+        assert forwarded[1]["content"][0]["text"] == first.output_text
+        assert_append_only([answered.body, backend.responses_seen[-1].body])
+    finally:
+        for proc in procs:
+            if proc.proc is not None and proc.proc.returncode is None:
+                proc.proc.kill()
+                await proc.proc.wait()
 
 
 # -- the sibling routes and WebSocket's own store -------------------------------------------
