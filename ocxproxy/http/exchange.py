@@ -147,10 +147,13 @@ async def prepare_exchange(
     there, and a chain that started there stays there.
     """
     refs = references(request.items)
-    resolved = await _resolve_items(proxy, scope, refs, local) if refs else {}
+    resolved, sources = await _resolve_items(proxy, scope, refs, local) if refs else ({}, set())
+    # A turn holding items of a WebSocket connection's own store stays there, like a
+    # chain that started there: its store:false content must not reach disk.
+    from_local = local if local in sources else None
     prev = request.previous_response_id
     if prev is None:
-        target, durable = _retention(proxy, request, local, parent_store=None)
+        target, durable = _retention(proxy, request, local, parent_store=from_local)
         await _room_in(proxy, target)
         tail: list[bytes] | None = None
         if resolved:
@@ -185,7 +188,7 @@ async def prepare_exchange(
     check_call_bindings(request.items, parent)
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
-    target, durable = _retention(proxy, request, local, parent_store=store)
+    target, durable = _retention(proxy, request, local, parent_store=from_local or store)
     await _room_in(proxy, target)
     return Exchange(
         proxy,
@@ -204,11 +207,12 @@ async def prepare_exchange(
 
 async def _resolve_items(
     proxy: Proxy, scope: str, refs: dict[int, str], local: Store | None
-) -> dict[int, bytes]:
-    """Each referenced item's stored bytes, by input index: from the caller's scope, over
-    WebSocket the connection's own store first (its store:false items too), else the
-    shared store's stored items. An id found nowhere is an InvalidRequest naming it,
-    unless the operator forwards unknown ids (the reference then goes as it came)."""
+) -> tuple[dict[int, bytes], set[Store]]:
+    """Each referenced item's stored bytes, by input index, and the stores they came from:
+    from the caller's scope, over WebSocket the connection's own store first (its
+    store:false items too), else the shared store's stored items. An id found nowhere is
+    an InvalidRequest naming it, unless the operator forwards unknown ids (the reference
+    then goes as it came)."""
     metrics = proxy.metrics.item_references
     stores = ((local, True), (proxy.store, False)) if local is not None else ((proxy.store, False),)
     wanted: dict[Store, list[tuple[int, Record, str]]] = {}
@@ -238,7 +242,7 @@ async def _resolve_items(
                     raise not_found(item_id) from None
         resolved.update((index, data) for (index, _, _), data in zip(entries, datas, strict=True))
     metrics.labels(outcome="resolved").inc(len(resolved))
-    return resolved
+    return resolved, set(wanted)
 
 
 async def _room_in(proxy: Proxy, target: Store | None) -> None:

@@ -14,6 +14,8 @@ import aiohttp
 import orjson
 import pytest
 
+from ocxproxy.errors import StoreFailure
+from ocxproxy.http.context import scope_of
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
@@ -347,13 +349,17 @@ async def test_websocket_items_of_its_own_store_resolve_there_only(
 
         done = await turn(model="m", input="private", store=False)
         item = done["response"]["output"][0]
-        again = await turn(
-            model="m", input=[user("private"), ref(item["id"]), user("more")], store=False
-        )
+        # store:true (the default), yet it holds store:false content
+        again = await turn(model="m", input=[user("private"), ref(item["id"]), user("more")])
         assert again["type"] == "response.completed", again
         assert backend.responses_seen[-1].json["input"][1] == item
-    # not over HTTP, not on another connection
+    # not over HTTP, not on another connection; and the turn holding it stayed in the
+    # connection's memory with it: the shared store (and so the disk) has neither turn
     await expect_refused(handle, backend, item["id"])
+    scope = scope_of({"Authorization": f"Bearer {KEY}"})
+    for rid in (done["response"]["id"], again["response"]["id"]):
+        with pytest.raises(StoreFailure):
+            handle.proxy.store.lookup(scope, rid)
     async with http.ws_connect(handle.base_url + "/responses", headers=headers) as ws:
         await ws.send_str(
             orjson.dumps(
