@@ -3,39 +3,42 @@
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+_SPAN = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
 
 
 class ItemIds:
     """The ids of a segment's items that carry one, each with the item's byte span in the
-    segment's bytes: what an `item_reference` resolves to. Compact (a tuple of ids and an
-    array of offsets, no object per item); an id given twice keeps its last item."""
+    segment's bytes: what an `item_reference` resolves to. Compact (a tuple of ids and the
+    spans packed in one bytes object, no object per item); an id given twice keeps its
+    last item."""
 
     __slots__ = ("_ids", "_spans")
 
     def __init__(self, entries: Iterable[tuple[str, int, int]] = ()) -> None:
         last = {item_id: (start, end) for item_id, start, end in entries}
         self._ids = tuple(last)
-        self._spans = array("Q", [offset for span in last.values() for offset in span])
+        self._spans = b"".join(_SPAN.pack(start, end) for start, end in last.values())
 
     def span(self, item_id: str) -> tuple[int, int] | None:
         """The (start, end) of the item with this id, or None."""
         try:
-            at = 2 * self._ids.index(item_id)
+            at = self._ids.index(item_id)
         except ValueError:
             return None
-        return self._spans[at], self._spans[at + 1]
+        start, end = _SPAN.unpack_from(self._spans, at * _SPAN.size)
+        return start, end
 
     @property
     def ids(self) -> tuple[str, ...]:
         return self._ids
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        spans = self._spans
-        for index, item_id in enumerate(self._ids):
-            yield item_id, spans[2 * index], spans[2 * index + 1]
+        for item_id, (start, end) in zip(self._ids, _SPAN.iter_unpack(self._spans), strict=True):
+            yield item_id, start, end
 
     def __len__(self) -> int:
         return len(self._ids)
