@@ -358,8 +358,10 @@ class Metrics:
         # Known failure labels start at 0: a series born at 1 shows no increase(), so an
         # alert on the first failure of a kind would never fire.
         self.expansions.labels(outcome="hit")
+        self.item_references.labels(outcome="resolved")
         for reason in FailureReason:
             self.expansions.labels(outcome=str(reason))
+            self.item_references.labels(outcome=str(reason))
         for reason in _SPILL_FAILURES:
             self.spill_failures.labels(reason=str(reason))
         self.registry = CollectorRegistry(auto_describe=False)

@@ -88,5 +88,7 @@ def test_failure_labels_are_exported_at_zero_before_the_first_failure() -> None:
     got = samples(Metrics())
     for outcome in ("hit", "unknown", "expired", "evicted", "missing", "corrupt"):
         assert got["ocxproxy_expansions_total", (("outcome", outcome),)] == 0
+    for outcome in ("resolved", "unknown", "expired", "evicted", "missing"):
+        assert got["ocxproxy_item_references_total", (("outcome", outcome),)] == 0
     for reason in ("missing", "corrupt", "write_failed", "read_failed"):
         assert got["ocxproxy_spill_failures_total", (("reason", reason),)] == 0

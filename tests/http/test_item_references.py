@@ -133,6 +133,7 @@ async def test_ai_sdk_history_by_reference_reaches_the_backend_resolved(
         full.append(orjson.dumps(answer))
     bodies = [seen.body for seen in backend.responses_seen]
     assert len(bodies) == 4
+    assert handle.metric("ocxproxy_item_references_total", outcome="resolved") == 6
     assert_append_only(bodies)
     assert not any(b"item_reference" in body for body in bodies)
 
@@ -235,7 +236,9 @@ async def test_unresolvable_references_are_refused(
     make_proxy: MakeProxy, backend: FakeBackend
 ) -> None:
     handle = await make_proxy(backend.url, retain_unstored=True)
+    assert handle.metric("ocxproxy_item_references_total", outcome="unknown") == 0
     await expect_refused(handle, backend, "msg_unknown")
+    assert handle.metric("ocxproxy_item_references_total", outcome="unknown") == 1
     mine = await json_turn(handle, {"model": "m", "input": "mine"})
     item_id = mine["output"][0]["id"]
     await expect_refused(handle, backend, item_id, key="sk-test-b")  # another credential
