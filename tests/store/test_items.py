@@ -98,6 +98,22 @@ async def test_the_newest_live_holder_wins_and_deleting_it_falls_back() -> None:
     assert len(store.items) == 0 and store.check() == []
 
 
+async def test_a_holder_whose_bytes_were_dropped_is_passed_over() -> None:
+    """A newer store:false turn holding the same item loses its bytes under memory
+    pressure (it may not reach disk); the older turn still serves the item."""
+    store = make_store(None, max_resident_bytes=10**6)
+    older = store.put(turn("r1", "msg_1"), None)
+    resent = message("msg_1", "a r1")
+    newer = store.put(turn("r2", "msg_2", inputs=[resent], stored=False, durable=False), None)
+    assert store.find_item("scope-a", "msg_1", unstored=True) is newer
+    await store.history(older)  # recently used: the newer turn's bytes go first
+    store.resident.max_bytes = store.resident.bytes - older.response.size - 1
+    store._enforce_bounds()
+    assert newer.segments[-1].data is None and older.segments[-1].data is not None
+    assert store.find_item("scope-a", "msg_1", unstored=True) is older
+    assert await resolve(store, "msg_1", unstored=True) == resent
+
+
 async def test_items_of_a_chain_resolve_while_the_record_that_added_them_lives() -> None:
     store = make_store(None)
     r1 = store.put(turn("r1", "msg_1"), None)
