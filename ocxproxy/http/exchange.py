@@ -183,8 +183,10 @@ async def prepare_exchange(
             body = raw if raw is not None else orjson.dumps(request.body)
             return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
         raise PreviousResponseNotFound(prev, failure.reason) from None
-    tail, items = splice(serialize_items(request.items), request.items, resolved)
-    request = replace(request, items=items)
+    tail = serialize_items(request.items)
+    if resolved:
+        tail, items = splice(tail, request.items, resolved)
+        request = replace(request, items=items)
     check_call_bindings(request.items, parent)
     body = expand(request.body, history, tail)
     metrics.expansions.labels(outcome="hit").inc()
