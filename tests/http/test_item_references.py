@@ -378,10 +378,13 @@ async def test_websocket_items_of_its_own_store_resolve_there_only(
 # -- previous_response_id echoed -------------------------------------------------------------
 
 
-async def test_previous_response_id_is_echoed_everywhere(
-    make_proxy: MakeProxy, backend: FakeBackend
-) -> None:
-    handle = await make_proxy(backend.url)
+@pytest.mark.parametrize("style", ["spec", "llama"])  # llama's stream is repaired too
+async def test_previous_response_id_is_echoed_everywhere(make_proxy: MakeProxy, style: Any) -> None:
+    async with FakeBackend(stream_style=style) as backend:
+        await _echoed_everywhere(await make_proxy(backend.url))
+
+
+async def _echoed_everywhere(handle: ProxyHandle) -> None:
     first = await json_turn(handle, {"model": "m", "input": "one"})
     assert first["previous_response_id"] is None
     second = await json_turn(
@@ -415,3 +418,19 @@ async def test_previous_response_id_is_echoed_everywhere(
     assert all(
         e.response.previous_response_id == third["id"] for e in events if e.type in RESPONSE_EVENTS
     )
+    async with (
+        aiohttp.ClientSession() as http,
+        http.ws_connect(
+            handle.base_url + "/responses", headers={"Authorization": f"Bearer {KEY}"}
+        ) as ws,
+    ):
+        frame = {"type": "response.create", "model": "m", "input": "5"}
+        await ws.send_str(orjson.dumps({**frame, "previous_response_id": third["id"]}).decode())
+        kinds = []
+        while not kinds or kinds[-1] != "response.completed":
+            async with asyncio.timeout(5):
+                event = orjson.loads((await ws.receive()).data)
+            kinds.append(event["type"])
+            if event["type"] in RESPONSE_EVENTS:
+                assert event["response"]["previous_response_id"] == third["id"], event
+        assert [k for k in kinds if k in RESPONSE_EVENTS] == list(RESPONSE_EVENTS)
