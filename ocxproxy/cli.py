@@ -62,8 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     state = commands.add_parser(
         "state",
         help="inspect, verify or clean the state dir",
-        description="stats: entries and bytes per tier; verify: check every spill file's "
-        "digest (exit 1 on problems); gc: remove orphaned and temp files (proxy stopped).",
+        description="stats: records, segments and journal files; verify: read the checkpoint "
+        "and journal and check every live segment's digest (exit 1 on problems); gc: remove "
+        "journal files nothing needs and temp files (proxy stopped).",
     )
     state.add_argument("action", choices=("stats", "verify", "gc"))
     state.add_argument(
@@ -91,8 +92,7 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
             print("\n".join(report.lines()))
             for problem in problems:
                 print(f"problem: {problem}")
-            checked = len(report.scan.files)
-            print(f"{len(problems)} problems, {checked} files checked")
+            print(f"{len(problems)} problems, {report.checked} segments checked")
             return 1 if problems else 0
         removed = admin.gc(root)
     except admin.StateBusy as exc:

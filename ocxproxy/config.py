@@ -122,7 +122,8 @@ class Config:
         default=64 * 1024**2, metadata={"help": "memory budget for stored turns (e.g. 64MiB)"}
     )
     max_disk_bytes: int = field(
-        default=1024**3, metadata={"help": "disk budget for spilled turns (e.g. 1GiB)"}
+        default=1024**3,
+        metadata={"help": "disk budget: what the state dir may occupy (e.g. 1GiB)"},
     )
     max_entries: int = field(default=100_000, metadata={"help": "most stored responses kept"})
     ttl: float = field(
@@ -134,6 +135,15 @@ class Config:
     )
     zdr: bool = field(
         default=False, metadata={"help": "zero data retention: write nothing to disk"}
+    )
+    durability: str = field(
+        default="ack",
+        metadata={
+            "help": "ack: a stored turn is answered only once it is fsynced to the journal "
+            "(survives kill -9 and power loss); relaxed: answered at once, written within "
+            "~2s (for disks that cannot fsync fast)",
+            "metavar": "ack|relaxed",
+        },
     )
     ws_max_age: float = field(
         default=3600.0, metadata={"help": "WebSocket connection lifetime (e.g. 60m)"}
@@ -203,7 +213,7 @@ class Config:
         default=None, metadata={"help": "GGUF model for the embedded backend"}
     )
     snapshot_delay: float = field(
-        default=2.0, metadata={"help": "debounce before the state index is rewritten"}
+        default=2.0, metadata={"help": "with --durability relaxed: time between journal writes"}
     )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
     access_log: str = field(
@@ -237,6 +247,8 @@ class Config:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.durability not in ("ack", "relaxed"):
+            raise ValueError(f"unknown durability {self.durability!r} (ack or relaxed)")
         if self.routing not in ("affinity", "round-robin"):
             raise ValueError(f"unknown routing {self.routing!r} (affinity or round-robin)")
         if not self.health_path.startswith("/"):
@@ -287,6 +299,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "log_level": str.lower,
     "access_log": str.lower,
     "routing": str.lower,
+    "durability": str.lower,
     "health_interval": parse_duration,
     "admission_timeout": parse_duration,
     "max_concurrency": int,

@@ -7,6 +7,7 @@
     ├── PayloadTooLarge           413
     ├── Unauthorized              401
     ├── RateLimited               429 rate_limit_exceeded
+    ├── StorageUnavailable        503 storage_unavailable (a turn could not be made durable)
     └── UpstreamError             502/504 backend unreachable, timed out or broke off
 
 Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
@@ -107,6 +108,14 @@ class UpstreamError(OcxError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+
+class StorageUnavailable(OcxError):
+    """A turn that could not be made durable (disk full, I/O error): not acknowledged."""
+
+    status = 503
+    type = "server_error"
+    code = "storage_unavailable"
 
 
 class FailureReason(enum.StrEnum):

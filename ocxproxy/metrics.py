@@ -321,14 +321,20 @@ class Metrics:
             "Records or segments evicted, by reason",
             ["reason"],
         )
-        self.spill_writes = Counter("ocxproxy_spill_writes_total", "Spill files written")
-        self.spill_reads = Counter("ocxproxy_spill_reads_total", "Spill files read")
+        self.spill_writes = Counter(
+            "ocxproxy_spill_writes_total", "Segments written to the journal (new or compacted)"
+        )
+        self.spill_reads = Counter(
+            "ocxproxy_spill_reads_total", "Segments read back from the journal (not resident)"
+        )
         self.spill_failures = Counter(
             "ocxproxy_spill_failures_total",
             "Spill tier failures by reason",
             ["reason"],
         )
-        self.snapshot_writes = Counter("ocxproxy_snapshot_writes_total", "Snapshots written")
+        self.snapshot_writes = Counter(
+            "ocxproxy_snapshot_writes_total", "Checkpoints (snapshots of the index) written"
+        )
         self.snapshot_failures = Counter(
             "ocxproxy_snapshot_failures_total",
             "Snapshot write or load failures by reason",
@@ -336,7 +342,27 @@ class Metrics:
         )
         self.snapshot_age = Gauge(
             "ocxproxy_snapshot_age_seconds",
-            "Seconds since the last durable snapshot",
+            "Age of the oldest change not yet in the checkpoint (0: none)",
+        )
+        self.journal_commits = Counter(
+            "ocxproxy_journal_commits_total", "Journal group commits (one write + fsync each)"
+        )
+        self.journal_cut = Counter(
+            "ocxproxy_journal_cut_total",
+            "Torn or corrupt journal tails cut at start-up (entries after them are lost)",
+        )
+        self.journal_lag = Gauge(
+            "ocxproxy_journal_lag_seconds",
+            "Age of the oldest change waiting to be durable in the journal (0: none)",
+        )
+        self.store_write_failures = Counter(
+            "ocxproxy_store_write_failures_total",
+            "Journal commits that failed (disk full, I/O error), by errno",
+            ["reason"],
+        )
+        self.store_available = Gauge(
+            "ocxproxy_store_available",
+            "1 while the journal takes writes, 0 after a failed commit until one succeeds",
         )
         # WebSocket (C3)
         self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")

@@ -54,13 +54,14 @@ class Segment:
     """The serialized items one turn added to its chain: comma-joined JSON values.
 
     Immutable content, named by its SHA-256; shared by every later record of the chain.
-    `data` is None while the bytes live only in the disk tier (or were lost: `lost` then
-    holds the FailureReason value that chains needing it answer with).
+    `data` is None while the bytes live only in the journal (or were lost: `lost` then
+    holds the FailureReason value that chains needing it answer with). Where the journal
+    holds them: file `pack`, `length` compressed bytes at `offset` (pack -1: nowhere).
     """
 
     __slots__ = (
-        "call_ids", "data", "disk_size", "durable", "durable_refs", "item_ids", "key", "lost",
-        "n_items", "on_disk", "refs", "size",
+        "call_ids", "data", "durable", "durable_refs", "item_ids", "key", "length", "lost",
+        "n_items", "offset", "pack", "refs", "sid", "size",
     )  # fmt: skip
     data: bytes | None
     lost: str | None
@@ -106,11 +107,17 @@ class Segment:
         self.n_items = n_items
         self.call_ids = call_ids
         self.durable = durable  # may this reach disk (no store:false content)?
-        self.on_disk = False  # a durable spill file holds it
-        self.disk_size = 0  # bytes of that file
+        self.sid = 0  # the journal's short name for it (0: not yet named)
+        self.pack = -1  # journal file holding its bytes, durably
+        self.offset = 0
+        self.length = 0
         self.lost = None
         self.refs = 0  # records holding it
         self.durable_refs = 0  # durable records holding it; `durable` while above 0 in a Store
+
+    @property
+    def on_disk(self) -> bool:
+        return self.pack >= 0
 
     def __repr__(self) -> str:
         where = ("mem" if self.data is not None else "") + ("+disk" if self.on_disk else "")

@@ -1,115 +1,110 @@
 """`ocxproxy state stats|verify|gc`: look at a state dir from outside a running proxy.
 
-stats and verify only read. gc removes orphaned spill files and temp files, and refuses
-while a proxy holds the dir's lock (it could delete files written but not yet indexed).
+All three read the checkpoint and replay the journal as start-up does, without changing
+anything (a torn tail is reported, not cut). verify also reads every live segment back
+and checks its digest. gc removes journal files no live segment needs and temp files,
+and refuses while a proxy holds the dir's lock.
 Blocking, synchronous; failures come back as text lines, never as tracebacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zstandard
-
-from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import files, snapshot
-from ocxproxy.store.spill import Scan, SpillDir, compressed_limit, decode
-
-_MAX_ORPHAN = 1024**3  # largest uncompressed size a file without an index entry may claim
+from ocxproxy.errors import StoreFailure
+from ocxproxy.store import files, journal
+from ocxproxy.store.journal import Journal, Loaded, SegmentInfo
 
 
 @dataclass(slots=True)
 class StateReport:
     root: Path
-    index: snapshot.Index | None = None
-    error: str | None = None  # why the snapshot could not be read
-    snapshot_bytes: int = 0
-    scan: Scan = field(default_factory=Scan)
-    referenced: dict[str, int] = field(default_factory=dict)  # key -> uncompressed size
+    loaded: Loaded = field(default_factory=Loaded)
+    checkpoint_bytes: int = 0
+    live: dict[int, SegmentInfo] = field(default_factory=dict)  # sid -> segment a record needs
+    missing: list[str] = field(default_factory=list)  # records needing an unknown segment
+    temps: list[Path] = field(default_factory=list)
+    checked: int = 0
 
     @property
-    def missing(self) -> list[str]:
-        return sorted(k for k, size in self.referenced.items() if size and k not in self.scan.files)
+    def journal_bytes(self) -> int:
+        return sum(self.loaded.sizes.values())
 
     @property
-    def orphans(self) -> list[str]:
-        return sorted(k for k in self.scan.files if k not in self.referenced)
+    def unneeded(self) -> list[int]:
+        """Journal files before the checkpoint's position that hold no live segment."""
+        first = self.loaded.replay_from[0]
+        used = {s.pack for s in self.live.values()}
+        return sorted(p for p in self.loaded.sizes if p < first and p not in used)
 
     def lines(self) -> list[str]:
-        idx = self.index
-        disk_bytes = sum(self.scan.files.values())
-        raw = sum(self.referenced.values())
+        ld = self.loaded
         out = [f"state dir      {self.root}"]
-        if self.error:
-            out.append(f"snapshot       unreadable: {self.error}")
-        elif idx is None:
-            out.append("snapshot       none yet")
+        if ld.error:
+            out.append(f"checkpoint     unusable: {ld.error}")
+        elif ld.checkpoint_at is None:
+            out.append("checkpoint     none yet")
         else:
-            age = max(0.0, time.time() - idx.written_at)
-            out.append(
-                f"snapshot       {self.snapshot_bytes} bytes, written {age:.0f}s ago, "
-                f"version {snapshot.VERSION}"
-            )
-            out.append(f"records        {len(idx.records)}")
-            out.append(f"segments       {len(self.referenced)} ({raw} bytes uncompressed)")
-        out.append(f"disk tier      {len(self.scan.files)} files, {disk_bytes} bytes")
-        out.append(f"orphans        {len(self.orphans)}")
+            age = max(0.0, time.time() - ld.checkpoint_at)
+            out.append(f"checkpoint     {self.checkpoint_bytes} bytes, written {age:.0f}s ago")
+        live_bytes = sum(s.length for s in self.live.values())
+        raw = sum(s.size for s in self.live.values())
+        out.append(f"records        {len(ld.records)}")
+        out.append(f"segments       {len(self.live)} ({raw} bytes, {live_bytes} compressed)")
+        out.append(f"journal        {len(ld.sizes)} files, {self.journal_bytes} bytes")
+        out.append(f"replayed       {ld.entries} entries after the checkpoint")
+        out.append(f"torn tails     {ld.cut}")
+        out.append(f"unneeded files {len(self.unneeded)}")
         out.append(f"missing        {len(self.missing)}")
-        out.append(f"temp files     {len(self.scan.temps)}")
-        out.append(f"unsafe entries {len(self.scan.unsafe)}")
+        out.append(f"temp files     {len(self.temps)}")
         return out
 
 
 def inspect(root: Path) -> StateReport:
-    report = StateReport(root)
-    try:
-        report.index = snapshot.load(root)
-    except snapshot.SnapshotError as exc:
-        report.error = str(exc)
-    if report.index is not None:
-        report.snapshot_bytes = (root / snapshot.NAME).lstat().st_size
-        report.referenced = {s.key: s.size for s in report.index.segments}
-    report.scan = SpillDir(root / "spill").scan()
+    j = Journal(root)
+    report = StateReport(root, j.load(repair=False))
+    with contextlib.suppress(OSError):
+        report.checkpoint_bytes = (root / journal.CHECKPOINT).lstat().st_size
+    now = time.time()
+    segments = report.loaded.segments
+    for row in report.loaded.records.values():
+        if row[3] <= now:
+            continue
+        needed = [*row[4], row[5]]
+        if any(sid not in segments or segments[sid].pack not in report.loaded.sizes
+               for sid in needed):  # fmt: skip
+            report.missing.append(row[0])
+            continue
+        for sid in needed:
+            report.live[sid] = segments[sid]
+    report.temps = j.temps()
     return report
 
 
 def verify(root: Path) -> tuple[StateReport, list[str]]:
-    """Every spill file decompressed and checked against its name; problems as lines."""
+    """Every live segment read back and checked against its digest; problems as lines."""
     report = inspect(root)
     problems: list[str] = []
-    if report.error:
-        problems.append(f"snapshot: {report.error}")
-    problems += [f"missing: {k} (named in the snapshot)" for k in report.missing]
-    problems += [f"unsafe entry: {p}" for p in report.scan.unsafe]
-    spill = SpillDir(root / "spill")
-    for key in sorted(report.scan.files):
-        size = report.referenced.get(key)
-        try:
-            if size is None:
-                _verify_unindexed(spill, key)
-            else:
-                spill.read(key, size)
-        except StoreFailure as failure:
-            problems.append(f"{failure.reason}: {key}: {failure.detail}")
-    return report, problems
-
-
-def _verify_unindexed(spill: SpillDir, key: str) -> None:
-    """A file no index entry describes: trust the size its frame declares, within reason."""
+    if report.loaded.error:
+        problems.append(f"checkpoint: {report.loaded.error}")
+    problems += [f"torn or corrupt journal at file {p} offset {o}" for p, o in report.loaded.cut_at]
+    problems += [f"missing: record {r} needs a segment that is gone" for r in report.missing]
+    j = Journal(root)
     try:
-        blob = files.read_regular(spill.path(key), compressed_limit(_MAX_ORPHAN))
-        size = zstandard.frame_content_size(blob)
-    except FileNotFoundError:
-        raise StoreFailure(FailureReason.MISSING, "gone") from None
-    except (files.UnsafePath, files.FileTooLarge, zstandard.ZstdError) as exc:
-        raise StoreFailure(FailureReason.CORRUPT, str(exc)) from None
-    except OSError as exc:
-        raise StoreFailure(FailureReason.READ_FAILED, str(exc)) from None
-    if not 0 <= size <= _MAX_ORPHAN:
-        raise StoreFailure(FailureReason.CORRUPT, f"frame declares {size} bytes")
-    decode(key, size, blob)
+        for info in report.live.values():
+            if not info.size:
+                continue
+            try:
+                j.read(info.key, info.size, info.pack, info.offset, info.length)
+            except StoreFailure as failure:
+                problems.append(f"{failure.reason}: {info.key}: {failure.detail}")
+            report.checked += 1
+    finally:
+        j.close()
+    return report, problems
 
 
 class StateBusy(Exception):
@@ -117,16 +112,16 @@ class StateBusy(Exception):
 
 
 def gc(root: Path) -> list[Path]:
-    """Remove orphaned spill files, temp files and stray links; the paths removed."""
+    """Remove journal files no live segment needs and temp files; the paths removed."""
     lock = files.DirLock(root)
     if not lock.acquire():
         raise StateBusy(f"{root} is in use by a running ocxproxy; stop it first")
     try:
         report = inspect(root)
-        doomed = [*report.scan.temps, *(p for p in report.scan.unsafe if p.is_symlink())]
-        doomed += [p for p in root.iterdir() if files.is_temp_name(p.name)]
-        if report.error is None:  # without a readable index every file looks orphaned
-            doomed += [SpillDir(root / "spill").path(k) for k in report.orphans]
+        j = Journal(root)
+        doomed = list(report.temps)
+        if report.loaded.error is None:  # without a usable checkpoint keep every file
+            doomed += [j.path(p) for p in report.unneeded]
         removed = []
         for path in doomed:
             try:

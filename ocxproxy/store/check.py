@@ -1,27 +1,31 @@
-"""Store.check(): drift between the index, the tiers and the files on disk (diskcache's
-`check`). Diagnostic only: it lists the spill directory, so call it while the store is idle.
+"""Store.check(): drift between the index, the tiers and the journal (diskcache's `check`).
+Diagnostic only: it reads the journal from disk, so call it while the store is idle.
+Uses only the store's public read-only views.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ocxproxy.store.journal import Journal
+
 if TYPE_CHECKING:
-    from ocxproxy.store import Store
+    from ocxproxy.store.core import Store
 
 
 def check_store(store: Store) -> list[str]:
     problems: list[str] = []
-    segments, resident, disk = store._segments, store.resident, store.disk
+    segments, resident = store.segments(), store.resident
     refs: dict[str, int] = {}
     durable_refs: dict[str, int] = {}
-    for record in store._records.values():
+    for record in store.records():
         for segment in (*record.segments, record.response):
             refs[segment.key] = refs.get(segment.key, 0) + 1
             if record.durable:
                 durable_refs[segment.key] = durable_refs.get(segment.key, 0) + 1
             if segments.get(segment.key) is not segment:
                 problems.append(f"{record.id} references unindexed {segment.key}")
+    packs = store.packs()
     for key, segment in segments.items():
         if segment.refs != refs.get(key, 0):
             problems.append(f"{key} refs {segment.refs} != {refs.get(key, 0)}")
@@ -33,36 +37,45 @@ def check_store(store: Store) -> list[str]:
         if segment.durable_refs != want or segment.durable != (want > 0):
             problems.append(f"{key} durable {segment.durable} ({segment.durable_refs}) != {want}")
         if segment.on_disk and not segment.durable:
-            problems.append(f"{key} is store:false content on disk")
-        if segment.on_disk and (disk is None or disk.files.get(key) is not segment):
-            problems.append(f"{key} on disk but not in the disk tier")
-    indexed = 0
-    for record in store._records.values():
-        for item_id in record.segments[-1].item_ids.ids if record.segments else ():
-            indexed += 1
-            if not any(r is record for r in store.items.holders(record.scope, item_id)):
-                problems.append(f"{record.id}'s item {item_id} is not in the item index")
-    if store.items.entries() != indexed:
-        problems.append(f"item index holds {store.items.entries()} entries, records {indexed}")
+            problems.append(f"{key} is store:false content in the journal")
+        if segment.on_disk and (
+            segment.pack not in packs or packs[segment.pack][0].get(key) is not segment
+        ):
+            problems.append(f"{key} located in journal file {segment.pack} but not indexed there")
+        if segment.data is None and not segment.on_disk and segment.lost is None:
+            problems.append(f"{key} has no bytes anywhere and is not marked lost")
     if sum(s.size for s in resident) != resident.bytes:
         problems.append("resident byte count drifted")
     for segment in resident:
         if segments.get(segment.key) is not segment:
             problems.append(f"{segment.key} resident but unindexed")
-    if disk is None or not disk.enabled:
+    if store.journal is None or not store.durable:
         return problems
-    if sum(s.disk_size for s in disk.files.values()) != disk.bytes:
-        problems.append("disk byte count drifted")
-    scan = disk.spill.scan()
-    for key, segment in disk.files.items():
-        if segments.get(key) is not segment or not segment.on_disk:
-            problems.append(f"{key} in the disk tier but not an indexed on-disk segment")
-        if key not in scan.files:
-            problems.append(f"{key} indexed on disk but its file is missing")
-        elif scan.files[key] != segment.disk_size:
-            problems.append(f"{key} file is {scan.files[key]}B, indexed {segment.disk_size}B")
-    for key in scan.files:
-        if key not in disk.files and key not in disk.doomed:
-            problems.append(f"{key} orphan spill file")
-    problems.extend(f"stray entry {p}" for p in (*scan.temps, *scan.unsafe))
+    j = Journal(store.journal.root)
+    on_disk = set(j.existing())
+    try:
+        for pack, (held, live, size) in packs.items():
+            if sum(s.length for s in held.values()) != live:
+                problems.append(f"journal file {pack}: live byte count drifted")
+            if pack not in on_disk:
+                problems.append(f"journal file {pack} indexed but missing")
+                continue
+            actual = j.path(pack).stat().st_size
+            if actual != size:
+                problems.append(f"journal file {pack} is {actual}B, indexed {size}B")
+            for key, segment in held.items():
+                if segments.get(key) is not segment:
+                    problems.append(f"{key} indexed in journal file {pack} but not live")
+                    continue
+                if segment.offset + segment.length > actual:
+                    problems.append(f"{key} located past the end of journal file {pack}")
+                    continue
+                try:
+                    j.read(key, segment.size, pack, segment.offset, segment.length)
+                except Exception as exc:  # a StoreFailure, reported as drift
+                    problems.append(f"{key} unreadable in journal file {pack}: {exc}")
+        for pack in on_disk - set(packs):
+            problems.append(f"journal file {pack} on disk but not indexed")
+    finally:
+        j.close()
     return problems

@@ -1,8 +1,8 @@
 """The resident tier: segment bytes in memory, least recently used first out, byte-capped.
 
 Pure bookkeeping: no I/O, no asyncio. `admit`/`touch` never drop anything themselves;
-`over_budget()` returns the segments to push out and the caller decides whether they are
-demoted to disk or dropped.
+`evict_over_budget()` takes the oldest out and returns them; the caller decides whether
+their bytes just go (the journal holds them) or the segment is lost.
 """
 
 from __future__ import annotations
@@ -53,10 +53,9 @@ class ResidentTier:
         if self._lru.pop(segment.key, None) is not None:
             self.bytes -= segment.size
 
-    def over_budget(self, held: int = 0) -> list[Segment]:
-        """Oldest segments to take out until the tier, plus `held` bytes kept in memory
-        elsewhere (demoted but not yet written), fits."""
-        excess = self.bytes + held - self.max_bytes
+    def evict_over_budget(self) -> list[Segment]:
+        """Take the oldest segments out until the tier fits its budget; those taken."""
+        excess = self.bytes - self.max_bytes
         victims: list[Segment] = []
         if excess <= 0:
             return victims

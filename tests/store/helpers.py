@@ -107,15 +107,45 @@ def sample(metric: Any, **labels: str) -> float:
     return float(child.get())
 
 
-def spill_files(state_dir: Path) -> dict[str, Path]:
-    root = state_dir / "spill"
+def journal_files(state_dir: Path) -> dict[int, Path]:
+    root = state_dir / "journal"
     if not root.exists():
         return {}
-    return {p.name.removesuffix(".zst"): p for p in root.glob("*/*.zst")}
+    return {int(p.name.removesuffix(".log")): p for p in root.glob("*.log")}
+
+
+def checkpoint_ids(state_dir: Path) -> list[str]:
+    """Record ids the checkpoint alone names (no journal replay)."""
+    from ocxproxy.store import journal
+
+    loaded = journal.Loaded()
+    journal.load_checkpoint((state_dir / journal.CHECKPOINT).read_bytes(), loaded)
+    return list(loaded.records)
+
+
+def durable_ids(state_dir: Path) -> list[str]:
+    """Record ids a start-up would load: checkpoint plus journal (read only)."""
+    from ocxproxy.store.journal import Journal
+
+    return list(Journal(state_dir).load(repair=False).records)
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def unzstd_all(data: bytes) -> list[bytes]:
+    """Every zstd frame found anywhere in `data` (journal entries embed them), decompressed."""
+    out: list[bytes] = []
+    at = data.find(_ZSTD_MAGIC)
+    while at >= 0:
+        with contextlib.suppress(zstandard.ZstdError):
+            out.append(zstandard.ZstdDecompressor().decompressobj().decompress(data[at:]))
+        at = data.find(_ZSTD_MAGIC, at + 1)
+    return out
 
 
 def all_bytes_under(path: Path) -> bytes:
-    """Every byte of every file under `path`, .zst files decompressed too."""
+    """Every byte of every file under `path`, with every zstd frame in them decompressed."""
     chunks: list[bytes] = []
     if not path.exists():
         return b""
@@ -126,7 +156,5 @@ def all_bytes_under(path: Path) -> bytes:
                 continue
             data = p.read_bytes()
             chunks.append(data)
-            if name.endswith(".zst"):
-                with contextlib.suppress(zstandard.ZstdError):
-                    chunks.append(zstandard.ZstdDecompressor().decompress(data))
+            chunks.extend(unzstd_all(data))
     return b"\n".join(chunks)

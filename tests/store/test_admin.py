@@ -9,7 +9,8 @@ import pytest
 
 from ocxproxy.cli import main
 from ocxproxy.store import files
-from tests.store.helpers import inline, make_store, make_turn, spill_files
+from ocxproxy.store.journal import Journal
+from tests.store.helpers import inline, journal_files, make_store, make_turn
 
 
 @pytest.fixture
@@ -20,6 +21,8 @@ def state(tmp_path: Path) -> Path:
         parent = None
         for i in range(3):
             parent = store.put(make_turn(f"r{i}", f"turn {i}"), parent)
+        await store.flush()  # a checkpoint, then one more turn in the journal after it
+        await store.commit(store.put(make_turn("r3", "turn 3"), parent))
         await store.close()
 
     asyncio.run(fill())
@@ -29,8 +32,8 @@ def state(tmp_path: Path) -> Path:
 def test_stats(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["state", "stats", "--state-dir", str(state)]) == 0
     out = capsys.readouterr().out
-    assert "records        3" in out and "disk tier      6 files" in out
-    assert "orphans        0" in out
+    assert "records        4" in out and "segments       8 (" in out
+    assert "replayed       3 entries" in out and "torn tails     0" in out
 
 
 def test_state_dir_from_the_environment(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,27 +41,34 @@ def test_state_dir_from_the_environment(state: Path, capsys: pytest.CaptureFixtu
     assert str(state) in capsys.readouterr().out
 
 
-def test_verify_finds_a_corrupt_and_a_missing_file(
+def test_verify_finds_corrupt_bytes_a_torn_tail_and_a_missing_file(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["state", "verify", "--state-dir", str(state)]) == 0
-    assert "0 problems, 6 files checked" in capsys.readouterr().out
-    paths = sorted(spill_files(state).values())
-    paths[0].write_bytes(paths[0].read_bytes()[:-2] + b"??")
-    paths[1].unlink()
+    assert "0 problems, 8 segments checked" in capsys.readouterr().out
+    paths = journal_files(state)
+    first, last = paths[min(paths)], paths[max(p for p, f in paths.items() if f.stat().st_size)]
+    seg = min(Journal(state).load(repair=False).segments.values(), key=lambda s: s.offset)
+    data = bytearray(first.read_bytes())
+    data[seg.offset + seg.length // 2] ^= 0xFF  # inside the first segment's compressed bytes
+    first.write_bytes(bytes(data))
+    last.write_bytes(last.read_bytes()[:-3])
     assert main(["state", "verify", "--state-dir", str(state)]) == 1
     out = capsys.readouterr().out
-    assert "problem: corrupt:" in out and "problem: missing:" in out and "2 problems" in out
+    assert "problem: corrupt:" in out and "problem: torn or corrupt journal" in out
+    first.unlink()
+    assert main(["state", "verify", "--state-dir", str(state)]) == 1
+    assert "problem: missing: record r0" in capsys.readouterr().out
 
 
-def test_gc_removes_orphans_and_temps_and_refuses_while_locked(
+def test_gc_removes_unneeded_files_and_temps_and_refuses_while_locked(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    orphan = state / "spill" / "ab" / ("ab" + "1" * 62 + ".zst")
-    orphan.parent.mkdir(exist_ok=True)
-    orphan.write_bytes(b"x")
-    temp = state / ".state.json.x.tmp"
+    stray = state / "journal" / "00000000.log"  # before the checkpoint, nothing live in it
+    stray.write_bytes(b"x")
+    temp = state / ".checkpoint.x.tmp"
     temp.write_bytes(b"{")
+    kept = set(journal_files(state)) - {0}
     lock = files.DirLock(state)
     assert lock.acquire()
     try:
@@ -68,7 +78,8 @@ def test_gc_removes_orphans_and_temps_and_refuses_while_locked(
         lock.release()
     assert main(["state", "gc", "--state-dir", str(state)]) == 0
     assert "2 entries removed" in capsys.readouterr().out
-    assert not orphan.exists() and not temp.exists() and len(spill_files(state)) == 6
+    assert not stray.exists() and not temp.exists() and set(journal_files(state)) == kept
+    assert main(["state", "verify", "--state-dir", str(state)]) == 0
 
 
 def test_bad_usage_and_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

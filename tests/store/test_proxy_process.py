@@ -135,9 +135,9 @@ async def test_state_cli_on_a_stopped_proxy_dir(
         return p.returncode or 0, out.decode()
 
     code, out = await cli("stats")
-    assert code == 0 and re.search(r"records\s+2", out) and "disk tier      4 files" in out
+    assert code == 0 and re.search(r"records\s+2", out) and "segments       4 (" in out
     code, out = await cli("verify")
-    assert code == 0 and "0 problems, 4 files checked" in out
+    assert code == 0 and "0 problems, 4 segments checked" in out
     code, out = await cli("gc")
     assert code == 0 and "0 entries removed" in out
 
@@ -196,7 +196,7 @@ async def test_zdr_writes_nothing(
     r = await client.responses.create(model="m", input="hello")
     r = await client.responses.create(model="m", input="again", previous_response_id=r.id)
     assert r.output_text == "echo#3: again"
-    assert handle.proxy.store.disk is None
+    assert not handle.proxy.store.durable
     await handle.server.close()
     assert not state.exists()
 

@@ -1,11 +1,14 @@
-"""Store against a reference model: random puts, continuations, deletes, clock moves,
-flushes, graceful restarts and crashes (a store abandoned mid-work, a new one on the same
-dir), under small caps. Deterministic: blocking I/O runs inline on the loop.
+"""Store against a reference model: random puts (acknowledged or not), continuations,
+deletes, clock moves, checkpoints, graceful restarts and crashes at every journal and
+checkpoint step (a store abandoned mid-work, a commit torn mid-write, a checkpoint or its
+file removal cut short; then a new store on the same dir), under small caps.
+Deterministic: blocking I/O runs inline on the loop.
 
 Model: each id has its chain of user texts. A chain that resolves must return exactly its
 items in order. It *must* resolve when nothing may legally have taken it (big caps, not
-deleted or expired, and for restarts: durable, and for crashes: named by a completed
-flush); ids deleted, expired, or store:false across a restart must *never* resolve.
+deleted or expired, and for restarts: durable, and for crashes: acknowledged, i.e. its
+commit returned); ids expired, store:false across a restart, or deleted (for crashes: with
+the delete acknowledged) must *never* resolve.
 """
 
 from __future__ import annotations
@@ -30,17 +33,20 @@ from hypothesis.stateful import (
     rule,
 )
 
+from ocxproxy.aio import cancel_and_wait
 from ocxproxy.errors import StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.store import Store
+from ocxproxy.store import Store, files
+from ocxproxy.store.core import DISK_KEEP
+from ocxproxy.store.journal import Journal
 from tests.store.helpers import (
     HYPOTHESIS,
     Clock,
     inline,
+    journal_files,
     make_store,
     make_turn,
     sample,
-    spill_files,
 )
 
 # The deep profile runs (and shrinks) far longer than the suite's default timeout.
@@ -58,7 +64,12 @@ class Expect:
     created: float
     must: bool = True  # must resolve now
     never: bool = False  # must not resolve, ever
-    committed: bool = False  # named by a completed flush, not deleted since
+    committed: bool = False  # acknowledged (its commit returned), not deleted since
+    deleted: bool = False  # deleted, the delete not yet acknowledged (a crash may undo it)
+
+
+class Crash(BaseException):
+    """The process dies here."""
 
 
 def expected(texts: list[str]) -> list[Any]:
@@ -83,7 +94,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.counter = 0
         self.store: Store | None = None
         # Crashes here are process-level (an abandoned store), not power loss: skip the
-        # fsyncs, which only make the run slow. Their order is covered in test_spill.
+        # fsyncs, which only make the run slow.
         self._fsync, os.fsync = os.fsync, lambda fd: None
 
     def run(self, coro: Any) -> Any:
@@ -97,7 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
             max_entries=self.max_entries,
             ttl=TTL,
             clock=self.clock,
-            snapshot_delay=self.delay,
+            checkpoint_bytes=self.checkpoint_bytes,
             offload=inline,
             metrics=self.metrics,
         )
@@ -108,11 +119,13 @@ class StoreMachine(RuleBasedStateMachine):
         resident_cap=st.sampled_from([300, 1200, 1_000_000]),
         disk_cap=st.sampled_from([1500, 10**9]),
         max_entries=st.sampled_from([6, 10_000]),
-        delay=st.sampled_from([0.0, 60.0]),
+        checkpoint_bytes=st.sampled_from([1, 10**9]),
     )
-    def start(self, resident_cap: int, disk_cap: int, max_entries: int, delay: float) -> None:
+    def start(
+        self, resident_cap: int, disk_cap: int, max_entries: int, checkpoint_bytes: int
+    ) -> None:
         self.resident_cap, self.disk_cap = resident_cap, disk_cap
-        self.max_entries, self.delay = max_entries, delay
+        self.max_entries, self.checkpoint_bytes = max_entries, checkpoint_bytes
         self.roomy = disk_cap > 10**6 and max_entries > 1000
         self.store = self.new_store()
 
@@ -148,22 +161,48 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------
 
-    @rule(target=ids, text=TEXTS, store_true=st.booleans(), scope=st.sampled_from(SCOPES))
-    def new_chain(self, text: str, store_true: bool, scope: str) -> str:
-        return self._put(None, text, store_true, scope)
+    @rule(
+        target=ids,
+        text=TEXTS,
+        store_true=st.booleans(),
+        scope=st.sampled_from(SCOPES),
+        ack=st.booleans(),
+    )
+    def new_chain(self, text: str, store_true: bool, scope: str, ack: bool) -> str:
+        return self._put(None, text, store_true, scope, ack=ack)
 
-    @rule(target=ids, parent=ids, text=TEXTS, store_true=st.booleans(), steps=st.integers(0, 3))
-    def continue_chain(self, parent: str, text: str, store_true: bool, steps: int) -> str:
+    @rule(
+        target=ids,
+        parent=ids,
+        text=TEXTS,
+        store_true=st.booleans(),
+        steps=st.integers(0, 3),
+        ack=st.booleans(),
+    )
+    def continue_chain(
+        self, parent: str, text: str, store_true: bool, steps: int, ack: bool
+    ) -> str:
         assert self.store is not None
         if self.resolve(parent) is None:
             return parent
         exp = self.model[parent]
-        record = self.store.lookup(exp.scope, parent)
-        self.yield_to_writer(steps)  # the turn streams while the writer works
-        return self._put(record, text, store_true, exp.scope, exp)
+        try:  # background maintenance may have evicted it (small caps) since
+            record = self.store.lookup(exp.scope, parent)
+        except StoreFailure:
+            assert not exp.must
+            return parent
+        self.yield_to_writer(steps)  # the turn streams while the committer works
+        return self._put(record, text, store_true, exp.scope, exp, ack=ack)
 
     def _put(
-        self, parent: Any, text: str, store_true: bool, scope: str, pexp: Expect | None = None
+        self,
+        parent: Any,
+        text: str,
+        store_true: bool,
+        scope: str,
+        pexp: Expect | None = None,
+        *,
+        ack: bool,
     ) -> str:
         assert self.store is not None
         self.counter += 1
@@ -171,9 +210,12 @@ class StoreMachine(RuleBasedStateMachine):
         texts = [*(pexp.texts if pexp else []), text]
         durable = store_true and (pexp is None or pexp.durable)
         turn = make_turn(rid, text, scope=scope, durable=durable, answer=f"{len(texts) - 1}:{text}")
-        self.store.put(turn, parent)
+        record = self.store.put(turn, parent)
         must = self.roomy and (durable or self.resident_cap > 10**5)
-        self.model[rid] = Expect(scope, texts, durable, self.clock.now, must=must)
+        self.model[rid] = exp = Expect(scope, texts, durable, self.clock.now, must=must)
+        if ack:  # the HTTP layer answers only after this returns
+            self.run(self.store.commit(record))
+            exp.committed = durable
         return rid
 
     @rule(response_id=ids)
@@ -201,19 +243,30 @@ class StoreMachine(RuleBasedStateMachine):
         turn = make_turn(response_id, text, answer=f"{len(exp.texts) - 1}:{text}")
         assert body == turn.response
 
-    @rule(response_id=consumes(ids))
-    def delete(self, response_id: str) -> None:
+    @rule(response_id=consumes(ids), ack=st.booleans())
+    def delete(self, response_id: str, ack: bool) -> None:
         assert self.store is not None
         exp = self.model[response_id]
         self.store.delete(exp.scope, response_id)
-        exp.must, exp.never, exp.committed = False, True, False
+        exp.must, exp.never, exp.committed, exp.deleted = False, True, False, True
+        if ack:
+            self.commit_all()
+
+    def commit_all(self) -> None:
+        """`await commit()`: everything queued so far is durable."""
+        assert self.store is not None
+        self.run(self.store.commit())
+        for exp in self.model.values():
+            exp.deleted = False
+            if exp.durable and not exp.never:
+                exp.committed = True
 
     @rule(seconds=st.sampled_from([1.0, 30.0, 70.0]))
     def tick(self, seconds: float) -> None:
         self.clock.now += seconds
         for exp in self.model.values():
             if exp.created + TTL <= self.clock.now:
-                exp.must, exp.never, exp.committed = False, True, False
+                exp.must, exp.never, exp.committed, exp.deleted = False, True, False, False
 
     @rule()
     def sweep(self) -> None:
@@ -225,17 +278,25 @@ class StoreMachine(RuleBasedStateMachine):
         self.yield_to_writer(steps)
 
     @rule()
+    def commit(self) -> None:
+        self.commit_all()
+
+    @rule()
     def flush(self) -> None:
         assert self.store is not None
-        if self.run(self.store.flush()):
-            for exp in self.model.values():
-                exp.committed = exp.durable and not exp.never
+        self.commit_all()
+        assert self.run(self.store.flush())
+        # a checkpoint brings what the store keeps on disk back under its cap
+        assert self.store.stats().disk_segments == 0 or (
+            self.store._live_bytes <= self.disk_cap * DISK_KEEP
+        )
 
     @rule()
     def restart(self) -> None:
         assert self.store is not None
-        self.run(self.store.close())
+        self.run(self.store.close())  # writes what is queued: all of it is acknowledged
         for exp in self.model.values():
+            exp.deleted = False
             exp.committed = exp.durable and not exp.never
         self._reopen(crashed=False)
 
@@ -246,19 +307,74 @@ class StoreMachine(RuleBasedStateMachine):
         self.run(self.store.abandon())
         self._reopen(crashed=True)
 
+    @rule(cut=st.integers(0, 10**6))
+    def crash_mid_commit(self, cut: int) -> None:
+        """The process dies while writing a commit: a torn final entry (or several)."""
+        assert self.store is not None and self.store._committer is not None
+        self.quiet()
+        real = files.write_all
+
+        def torn(fd: int, data: bytes) -> None:
+            real(fd, data[: cut % (len(data) + 1)])
+            raise Crash
+
+        files.write_all = torn  # type: ignore[assignment]
+        try:
+            self.run(self.store._committer.write())
+        except Crash:
+            pass
+        finally:
+            files.write_all = real  # type: ignore[assignment]
+        self.run(self.store.abandon())
+        self._reopen(crashed=True)
+
+    @rule(step=st.sampled_from(["rotate", "write_checkpoint", "remove"]))
+    def crash_mid_checkpoint(self, step: str) -> None:
+        """The process dies during a checkpoint (after compaction's re-appends, before or
+        after the checkpoint file is durable, before the old files are removed)."""
+        assert self.store is not None
+        self.commit_all()
+        self.quiet()
+
+        def crash(*args: Any) -> None:
+            raise Crash
+
+        real = getattr(Journal, step)
+        setattr(Journal, step, crash)
+        try:
+            self.run(self.store._checkpoint())
+        except Crash:
+            pass
+        finally:
+            setattr(Journal, step, real)
+        self.run(self.store.abandon())
+        self._reopen(crashed=True)
+
+    def quiet(self) -> None:
+        """Stop the store's background maintenance, so the crash hits the step we drive."""
+        assert self.store is not None
+        if self.store._maintainer is not None:
+            self.run(cancel_and_wait(self.store._maintainer))
+            self.store._maintainer = None
+
     def _reopen(self, *, crashed: bool) -> None:
         for exp in self.model.values():
             if not exp.durable:
                 exp.must, exp.never = False, True
             elif crashed:
                 exp.must = exp.must and exp.committed
+                if exp.deleted:  # an unacknowledged delete may be undone by a crash
+                    exp.never = exp.deleted = False
         missing = sample(self.metrics.spill_failures, reason="missing")
+        cut = sample(self.metrics.journal_cut)
         self.store = self.new_store()
         assert self.store.check() == []
-        # a crash at any step never leaves the index naming a file that is gone
+        # a crash at any step never leaves the index naming bytes that are gone
         assert sample(self.metrics.spill_failures, reason="missing") == missing
-        # and start-up leaves no file that no record needs
-        assert set(spill_files(self.dir)) <= set(self.store._segments)
+        if not crashed:  # a graceful stop leaves no torn tail
+            assert sample(self.metrics.journal_cut) == cut
+        # and start-up keeps no journal file that nothing needs (check() also compares)
+        assert set(journal_files(self.dir)) == set(self.store.packs())
 
     # -- invariants --------------------------------------------------------------------
 
@@ -268,13 +384,8 @@ class StoreMachine(RuleBasedStateMachine):
         if store is None:
             return
         assert store.resident.bytes <= self.resident_cap
-        assert store.disk is not None
-        assert store.disk.bytes <= self.disk_cap
         assert len(store) <= self.max_entries
-        assert store.check() == []
-        for key in spill_files(self.dir):  # store:false content never reaches disk
-            segment = store._segments.get(key)
-            assert segment is None or segment.durable or key in store.disk.doomed
+        assert store.check() == []  # also: no store:false content located in the journal
 
 
 TestStore = StoreMachine.TestCase

@@ -1,0 +1,1044 @@
+"""Store: the one owner of the continuation store's state (records, segments, tiers).
+
+Segments live in the resident tier (memory, byte-capped LRU) and, for durable ones, in
+the journal (journal.py): a new durable turn's segments and record are appended as
+entries, group-committed by the committer (disk.py), which reports back where they landed;
+only this class changes a Segment's or Record's state. Past the memory cap the oldest
+segments just drop their bytes when the journal holds them; content no durable record
+holds (store:false turns) is dropped instead: it never reaches disk.
+
+Durability (`ack`, the default): `await commit(record)` returns once the record's entries
+are fsynced, raising StoreFailure when they could not be written; the HTTP layer awaits
+it before acknowledging the turn. `relaxed`: commits happen every `window` seconds and
+nobody waits. No state dir (--zdr): memory only.
+
+The checkpoint (journal.py) is the index at a journal position; it is written when the
+journal since the last one passes `checkpoint_bytes` or `checkpoint_age`, encoded in
+chunks between which the event loop runs. Journal files before the checkpoint that hold
+few live segments are compacted (their live segments re-appended) and then removed.
+Order of durability, so a crash never loses an acknowledged turn:
+  1. a segment's bytes and a record's entry count as durable only after their fsync;
+  2. a record's entry is appended after (or with) the entries of every segment it needs;
+  3. a journal file is removed only when a checkpoint captured after its last live
+     segment left it is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import sys
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import platformdirs
+
+from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.config import Config
+from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.metrics import Metrics
+from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.store import files, journal
+from ocxproxy.store.disk import Committer, Offload, Outcome
+from ocxproxy.store.journal import DEL, NOP, PUT, SEG, Journal, Loaded
+from ocxproxy.store.resident import ResidentTier
+
+__all__ = ["Store", "StoreStats", "default_state_dir"]
+
+log = logging.getLogger("ocxproxy.store")
+
+_TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
+BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
+CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
+CHECKPOINT_AGE = 300.0  # seconds a change may wait for a checkpoint (it is durable already)
+CHUNK = 2000  # records or segments encoded between yields to the event loop
+COMPACT_BELOW = 2 / 3  # a journal file with less live data than this is compacted
+MAINTAIN_EVERY = 0.5
+DISK_KEEP = 0.6  # share of --max-disk-bytes live segments and the checkpoint may fill
+LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
+_OUTPUT = b'"output":['
+
+
+def default_state_dir() -> Path:
+    return platformdirs.user_state_path("ocxproxy")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    records: int
+    segments: int
+    resident_segments: int
+    resident_bytes: int
+    disk_segments: int  # segments whose bytes the journal holds
+    disk_bytes: int  # what the state dir occupies: journal files + checkpoint
+    live_bytes: int = 0  # of that, what the store needs: live segments, tail, checkpoint
+    pending_segments: int = 0  # queued for the next commit
+    pending_bytes: int = 0
+    snapshot_age: float | None = None  # oldest change not in the checkpoint (None: none)
+    available: bool = True
+
+
+class Store:
+    """Records by id, their shared segments, and where segment bytes are.
+
+    `put`, `lookup`, `delete` and `sweep` are synchronous and never touch disk; `history`
+    and `response_bytes` only leave the event loop when a segment is not resident. With a
+    `state_dir`, `start()` loads the checkpoint and journal and starts the committer.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_resident_bytes: int,
+        max_entries: int,
+        ttl: float,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+        state_dir: Path | None = None,
+        max_disk_bytes: int = 1024**3,
+        durability: str = "ack",
+        snapshot_delay: float = 2.0,
+        offload: Offload = asyncio.to_thread,
+        checkpoint_bytes: int = CHECKPOINT_BYTES,
+        checkpoint_age: float = CHECKPOINT_AGE,
+    ) -> None:
+        if durability not in ("ack", "relaxed"):
+            raise ValueError(f"unknown durability {durability!r} (ack or relaxed)")
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.resident = ResidentTier(max_resident_bytes)
+        self.backpressure_timeout = BACKPRESSURE_TIMEOUT
+        self.state_dir = state_dir
+        self.max_disk_bytes = max_disk_bytes
+        self.durability = durability
+        self.window = snapshot_delay if durability == "relaxed" else 0.0
+        self.checkpoint_bytes = max(4096, min(checkpoint_bytes, max_disk_bytes // 8))
+        self.checkpoint_age = checkpoint_age
+        self._offload = offload
+        self._records: OrderedDict[str, Record] = OrderedDict()
+        self._segments: dict[str, Segment] = {}
+        self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
+        self._failed: OrderedDict[str, StoreFailure] = OrderedDict()  # ids whose commit failed
+        self._started = False
+        # The disk side, all owned here: where segment bytes are, per journal file.
+        self.journal: Journal | None = None
+        self._committer: Committer | None = None
+        self._lock: files.DirLock | None = None
+        self._maintainer: asyncio.Task[None] | None = None
+        self._packs: dict[int, dict[str, Segment]] = {}  # file -> segments located there
+        self._pack_live: dict[int, int] = {}  # file -> compressed bytes of those segments
+        self._pack_size: dict[int, int] = {}  # file -> its size
+        self._left_at: dict[int, int] = {}  # file -> capture number when a segment last left
+        self._live_bytes = 0
+        self._unwritten: dict[str, Segment] = {}  # queued, not yet committed
+        self._ghosts: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # forgotten
+        self._uncommitted: dict[str, tuple[Record, asyncio.Future[Any]]] = {}
+        self._sid = 0
+        self._captures = 0  # checkpoints captured
+        self._replay_from = (0, 0)  # the durable checkpoint's journal position
+        self._checkpoint_size = 0
+        self._since_checkpoint = 0  # journal bytes appended since the checkpoint's position
+        self._dirty_at: float | None = None  # monotonic: oldest change not in the checkpoint
+        self._wanted = asyncio.Event()  # maintenance has work (checkpoint, cap)
+        self._checkpointing = asyncio.Lock()
+        self.available = True
+        self._failures_unlogged = 0
+        self._logged_at = 0.0
+        self._closing = False
+        self._gauges()
+
+    @classmethod
+    def from_config(cls, config: Config, metrics: Metrics | None = None) -> Store:
+        """The proxy's shared store: memory-only under --zdr, else backed by the state dir."""
+        state_dir = None if config.zdr else (config.state_dir or default_state_dir())
+        return cls(
+            max_resident_bytes=config.max_resident_bytes,
+            max_entries=config.max_entries,
+            ttl=config.ttl,
+            metrics=metrics,
+            state_dir=state_dir,
+            max_disk_bytes=config.max_disk_bytes,
+            durability=config.durability,
+            snapshot_delay=config.snapshot_delay,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Store {len(self._records)} records {len(self._segments)} segments "
+            f"{self.resident!r} {self.journal!r}>"
+        )
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def durable(self) -> bool:
+        """Writes reach the journal (a state dir, opened)."""
+        return self._committer is not None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the checkpoint and replay the journal (serving every intact chain), then
+        start the committer. Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        if self.state_dir is None:
+            return
+        started = time.monotonic()
+        opened = await self._offload(self._open, self.state_dir)
+        if opened is None:
+            return
+        journal_, loaded = opened
+        self.journal = journal_
+        if loaded.error is not None:
+            self.metrics.snapshot_failures.labels(reason="corrupt").inc()
+            log.error("checkpoint unusable (%s): replaying the whole journal", loaded.error)
+        if loaded.cut:
+            self.metrics.journal_cut.inc(loaded.cut)
+            log.warning("journal: cut %d torn or corrupt tail(s) at %s", loaded.cut, loaded.cut_at)
+        self._restore(loaded)
+        # Files before the checkpoint that no live segment needs: a crash came between a
+        # checkpoint and their removal (never when the checkpoint was unreadable).
+        first = loaded.replay_from[0]
+        stale = [
+            p for p in loaded.sizes if p < first and not self._pack_live.get(p) and not loaded.error
+        ]
+        for pack in stale:
+            self._drop_pack_accounting(pack)
+        await self._offload(self._sweep_files, journal_, stale)
+        await self._offload(journal_.open_next)
+        self._pack_size[journal_.active] = 0
+        self._committer = Committer(
+            journal_, offload=self._offload, apply=self._applied, window=self.window
+        )
+        self._committer.start()
+        self._maintainer = spawn(self._maintain(), name="store-maintainer")
+        log.info(
+            "store loaded in %.2fs: %d records, %d segments (%d bytes in %d journal files), "
+            "%d entries replayed, %d stale files removed",
+            time.monotonic() - started, len(self._records), len(self._segments),
+            self._live_bytes, len(self._pack_size), loaded.entries, len(stale),
+        )  # fmt: skip
+
+    def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
+        """Blocking: take the dir, read checkpoint and journal. None: run memory-only."""
+        lock = files.DirLock(root)
+        try:
+            files.ensure_root(root)
+            if not lock.acquire():
+                self._unusable(root, "locked", "in use by another ocxproxy process")
+                return None
+            j = Journal(root)
+            j.prepare()
+            loaded = j.load(repair=True)
+        except OSError as exc:
+            lock.release()
+            self._unusable(root, "unsafe", str(exc))
+            return None
+        self._lock = lock
+        return j, loaded
+
+    def _unusable(self, root: Path, reason: str, detail: str) -> None:
+        self.metrics.snapshot_failures.labels(reason=reason).inc()
+        log.error("state dir %s unusable (%s): running memory-only", root, detail)
+
+    @staticmethod
+    def _sweep_files(j: Journal, stale: list[int]) -> None:
+        j.remove(stale)
+        for path in j.temps():
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def close(self) -> None:
+        """Write what is queued (one commit: quick at any backlog) and stop."""
+        await self._shutdown(drain=True)
+
+    async def abandon(self) -> None:
+        """Stop without writing anything more, as a crash would (for tests)."""
+        await self._shutdown(drain=False)
+
+    async def _shutdown(self, *, drain: bool) -> None:
+        self._closing = True
+        if self._maintainer is not None:
+            await cancel_and_wait(self._maintainer)
+            self._maintainer = None
+        if self._committer is not None:
+            await self._committer.stop(drain=drain)
+            self._committer = None
+        if self.journal is not None:
+            self.journal.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    async def flush(self) -> bool:
+        """Commit what is queued, compact, and write a checkpoint now; True when durable."""
+        if self._committer is None:
+            return False
+        await self._committer.write()
+        return await self._checkpoint()
+
+    async def commit(self, record: Record | None = None) -> None:
+        """Until `record`'s entries (or, without one, everything queued so far) are durable.
+
+        In `ack` mode raises StoreFailure(WRITE_FAILED) when they could not be written:
+        the turn must not be acknowledged. `relaxed` and memory-only stores return at once.
+        """
+        committer = self._committer
+        if record is not None:
+            failure = self._failed.get(record.id)
+            if failure is not None and record.id not in self._records:
+                raise failure
+            pending = self._uncommitted.get(record.id)
+            if pending is None or pending[0] is not record:
+                return
+            future: asyncio.Future[Any] | None = pending[1]
+        else:
+            future = committer.pending() if committer is not None else None
+        if future is None or self.durability != "ack":
+            return
+        error = await asyncio.shield(future)
+        if error is not None:
+            raise _unavailable(error)
+
+    async def wait_for_room(self) -> None:
+        """Backpressure: while more bytes wait for the journal than half the resident
+        budget, a new turn waits (at most `backpressure_timeout`) for a commit."""
+        committer, budget = self._committer, self.resident.max_bytes // 2
+        if committer is None or committer.queued_bytes <= budget:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.backpressure_timeout):
+                while committer.queued_bytes > budget and (f := committer.pending()):
+                    await asyncio.shield(f)
+
+    def _restore(self, loaded: Loaded) -> None:
+        """Build records and segments from what start-up read."""
+        now = self.clock()
+        infos = loaded.segments
+        made: dict[int, Segment | None] = {}
+        strings: dict[str, str] = {}
+        self._sid = max(loaded.next_sid, 1) - 1
+
+        def segment(sid: int) -> Segment | None:
+            if sid in made:
+                return made[sid]
+            info = infos.get(sid)
+            seg: Segment | None = None
+            if info is not None and info.pack in loaded.sizes:
+                seg = self._segments.get(info.key)
+                if seg is None:
+                    seg = Segment.restore(
+                        sys.intern(info.key), info.size, info.n_items, info.call_ids,
+                        durable=True, data=b"" if not info.size else None,
+                    )  # fmt: skip
+                    seg.sid = sid
+                    self._segments[seg.key] = seg
+                    self._locate(seg, info.pack, info.offset, info.length)
+            made[sid] = seg
+            return seg
+
+        def intern(value: str | None) -> str | None:
+            return None if value is None else strings.setdefault(value, value)
+
+        missing = 0
+        for row in loaded.records.values():
+            try:
+                rid, scope, created, expires, chain_sids, resp_sid = row[:6]
+                output_at, backend, affinity, n_items, stored = row[6:11]
+            except ValueError:
+                continue
+            if expires <= now:
+                continue
+            chain = tuple(segment(s) for s in chain_sids)
+            response = segment(resp_sid)
+            if response is None or None in chain:
+                missing += 1
+                self._tombstone(rid, FailureReason.MISSING)
+                continue
+            segs: tuple[Segment, ...] = chain  # type: ignore[assignment]
+            for seg in (*segs, response):
+                self._hold(seg, durable=True)
+            self._records[rid] = Record(
+                id=rid,
+                scope=intern(scope),  # type: ignore[arg-type]
+                created_at=created,
+                expires_at=expires,
+                durable=True,
+                segments=segs,
+                response=response,
+                backend=intern(backend),
+                affinity_key=intern(affinity),
+                n_items=n_items,
+                output_at=(output_at[0], output_at[1]) if output_at else None,
+                stored=stored,
+            )
+        for seg in list(self._segments.values()):
+            if seg.refs == 0:  # in the journal, but no live record needs it
+                self._unlocate(seg)
+                del self._segments[seg.key]
+        if missing:
+            self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(missing)
+            log.warning("journal: %d records need segments that are gone", missing)
+        self._pack_size.update(loaded.sizes)
+        self._replay_from = loaded.replay_from
+        first, start = loaded.replay_from
+        self._since_checkpoint = sum(
+            size - (start if p == first else 0) for p, size in loaded.sizes.items() if p >= first
+        )
+        if self._since_checkpoint or loaded.error:
+            self._dirty_at = time.monotonic()
+        with contextlib.suppress(OSError):
+            self._checkpoint_size = (self.state_dir / journal.CHECKPOINT).lstat().st_size  # type: ignore[operator]
+        self._enforce_bounds()
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def lookup(self, scope: str, response_id: str) -> Record:
+        """The caller's record for `response_id`, or StoreFailure (another scope = unknown)."""
+        record = self._records.get(response_id)
+        if record is None or record.scope != scope:
+            if record is None and response_id in self._tombstones:
+                raise StoreFailure(self._tombstones[response_id])
+            raise StoreFailure(FailureReason.UNKNOWN)
+        if record.expires_at <= self.clock():
+            self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+            raise StoreFailure(FailureReason.EXPIRED)
+        return record
+
+    async def history(self, record: Record) -> list[bytes]:
+        """The chain's segment bytes, oldest first (empty segments left out)."""
+        segments = record.segments
+        datas = [s.data for s in segments]
+        if None in datas:
+            return [d for d in await self._fetch(segments) if d]
+        self.resident.touch_all(segments)
+        return [d for d in datas if d]
+
+    async def response_bytes(self, record: Record) -> bytes:
+        """The stored response object, with its output items put back when they were cut."""
+        if record.output_at is None:
+            (skeleton,) = await self._fetch((record.response,))
+            return skeleton
+        skeleton, own = await self._fetch((record.response, record.segments[-1]))
+        offset, length = record.output_at
+        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+
+    async def _fetch(self, segments: Sequence[Segment]) -> list[bytes]:
+        """Bytes of each segment, reading the non-resident ones from the journal in a
+        thread and taking them back into the resident tier."""
+        datas = [s.data for s in segments]
+        cold = list({id(s): s for s, d in zip(segments, datas, strict=True) if d is None}.values())
+        for segment in cold:
+            if segment.lost is not None:
+                raise StoreFailure(FailureReason(segment.lost), segment.key)
+            if not segment.on_disk or self.journal is None:
+                raise StoreFailure(FailureReason.EVICTED, segment.key)
+        results: list[Any] = []
+        if cold:
+            assert self.journal is not None
+            jobs = [(s.key, s.size, s.pack, s.offset, s.length) for s in cold]
+            results = await self._offload(self.journal.read_many, jobs)
+        got: dict[int, bytes] = {}
+        failure: StoreFailure | None = None
+        for segment, result in zip(cold, results, strict=True):
+            live = self._segments.get(segment.key) is segment
+            if isinstance(result, bytes):
+                self.metrics.spill_reads.inc()
+                got[id(segment)] = result
+                if live and segment.data is None:
+                    segment.data = result
+                    self._admit(segment)
+                continue
+            self.metrics.spill_failures.labels(reason=str(result.reason)).inc()
+            log.warning("journal read failed for segment %s: %s", segment.key[:12], result)
+            if live and result.reason != FailureReason.READ_FAILED and segment.data is None:
+                self._unlocate(segment)
+                segment.lost = segment.lost or str(result.reason)
+            failure = failure or StoreFailure(FailureReason(segment.lost or result.reason))
+        if failure is not None:
+            raise failure
+        if got:
+            self._enforce_bounds()
+        return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
+
+    # -- changes -------------------------------------------------------------------------
+
+    def put(self, turn: Turn, parent: Record | None) -> Record:
+        """Remember a finished turn on top of its parent's chain. A durable one is queued
+        for the journal: `await commit(record)` before acknowledging it."""
+        now = self.clock()
+        old = self._records.get(turn.response_id)
+        if old is not None:  # a reused id: drop the old record before its segments are shared
+            self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
+        durable = turn.durable and (parent is None or parent.durable)
+        own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=False))
+        skeleton, output_at = split_output(turn.response, turn.items)
+        response = self._intern(Segment(skeleton, 0, frozenset(), durable=False))
+        if parent is None:
+            chain: tuple[Segment, ...] = (own,)
+        elif self._records.get(parent.id) is parent:
+            chain = (*parent.segments, own)
+        else:  # dropped meanwhile, or another store's record: take its segments in
+            chain = (*(self._adopt(s, durable) for s in parent.segments), own)
+        record = Record(
+            id=turn.response_id,
+            scope=turn.scope,
+            created_at=now,
+            expires_at=now + self.ttl,
+            durable=durable,
+            segments=chain,
+            response=response,
+            backend=turn.backend,
+            affinity_key=turn.affinity_key,
+            n_items=(parent.n_items if parent else 0) + turn.n_items,
+            output_at=output_at,
+            stored=turn.stored,
+        )
+        for segment in (*chain, response):
+            self._hold(segment, durable=durable)
+        self._records[record.id] = record
+        self._tombstones.pop(record.id, None)
+        self._failed.pop(record.id, None)
+        if durable and self._committer is not None:
+            self._journal_put(record)
+        self._enforce_bounds()
+        return record
+
+    def delete(self, scope: str, response_id: str) -> bool:
+        """Forget a record (journaled: `await commit()` before acknowledging)."""
+        record = self._records.get(response_id)
+        if record is None or record.scope != scope:
+            return False
+        self._drop(record, None, None)
+        return True
+
+    def sweep(self) -> int:
+        """Drop expired records; returns how many (not journaled: replay drops them too)."""
+        now = self.clock()
+        expired = [r for r in self._records.values() if r.expires_at <= now]
+        for record in expired:
+            self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+        return len(expired)
+
+    def _journal_put(self, record: Record) -> None:
+        committer = self._committer
+        assert committer is not None
+        for segment in (*record.segments, record.response):
+            if segment.pack < 0 and segment.key not in self._unwritten:
+                self._journal_segment(segment)
+        future = committer.submit(PUT, orjson.dumps(journal.record_row(record)), record)
+        self._uncommitted[record.id] = (record, future)
+        self._changed()
+
+    def _journal_segment(self, segment: Segment, blob: bytes | None = None) -> None:
+        """Queue a segment's bytes (`blob`: already compressed, moved by compaction)."""
+        assert self._committer is not None
+        data = segment.data if blob is None else None
+        if blob is None and data is None:
+            return  # lost: records needing it are dropped at replay, as they are now
+        if not segment.sid:
+            self._sid += 1
+            segment.sid = self._sid
+        row = journal.segment_row(segment)
+        size = len(blob) if blob is not None else segment.size
+        self._committer.submit(SEG, (row, data, blob), segment, size)
+        self._unwritten[segment.key] = segment
+
+    def _changed(self) -> None:
+        if self._dirty_at is None:
+            self._dirty_at = time.monotonic()
+
+    def _applied(self, outcome: Outcome) -> None:
+        """A commit's outcome, applied to the index (the committer's callback)."""
+        subjects = outcome.subjects
+        if outcome.error is not None:
+            self._commit_failed(outcome)
+            return
+        self.metrics.journal_commits.inc()
+        if not self.available:
+            log.warning("journal writes succeed again: store available")
+        self.available = True
+        assert outcome.places is not None
+        self._pack_size[outcome.pack] = outcome.size
+        self._since_checkpoint += outcome.written
+        for (kind, _), subject, place in zip(outcome.jobs, subjects, outcome.places, strict=True):
+            if kind == SEG:
+                self._segment_written(subject, place)
+            elif kind == PUT:
+                pending = self._uncommitted.get(subject.id)
+                if pending is not None and pending[0] is subject:
+                    del self._uncommitted[subject.id]
+        if self._over_disk() or self._since_checkpoint >= self.checkpoint_bytes:
+            self._wanted.set()
+
+    def _segment_written(self, segment: Segment, place: tuple[int, int, int]) -> None:
+        if self._unwritten.get(segment.key) is segment:
+            del self._unwritten[segment.key]
+        self.metrics.spill_writes.inc()
+        if self._segments.get(segment.key) is not segment or not segment.durable:
+            return  # dropped meanwhile: its bytes in the journal are garbage
+        if segment.pack >= 0:
+            self._unlocate(segment)  # moved by compaction
+        self._locate(segment, *place)
+        if segment.key not in self.resident:  # only held for the write
+            if segment.size:
+                segment.data = None
+        elif not segment.n_items and segment.size:
+            # A response object (no items): only GET /v1/responses/{id} reads it, so once
+            # durable it leaves memory to the hot chain segments.
+            self.resident.remove(segment)
+            segment.data = None
+
+    def _commit_failed(self, outcome: Outcome) -> None:
+        error = outcome.error
+        assert error is not None
+        reason = errno.errorcode.get(error.errno or 0, "error")
+        self.metrics.store_write_failures.labels(reason=reason).inc()
+        self.available = False
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY:
+            more = f" ({self._failures_unlogged} more since the last warning)"
+            log.warning(
+                "journal write failed (%s): turns are not acknowledged%s",
+                error,
+                more if self._failures_unlogged else "",
+            )
+            self._logged_at, self._failures_unlogged = now, 0
+        else:
+            self._failures_unlogged += 1
+        failure = _unavailable(error)
+        for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
+            if kind == SEG:
+                seg: Segment = subject
+                if self._unwritten.get(seg.key) is seg:
+                    del self._unwritten[seg.key]
+                if seg.key not in self.resident and seg.pack < 0 and seg.size:
+                    seg.data = None  # only held for the write: not kept while disk is full
+                    seg.lost = str(FailureReason.WRITE_FAILED)
+            elif kind == PUT:
+                pending = self._uncommitted.get(subject.id)
+                if pending is None or pending[0] is not subject:
+                    continue
+                del self._uncommitted[subject.id]
+                if self.durability == "ack" and self._records.get(subject.id) is subject:
+                    self._drop(subject, None, None, journaled=False)  # never acknowledged
+                    self._failed[subject.id] = failure
+                    if len(self._failed) > _TOMBSTONES:
+                        self._failed.popitem(last=False)
+        self._enforce_bounds()
+
+    def _admit(self, segment: Segment) -> None:
+        if segment.size:
+            self.resident.admit(segment)
+
+    def _intern(self, segment: Segment) -> Segment:
+        existing = self._segments.get(segment.key)
+        if existing is None:
+            self._segments[segment.key] = segment
+            self._admit(segment)
+            return segment
+        if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
+            existing.data = segment.data
+            existing.lost = None
+        self._admit(existing)
+        return existing
+
+    def _adopt(self, segment: Segment, durable: bool) -> Segment:
+        """This store's segment for a segment object it does not index, for a record that
+        is `durable` or not. Bytes it forgot but the journal still holds are taken back."""
+        mine = self._segments.get(segment.key)
+        if mine is segment:
+            return mine
+        if mine is not None:
+            if mine.data is None and segment.data is not None:
+                mine.data, mine.lost = segment.data, None
+                self._admit(mine)
+            return mine
+        copy = Segment.restore(
+            segment.key,
+            segment.size,
+            segment.n_items,
+            segment.call_ids,
+            durable=False,
+            data=segment.data,
+        )
+        self._segments[copy.key] = copy
+        if copy.data is not None:
+            self._admit(copy)
+            return copy
+        ghost = self._ghosts.pop(copy.key, None)
+        if durable and ghost is not None and ghost[0] in self._pack_size:
+            copy.sid = ghost[3]
+            self._locate(copy, *ghost[:3])
+        else:
+            copy.lost = str(FailureReason.EVICTED)
+        return copy
+
+    def _tombstone(self, response_id: str, reason: FailureReason) -> None:
+        self._tombstones[response_id] = reason
+        if len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _drop(
+        self,
+        record: Record,
+        reason: FailureReason | None,
+        label: str | None,
+        *,
+        journaled: bool = True,
+    ) -> None:
+        del self._records[record.id]
+        if reason is not None:
+            self._tombstone(record.id, reason)
+        if label is not None:
+            self.metrics.store_evictions.labels(reason=label).inc()
+        if record.durable and self._committer is not None:
+            pending = self._uncommitted.get(record.id)
+            if pending is not None and pending[0] is record:
+                # Its PUT is queued: the DEL must follow it, or the record comes back.
+                journaled = True
+            if journaled:
+                self._committer.submit(DEL, orjson.dumps(record.id), None)
+                self._changed()
+        for segment in (*record.segments, record.response):
+            self._release(segment, durable=record.durable)
+
+    def _hold(self, segment: Segment, *, durable: bool) -> None:
+        """A record takes the segment. A segment may reach disk while, and only while, a
+        durable record holds it: store:false content shared by a store:true turn (the
+        same bytes, content-addressed) stops being durable when that turn goes."""
+        segment.refs += 1
+        if durable:
+            segment.durable_refs += 1
+            segment.durable = True
+
+    def _release(self, segment: Segment, *, durable: bool) -> None:
+        segment.refs -= 1
+        if durable:
+            segment.durable_refs -= 1
+            if segment.durable_refs <= 0:
+                segment.durable = False
+                if segment.refs > 0:
+                    self._undurable(segment)
+        if segment.refs <= 0:
+            self._forget(segment)
+
+    def _undurable(self, segment: Segment) -> None:
+        """Only records that may not reach disk still hold the segment: the journal's copy
+        no longer counts (compaction drops it); bytes only there go with it."""
+        if segment.on_disk:
+            self._unlocate(segment)
+            if segment.data is None:
+                segment.lost = str(FailureReason.EVICTED)
+
+    def _forget(self, segment: Segment) -> None:
+        # The object keeps its bytes for anyone still holding it (an in-flight exchange's
+        # parent record); put() adopts them back.
+        del self._segments[segment.key]
+        self.resident.remove(segment)
+        if segment.pack >= 0:  # an in-flight child may still need it (see _adopt)
+            self._ghosts[segment.key] = (segment.pack, segment.offset, segment.length, segment.sid)
+            if len(self._ghosts) > _TOMBSTONES:
+                self._ghosts.popitem(last=False)
+        self._unlocate(segment)
+
+    # -- where segment bytes are (the keydir) ---------------------------------------------
+
+    def _locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
+        segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
+        self._packs.setdefault(pack, {})[segment.key] = segment
+        self._pack_live[pack] = self._pack_live.get(pack, 0) + length
+        self._live_bytes += length
+
+    def _unlocate(self, segment: Segment) -> None:
+        pack = segment.pack
+        if pack < 0:
+            return
+        held = self._packs.get(pack)
+        if held is not None and held.get(segment.key) is segment:
+            del held[segment.key]
+            self._pack_live[pack] -= segment.length
+            self._live_bytes -= segment.length
+            self._left_at[pack] = self._captures
+        segment.pack = -1
+
+    def _drop_pack_accounting(self, pack: int) -> None:
+        self._packs.pop(pack, None)
+        self._pack_live.pop(pack, None)
+        self._pack_size.pop(pack, None)
+        self._left_at.pop(pack, None)
+
+    def _enforce_bounds(self) -> None:
+        while len(self._records) > self.max_entries:
+            self._drop(next(iter(self._records.values())), FailureReason.EVICTED, "max_entries")
+        for segment in self.resident.evict_over_budget():
+            if segment.on_disk:
+                segment.data = None  # the journal holds it: just release the bytes
+            elif segment.key in self._unwritten:
+                pass  # released when its commit lands
+            elif segment.durable and self._committer is not None:
+                self._journal_segment(segment)  # (a failed commit's) bytes: write them now
+            else:  # store:false content, or no journal: gone
+                segment.data = None
+                segment.lost = str(FailureReason.EVICTED)
+                self.metrics.store_evictions.labels(reason="resident_bytes").inc()
+
+    # -- maintenance: disk cap, compaction, checkpoint -------------------------------------
+
+    async def _maintain(self) -> None:
+        probed = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(MAINTAIN_EVERY):
+                    await self._wanted.wait()
+            self._wanted.clear()
+            try:
+                committer = self._committer
+                if committer is None:
+                    return
+                if not self.available and committer.pending() is None:
+                    if time.monotonic() - probed >= 1.0:  # does the disk take writes again?
+                        probed = time.monotonic()
+                        committer.submit(NOP, b"", None)
+                    continue
+                over = self._over_disk()
+                due = self._since_checkpoint >= self.checkpoint_bytes or (
+                    self._dirty_at is not None
+                    and time.monotonic() - self._dirty_at >= self.checkpoint_age
+                )
+                if over or due:
+                    await self._checkpoint()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let maintenance die; the next round retries
+                log.exception("store maintenance failed")
+
+    def _over_disk(self) -> bool:
+        return self._live_bytes + self._checkpoint_size > self.max_disk_bytes * DISK_KEEP
+
+    def _evict_for_disk(self) -> None:
+        """The oldest durable records go (journaled, like a delete) until what the store
+        keeps on disk (live segments, with the checkpoint) is back under DISK_KEEP of
+        --max-disk-bytes; the rest is room for the journal's tail, compaction's garbage
+        and the next checkpoint."""
+        keep = self.max_disk_bytes * DISK_KEEP
+        # The checkpoint shrinks too once it no longer names the evicted records.
+        target = max(keep - self._checkpoint_size, keep / 2)
+        for record in list(self._records.values()):
+            if self._live_bytes <= target:
+                return
+            if record.durable and record.id not in self._uncommitted:
+                self._drop(record, FailureReason.EVICTED, "disk_bytes")
+
+    async def _compact(self) -> None:
+        """Re-append the live segments of sparse files the checkpoint covers."""
+        assert self.journal is not None and self._committer is not None
+        first = self._replay_from[0]
+        moves: list[Segment] = []
+        for pack, size in list(self._pack_size.items()):
+            live = self._pack_live.get(pack, 0)
+            if pack < first and 0 < live < size * COMPACT_BELOW:
+                moves.extend(self._packs[pack].values())
+        if not moves:
+            return
+        jobs = [(s.pack, s.offset, s.length) for s in moves]
+        blobs = await self._offload(self.journal.read_blobs, jobs)
+        for segment, blob, (pack, offset, _) in zip(moves, blobs, jobs, strict=True):
+            if blob is None or segment.pack != pack or segment.offset != offset:
+                continue
+            if self._segments.get(segment.key) is segment and segment.key not in self._unwritten:
+                self._journal_segment(segment, blob)
+        await self._committer.write()
+
+    async def _checkpoint(self) -> bool:
+        """Compact, then capture the index at a fresh journal file, encode it in chunks (the
+        loop runs between them), write it, and remove the files it makes unneeded."""
+        async with self._checkpointing:
+            return await self._checkpoint_now()
+
+    async def _checkpoint_now(self) -> bool:
+        committer, j = self._committer, self.journal
+        if committer is None or j is None:
+            return False
+        if self._over_disk():
+            self._evict_for_disk()
+        await self._compact()
+        async with committer.io:
+            position = await self._offload(j.rotate)
+            self._pack_size[position[0]] = 0
+            self._captures += 1
+            capture = self._captures
+            records = [
+                r for r in self._records.values() if r.durable and r.id not in self._uncommitted
+            ]
+            segments = list(self._segments.values())
+            next_sid = self._sid + 1
+            dirty_before = self._dirty_at
+            since = self._since_checkpoint
+            self._dirty_at = None if not committer.pending() else time.monotonic()
+            self._since_checkpoint = 0
+        chunks = [journal.encode_head(position, self.clock(), next_sid)]
+        n_segs = n_recs = 0
+        for start in range(0, len(segments), CHUNK):
+            rows = [
+                [*journal.segment_row(s), s.pack, s.offset, s.length]
+                for s in segments[start : start + CHUNK]
+                if s.pack >= 0 and s.sid
+            ]
+            n_segs += len(rows)
+            chunks.append(journal.encode_chunk(journal.SEGS, rows))
+            await asyncio.sleep(0)
+        for start in range(0, len(records), CHUNK):
+            rows = [
+                journal.record_row(r)
+                for r in records[start : start + CHUNK]
+                if r.response.pack >= 0 and all(s.pack >= 0 for s in r.segments)
+            ]
+            n_recs += len(rows)
+            chunks.append(journal.encode_chunk(journal.RECS, rows))
+            await asyncio.sleep(0)
+        chunks.append(journal.encode_end(n_segs, n_recs))
+        try:
+            size = await self._offload(j.write_checkpoint, chunks)
+        except OSError as exc:
+            self.metrics.snapshot_failures.labels(reason="write_failed").inc()
+            log.warning("checkpoint not written: %s", exc)
+            self._dirty_at = dirty_before or time.monotonic()
+            self._since_checkpoint += since
+            return False
+        self.metrics.snapshot_writes.inc()
+        self._replay_from, self._checkpoint_size = position, size
+        doomed = [
+            p
+            for p in self._pack_size
+            if p < position[0] and not self._pack_live.get(p) and self._left_at.get(p, -1) < capture
+        ]
+        if doomed:
+            await committer.run_locked(j.remove, doomed)
+            for pack in doomed:
+                self._drop_pack_accounting(pack)
+        log.debug("checkpoint %d: %d records, %d bytes", capture, n_recs, size)
+        return True
+
+    # -- introspection -------------------------------------------------------------------
+
+    def snapshot_age(self) -> float:
+        return 0.0 if self._dirty_at is None else time.monotonic() - self._dirty_at
+
+    def journal_lag(self) -> float:
+        committer = self._committer
+        if committer is None or committer.oldest is None:
+            return 0.0
+        return time.monotonic() - committer.oldest
+
+    def disk_bytes(self) -> int:
+        return sum(self._pack_size.values()) + self._checkpoint_size
+
+    def stats(self) -> StoreStats:
+        committer = self._committer
+        return StoreStats(
+            records=len(self._records),
+            segments=len(self._segments),
+            resident_segments=len(self.resident),
+            resident_bytes=self.resident.bytes,
+            disk_segments=sum(len(p) for p in self._packs.values()),
+            disk_bytes=self.disk_bytes(),
+            live_bytes=self._live_bytes + self._since_checkpoint + self._checkpoint_size,
+            pending_segments=len(self._unwritten),
+            pending_bytes=committer.queued_bytes if committer else 0,
+            snapshot_age=self.snapshot_age() if self._dirty_at is not None else None,
+            available=self.available,
+        )
+
+    def _gauges(self) -> None:
+        """The store's gauges are read when /metrics is scraped, never kept up to date on
+        the request path. They reach the store through a weak reference: registering them
+        must not keep a store (a closed WebSocket connection's, say) and its bytes alive."""
+        ref = weakref.ref(self)
+
+        def gauge(read: Callable[[Store], float]) -> Callable[[], float]:
+            return lambda: read(store) if (store := ref()) is not None else 0.0
+
+        m = self.metrics
+        m.store_entries.labels(tier="records").set_function(gauge(lambda s: len(s._records)))
+        m.store_entries.labels(tier="resident").set_function(gauge(lambda s: len(s.resident)))
+        m.store_bytes.labels(tier="resident").set_function(gauge(lambda s: s.resident.bytes))
+        m.store_capacity_entries.labels(tier="records").set(self.max_entries)
+        m.store_capacity_bytes.labels(tier="resident").set(self.resident.max_bytes)
+        if self.state_dir is not None:
+            m.store_capacity_bytes.labels(tier="disk").set(self.max_disk_bytes)
+            disk_segments = gauge(lambda s: sum(len(p) for p in s._packs.values()))
+            m.store_entries.labels(tier="disk").set_function(disk_segments)
+            m.store_bytes.labels(tier="disk").set_function(gauge(lambda s: s.disk_bytes()))
+            m.store_bytes.labels(tier="pending").set_function(
+                gauge(lambda s: s._committer.queued_bytes if s._committer else 0)
+            )
+            m.snapshot_age.set_function(gauge(lambda s: s.snapshot_age()))
+            m.journal_lag.set_function(gauge(lambda s: s.journal_lag()))
+            m.store_available.set_function(gauge(lambda s: 1.0 if s.available else 0.0))
+
+    def check(self) -> list[str]:
+        """Index and journal drift, for tests and `state verify`; call it while idle (it
+        reads the journal directory, blocking). Empty when refcounts, byte counts, files
+        and locations agree."""
+        from ocxproxy.store.check import check_store
+
+        return check_store(self)
+
+    # -- read-only views for check.py -----------------------------------------------------
+
+    def records(self) -> list[Record]:
+        return list(self._records.values())
+
+    def segments(self) -> dict[str, Segment]:
+        return dict(self._segments)
+
+    def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
+        """Journal file -> (segments located there, their bytes, the file's size)."""
+        return {
+            p: (dict(self._packs.get(p, {})), self._pack_live.get(p, 0), size)
+            for p, size in self._pack_size.items()
+        }
+
+    def pending_keys(self) -> set[str]:
+        return set(self._unwritten)
+
+
+def _unavailable(error: OSError) -> StoreFailure:
+    name = errno.errorcode.get(error.errno or 0, "error")
+    return StoreFailure(FailureReason.WRITE_FAILED, f"{name}: {error.strerror or error}")
+
+
+def split_output(response: bytes, items: bytes) -> tuple[bytes, tuple[int, int] | None]:
+    """Cut from `response` the leading bytes of its output array that equal the tail of
+    `items` (the same serialized output items), so they are stored once. Any cut is
+    verified byte for byte, so putting them back always restores `response` exactly."""
+    start = response.find(_OUTPUT)
+    if start < 0:
+        return response, None
+    start += len(_OUTPUT)
+    probe = response[start : start + 64]
+    if not probe or probe.startswith(b"]"):
+        return response, None
+    at = items.find(probe)
+    for _ in range(4):
+        if at < 0:
+            break
+        length = len(items) - at
+        if response.startswith(items[at:], start):
+            return response[:start] + response[start + length :], (start, length)
+        at = items.find(probe, at + 1)
+    return response, None

@@ -1,0 +1,154 @@
+"""The journal's files: framing, checksums, the checkpoint, reads, and what replay makes
+of damaged or arbitrary bytes (it reports, never raises)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.model import Segment
+from ocxproxy.store import journal
+from ocxproxy.store.journal import DEL, PUT, SEG, Journal, Loaded
+from tests.store.helpers import HYPOTHESIS
+
+
+def segment(data: bytes, sid: int) -> Segment:
+    seg = Segment(data, 1, frozenset({"call_1"}), durable=True)
+    seg.sid = sid
+    return seg
+
+
+def row(rid: str, sids: list[int], response: int) -> bytes:
+    import orjson
+
+    return orjson.dumps([rid, "s", 1.0, 2e10, sids, response, None, None, None, 1, True])
+
+
+def opened(tmp_path: Path) -> Journal:
+    j = Journal(tmp_path)
+    j.prepare()
+    j.open_next()
+    return j
+
+
+def test_append_read_back_and_replay(tmp_path: Path) -> None:
+    j = opened(tmp_path)
+    a, b = segment(b'{"a":1}' * 50, 1), segment(b'{"b":2}', 2)
+    places = j.append(
+        [
+            (SEG, (journal.segment_row(a), a.data, None)),
+            (SEG, (journal.segment_row(b), b.data, None)),
+            (PUT, row("r1", [1], 2)),
+            (PUT, row("r2", [1, 2], 2)),
+            (DEL, b'"r1"'),
+        ]
+    )
+    assert places[2:] == [None, None, None]
+    (pack, offset, length) = places[0]
+    assert pack == 1 and j.read(a.key, a.size, pack, offset, length) == a.data
+    assert stat.S_IMODE(os.stat(j.path(1)).st_mode) == 0o600
+    j.close()
+    loaded = Journal(tmp_path).load(repair=False)
+    assert list(loaded.records) == ["r2"] and loaded.cut == 0 and loaded.entries == 5
+    info = loaded.segments[1]
+    assert (info.key, info.size, info.call_ids) == (a.key, a.size, frozenset({"call_1"}))
+    assert (info.pack, info.offset, info.length) == places[0]
+    assert loaded.next_sid == 3
+
+
+def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
+    j = opened(tmp_path)
+    a = segment(b"[1]", 7)
+    (place,) = [p for p in j.append([(SEG, (journal.segment_row(a), a.data, None))]) if p]
+    position = j.rotate()
+    j.write_checkpoint(
+        [
+            journal.encode_head(position, 123.0, 8),
+            journal.encode_chunk(journal.SEGS, [[*journal.segment_row(a), *place]]),
+            journal.encode_chunk(
+                journal.RECS, [list(__import__("orjson").loads(row("r", [7], 7)))]
+            ),
+            journal.encode_end(1, 1),
+        ]
+    )
+    j.append([(PUT, row("later", [7], 7))])
+    j.close()
+    loaded = Journal(tmp_path).load(repair=False)
+    assert loaded.error is None and loaded.replay_from == position
+    assert list(loaded.records) == ["r", "later"] and loaded.entries == 1
+    assert loaded.checkpoint_at == 123.0 and loaded.next_sid == 8
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "empty", "counts"])
+def test_a_damaged_checkpoint_is_reported_not_used(tmp_path: Path, damage: str) -> None:
+    head = journal.encode_head((1, 0), 1.0, 1)
+    good = head + journal.encode_chunk(journal.RECS, []) + journal.encode_end(0, 0)
+    raw = {
+        "truncated": good[:-3],
+        "flipped": good[:10] + bytes([good[10] ^ 1]) + good[11:],
+        "empty": b"",
+        "counts": head + journal.encode_end(5, 0),
+    }[damage]
+    (tmp_path / journal.CHECKPOINT).write_bytes(raw)
+    loaded = Journal(tmp_path).load(repair=False)
+    assert loaded.error is not None and loaded.records == {}
+
+
+def test_reads_check_the_digest_and_never_follow_a_symlink(tmp_path: Path) -> None:
+    j = opened(tmp_path)
+    a = segment(b"hello world", 1)
+    (place,) = j.append([(SEG, (journal.segment_row(a), a.data, None))])
+    with pytest.raises(StoreFailure) as info:
+        j.read(hashlib.sha256(b"other").hexdigest(), a.size, *place)
+    assert info.value.reason == FailureReason.CORRUPT
+    with pytest.raises(StoreFailure) as info:
+        j.read(a.key, a.size, 9, 0, 10)
+    assert info.value.reason == FailureReason.MISSING
+    j.close()
+    target = tmp_path / "target"
+    j.path(1).rename(target)
+    j.path(1).symlink_to(target)
+    with pytest.raises(StoreFailure) as info:
+        Journal(tmp_path).read(a.key, a.size, *place)
+    assert info.value.reason == FailureReason.READ_FAILED
+
+
+@HYPOTHESIS
+@given(blob=st.binary(max_size=200), size=st.integers(0, 1000))
+def test_decode_of_arbitrary_bytes_raises_only_store_failure(blob: bytes, size: int) -> None:
+    try:
+        journal.decode(hashlib.sha256(b"x").hexdigest(), size, blob)
+    except StoreFailure as failure:
+        assert failure.reason == FailureReason.CORRUPT
+
+
+@HYPOTHESIS
+@given(raw=st.binary(max_size=300), cut=st.integers(0, 300))
+def test_replay_of_arbitrary_bytes_never_raises(raw: bytes, cut: int) -> None:
+    loaded = Loaded()
+    end = journal.good_prefix(raw, 0, loaded, 1)
+    assert 0 <= end <= len(raw)
+    entries = journal.frame(PUT, row("r", [1], 1)) + journal.frame(DEL, b'"r"')
+    damaged = entries[: min(cut, len(entries))] + raw
+    loaded = Loaded()
+    end = journal.good_prefix(damaged, 0, loaded, 1)
+    assert 0 <= end <= len(damaged)
+    if cut >= len(entries):  # both entries whole: put, then deleted, whatever follows
+        assert end >= len(entries) and loaded.records == {}
+    assert set(loaded.records) <= {"r"}
+
+
+@HYPOTHESIS
+@given(raw=st.binary(max_size=300))
+def test_a_checkpoint_of_arbitrary_bytes_is_an_error_never_a_crash(raw: bytes) -> None:
+    loaded = Loaded()
+    with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
+        journal.load_checkpoint(journal.encode_head((1, 0), 1.0, 1) + raw, loaded)
