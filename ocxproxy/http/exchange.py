@@ -4,8 +4,11 @@
 connection's own store first) and splices the forwarded body; `open_upstream` sends it to
 the backend its chain's affinity picks; `create` relays a JSON answer or, through
 `stream_events`, an SSE stream, and `Exchange.finish` remembers the turn before the client
-can see that it ended (C1.7). Where the answer goes is a `Reply`: an aiohttp response
-(http/responses.py) or the front end's own connection (http/front.py). No aiohttp.web here.
+can see that it ended (C1.7); with the durable store in `ack` mode `Exchange.commit` then
+holds the answer (the JSON body, the SSE or WebSocket terminal event) until the turn is
+fsynced, and turns it into a 503 storage_unavailable / `error` event when it cannot be.
+Where the answer goes is a `Reply`: an aiohttp response (http/responses.py) or the front
+end's own connection (http/front.py). No aiohttp.web here.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ocxproxy.errors import (
     FailureReason,
     OcxError,
     PreviousResponseNotFound,
+    StorageUnavailable,
     StoreFailure,
     UpstreamError,
 )
@@ -75,6 +79,7 @@ class Exchange:
     affinity_key: str | None = None
     recorded: bool = False
     finished: bool = False  # a terminal response arrived (remembered or not)
+    record: Record | None = None  # the remembered turn, until commit() has made it durable
     # For the access log: how previous_response_id resolved, the stored history's size,
     # and the usage the backend reported.
     expansion: str | None = None
@@ -106,10 +111,27 @@ class Exchange:
             affinity_key=chain_key(self.affinity_key, self.parent, response),
             stored=self.request.store,
         )
-        self.target.put(turn, self.parent)
+        self.record = self.target.put(turn, self.parent)
         self.recorded = True
-        kind = "durable" if self.durable else "memory"
-        metrics.turns_recorded.labels(kind=kind).inc()
+
+    async def commit(self) -> None:
+        """Until the turn finish() remembered is durable (a no-op unless the store is in
+        `ack` mode); StorageUnavailable when it cannot be: it must not be acknowledged."""
+        record, target = self.record, self.target
+        if record is None or target is None:
+            return
+        self.record = None
+        metrics = self.proxy.metrics
+        try:
+            await target.commit(record)
+        except StoreFailure:
+            self.recorded = False
+            metrics.turns_not_recorded.labels(reason="storage_unavailable").inc()
+            raise StorageUnavailable(
+                "The response could not be stored: the proxy's storage is unavailable "
+                "(e.g. its disk is full). Nothing was saved; retry later, or send store=false."
+            ) from None
+        metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
 
     def observe_usage(self, response: Any) -> None:
         usage = response.get("usage") if isinstance(response, dict) else None
@@ -332,14 +354,14 @@ async def create(
         if prev is not None and upstream.status == 200 and "json" in content_type:
             body = echo_previous_id(body, prev)
         answer_headers = client_headers(upstream.headers, body_rewritten=False)
-        reply.answer(upstream.status, answer_headers, body)
-        # The answer may be on the wire already, but the turn is remembered before this
-        # task yields to the loop (no await from here on), so no request can miss it.
+        # The turn is remembered, and durable, before the client can see the answer.
         if upstream.status == 200 and "json" in content_type:
             try:
                 exchange.finish(orjson.loads(body))
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
+            await exchange.commit()
+        reply.answer(upstream.status, answer_headers, body)
 
 
 async def relay_stream(
@@ -360,6 +382,8 @@ async def relay_stream(
             # The status line is out: say so in the stream, then end it; nothing is recorded.
             exchange.proxy.metrics.turns_not_recorded.labels(reason="broken_off").inc()
             await reply.write(sse_error_event(exc, _next_sequence_number(last)))
+    except StorageUnavailable as exc:  # instead of the terminal event
+        await reply.write(sse_error_event(exc, _next_sequence_number(last)))
     await reply.end()
 
 
@@ -386,9 +410,11 @@ async def stream_events(
 ) -> AsyncIterator[list[Event]]:
     """The backend's SSE events in arrival order, a batch per chunk read. Streams that
     lack spec fields are repaired; the turn is recorded before the terminal event is
-    yielded, so a continuation sent the instant it arrives resolves (C1.7). A stream that
-    ends with neither a terminal event nor an `error` one is an UpstreamError: the
-    client would otherwise take a cut-short response for a finished one."""
+    yielded, so a continuation sent the instant it arrives resolves (C1.7), and yielded
+    only once durable: the events before it, then StorageUnavailable, when it cannot be.
+    A stream that ends with neither a terminal event nor an `error` one is an
+    UpstreamError: the client would otherwise take a cut-short response for a finished
+    one."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
     echo = exchange.request.previous_response_id
@@ -399,6 +425,7 @@ async def stream_events(
             chunk = await read_chunk(upstream)
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
+        terminal = -1  # where in the batch the terminal event of a remembered turn is
         for event in events:
             if not event.data or event.data == b"[DONE]":
                 batch.append(event)
@@ -421,8 +448,16 @@ async def stream_events(
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):
                     exchange.finish(payload.get("response"))
+                    terminal = len(batch)
             last = kind
             batch.append(event)
+        if terminal >= 0:
+            try:
+                await exchange.commit()
+            except StorageUnavailable:
+                if terminal:
+                    yield batch[:terminal]
+                raise
         if batch:
             yield batch
         if not chunk:

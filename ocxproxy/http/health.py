@@ -14,10 +14,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     proxy = proxy_of(request)
-    ready = proxy.ready and proxy.pool.is_ready()
+    # A store whose journal refuses writes (disk full) cannot acknowledge stored turns:
+    # not ready, until a write succeeds again (the store probes by itself).
+    available = proxy.store.available
+    ready = proxy.ready and available and proxy.pool.is_ready()
     body = {
         "status": "ready" if ready else "not ready",
         "store_loaded": proxy.ready,
+        "store": "available" if available else "unavailable",
         "backends": {b.url: "up" if b.healthy else "down" for b in proxy.pool.backends},
     }
     return web.json_response(body, status=200 if ready else 503)

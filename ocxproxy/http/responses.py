@@ -12,7 +12,13 @@ from multidict import CIMultiDict
 
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.continuation.references import references
-from ocxproxy.errors import InvalidRequest, NotFound, PayloadTooLarge, StoreFailure
+from ocxproxy.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    StorageUnavailable,
+    StoreFailure,
+)
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import create, loads_or_none, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
@@ -127,6 +133,12 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
     response_id = request.match_info["response_id"]
     if not proxy.store.delete(scope_of(request.headers), response_id):
         raise _not_found(response_id)
+    try:
+        await proxy.store.commit()  # ack mode: the delete is durable before it is answered
+    except StoreFailure:
+        raise StorageUnavailable(
+            "The delete could not be stored: the proxy's storage is unavailable. Retry later."
+        ) from None
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -280,6 +280,7 @@ class Connection:
             exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time())
         )
         exchange.finish(response)  # before response.completed goes out (C1.7)
+        await exchange.commit()
         pending = {**response, "status": "in_progress"}
         events = (
             ("response.created", pending),

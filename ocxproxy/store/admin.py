@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ocxproxy.errors import StoreFailure
+from ocxproxy.model import Segment
 from ocxproxy.store import files, journal
-from ocxproxy.store.journal import Journal, Loaded, SegmentInfo
+from ocxproxy.store.journal import Journal, Loaded
 
 
 @dataclass(slots=True)
@@ -24,7 +25,7 @@ class StateReport:
     root: Path
     loaded: Loaded = field(default_factory=Loaded)
     checkpoint_bytes: int = 0
-    live: dict[int, SegmentInfo] = field(default_factory=dict)  # sid -> segment a record needs
+    live: dict[int, Segment] = field(default_factory=dict)  # sid -> segment a record needs
     missing: list[str] = field(default_factory=list)  # records needing an unknown segment
     temps: list[Path] = field(default_factory=list)
     checked: int = 0
@@ -73,7 +74,7 @@ def inspect(root: Path) -> StateReport:
     for row in report.loaded.records.values():
         if row[3] <= now:
             continue
-        needed = [*row[4], row[5]]
+        needed = [*(journal.chain_sids(row) or (-1,)), row[5]]  # None: its parent is gone
         if any(sid not in segments or segments[sid].pack not in report.loaded.sizes
                for sid in needed):  # fmt: skip
             report.missing.append(row[0])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ocxproxy.store.core import SEG_OVERHEAD
 from ocxproxy.store.journal import Journal
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def check_store(store: Store) -> list[str]:
     on_disk = set(j.existing())
     try:
         for pack, (held, live, size) in packs.items():
-            if sum(s.length for s in held.values()) != live:
+            if sum(s.length + SEG_OVERHEAD for s in held.values()) != live:
                 problems.append(f"journal file {pack}: live byte count drifted")
             if pack not in on_disk:
                 problems.append(f"journal file {pack} indexed but missing")

@@ -28,11 +28,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
-import sys
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +60,10 @@ BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behin
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
 CHECKPOINT_AGE = 300.0  # seconds a change may wait for a checkpoint (it is durable already)
 CHUNK = 2000  # records or segments encoded between yields to the event loop
-COMPACT_BELOW = 2 / 3  # a journal file with less live data than this is compacted
+COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
+COMPACT_BATCH = 1000  # segments moved per commit (the loop runs between)
+COMPACT_BYTES = 32 * 1024**2  # most bytes one checkpoint's compaction moves
+SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 MAINTAIN_EVERY = 0.5
 DISK_KEEP = 0.6  # share of --max-disk-bytes live segments and the checkpoint may fill
 LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
@@ -135,7 +138,7 @@ class Store:
         self._committer: Committer | None = None
         self._lock: files.DirLock | None = None
         self._maintainer: asyncio.Task[None] | None = None
-        self._packs: dict[int, dict[str, Segment]] = {}  # file -> segments located there
+        self._located = 0  # segments whose bytes the journal holds
         self._pack_live: dict[int, int] = {}  # file -> compressed bytes of those segments
         self._pack_size: dict[int, int] = {}  # file -> its size
         self._left_at: dict[int, int] = {}  # file -> capture number when a segment last left
@@ -208,7 +211,17 @@ class Store:
         if loaded.cut:
             self.metrics.journal_cut.inc(loaded.cut)
             log.warning("journal: cut %d torn or corrupt tail(s) at %s", loaded.cut, loaded.cut_at)
-        self._restore(loaded)
+        # Building 100,000s of long-lived objects at once: the cyclic GC would rescan them
+        # all, several times over, for nothing (none of them is garbage, none is in a
+        # cycle); frozen, later collections (each a pause of the event loop) skip them.
+        gc.disable()
+        try:
+            self._restore(loaded)
+            loaded.records.clear()
+            loaded.segments.clear()
+            gc.freeze()
+        finally:
+            gc.enable()
         # Files before the checkpoint that no live segment needs: a crash came between a
         # checkpoint and their removal (never when the checkpoint was unreadable).
         first = loaded.replay_from[0]
@@ -327,50 +340,64 @@ class Store:
     def _restore(self, loaded: Loaded) -> None:
         """Build records and segments from what start-up read."""
         now = self.clock()
-        infos = loaded.segments
-        made: dict[int, Segment | None] = {}
         strings: dict[str, str] = {}
         self._sid = max(loaded.next_sid, 1) - 1
-
-        def segment(sid: int) -> Segment | None:
-            if sid in made:
-                return made[sid]
-            info = infos.get(sid)
-            seg: Segment | None = None
-            if info is not None and info.pack in loaded.sizes:
-                seg = self._segments.get(info.key)
-                if seg is None:
-                    seg = Segment.restore(
-                        sys.intern(info.key), info.size, info.n_items, info.call_ids,
-                        durable=True, data=b"" if not info.size else None,
-                    )  # fmt: skip
-                    seg.sid = sid
-                    self._segments[seg.key] = seg
-                    self._locate(seg, info.pack, info.offset, info.length)
-            made[sid] = seg
-            return seg
+        by_sid: dict[int, Segment] = {}
+        for sid, seg in loaded.segments.items():
+            if seg.pack not in loaded.sizes:
+                continue  # its journal file is gone
+            known = self._segments.get(seg.key)
+            if known is None:
+                self._segments[seg.key] = seg
+                self._locate(seg, seg.pack, seg.offset, seg.length)
+            by_sid[sid] = known or seg
+        find = by_sid.__getitem__
 
         def intern(value: str | None) -> str | None:
             return None if value is None else strings.setdefault(value, value)
 
+        # A row's chain is a list of sids, or (its parent's row, its own last sid): each
+        # chain is built once from its parent's (a C-level copy), and references are
+        # counted per row times the live records under it, not per chain element.
+        memo: dict[int, tuple[Segment, ...]] = {}
+        order: list[list[Any]] = []  # rows whose chain was built, parents first
+
+        def chain_of(row: list[Any]) -> tuple[Segment, ...]:
+            stack: list[list[Any]] = []
+            while (base := memo.get(id(row))) is None:
+                link = row[4]
+                if isinstance(link, tuple):
+                    stack.append(row)
+                    row = link[0]
+                    continue
+                base = memo[id(row)] = tuple(map(find, link))  # None, a gone sid: raises
+                order.append(row)
+                break
+            for row in reversed(stack):
+                base = memo[id(row)] = (*base, find(row[4][1]))
+                order.append(row)
+            return base
+
         missing = 0
+        live: Counter[int] = Counter()  # id(row) -> live records at or under it
+        held: Counter[Segment] = Counter()
         for row in loaded.records.values():
             try:
-                rid, scope, created, expires, chain_sids, resp_sid = row[:6]
+                rid, scope, created, expires, _, resp_sid = row[:6]
                 output_at, backend, affinity, n_items, stored = row[6:11]
             except ValueError:
                 continue
             if expires <= now:
                 continue
-            chain = tuple(segment(s) for s in chain_sids)
-            response = segment(resp_sid)
-            if response is None or None in chain:
+            try:
+                segs = chain_of(row)
+                response = find(resp_sid)
+            except (KeyError, TypeError):  # a segment (or, None, a parent) that is gone
                 missing += 1
                 self._tombstone(rid, FailureReason.MISSING)
                 continue
-            segs: tuple[Segment, ...] = chain  # type: ignore[assignment]
-            for seg in (*segs, response):
-                self._hold(seg, durable=True)
+            live[id(row)] += 1
+            held[response] += 1
             self._records[rid] = Record(
                 id=rid,
                 scope=intern(scope),  # type: ignore[arg-type]
@@ -385,6 +412,21 @@ class Store:
                 output_at=(output_at[0], output_at[1]) if output_at else None,
                 stored=stored,
             )
+        for row in reversed(order):  # children after parents: sum them up the tree
+            link = row[4]
+            if isinstance(link, tuple) and live[id(row)]:
+                live[id(link[0])] += live[id(row)]
+        for row in order:
+            n = live[id(row)]
+            if n:
+                segs = memo[id(row)]
+                if isinstance(row[4], tuple):
+                    held[segs[-1]] += n  # the rest is counted at its parent's row
+                else:
+                    for seg in segs:
+                        held[seg] += n
+        for seg, n in held.items():  # every restored record is durable
+            seg.refs = seg.durable_refs = n
         for seg in list(self._segments.values()):
             if seg.refs == 0:  # in the journal, but no live record needs it
                 self._unlocate(seg)
@@ -513,7 +555,7 @@ class Store:
         self._tombstones.pop(record.id, None)
         self._failed.pop(record.id, None)
         if durable and self._committer is not None:
-            self._journal_put(record)
+            self._journal_put(record, parent)
         self._enforce_bounds()
         return record
 
@@ -533,13 +575,16 @@ class Store:
             self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
         return len(expired)
 
-    def _journal_put(self, record: Record) -> None:
+    def _journal_put(self, record: Record, parent: Record | None) -> None:
         committer = self._committer
         assert committer is not None
         for segment in (*record.segments, record.response):
             if segment.pack < 0 and segment.key not in self._unwritten:
                 self._journal_segment(segment)
-        future = committer.submit(PUT, orjson.dumps(journal.record_row(record)), record)
+        # A live durable parent's PUT precedes this one in the journal: name it.
+        named = parent is not None and self._records.get(parent.id) is parent and parent.durable
+        row = journal.record_row(record, parent.id if named and parent else None)
+        future = committer.submit(PUT, orjson.dumps(row), record)
         self._uncommitted[record.id] = (record, future)
         self._changed()
 
@@ -633,8 +678,10 @@ class Store:
                 if pending is None or pending[0] is not subject:
                     continue
                 del self._uncommitted[subject.id]
-                if self.durability == "ack" and self._records.get(subject.id) is subject:
-                    self._drop(subject, None, None, journaled=False)  # never acknowledged
+                if self._records.get(subject.id) is subject:
+                    # Not durable: in ack mode never acknowledged; in relaxed mode within
+                    # the window it may lose. Its children name it in the journal: it goes.
+                    self._drop(subject, None, None, journaled=False)
                     self._failed[subject.id] = failure
                     if len(self._failed) > _TOMBSTONES:
                         self._failed.popitem(last=False)
@@ -759,24 +806,21 @@ class Store:
 
     def _locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
         segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
-        self._packs.setdefault(pack, {})[segment.key] = segment
-        self._pack_live[pack] = self._pack_live.get(pack, 0) + length
-        self._live_bytes += length
+        self._located += 1
+        self._pack_live[pack] = self._pack_live.get(pack, 0) + length + SEG_OVERHEAD
+        self._live_bytes += length + SEG_OVERHEAD
 
     def _unlocate(self, segment: Segment) -> None:
         pack = segment.pack
         if pack < 0:
             return
-        held = self._packs.get(pack)
-        if held is not None and held.get(segment.key) is segment:
-            del held[segment.key]
-            self._pack_live[pack] -= segment.length
-            self._live_bytes -= segment.length
-            self._left_at[pack] = self._captures
+        self._located -= 1
+        self._pack_live[pack] -= segment.length + SEG_OVERHEAD
+        self._live_bytes -= segment.length + SEG_OVERHEAD
+        self._left_at[pack] = self._captures
         segment.pack = -1
 
     def _drop_pack_accounting(self, pack: int) -> None:
-        self._packs.pop(pack, None)
         self._pack_live.pop(pack, None)
         self._pack_size.pop(pack, None)
         self._left_at.pop(pack, None)
@@ -844,24 +888,40 @@ class Store:
                 self._drop(record, FailureReason.EVICTED, "disk_bytes")
 
     async def _compact(self) -> None:
-        """Re-append the live segments of sparse files the checkpoint covers."""
+        """Re-append the live segments of sparse files the checkpoint covers, in batches
+        (the loop runs between them), at most COMPACT_BYTES per checkpoint."""
         assert self.journal is not None and self._committer is not None
         first = self._replay_from[0]
-        moves: list[Segment] = []
-        for pack, size in list(self._pack_size.items()):
+        sparse: set[int] = set()
+        budget = COMPACT_BYTES
+        for pack, size in sorted(self._pack_size.items()):
             live = self._pack_live.get(pack, 0)
-            if pack < first and 0 < live < size * COMPACT_BELOW:
-                moves.extend(self._packs[pack].values())
-        if not moves:
+            if pack < first and 0 < live < size * COMPACT_BELOW and budget > 0:
+                sparse.add(pack)
+                budget -= live
+        if not sparse:
             return
-        jobs = [(s.pack, s.offset, s.length) for s in moves]
-        blobs = await self._offload(self.journal.read_blobs, jobs)
-        for segment, blob, (pack, offset, _) in zip(moves, blobs, jobs, strict=True):
-            if blob is None or segment.pack != pack or segment.offset != offset:
-                continue
-            if self._segments.get(segment.key) is segment and segment.key not in self._unwritten:
-                self._journal_segment(segment, blob)
-        await self._committer.write()
+        moves = sorted(
+            (
+                s
+                for s in self._segments.values()
+                if s.pack in sparse and s.key not in self._unwritten
+            ),
+            key=_place,
+        )
+        for start in range(0, len(moves), COMPACT_BATCH):
+            batch = moves[start : start + COMPACT_BATCH]
+            jobs = [(s.pack, s.offset, s.length) for s in batch]
+            blobs = await self._offload(self.journal.read_blobs, jobs)
+            for segment, blob, (pack, offset, _) in zip(batch, blobs, jobs, strict=True):
+                if blob is None or segment.pack != pack or segment.offset != offset:
+                    continue
+                if (
+                    self._segments.get(segment.key) is segment
+                    and segment.key not in self._unwritten
+                ):
+                    self._journal_segment(segment, blob)
+            await self._committer.write()
 
     async def _checkpoint(self) -> bool:
         """Compact, then capture the index at a fresh journal file, encode it in chunks (the
@@ -901,12 +961,21 @@ class Store:
             n_segs += len(rows)
             chunks.append(journal.encode_chunk(journal.SEGS, rows))
             await asyncio.sleep(0)
+        emitted: dict[int, Record] = {}  # id(last segment) -> a record whose row is out
         for start in range(0, len(records), CHUNK):
-            rows = [
-                journal.record_row(r)
-                for r in records[start : start + CHUNK]
-                if r.response.pack >= 0 and all(s.pack >= 0 for s in r.segments)
-            ]
+            rows = []
+            for r in records[start : start + CHUNK]:
+                segs = r.segments
+                parent = emitted.get(id(segs[-2])) if len(segs) > 1 else None
+                if parent is not None and parent.segments == segs[:-1]:
+                    if segs[-1].pack < 0 or r.response.pack < 0:
+                        continue
+                    rows.append(journal.record_row(r, parent.id))
+                else:
+                    if r.response.pack < 0 or not all(s.pack >= 0 for s in segs):
+                        continue  # evicted bytes: it would be dropped at load
+                    rows.append(journal.record_row(r))
+                emitted[id(segs[-1])] = r
             n_recs += len(rows)
             chunks.append(journal.encode_chunk(journal.RECS, rows))
             await asyncio.sleep(0)
@@ -954,7 +1023,7 @@ class Store:
             segments=len(self._segments),
             resident_segments=len(self.resident),
             resident_bytes=self.resident.bytes,
-            disk_segments=sum(len(p) for p in self._packs.values()),
+            disk_segments=self._located,
             disk_bytes=self.disk_bytes(),
             live_bytes=self._live_bytes + self._since_checkpoint + self._checkpoint_size,
             pending_segments=len(self._unwritten),
@@ -980,7 +1049,7 @@ class Store:
         m.store_capacity_bytes.labels(tier="resident").set(self.resident.max_bytes)
         if self.state_dir is not None:
             m.store_capacity_bytes.labels(tier="disk").set(self.max_disk_bytes)
-            disk_segments = gauge(lambda s: sum(len(p) for p in s._packs.values()))
+            disk_segments = gauge(lambda s: s._located)
             m.store_entries.labels(tier="disk").set_function(disk_segments)
             m.store_bytes.labels(tier="disk").set_function(gauge(lambda s: s.disk_bytes()))
             m.store_bytes.labels(tier="pending").set_function(
@@ -1007,14 +1076,19 @@ class Store:
         return dict(self._segments)
 
     def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
-        """Journal file -> (segments located there, their bytes, the file's size)."""
-        return {
-            p: (dict(self._packs.get(p, {})), self._pack_live.get(p, 0), size)
-            for p, size in self._pack_size.items()
-        }
+        """Journal file -> (segments located there, their bytes as counted, its size)."""
+        held: dict[int, dict[str, Segment]] = {p: {} for p in self._pack_size}
+        for segment in self._segments.values():
+            if segment.pack >= 0:
+                held.setdefault(segment.pack, {})[segment.key] = segment
+        return {p: (held[p], self._pack_live.get(p, 0), self._pack_size.get(p, -1)) for p in held}
 
     def pending_keys(self) -> set[str]:
         return set(self._unwritten)
+
+
+def _place(segment: Segment) -> tuple[int, int]:
+    return segment.pack, segment.offset
 
 
 def _unavailable(error: OSError) -> StoreFailure:

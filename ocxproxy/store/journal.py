@@ -84,14 +84,18 @@ def segment_row(segment: Segment) -> list[Any]:
     return [segment.sid, segment.key, segment.size, segment.n_items, ids]
 
 
-def record_row(record: Record) -> list[Any]:
-    """A record as a row: its chain and response by segment sid."""
+def record_row(record: Record, parent: str | None = None) -> list[Any]:
+    """A record as a row: its chain and response by segment sid. With `parent` (a record
+    whose chain is this one's but the last segment, named by an earlier row) the chain is
+    ["^", parent, last sid]: a row's size does not grow with the chain's depth."""
+    segments = record.segments
+    chain = ["^", parent, segments[-1].sid] if parent else [s.sid for s in segments]
     return [
         record.id,
         record.scope,
         record.created_at,
         record.expires_at,
-        [s.sid for s in record.segments],
+        chain,
         record.response.sid,
         record.output_at,
         record.backend,
@@ -101,25 +105,21 @@ def record_row(record: Record) -> list[Any]:
     ]
 
 
-@dataclass(slots=True)
-class SegmentInfo:
-    """A segment as the journal knows it: metadata and where its compressed bytes are."""
-
-    sid: int
-    key: str
-    size: int
-    n_items: int
-    call_ids: frozenset[str]
-    pack: int
-    offset: int
-    length: int
+_NO_IDS: frozenset[str] = frozenset()
 
 
-def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> SegmentInfo:
+def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
+    """A segment row (and where its bytes are) as a Segment whose bytes are not loaded."""
     sid, key, size, n_items, ids = row
     if not (isinstance(sid, int) and isinstance(key, str) and len(key) == 64):
         raise ValueError("bad segment row")
-    return SegmentInfo(sid, key, int(size), int(n_items), frozenset(ids), pack, offset, length)
+    size = int(size)
+    segment = Segment.restore(
+        key, size, int(n_items), frozenset(ids) if ids else _NO_IDS, durable=True,
+        data=None if size else b"",
+    )  # fmt: skip
+    segment.sid, segment.pack, segment.offset, segment.length = sid, pack, offset, length
+    return segment
 
 
 # -- what start-up reads -------------------------------------------------------------------
@@ -129,7 +129,7 @@ def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segmen
 class Loaded:
     """The index as of the end of the journal: checkpoint plus replay."""
 
-    segments: dict[int, SegmentInfo] = field(default_factory=dict)  # by sid
+    segments: dict[int, Segment] = field(default_factory=dict)  # by sid, not yet indexed
     records: dict[str, list[Any]] = field(default_factory=dict)  # id -> row, oldest first
     replay_from: tuple[int, int] = (0, 0)  # (file, offset) the checkpoint covers up to
     checkpoint_at: float | None = None  # when the checkpoint was written
@@ -149,11 +149,30 @@ class Loaded:
             self.segments[info.sid] = info
             self.next_sid = max(self.next_sid, info.sid + 1)
         elif kind == PUT:
-            row = orjson.loads(payload)
-            self.records.pop(row[0], None)  # a reused id moves to the end
-            self.records[row[0]] = row
+            self.put(orjson.loads(payload))
         elif kind == DEL:
             self.records.pop(orjson.loads(payload), None)
+
+    def put(self, row: list[Any]) -> None:
+        """A record row. A chain named by its parent becomes (the parent's row, last sid):
+        the very row live when it was written, even if that id is deleted or reused later
+        (None: no such parent)."""
+        chain = row[4]
+        if chain and chain[0] == "^":
+            parent = self.records.get(chain[1])
+            row[4] = None if parent is None else (parent, chain[2])
+        self.records.pop(row[0], None)  # a reused id moves to the end
+        self.records[row[0]] = row
+
+
+def chain_sids(row: list[Any]) -> list[int] | None:
+    """A loaded row's chain as sids, oldest first (None: a parent was missing)."""
+    tail: list[int] = []
+    link = row[4]
+    while isinstance(link, tuple):
+        tail.append(link[1])
+        link = link[0][4]
+    return None if link is None else [*link, *reversed(tail)]
 
 
 def entries(data: bytes | memoryview, start: int = 0) -> Iterator[tuple[int, memoryview, int]]:
@@ -230,7 +249,7 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
             counts[0] += len(doc)
         elif kind == RECS and seen_head:
             for row in doc:
-                loaded.records[row[0]] = row
+                loaded.put(row)
             counts[1] += len(doc)
         elif kind == END and seen_head:
             if list(doc) != counts or end != len(raw):

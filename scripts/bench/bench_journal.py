@@ -1,6 +1,6 @@
 """Store-level figures for the journal at scale. Prints figures; asserts nothing.
 
-    python scripts/bench/bench_journal.py [--records 100000] [--chain 10] [--clients 64]
+    python scripts/bench/bench_journal.py [--records 100000] [--chain 100] [--clients 64]
 
 1. fill: --records durable turns in chains of --chain turns, --clients turns in flight
    (each awaits its commit, as the HTTP layer does): turns/s and commits (fsyncs).
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
@@ -88,13 +87,13 @@ async def fill(state: Path, n: int, chain: int, clients: int) -> None:
     t0 = time.perf_counter()
 
     async def client() -> None:
-        parent = None
+        parent, depth = None, 0
         for i in counter:
-            if i % chain == 0:
-                parent = None
-            record = store.put(turn(f"resp_{i:07d}", i % chain), parent)
+            if depth == chain:
+                parent, depth = None, 0
+            record = store.put(turn(f"resp_{i:07d}", depth), parent)
             await store.commit(record)
-            parent = record
+            parent, depth = record, depth + 1
 
     await asyncio.gather(*(client() for _ in range(clients)))
     took = time.perf_counter() - t0
@@ -146,12 +145,12 @@ def rss_mib() -> float:
 async def restart(state: Path) -> None:
     before = rss_mib()
     store = make(state)
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     await store.start()
-    took = time.perf_counter() - t0
+    took, cpu = time.perf_counter() - t0, time.process_time() - cpu
     print(
-        f"restart: start() {took:.2f}s for {len(store)} records; RSS {rss_mib():.0f} MiB "
-        f"(interpreter + imports {before:.0f} MiB)"
+        f"restart: start() {took:.2f}s ({cpu:.2f}s CPU, both threads) for {len(store)} "
+        f"records; RSS {rss_mib():.0f} MiB (interpreter + imports {before:.0f} MiB)"
     )
     await store.close()
 
@@ -159,15 +158,16 @@ async def restart(state: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=100_000)
-    parser.add_argument("--chain", type=int, default=10)
+    parser.add_argument("--chain", type=int, default=100)
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--restart-only", metavar="DIR")
+    parser.add_argument("--restart-only", metavar="DIR", help="only time a start on DIR")
+    parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
     args = parser.parse_args()
     if args.restart_only:
         asyncio.run(restart(Path(args.restart_only)))
         return
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        state = Path(tmp) / "state"
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(args.keep or tmp) / "state"
         asyncio.run(fill(state, args.records, args.chain, args.clients))
         subprocess.run([sys.executable, __file__, "--restart-only", str(state)], check=True)
 

@@ -19,6 +19,7 @@ from ocxproxy.store import Store
 from ocxproxy.store.core import split_output
 from tests.store.helpers import (
     Clock,
+    all_bytes_under,
     checkpoint_ids,
     durable_ids,
     inline,
@@ -110,17 +111,17 @@ async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path) -> N
 
 
 async def test_disk_cap_evicts_the_oldest_segments(tmp_path: Path) -> None:
-    store = make_store(tmp_path, max_resident_bytes=300, max_disk_bytes=6000, offload=inline)
+    store = make_store(tmp_path, max_resident_bytes=300, max_disk_bytes=10_000, offload=inline)
     await store.start()
     build_chain(store, 10, prefix="old")
     await store.flush()
     build_chain(store, 10, prefix="new")
     await store.flush()
     await store.flush()  # the second checkpoint lets the files of evicted segments go
-    assert store.stats().disk_bytes <= 6000
+    assert store.stats().disk_bytes <= 10_000
     occupied = sum(p.stat().st_size for p in journal_files(tmp_path).values())
     occupied += (tmp_path / "checkpoint").stat().st_size
-    assert occupied <= 6000
+    assert occupied <= 10_000
     assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
     with pytest.raises(StoreFailure) as info:
         await store.history(store.lookup("scope-a", "old9"))
@@ -189,20 +190,21 @@ async def test_delete_is_journaled_and_compaction_drops_its_bytes(tmp_path: Path
     store = make_store(tmp_path, offload=inline)
     await store.start()
     build_chain(store, 3, prefix="keep")
-    build_chain(store, 3, prefix="gone")
+    build_chain(store, 9, prefix="gone")
     await store.flush()
-    for i in range(3):
+    for i in range(9):
         assert store.delete("scope-a", f"gone{i}")
     assert not store.delete("scope-a", "gone0")
     with pytest.raises(StoreFailure):
-        store.lookup("scope-a", "gone2")
+        store.lookup("scope-a", "gone8")
     await store.commit()
     assert durable_ids(tmp_path) == ["keep0", "keep1", "keep2"]
     await store.flush()
     assert checkpoint_ids(tmp_path) == ["keep0", "keep1", "keep2"]
     await store.flush()  # the sparse file is compacted, then removed
-    journal = b"".join(p.read_bytes() for p in journal_files(tmp_path).values())
-    assert b"gone" not in journal and store.stats().disk_segments == 6
+    everything = all_bytes_under(tmp_path)  # compressed segments opened
+    assert b"turn 0 of keep" in everything and b"of gone" not in everything
+    assert store.stats().disk_segments == 6
     assert store.check() == []
     await store.close()
 
