@@ -58,7 +58,7 @@ log = logging.getLogger("ocxproxy.store")
 _TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
-CHECKPOINT_AGE = 300.0  # seconds a change may wait for a checkpoint (it is durable already)
+CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
 CHUNK = 2000  # records or segments encoded between yields to the event loop
 COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
 COMPACT_BATCH = 1000  # segments moved per commit (the loop runs between)
@@ -652,6 +652,7 @@ class Store:
         assert error is not None
         reason = errno.errorcode.get(error.errno or 0, "error")
         self.metrics.store_write_failures.labels(reason=reason).inc()
+        self.metrics.spill_failures.labels(reason=str(FailureReason.WRITE_FAILED)).inc()
         self.available = False
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY:
