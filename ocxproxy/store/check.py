@@ -45,6 +45,14 @@ def check_store(store: Store) -> list[str]:
             problems.append(f"{key} located in journal file {segment.pack} but not indexed there")
         if segment.data is None and not segment.on_disk and segment.lost is None:
             problems.append(f"{key} has no bytes anywhere and is not marked lost")
+    indexed = 0
+    for record in store.records():
+        for item_id in record.segments[-1].item_ids.ids if record.segments else ():
+            indexed += 1
+            if not any(r is record for r in store.items.holders(record.scope, item_id)):
+                problems.append(f"{record.id}'s item {item_id} is not in the item index")
+    if store.items.entries() != indexed:
+        problems.append(f"item index holds {store.items.entries()} entries, records {indexed}")
     if sum(s.size for s in resident) != resident.bytes:
         problems.append("resident byte count drifted")
     for segment in resident:

@@ -48,6 +48,7 @@ from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import files, journal
 from ocxproxy.store.disk import Committer, Offload, Outcome
+from ocxproxy.store.items import ItemIndex
 from ocxproxy.store.journal import DEL, NOP, PUT, SEG, Journal, Loaded
 from ocxproxy.store.resident import ResidentTier
 
@@ -131,6 +132,7 @@ class Store:
         self._records: OrderedDict[str, Record] = OrderedDict()
         self._segments: dict[str, Segment] = {}
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
+        self.items = ItemIndex()
         self._failed: OrderedDict[str, StoreFailure] = OrderedDict()  # ids whose commit failed
         self._started = False
         # The disk side, all owned here: where segment bytes are, per journal file.
@@ -398,7 +400,7 @@ class Store:
                 continue
             live[id(row)] += 1
             held[response] += 1
-            self._records[rid] = Record(
+            self._records[rid] = record = Record(
                 id=rid,
                 scope=intern(scope),  # type: ignore[arg-type]
                 created_at=created,
@@ -412,6 +414,7 @@ class Store:
                 output_at=(output_at[0], output_at[1]) if output_at else None,
                 stored=stored,
             )
+            self.items.add(record)
         for row in reversed(order):  # children after parents: sum them up the tree
             link = row[4]
             if isinstance(link, tuple) and live[id(row)]:
@@ -516,6 +519,30 @@ class Store:
             self._enforce_bounds()
         return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
+    def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+        """The newest live record of `scope` whose turn added an item with this id (one a
+        client did not ask to store only with `unstored`), or StoreFailure."""
+        now = self.clock()
+        for record in self.items.holders(scope, item_id):
+            if record.expires_at <= now:
+                self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+            elif record.stored or unstored:
+                return record
+        raise StoreFailure(FailureReason.UNKNOWN)
+
+    async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
+        """Each (record, item id)'s item, as the bytes its record's own segment holds."""
+        segments = [record.segments[-1] for record, _ in found]
+        datas = await self._fetch(segments)
+        self.resident.touch_all(segments)
+        result = []
+        for segment, data, (_, item_id) in zip(segments, datas, found, strict=True):
+            span = segment.item_ids.span(item_id)
+            if span is None:  # cannot happen: the index holds only ids of own segments
+                raise StoreFailure(FailureReason.UNKNOWN)
+            result.append(data[span[0] : span[1]])
+        return result
+
     # -- changes -------------------------------------------------------------------------
 
     def put(self, turn: Turn, parent: Record | None) -> Record:
@@ -526,7 +553,9 @@ class Store:
         if old is not None:  # a reused id: drop the old record before its segments are shared
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
-        own = self._intern(Segment(turn.items, turn.n_items, turn.call_ids, durable=False))
+        own = self._intern(
+            Segment(turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids)
+        )
         skeleton, output_at = split_output(turn.response, turn.items)
         response = self._intern(Segment(skeleton, 0, frozenset(), durable=False))
         if parent is None:
@@ -552,6 +581,7 @@ class Store:
         for segment in (*chain, response):
             self._hold(segment, durable=durable)
         self._records[record.id] = record
+        self.items.add(record)
         self._tombstones.pop(record.id, None)
         self._failed.pop(record.id, None)
         if durable and self._committer is not None:
@@ -701,6 +731,8 @@ class Store:
         if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
             existing.data = segment.data
             existing.lost = None
+        if not existing.item_ids:
+            existing.item_ids = segment.item_ids
         self._admit(existing)
         return existing
 
@@ -722,6 +754,7 @@ class Store:
             segment.call_ids,
             durable=False,
             data=segment.data,
+            item_ids=segment.item_ids,
         )
         self._segments[copy.key] = copy
         if copy.data is not None:
@@ -749,6 +782,7 @@ class Store:
         journaled: bool = True,
     ) -> None:
         del self._records[record.id]
+        self.items.remove(record)
         if reason is not None:
             self._tombstone(record.id, reason)
         if label is not None:

@@ -40,7 +40,7 @@ import orjson
 import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import NO_ITEMS, ItemIds, Record, Segment
 from ocxproxy.store import files
 
 SEG, PUT, DEL, NOP = 1, 2, 3, 4
@@ -79,9 +79,14 @@ def frame(kind: int, payload: bytes) -> bytes:
 
 
 def segment_row(segment: Segment) -> list[Any]:
-    """A segment's metadata (without its location): journal SEG entries and checkpoint rows."""
+    """A segment's metadata (without its location): journal SEG entries and checkpoint rows
+    alike, so a new field is added here and in `parse_segment`, nowhere else."""
     ids = sorted(segment.call_ids) if segment.call_ids else []
-    return [segment.sid, segment.key, segment.size, segment.n_items, ids]
+    items = [list(entry) for entry in segment.item_ids] if segment.item_ids else []
+    return [segment.sid, segment.key, segment.size, segment.n_items, ids, items]
+
+
+SEGMENT_FIELDS = 6  # the length of a segment_row
 
 
 def record_row(record: Record, parent: str | None = None) -> list[Any]:
@@ -110,13 +115,16 @@ _NO_IDS: frozenset[str] = frozenset()
 
 def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
     """A segment row (and where its bytes are) as a Segment whose bytes are not loaded."""
-    sid, key, size, n_items, ids = row
+    sid, key, size, n_items, ids, items = row
     if not (isinstance(sid, int) and isinstance(key, str) and len(key) == 64):
         raise ValueError("bad segment row")
     size = int(size)
+    spans = [(str(i), int(start), int(end)) for i, start, end in items] if items else ()
+    if any(not 0 <= start <= end <= size for _, start, end in spans):
+        raise ValueError("item span outside its segment")
     segment = Segment.restore(
         key, size, int(n_items), frozenset(ids) if ids else _NO_IDS, durable=True,
-        data=None if size else b"",
+        data=None if size else b"", item_ids=ItemIds(spans) if spans else NO_ITEMS,
     )  # fmt: skip
     segment.sid, segment.pack, segment.offset, segment.length = sid, pack, offset, length
     return segment
@@ -244,7 +252,8 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
             seen_head = True
         elif kind == SEGS and seen_head:
             for row in doc:
-                info = parse_segment(row[:5], int(row[5]), int(row[6]), int(row[7]))
+                n = SEGMENT_FIELDS
+                info = parse_segment(row[:n], int(row[n]), int(row[n + 1]), int(row[n + 2]))
                 loaded.segments[info.sid] = info
             counts[0] += len(doc)
         elif kind == RECS and seen_head:

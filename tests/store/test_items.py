@@ -158,13 +158,18 @@ async def test_items_of_records_taken_from_another_store_resolve() -> None:
     assert await resolve(shared, "msg_2") == message("msg_2", "a r2")
 
 
-async def test_item_ids_survive_a_restart_and_resolve_from_disk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["journal", "checkpoint"])
+async def test_item_ids_survive_a_restart_and_resolve_from_disk(
+    tmp_path: Path, checkpoint: bool
+) -> None:
     store = make_store(tmp_path, offload=inline)
     await store.start()
     parent: Record | None = None
     for i in range(5):
         parent = store.put(turn(f"r{i}", f"msg_{i}"), parent)
     store.put(turn("gone", "msg_gone", stored=False, durable=False), None)
+    if checkpoint:  # item ids from the checkpoint's rows, not the journal's entries
+        assert await store.flush()
     await store.close()
     store = make_store(tmp_path, offload=inline)
     await store.start()
