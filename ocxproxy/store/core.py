@@ -524,10 +524,11 @@ class Store:
         client did not ask to store only with `unstored`), or StoreFailure."""
         now = self.clock()
         for record in self.items.holders(scope, item_id):
+            own = record.segments[-1]
             if record.expires_at <= now:
                 self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
-            elif record.stored or unstored:
-                return record
+            elif (record.stored or unstored) and (own.data is not None or own.on_disk):
+                return record  # (a holder whose bytes were dropped cannot serve it)
         raise StoreFailure(FailureReason.UNKNOWN)
 
     async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
