@@ -15,6 +15,8 @@ import orjson
 _NULL = re.compile(rb'"previous_response_id"\s*:\s*null')
 _SET = re.compile(rb'"previous_response_id"\s*:\s*"')
 _RESPONSE = re.compile(rb'"response"\s*:\s*\{')
+_OBJECT = re.compile(rb"\s*\{")
+_CLOSE = re.compile(rb"\s*\}")
 
 
 def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -> bytes:
@@ -25,17 +27,14 @@ def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -
     A JSON string cannot hold the member's unescaped quotes, so a match is a real member.
     """
     member = b'"previous_response_id":' + orjson.dumps(previous_id)
-    patched, count = _NULL.subn(member, data, count=1)
+    patched, count = _NULL.subn(lambda _: member, data, count=1)  # no template escapes
     if count:
         return patched
     if _SET.search(data):
         return data
-    if in_event:
-        match = _RESPONSE.search(data)
-        at = match.end() if match else -1
-    else:
-        at = data.find(b"{") + 1 if data.lstrip().startswith(b"{") else -1
-    if at <= 0:
+    match = _RESPONSE.search(data) if in_event else _OBJECT.match(data)
+    if match is None:
         return data
-    rest = data[at:].lstrip()
-    return data[:at] + member + (b"" if rest.startswith(b"}") else b",") + data[at:]
+    at = match.end()
+    empty = _CLOSE.match(data, at) is not None
+    return b"".join((data[:at], member, b"" if empty else b",", data[at:]))

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.continuation.expand import call_ids_of, serialize_items
-from ocxproxy.model import ItemIds, Turn
+from ocxproxy.model import NO_ITEMS, ItemIds, Turn
 
 
 def not_recordable_reason(response: Any) -> str | None:
@@ -64,8 +64,9 @@ def item_ids_of(parts: list[bytes], items: list[Any]) -> ItemIds:
     entries = []
     at = 0
     for part, item in zip(parts, items, strict=True):
-        item_id = item.get("id") if isinstance(item, dict) else None
-        if isinstance(item_id, str) and item_id:
-            entries.append((item_id, at, at + len(part)))
+        if type(item) is dict:
+            item_id = item.get("id")
+            if type(item_id) is str and item_id:
+                entries.append((item_id, at, at + len(part)))
         at += len(part) + 1
-    return ItemIds(entries)
+    return ItemIds(entries) if entries else NO_ITEMS

@@ -124,6 +124,7 @@ def test_echo_ignores_the_member_name_inside_strings() -> None:
     assert patched["previous_response_id"] == RID
 
 
-def test_echo_escapes_the_id() -> None:
-    odd = 'resp_"quoted"\\'
-    assert orjson.loads(echo_previous_id(b'{"id":"r"}', odd))["previous_response_id"] == odd
+@pytest.mark.parametrize("data", [b'{"id":"r"}', b'{"id":"r","previous_response_id":null}'])
+def test_echo_escapes_the_id(data: bytes) -> None:
+    odd = 'resp_"quoted"\\1\\g<0>'
+    assert orjson.loads(echo_previous_id(data, odd))["previous_response_id"] == odd
