@@ -5,7 +5,7 @@ message, and with --ids 2 an input reasoning item too) and once without, and rep
 difference in traced memory per indexed item: the index slot, the id string kept with the
 segment, and its span. Then times Store.find_item + item_bytes on the full store.
 
-    .venv/bin/python scripts/bench/bench_item_index.py [--turns 100000] [--ids 1]
+    .venv/bin/python scripts/bench/bench_item_index.py [--turns 100000] [--ids 1|2] [--resend L]
 """
 
 from __future__ import annotations
@@ -29,18 +29,28 @@ from ocxproxy.model import NO_ITEMS  # noqa: E402
 from ocxproxy.store import Store  # noqa: E402
 
 
-def make_turns(n: int, ids: int) -> list[Any]:
+def answer(text: str) -> dict[str, Any]:
+    return {
+        "id": f"msg_{secrets.token_hex(24)}",  # as long as OpenAI's ids
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+    }
+
+
+def make_turns(n: int, ids: int, resend: int) -> list[Any]:
+    """n turns. With `resend` L, conversations of L turns as the AI SDK sends them: each
+    turn's input is the whole history, its earlier answers by reference (so the segment
+    holds them again, with their ids, decoded afresh as a resolved reference is)."""
     turns = []
+    history: list[Any] = []
     for i in range(n):
-        inputs: list[Any] = [{"role": "user", "content": f"question {i}"}]
+        if resend and i % resend == 0:
+            history = []
+        inputs: list[Any] = [*history, {"role": "user", "content": f"question {i}"}]
         if ids > 1:
             inputs.append({"type": "reasoning", "id": f"rs_{secrets.token_hex(24)}", "summary": []})
-        output = {
-            "id": f"msg_{secrets.token_hex(24)}",  # as long as OpenAI's ids
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": f"answer {i}"}],
-        }
+        output = answer(f"answer {i}")
         response = {"id": f"resp_{secrets.token_hex(24)}", "object": "response", "output": [output]}
         turns.append(
             build_turn(
@@ -48,19 +58,21 @@ def make_turns(n: int, ids: int) -> list[Any]:
                 scope="scope",
                 durable=False,
                 tail=[orjson.dumps(item) for item in inputs],
-                tail_items=inputs,
+                tail_items=[orjson.loads(orjson.dumps(item)) for item in inputs],
             )
         )
+        if resend:
+            history = [*inputs, output]
     return turns
 
 
-def stored_bytes(n: int, per: int, *, indexed: bool) -> tuple[int, Store]:
+def stored_bytes(n: int, per: int, resend: int, *, indexed: bool) -> tuple[int, Store]:
     """Traced memory after building n turns and putting them into a store, their item ids
     kept (segment metadata and index) or dropped before the put."""
     gc.collect()
     tracemalloc.start()
     store = Store(max_resident_bytes=1 << 40, max_entries=n + 1, ttl=1e9)
-    turns = make_turns(n, per)
+    turns = make_turns(n, per, resend)
     for turn in turns:
         if not indexed:
             object.__setattr__(turn, "item_ids", NO_ITEMS)
@@ -75,17 +87,21 @@ def stored_bytes(n: int, per: int, *, indexed: bool) -> tuple[int, Store]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=100_000)
-    parser.add_argument("--ids", type=int, choices=(1, 2), default=1, help="item ids per turn")
+    parser.add_argument("--ids", type=int, choices=(1, 2), default=1, help="new ids per turn")
+    parser.add_argument(
+        "--resend", type=int, default=0, metavar="L", help="AI SDK-style conversations of L turns"
+    )
     args = parser.parse_args()
-    n, per = args.turns, args.ids
-    without, _ = stored_bytes(n, per, indexed=False)
-    with_ids, store = stored_bytes(n, per, indexed=True)
-    items = n * per
-    assert len(store.items) == items, (len(store.items), items)
-    print(f"{n:,} turns, {items:,} indexed items (ids of {len('msg_') + 48} characters)")
+    n, per, resend = args.turns, args.ids, args.resend
+    without, _ = stored_bytes(n, per, resend, indexed=False)
+    with_ids, store = stored_bytes(n, per, resend, indexed=True)
+    items = store.items.entries()
+    shape = f", conversations of {resend} turns resent in full" if resend else ""
+    print(f"{n:,} turns{shape}: {items:,} indexed items, {len(store.items):,} distinct ids")
     print(f"turns + store, with item ids:    {with_ids / 2**20:8.1f} MiB")
     print(f"turns + store, without item ids: {without / 2**20:8.1f} MiB")
     print(f"item-id cost per item:  {(with_ids - without) / items:8.1f} B (index slot, id, span)")
+    print(f"(ids of {len('msg_') + 48} characters: a str of {sys.getsizeof('msg_' + 48 * 'a')} B)")
 
     ids = [s.item_ids.ids[0] for s in (r.segments[-1] for r in store._records.values())]
     picks = [ids[i] for i in range(0, len(ids), max(1, len(ids) // 2000))]
