@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import orjson
@@ -68,7 +67,6 @@ def item_ids_of(parts: list[bytes], items: list[Any]) -> ItemIds:
         if type(item) is dict:
             item_id = item.get("id")
             if type(item_id) is str and item_id:
-                # Interned: a history resent every turn holds the same ids again and again.
-                entries.append((sys.intern(item_id), at, at + len(part)))
+                entries.append((item_id, at, at + len(part)))
         at += len(part) + 1
     return ItemIds(entries) if entries else NO_ITEMS
