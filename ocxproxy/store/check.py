@@ -49,7 +49,7 @@ def check_store(store: Store) -> list[str]:
     for record in store.records():
         for item_id in record.segments[-1].item_ids.ids if record.segments else ():
             indexed += 1
-            if not any(r is record for r in store.items.holders(record.scope, item_id)):
+            if not store.items.holds(record.scope, item_id, record):
                 problems.append(f"{record.id}'s item {item_id} is not in the item index")
     if store.items.entries() != indexed:
         problems.append(f"item index holds {store.items.entries()} entries, records {indexed}")

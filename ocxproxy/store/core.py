@@ -523,13 +523,20 @@ class Store:
         """The newest live record of `scope` whose turn added an item with this id (one a
         client did not ask to store only with `unstored`), or StoreFailure."""
         now = self.clock()
-        for record in self.items.holders(scope, item_id):
+        expired: list[Record] = []
+        found: Record | None = None
+        for record in self.items.newest(scope, item_id):
             own = record.segments[-1]
             if record.expires_at <= now:
-                self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+                expired.append(record)
             elif (record.stored or unstored) and (own.data is not None or own.on_disk):
-                return record  # (a holder whose bytes were dropped cannot serve it)
-        raise StoreFailure(FailureReason.UNKNOWN)
+                found = record  # (a holder whose bytes were dropped cannot serve it)
+                break
+        for record in expired:
+            self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+        if found is None:
+            raise StoreFailure(FailureReason.UNKNOWN)
+        return found
 
     async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
         """Each (record, item id)'s item, as the bytes its record's own segment holds."""

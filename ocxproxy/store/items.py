@@ -10,6 +10,8 @@ segment.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ocxproxy.model import Record
 
 
@@ -17,9 +19,11 @@ class ItemIndex:
     __slots__ = ("_scopes",)
 
     def __init__(self) -> None:
-        # scope → item id → the records holding it, oldest first (one record, unlisted,
-        # in the usual case of an id held once)
-        self._scopes: dict[str, dict[str, Record | list[Record]]] = {}
+        # scope → item id → the record holding it, or, when several do, a dict of them by
+        # id(record) in the order they were added: adding and removing one is O(1) however
+        # many records share an id (a backend that reuses output ids, a client resending
+        # the same items), so evicting the oldest records stays cheap at 100,000.
+        self._scopes: dict[str, dict[str, Record | dict[int, Record]]] = {}
 
     def __len__(self) -> int:
         """How many (scope, id) keys."""
@@ -28,7 +32,7 @@ class ItemIndex:
     def entries(self) -> int:
         """How many (record, id) pairs."""
         return sum(
-            len(held) if isinstance(held, list) else 1
+            len(held) if isinstance(held, dict) else 1
             for table in self._scopes.values()
             for held in table.values()
         )
@@ -42,10 +46,10 @@ class ItemIndex:
             held = table.get(item_id)
             if held is None:
                 table[item_id] = record
-            elif isinstance(held, list):
-                held.append(record)
-            else:
-                table[item_id] = [held, record]
+            elif isinstance(held, dict):
+                held[id(record)] = record
+            elif held is not record:
+                table[item_id] = {id(held): held, id(record): record}
 
     def remove(self, record: Record) -> None:
         ids = record.segments[-1].item_ids.ids if record.segments else ()
@@ -56,14 +60,10 @@ class ItemIndex:
             held = table.get(item_id)
             if held is record:
                 del table[item_id]
-            elif isinstance(held, list):
-                rest = [r for r in held if r is not record]
-                if len(rest) > 1:
-                    table[item_id] = rest
-                elif rest:
-                    table[item_id] = rest[0]
-                else:
-                    del table[item_id]
+            elif isinstance(held, dict) and held.get(id(record)) is record:
+                del held[id(record)]
+                if len(held) == 1:
+                    table[item_id] = next(iter(held.values()))
         if not table:
             del self._scopes[record.scope]
 
@@ -72,4 +72,15 @@ class ItemIndex:
         held = self._scopes.get(scope, {}).get(item_id)
         if held is None:
             return []
-        return held[::-1] if isinstance(held, list) else [held]
+        return list(reversed(held.values())) if isinstance(held, dict) else [held]
+
+    def newest(self, scope: str, item_id: str) -> Iterator[Record]:
+        """The same, lazily (do not add or remove records while iterating)."""
+        held = self._scopes.get(scope, {}).get(item_id)
+        if held is None:
+            return iter(())
+        return reversed(held.values()) if isinstance(held, dict) else iter((held,))
+
+    def holds(self, scope: str, item_id: str, record: Record) -> bool:
+        held = self._scopes.get(scope, {}).get(item_id)
+        return held is record or (isinstance(held, dict) and held.get(id(record)) is record)
