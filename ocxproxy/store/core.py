@@ -1057,7 +1057,9 @@ class Store:
         return time.monotonic() - committer.oldest
 
     def disk_bytes(self) -> int:
-        return sum(self._pack_size.values()) + self._checkpoint_size
+        j = self.journal
+        room = j.allocated - j.size if j is not None and self._committer is not None else 0
+        return sum(self._pack_size.values()) + self._checkpoint_size + max(room, 0)
 
     def stats(self) -> StoreStats:
         committer = self._committer

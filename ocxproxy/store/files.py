@@ -74,6 +74,13 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def write_atomic(final: Path, data: bytes, *, sync_dir: bool = True) -> None:
     """Temp file in the same directory, fsync, rename over `final`, fsync the directory.
 

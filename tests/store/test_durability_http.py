@@ -23,7 +23,7 @@ from tests.store.helpers import durable_ids
 AUTH = {"Authorization": "Bearer sk-test-a"}
 
 
-def no_space(fd: int, data: bytes) -> None:
+def no_space(fd: int, data: bytes, offset: int) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -34,13 +34,13 @@ async def test_an_answer_waits_for_its_fsync(
     handle = await make_proxy(backend.url)
     client = handle.client()
     seen: list[list[str]] = []
-    real = files.write_all
+    real = files.write_at
 
-    def write_all(fd: int, data: bytes) -> None:
-        real(fd, data)
+    def write_at(fd: int, data: bytes, offset: int) -> None:
+        real(fd, data, offset)
         seen.append(durable_ids(tmp_path / "state"))  # what a kill -9 now would leave
 
-    monkeypatch.setattr(files, "write_all", write_all)
+    monkeypatch.setattr(files, "write_at", write_at)
     r1 = await client.responses.create(model="m", input="one")
     assert r1.id in durable_ids(tmp_path / "state")
     async with client.responses.stream(model="m", input="two", previous_response_id=r1.id) as s:
@@ -57,7 +57,7 @@ async def test_disk_full_is_answered_and_recovers(
     handle = await make_proxy(backend.url)
     client = handle.client()
     stored = await client.responses.create(model="m", input="before the disk filled")
-    monkeypatch.setattr(files, "write_all", no_space)
+    monkeypatch.setattr(files, "write_at", no_space)
 
     with pytest.raises(openai.InternalServerError) as info:  # JSON: a 503, nothing kept
         await client.responses.create(model="m", input="lost", previous_response_id=stored.id)
@@ -102,7 +102,7 @@ async def test_websocket_turn_on_a_full_disk_gets_an_error_event(
     make_proxy: MakeProxy, backend: FakeBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handle = await make_proxy(backend.url)
-    monkeypatch.setattr(files, "write_all", no_space)
+    monkeypatch.setattr(files, "write_at", no_space)
     async with (
         aiohttp.ClientSession() as http,
         http.ws_connect(f"{handle.url}/v1/responses", headers=AUTH) as ws,

@@ -54,7 +54,7 @@ async def started(tmp_path: Path, **overrides: object) -> Store:
     return store
 
 
-def no_space(fd: int, data: bytes) -> None:
+def no_space(fd: int, data: bytes, offset: int) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
@@ -63,7 +63,7 @@ async def test_disk_full_during_append(tmp_path: Path, monkeypatch: pytest.Monke
     grow with the refused turns, and writes resume by themselves when space returns."""
     store = await started(tmp_path, max_resident_bytes=400)
     await chain(store, "safe", 2)
-    monkeypatch.setattr(files, "write_all", no_space)
+    monkeypatch.setattr(files, "write_at", no_space)
     for i in range(50):
         record = store.put(make_turn(f"doomed{i}", f"doomed turn {i} " + "x" * 200), None)
         with pytest.raises(StoreFailure) as info:
@@ -106,7 +106,7 @@ async def test_relaxed_mode_does_not_wait_and_survives_a_failed_write(
     assert durable_ids(tmp_path) == []
     await asyncio.sleep(0.2)
     assert durable_ids(tmp_path) == ["r0"]  # written within the window
-    monkeypatch.setattr(files, "write_all", no_space)
+    monkeypatch.setattr(files, "write_at", no_space)
     store.put(make_turn("r1", "lost"), None)
     await asyncio.sleep(0.2)
     assert not store.available
@@ -122,6 +122,7 @@ async def test_write_error_on_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fsync", broken)
+    monkeypatch.setattr(os, "fdatasync", broken)
     record = store.put(make_turn("c0", "c turn 0"), None)
     with pytest.raises(StoreFailure):
         await store.commit(record)
@@ -306,3 +307,22 @@ async def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
     assert not temp.exists()
     assert await resolves(store, "c1")
     await store.close()
+
+
+async def test_the_preallocated_tail_of_a_killed_store_is_a_clean_end(tmp_path: Path) -> None:
+    """The active journal file has room allocated past its last entry (so a commit's
+    fdatasync need not touch metadata); after kill -9 those zeros are no torn tail."""
+    import shutil
+
+    store = await started(tmp_path / "live")
+    await chain(store, "c", 3)
+    path = journal_files(tmp_path / "live")[1]
+    assert path.stat().st_size > store.journal.size if store.journal else False
+    shutil.copytree(tmp_path / "live", tmp_path / "killed")  # the disk as kill -9 leaves it
+    await store.close()
+    assert path.stat().st_size == Journal(tmp_path / "live").load(repair=False).sizes[1]
+    copy = await started(tmp_path / "killed")
+    assert sample(copy.metrics.journal_cut) == 0
+    assert await resolves(copy, "c2")
+    assert copy.check() == []
+    await copy.close()

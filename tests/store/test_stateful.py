@@ -96,6 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
         # Crashes here are process-level (an abandoned store), not power loss: skip the
         # fsyncs, which only make the run slow.
         self._fsync, os.fsync = os.fsync, lambda fd: None
+        self._fdatasync, os.fdatasync = os.fdatasync, lambda fd: None
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -134,6 +135,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.run(self.store.abandon())
         self.loop.close()
         os.fsync = self._fsync
+        os.fdatasync = self._fdatasync
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- helpers -----------------------------------------------------------------------
@@ -312,19 +314,19 @@ class StoreMachine(RuleBasedStateMachine):
         """The process dies while writing a commit: a torn final entry (or several)."""
         assert self.store is not None and self.store._committer is not None
         self.quiet()
-        real = files.write_all
+        real = files.write_at
 
-        def torn(fd: int, data: bytes) -> None:
-            real(fd, data[: cut % (len(data) + 1)])
+        def torn(fd: int, data: bytes, offset: int) -> None:
+            real(fd, data[: cut % (len(data) + 1)], offset)
             raise Crash
 
-        files.write_all = torn  # type: ignore[assignment]
+        files.write_at = torn  # type: ignore[assignment]
         try:
             self.run(self.store._committer.write())
         except Crash:
             pass
         finally:
-            files.write_all = real  # type: ignore[assignment]
+            files.write_at = real  # type: ignore[assignment]
         self.run(self.store.abandon())
         self._reopen(crashed=True)
 
