@@ -9,9 +9,9 @@ under the cap while many chains run. Prints figures; asserts nothing.
    A store that kept each turn's full history would hold sum(history) bytes instead.
 2. --chains chains x --chain-turns turns, run by --concurrency clients whose turns each
    spend --turn-time at the backend, with a small resident cap: peak resident bytes against
-   the cap, the demotion backlog (segments waiting for their file, still in memory), the
-   process RSS, and per-continuation latency of Store.history (hot and cold).
-   --turn-time 0 is an overload test: turns arrive faster than files can be fsynced.
+   the cap, the bytes queued for the journal (each turn awaits its commit, as the HTTP
+   layer does), the process RSS, and per-continuation latency of Store.history (hot and
+   cold). --turn-time 0 is an overload test: turns arrive as fast as commits allow.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ async def one_long_chain(turns: int, root: Path) -> None:
     resident_responses = store.resident.bytes - resident_items
     assert await store.flush()
     steady_responses = store.resident.bytes - resident_items
-    assert store.disk is not None
-    disk_items = sum(s.disk_size for k, s in store.disk.files.items() if k in item_keys)
-    disk_responses = store.disk.bytes - disk_items
-    snapshot_bytes = (root / "state.json").stat().st_size
+    located = [s for s in store.segments().values() if s.on_disk]
+    disk_items = sum(s.length for s in located if s.key in item_keys)
+    disk_responses = sum(s.length for s in located) - disk_items
+    snapshot_bytes = (root / "checkpoint").stat().st_size
     await store.close()
     print(f"== one chain: {turns} turns, ~{raw_items // 4} tokens of items ==")
     print(f"raw item bytes (sent + produced)      {raw_items:>10,}")
@@ -128,10 +128,10 @@ async def one_long_chain(turns: int, root: Path) -> None:
           f"({resident_items / raw_items:.2f}x raw items)")  # fmt: skip
     print(f"resident: response objects            {resident_responses:>10,}  "
           f"-> {steady_responses:,} once on disk (outputs cut: they are in the items)")  # fmt: skip
-    print(f"disk: item spill files (zstd)         {disk_items:>10,}  "
+    print(f"disk: item segments (zstd, journal)   {disk_items:>10,}  "
           f"({disk_items / raw_items:.2f}x raw items)")  # fmt: skip
-    print(f"disk: response spill files (zstd)     {disk_responses:>10,}")
-    print(f"disk: snapshot index                  {snapshot_bytes:>10,}")
+    print(f"disk: response segments (zstd)        {disk_responses:>10,}")
+    print(f"disk: checkpoint (the index)          {snapshot_bytes:>10,}")
     total_raw = raw_items + raw_responses
     total_mem = resident_items + steady_responses
     total_disk = disk_items + disk_responses + snapshot_bytes
@@ -174,6 +174,7 @@ async def many_chains(
                     await asyncio.sleep(0)
                 words = rng.randint(4, 14), rng.randint(8, 20)
                 parent = store.put(make_turn(rng, f"resp_{c:05d}_{t:03d}", *words), parent)
+                await store.commit(parent)  # as the HTTP layer does before answering
                 stats = store.stats()
                 peak["resident"] = max(peak["resident"], stats.resident_bytes)
                 peak["pending"] = max(peak["pending"], stats.pending_bytes)
@@ -200,8 +201,8 @@ async def many_chains(
         revisited += 1
     await store.flush()
     stats = store.stats()
-    reads = metrics.spill_reads._value.get()
-    writes = metrics.spill_writes._value.get()
+    reads = metrics.spill_reads.get()
+    writes = metrics.spill_writes.get()
     await store.close()
     rate = chains * chain_turns / elapsed
     print(f"\n== {chains} chains x {chain_turns} turns, {concurrency} clients, "
@@ -210,12 +211,12 @@ async def many_chains(
           f"in {elapsed:.1f}s ({rate:.0f}/s)")  # fmt: skip
     print(f"peak resident bytes                   {peak['resident']:>10,}  "
           f"({peak['resident'] / cap:.2f}x cap)")  # fmt: skip
-    print(f"peak demoted, awaiting its file       {peak['pending']:>10,}")
+    print(f"peak bytes queued for the journal     {peak['pending']:>10,}")
     print(f"peak segment bytes in memory (both)   {peak['memory']:>10,}  "
           f"({peak['memory'] / cap:.2f}x cap)")  # fmt: skip
     print(f"on disk at the end                    {stats.disk_bytes:>10,} in "
-          f"{stats.disk_segments:,} files")  # fmt: skip
-    print(f"spill writes / reads                  {int(writes):>10,} / {int(reads):,}  "
+          f"{stats.disk_segments:,} segments")  # fmt: skip
+    print(f"journal segment writes / reads        {int(writes):>10,} / {int(reads):,}  "
           f"(reads: {revisited} chains revisited later)")  # fmt: skip
     print(f"RSS                                   {rss_start:>9.0f}M -> {rss_mib():.0f}M")
     for name, samples in (("hot (all resident)", hot), ("cold (read from disk)", cold)):
