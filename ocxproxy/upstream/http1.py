@@ -27,7 +27,14 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDictProxy
 
 from ocxproxy.aio import FlowControlled
-from ocxproxy.h1 import LAST_CHUNK, BadMessage, ResponseParser, chunk, encode_fields
+from ocxproxy.h1 import (
+    LAST_CHUNK,
+    MAX_HEAD,
+    BadMessage,
+    ResponseParser,
+    chunk,
+    encode_fields,
+)
 
 __all__ = [
     "BrokenOff",
@@ -108,7 +115,10 @@ class _Connection(FlowControlled):
         except BadMessage as exc:
             self.error = exc
         self.buffered += len(data)
-        if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
+        if not parser.status:  # the head: bounded, and read on whatever the caller does
+            if self.buffered > MAX_HEAD and self.error is None:
+                self.error = BadMessage("the head is too large")  # one endless field, say
+        elif self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()

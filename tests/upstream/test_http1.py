@@ -20,6 +20,7 @@ import uvloop
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from ocxproxy.h1 import MAX_HEAD
 from ocxproxy.upstream.http1 import (
     BrokenOff,
     ConnectFailed,
@@ -483,6 +484,15 @@ async def test_a_head_that_cannot_be_framed_or_passed_on_is_broken_off_and_close
     await wait_done(server.connections[0])  # closed, never pooled
     assert await round_trip(client, server) == b"next"
     assert [len(c.requests) for c in server.connections] == [1, 1]
+
+
+async def test_an_endless_head_is_broken_off_at_the_bound(
+    server: ScriptedPeer, client: Http1Client
+) -> None:
+    endless = b"HTTP/1.1 200 OK\r\nX-Long: " + b"v" * (MAX_HEAD + 1024)
+    server.answer(endless, 1.0)
+    with pytest.raises(BrokenOff, match="too large"):
+        await get(client, server)
 
 
 @pytest.mark.parametrize(
