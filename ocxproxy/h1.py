@@ -84,6 +84,25 @@ def _tokens(value: str) -> list[str]:
     return [token.strip().lower() for token in value.split(",")]
 
 
+_SPECIAL_SIZES = frozenset(
+    map(len, ("content-length", "transfer-encoding", "connection", "host", "expect"))
+)
+
+
+class _Fields:
+    """What _headers() found in a head's fields."""
+
+    __slots__ = ("chunked", "connection", "expect", "headers", "hosts", "length")
+
+    def __init__(self) -> None:
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.length: int | None = None
+        self.chunked = False
+        self.connection: list[str] = []  # the Connection tokens, lower-case
+        self.hosts = 0
+        self.expect = False
+
+
 class _Reader:
     """What both directions share: the fields of the head, the body as it comes, the end."""
 
@@ -136,30 +155,35 @@ class _Reader:
         elif self.keep_body:
             self.body.append(body)
 
-    def _headers(self) -> tuple[CIMultiDict[str], int | None, bool, bool]:
-        """The fields as text; the Content-Length, whether chunked, whether keep-alive
-        (before the version is considered). BadMessage for the framing llhttp allows but
-        a proxy must not (see the module's docstring)."""
-        headers: CIMultiDict[str] = CIMultiDict()
-        length: int | None = None
+    def _headers(self) -> _Fields:
+        """The fields as text, and what framing and routing need of them. BadMessage for
+        the framing llhttp allows but a proxy must not (see the module's docstring)."""
+        items = []
+        found = _Fields()
         encodings = 0
-        keep_alive = True
         for raw_name, raw_value in self._fields:
             # A token is ASCII (llhttp checked); values keep their bytes as they came.
             name = raw_name.decode("latin-1")
             value = raw_value.decode("utf-8", "surrogateescape")
-            headers.add(name, value)
-            lower = name.lower()
-            if lower == "content-length":
-                length = int(value)  # llhttp allows one, of digits only
-            elif lower == "transfer-encoding":
-                encodings += 1
-                if encodings > 1 or value.strip().lower() != "chunked":
-                    raise BadMessage("a Transfer-Encoding other than chunked")
-            elif lower == "connection":
-                keep_alive = keep_alive and "close" not in _tokens(value)
+            items.append((name, value))
+            if len(name) in _SPECIAL_SIZES:  # most names are none of these: skip lower()
+                lower = name.lower()
+                if lower == "content-length":
+                    found.length = int(value)  # llhttp allows one, of digits only
+                elif lower == "transfer-encoding":
+                    encodings += 1
+                    if encodings > 1 or value.strip().lower() != "chunked":
+                        raise BadMessage("a Transfer-Encoding other than chunked")
+                    found.chunked = True
+                elif lower == "connection":
+                    found.connection += _tokens(value)
+                elif lower == "host":
+                    found.hosts += 1
+                elif lower == "expect":
+                    found.expect = True
         self._fields = []
-        return headers, length, bool(encodings), keep_alive
+        found.headers = CIMultiDict(items)
+        return found
 
     def _version(self) -> str:
         version = self._parser.get_http_version()
@@ -184,25 +208,19 @@ class RequestHead:
         "version",
     )
 
-    def __init__(
-        self,
-        method: str,
-        target: str,
-        version: str,
-        headers: CIMultiDict[str],
-        length: int | None,
-        chunked: bool,
-        keep_alive: bool,
-    ) -> None:
+    def __init__(self, method: str, target: str, version: str, fields: _Fields) -> None:
         self.method = method
         self.target = target
         self.version = version
-        self.headers = CIMultiDictProxy(headers)
-        self.length = length
-        self.chunked = chunked
-        self.keep_alive = keep_alive
-        self.expect = "Expect" in headers
-        self.upgrade = "upgrade" in _tokens(headers.get("Connection", ""))
+        self.headers = CIMultiDictProxy(fields.headers)
+        self.length = fields.length
+        self.chunked = fields.chunked
+        self.expect = fields.expect
+        self.upgrade = "upgrade" in fields.connection
+        if version == "1.1":
+            self.keep_alive = "close" not in fields.connection
+        else:
+            self.keep_alive = "keep-alive" in fields.connection
         self.size = 0  # bytes of the head on the wire (set by feed_head)
 
     def __repr__(self) -> str:
@@ -232,8 +250,7 @@ class RequestParser(_Reader):
             end = buffer.find(b"\r\n\r\n", max(start - 3, 0))
             stop = len(buffer) if end < 0 else end + 4
             if stop > start:
-                with memoryview(buffer) as view, view[start:stop] as part:
-                    self.feed(part)
+                self.feed(memoryview(buffer)[start:stop])  # freed on return: buffer resizable
                 start = stop
             if end < 0:
                 break
@@ -252,8 +269,7 @@ class RequestParser(_Reader):
         head = self.head
         assert head is not None and head.length is not None
         end = head.size + head.length
-        with memoryview(buffer) as view, view[head.size : end] as part:
-            self.feed(part)
+        self.feed(memoryview(buffer)[head.size : end])
         assert self.complete
         body = b"".join(self.body)
         del buffer[:end]
@@ -278,16 +294,13 @@ class RequestParser(_Reader):
 
     def on_headers_complete(self) -> None:
         version = self._version()
-        headers, length, chunked, keep_alive = self._headers()
-        hosts = len(headers.getall("Host", ()))
-        if hosts > 1 or (hosts == 0 and version == "1.1"):
+        fields = self._headers()
+        if fields.hosts > 1 or (fields.hosts == 0 and version == "1.1"):
             raise BadMessage("an HTTP/1.1 request needs exactly one Host")
-        if version == "1.0":
-            keep_alive = "keep-alive" in _tokens(headers.get("Connection", ""))
         method = self._parser.get_method().decode("ascii")
         target = self._target.decode("ascii")  # llhttp let no other byte through
         self._target = b""
-        self.head = RequestHead(method, target, version, headers, length, chunked, keep_alive)
+        self.head = RequestHead(method, target, version, fields)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -330,18 +343,19 @@ class ResponseParser(_Reader):
         if status == 101:  # never asked for: the bytes after it are not HTTP
             raise BadMessage("a switch of protocols that was not asked for")
         version = self._version()
-        headers, length, chunked, keep_alive = self._headers()
+        fields = self._headers()
         if status < 200:  # interim (100 Continue, 103 Early Hints): the final one follows
             self.reason = ""
             return
         self.status = status
-        self.headers = CIMultiDictProxy(headers)
-        self.content_length = length
-        self.chunked = chunked
+        self.headers = CIMultiDictProxy(fields.headers)
+        self.content_length = fields.length
+        self.chunked = fields.chunked
+        keep_alive = version == "1.1" and "close" not in fields.connection
         # Reused only if framed: a read-until-close body ends with the connection.
-        self.keep_alive = version == "1.1" and keep_alive and (length is not None or chunked)
+        self.keep_alive = keep_alive and (fields.length is not None or fields.chunked)
         if self.head_only or status in (204, 304):
-            self.keep_alive = version == "1.1" and keep_alive
+            self.keep_alive = keep_alive
             self.complete = True
 
     def on_message_complete(self) -> None:
