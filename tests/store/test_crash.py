@@ -1,0 +1,183 @@
+"""kill -9 at random moments: a real `ocxproxy serve` on its default durable configuration,
+under continuation traffic from several chains (JSON and SSE, with DELETEs), is killed with
+SIGKILL five times, once under full closed-loop load, and restarted on the same state dir
+each time. Every turn acknowledged to a client (a 200 JSON answer, an SSE
+`response.completed`) must be there after every restart, and continue with its whole
+history; every acknowledged DELETE must stay deleted. OCX_KILL_SEED=n replays a run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from tests.fakes.backend import FakeBackend
+from tests.store.serve import Serve, create, processes
+
+__all__ = ["processes"]  # the fixture
+
+ROUNDS = 5
+FULL_LOAD_ROUND = 2  # this round's traffic is closed loop, as fast as the proxy answers
+
+
+@dataclass
+class Chain:
+    name: str
+    head: str | None = None
+    users: list[str] = field(default_factory=list)  # user texts of its acknowledged turns
+
+
+@dataclass
+class Ledger:
+    """What the clients were told: acknowledged turns and deletes, across every round."""
+
+    acked: dict[str, str] = field(default_factory=dict)  # response id -> round it came in
+    deleted: set[str] = field(default_factory=set)  # DELETE answered 200
+    uncertain: set[str] = field(default_factory=set)  # DELETE sent, answer not received
+    per_round: list[int] = field(default_factory=list)
+    statuses: dict[int, int] = field(default_factory=dict)  # non-200 answers seen
+
+    def must_exist(self) -> list[str]:
+        return [rid for rid in self.acked if rid not in self.deleted | self.uncertain]
+
+
+async def turn(http: aiohttp.ClientSession, url: str, chain: Chain, text: str, stream: bool):
+    message = {"role": "user", "content": text}
+    body: dict[str, object] = {"model": "m", "input": [message], "stream": stream}
+    if chain.head is not None:
+        body["previous_response_id"] = chain.head
+    return await create(http, url, body)
+
+
+async def drive(
+    url: str, chains: list[Chain], ledger: Ledger, rng: random.Random, pause: float, tag: str
+) -> None:
+    """Turns on every chain, and DELETEs of older acknowledged turns, until cancelled or
+    the proxy goes away."""
+    round_acked = 0
+
+    async def one_chain(chain: Chain, http: aiohttp.ClientSession) -> None:
+        nonlocal round_acked
+        n = 0
+        while True:
+            n += 1
+            text = f"{chain.name} {tag} t{n}"
+            status, _, rid = await turn(http, url, chain, text, stream=n % 2 == 0)
+            if rid is None:
+                ledger.statuses[status] = ledger.statuses.get(status, 0) + 1
+                await asyncio.sleep(0.05)
+                continue
+            chain.head = rid
+            chain.users.append(text)
+            ledger.acked[rid] = tag
+            round_acked += 1
+            if pause:
+                await asyncio.sleep(rng.uniform(0, 2 * pause))
+
+    async def deleter(http: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            heads = {c.head for c in chains}
+            old = [
+                rid
+                for rid in ledger.acked
+                if rid not in heads and rid not in ledger.deleted | ledger.uncertain
+            ]
+            if not old:
+                continue
+            rid = rng.choice(old)
+            ledger.uncertain.add(rid)
+            async with http.delete(f"{url}/v1/responses/{rid}") as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            ledger.uncertain.discard(rid)
+            ledger.deleted.add(rid)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for chain in chains:
+                    group.create_task(one_chain(chain, http))
+                group.create_task(deleter(http))
+        except* (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
+            pass  # the proxy was killed
+        finally:
+            ledger.per_round.append(round_acked)
+
+
+async def verify(
+    url: str, chains: list[Chain], ledger: Ledger, backend: FakeBackend, where: str
+) -> None:
+    """Everything acknowledged is there; every chain continues with its whole history."""
+    async with aiohttp.ClientSession() as http:
+        lost: list[str] = []
+        wanted = ledger.must_exist()
+        sem = asyncio.Semaphore(16)
+
+        async def get(rid: str) -> None:
+            async with sem, http.get(f"{url}/v1/responses/{rid}") as r:
+                if r.status != 200 or (await r.json())["id"] != rid:
+                    lost.append(f"{rid} (acknowledged in {ledger.acked[rid]}: {r.status})")
+
+        await asyncio.gather(*(get(rid) for rid in wanted))
+        assert not lost, (
+            f"{where}: {len(lost)} of {len(wanted)} acknowledged turns lost: {lost[:5]}"
+        )
+
+        for rid in sorted(ledger.deleted):
+            async with http.get(f"{url}/v1/responses/{rid}") as r:
+                assert r.status == 404, f"{where}: deleted {rid} is back ({r.status})"
+            status, error, _ = await create(
+                http, url, {"model": "m", "input": "x", "previous_response_id": rid}
+            )
+            assert status in (400, 404) and error is not None, (where, rid, status)
+
+        for chain in chains:
+            text = f"{chain.name} check {where}"
+            status, error, rid = await turn(
+                http, url, chain, text, stream=len(chain.users) % 2 == 1
+            )
+            assert rid is not None, f"{where}: {chain.name} does not continue: {status} {error}"
+            seen = backend.responses_seen[-1].json["input"]
+            users = [i["content"] for i in seen if i.get("role") == "user"]
+            assert users == [*chain.users, text], f"{where}: {chain.name} lost history"
+            assert len(seen) == 2 * len(chain.users) + 1
+            chain.head = rid
+            chain.users.append(text)
+            ledger.acked[rid] = where
+
+
+async def test_acknowledged_turns_survive_kill_9(
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve]
+) -> None:
+    seed = int(os.environ.get("OCX_KILL_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
+    state = tmp_path / "state"
+    ledger = Ledger()
+    steady = [Chain(f"c{i}") for i in range(6)]
+    loaded = [Chain(f"f{i}") for i in range(24)]
+    proxy = Serve(backend.url, state, "--log-level", "warning")
+    processes.append(proxy)
+    await proxy.start()
+    for n in range(ROUNDS):
+        full = n == FULL_LOAD_ROUND
+        chains = loaded if full else steady
+        tag = f"round {n + 1} (seed {seed})"
+        traffic = asyncio.ensure_future(
+            drive(proxy.url, chains, ledger, rng, 0.0 if full else 0.01, tag)
+        )
+        await asyncio.sleep(rng.uniform(0.3, 1.5))
+        await proxy.kill9()
+        await traffic
+        proxy = Serve(backend.url, state, "--log-level", "warning")
+        processes.append(proxy)
+        await proxy.start()
+        await verify(proxy.url, steady + loaded, ledger, backend, tag)
+    assert await proxy.stop() == 0
+    assert min(ledger.per_round) >= 5, ledger.per_round  # every kill came amid traffic
+    assert ledger.deleted, "no DELETE was acknowledged: the test proved nothing about them"
