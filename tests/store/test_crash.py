@@ -54,10 +54,16 @@ async def turn(http: aiohttp.ClientSession, url: str, chain: Chain, text: str, s
 
 
 async def drive(
-    url: str, chains: list[Chain], ledger: Ledger, rng: random.Random, pause: float, tag: str
+    url: str,
+    chains: list[Chain],
+    every: list[Chain],
+    ledger: Ledger,
+    rng: random.Random,
+    pause: float,
+    tag: str,
 ) -> None:
-    """Turns on every chain, and DELETEs of older acknowledged turns, until cancelled or
-    the proxy goes away."""
+    """Turns on `chains`, and DELETEs of acknowledged turns that head none of `every`,
+    until the proxy goes away."""
     round_acked = 0
 
     async def one_chain(chain: Chain, http: aiohttp.ClientSession) -> None:
@@ -81,7 +87,7 @@ async def drive(
     async def deleter(http: aiohttp.ClientSession) -> None:
         while True:
             await asyncio.sleep(0.05)
-            heads = {c.head for c in chains}
+            heads = {c.head for c in every}
             old = [
                 rid
                 for rid in ledger.acked
@@ -169,7 +175,7 @@ async def test_acknowledged_turns_survive_kill_9(
         chains = loaded if full else steady
         tag = f"round {n + 1} (seed {seed})"
         traffic = asyncio.ensure_future(
-            drive(proxy.url, chains, ledger, rng, 0.0 if full else 0.01, tag)
+            drive(proxy.url, chains, steady + loaded, ledger, rng, 0.0 if full else 0.01, tag)
         )
         await asyncio.sleep(rng.uniform(0.3, 1.5))
         await proxy.kill9()

@@ -145,8 +145,9 @@ async def test_disk_full_is_not_silent_and_recovers(
         assert metric(page, "ocxproxy_store_write_failures_total") > 0
         assert metric(page, "ocxproxy_store_available") == 0
 
-        # Memory stays bounded while turns keep failing: 80 MiB of new content, none kept.
-        rss_before, lines_before = proxy.rss_kib(), proxy.lines
+        # Memory stays bounded while turns keep failing: after a first round (the allocator
+        # and buffers settle), another 80 MiB of refused content must not raise RSS by more
+        # than a fraction of it. A proxy that kept refused turns would grow by all of it.
         sem = asyncio.Semaphore(8)
         outcomes: list[str | None] = []
 
@@ -155,13 +156,16 @@ async def test_disk_full_is_not_silent_and_recovers(
                 turn = body(head, noise(256 * 1024), stream=n % 4 == 0)
                 outcomes.append((await create(http, url, turn))[2])
 
+        lines_before = proxy.lines
+        await asyncio.gather(*(big_turn(n) for n in range(160)))
+        rss_before = proxy.rss_kib()
         await asyncio.gather(*(big_turn(n) for n in range(320)))
-        acked_while_full += [rid for rid in outcomes if rid is not None]
         growth = (proxy.rss_kib() - rss_before) * 1024
-        assert growth < RESIDENT + 40 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB"
+        assert growth < 24 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB for 80 MiB refused"
+        acked_while_full += [rid for rid in outcomes if rid is not None]
         assert outcomes.count(None) == len(outcomes), "acknowledged on a full disk"
         logged = proxy.lines - lines_before
-        assert logged <= 20, f"{logged} log lines for 320 refused turns: " + "".join(
+        assert logged <= 20, f"{logged} log lines for {len(outcomes)} refused turns: " + "".join(
             list(proxy.output)[-5:]
         )
 
