@@ -1,9 +1,9 @@
 """kill -9 at random moments: a real `ocxproxy serve` on its default durable configuration,
-under continuation traffic from several chains (JSON and SSE, with DELETEs), is killed with
-SIGKILL five times, once under full closed-loop load, and restarted on the same state dir
-each time. Every turn acknowledged to a client (a 200 JSON answer, an SSE
-`response.completed`) must be there after every restart, and continue with its whole
-history; every acknowledged DELETE must stay deleted. OCX_KILL_SEED=n replays a run."""
+under continuation traffic from several chains (JSON, SSE and WebSocket turns, and DELETEs),
+is killed with SIGKILL five times, once under full closed-loop load, and restarted on the
+same state dir each time. Every turn acknowledged to a client (a 200 JSON answer, an SSE or
+WebSocket `response.completed`) must be there after every restart, and continue with its
+whole history; every acknowledged DELETE must stay deleted. OCX_KILL_SEED=n replays a run."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 from tests.fakes.backend import FakeBackend
 from tests.store.serve import Serve, create, processes
@@ -27,6 +28,7 @@ FULL_LOAD_ROUND = 2  # this round's traffic is closed loop, as fast as the proxy
 @dataclass
 class Chain:
     name: str
+    websocket: bool = False  # its turns go over the WebSocket mode (the check's over HTTP)
     head: str | None = None
     users: list[str] = field(default_factory=list)  # user texts of its acknowledged turns
 
@@ -40,6 +42,7 @@ class Ledger:
     uncertain: set[str] = field(default_factory=set)  # DELETE sent, answer not received
     per_round: list[int] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=dict)  # non-200 answers seen
+    kinds: dict[str, int] = field(default_factory=dict)  # acknowledged in traffic: json, sse, ws
 
     def must_exist(self) -> list[str]:
         return [rid for rid in self.acked if rid not in self.deleted | self.uncertain]
@@ -51,6 +54,24 @@ async def turn(http: aiohttp.ClientSession, url: str, chain: Chain, text: str, s
     if chain.head is not None:
         body["previous_response_id"] = chain.head
     return await create(http, url, body)
+
+
+async def ws_turn(ws: aiohttp.ClientWebSocketResponse, chain: Chain, text: str) -> str | None:
+    """A turn over the WebSocket mode: the response id once `response.completed` came."""
+    body: dict[str, object] = {"type": "response.create", "model": "m"}
+    body["input"] = [{"role": "user", "content": text}]
+    if chain.head is not None:
+        body["previous_response_id"] = chain.head
+    await ws.send_str(orjson.dumps(body).decode())
+    while True:
+        msg = await ws.receive()
+        if msg.type is not aiohttp.WSMsgType.TEXT:
+            raise ConnectionResetError(f"the WebSocket ended: {msg.type}")
+        event = orjson.loads(msg.data)
+        if event.get("type") == "response.completed":
+            return str(event["response"]["id"])
+        if event.get("type") in ("response.failed", "response.incomplete", "error"):
+            return None
 
 
 async def drive(
@@ -68,11 +89,16 @@ async def drive(
 
     async def one_chain(chain: Chain, http: aiohttp.ClientSession) -> None:
         nonlocal round_acked
+        ws = await http.ws_connect(url + "/v1/responses") if chain.websocket else None
         n = 0
         while True:
             n += 1
             text = f"{chain.name} {tag} t{n}"
-            status, _, rid = await turn(http, url, chain, text, stream=n % 2 == 0)
+            kind = "ws" if ws is not None else "sse" if n % 2 == 0 else "json"
+            if ws is not None:
+                status, rid = 200, await ws_turn(ws, chain, text)
+            else:
+                status, _, rid = await turn(http, url, chain, text, stream=kind == "sse")
             if rid is None:
                 ledger.statuses[status] = ledger.statuses.get(status, 0) + 1
                 await asyncio.sleep(0.05)
@@ -80,6 +106,7 @@ async def drive(
             chain.head = rid
             chain.users.append(text)
             ledger.acked[rid] = tag
+            ledger.kinds[kind] = ledger.kinds.get(kind, 0) + 1
             round_acked += 1
             if pause:
                 await asyncio.sleep(rng.uniform(0, 2 * pause))
@@ -165,7 +192,7 @@ async def test_acknowledged_turns_survive_kill_9(
     rng = random.Random(seed)
     state = tmp_path / "state"
     ledger = Ledger()
-    steady = [Chain(f"c{i}") for i in range(6)]
+    steady = [Chain(f"c{i}") for i in range(6)] + [Chain(f"w{i}", websocket=True) for i in range(2)]
     loaded = [Chain(f"f{i}") for i in range(24)]
     proxy = Serve(backend.url, state, "--log-level", "warning")
     processes.append(proxy)
@@ -186,4 +213,5 @@ async def test_acknowledged_turns_survive_kill_9(
         await verify(proxy.url, steady + loaded, ledger, backend, tag)
     assert await proxy.stop() == 0
     assert min(ledger.per_round) >= 5, ledger.per_round  # every kill came amid traffic
+    assert all(ledger.kinds.get(kind) for kind in ("json", "sse", "ws")), ledger.kinds
     assert ledger.deleted, "no DELETE was acknowledged: the test proved nothing about them"
