@@ -83,6 +83,7 @@ class Http:
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.last_error = ""  # the last failed create's status and body, for messages
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """(status, body); raises OSError / IncompleteReadError if the server goes away."""
@@ -123,10 +124,14 @@ class Http:
         """POST /v1/responses: (status, response id); status 0 if the connection failed."""
         try:
             status, data = await self.request("POST", "/v1/responses", orjson.dumps(body))
-        except (OSError, asyncio.IncompleteReadError, ValueError):
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            self.last_error = repr(exc)
             return 0, None
         m = _ID.search(data)
-        return status, m.group(1).decode() if status == 200 and m else None
+        if status != 200 or m is None:
+            self.last_error = f"{status} {data[:300]!r}"
+            return status, None
+        return status, m.group(1).decode()
 
     def close(self) -> None:
         for _, writer in self.idle:
@@ -275,7 +280,7 @@ class OpenLoop:
         for n in range(self.chains):
             _, rid = await self.http.create(turn_body(None, f"open-loop chain {n}"))
             if rid is None:
-                raise RuntimeError("could not start a chain")
+                raise RuntimeError(f"could not start a chain: {self.http.last_error}")
             self.heads.append(rid)
 
     async def run(self, seconds: float, stop: asyncio.Event | None = None) -> None:
