@@ -68,6 +68,7 @@ _LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
 _CLOSE = re.compile(rb"\r\nconnection: *close", re.I)
 _STORE_BYTES = re.compile(r'^ocxproxy_store_bytes\{tier="([^"]+)"\} (\S+)$', re.M)
 MEMORY_TIERS = ("resident", "pending")  # ocxproxy_store_bytes tiers that are not on disk
+MAX_IN_FLIGHT = 256  # open-loop arrivals beyond this are skipped (serve's --max-connections: 512)
 STARTED: list[Child] = []  # every proxy process, stopped at the end whatever happens
 
 
@@ -277,10 +278,14 @@ class OpenLoop:
     skipped: int = 0  # arrivals dropped because too many were in flight
 
     async def start_chains(self) -> None:
+        """A first turn per chain; a refusal (a proxy still busy with the last phase) is
+        retried for up to a minute."""
+        deadline = time.perf_counter() + 60
         for n in range(self.chains):
-            _, rid = await self.http.create(turn_body(None, f"open-loop chain {n}"))
-            if rid is None:
-                raise RuntimeError(f"could not start a chain: {self.http.last_error}")
+            while (rid := (await self.http.create(turn_body(None, f"chain {n}")))[1]) is None:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"could not start a chain: {self.http.last_error}")
+                await asyncio.sleep(0.5)
             self.heads.append(rid)
 
     async def run(self, seconds: float, stop: asyncio.Event | None = None) -> None:
@@ -293,7 +298,7 @@ class OpenLoop:
             delay = at - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if len(pending) >= 512:
+            if len(pending) >= MAX_IN_FLIGHT:
                 self.skipped += 1
             else:
                 task = asyncio.ensure_future(self._one(n % self.chains, at, n))
