@@ -146,8 +146,8 @@ async def test_disk_full_is_not_silent_and_recovers(
         assert metric(page, "ocxproxy_store_available") == 0
 
         # Memory stays bounded while turns keep failing: after a first round (the allocator
-        # and buffers settle), another 80 MiB of refused content must not raise RSS by more
-        # than a fraction of it. A proxy that kept refused turns would grow by all of it.
+        # and buffers settle), another 80 MiB of refused input (and as much echoed back) must
+        # not raise RSS by more than part of it; one that kept refused turns grows by all.
         sem = asyncio.Semaphore(8)
         outcomes: list[str | None] = []
 
@@ -161,7 +161,7 @@ async def test_disk_full_is_not_silent_and_recovers(
         rss_before = proxy.rss_kib()
         await asyncio.gather(*(big_turn(n) for n in range(320)))
         growth = (proxy.rss_kib() - rss_before) * 1024
-        assert growth < 24 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB for 80 MiB refused"
+        assert growth < 48 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB for 80 MiB refused"
         acked_while_full += [rid for rid in outcomes if rid is not None]
         assert outcomes.count(None) == len(outcomes), "acknowledged on a full disk"
         logged = proxy.lines - lines_before
