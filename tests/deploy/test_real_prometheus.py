@@ -22,14 +22,18 @@ from tests.http.helpers import closed_port
 
 # Dashboard queries that may come back empty after this traffic, and why.
 MAY_BE_EMPTY = {
-    # Failure reasons of snapshots are exported only once one happens; none does here.
+    # Failure reasons of checkpoints and journal commits are exported only once one
+    # happens; none does here.
     'sum by (reason) (rate(ocxproxy_snapshot_failures_total{instance=~"$instance"}'
+    "[$__rate_interval]))",
+    'sum by (reason) (rate(ocxproxy_store_write_failures_total{instance=~"$instance"}'
     "[$__rate_interval]))",
 }
 # Selectors inside the queries (or their metric, for any selector of it) that may match
 # nothing, and why.
 SELECTORS_MAY_BE_EMPTY = {
     "ocxproxy_snapshot_failures_total",  # as above
+    "ocxproxy_store_write_failures_total",  # as above
     # Nothing is evicted from the disk tier: this traffic stays far under --max-disk-bytes.
     'ocxproxy_store_evictions_total{reason="disk_bytes"}',
 }
