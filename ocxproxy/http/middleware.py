@@ -14,8 +14,9 @@ from typing import Protocol, TypeVar
 
 from aiohttp import web
 
-from ocxproxy.errors import OcxError, PayloadTooLarge
+from ocxproxy.errors import OcxError
 from ocxproxy.http.access_log import request_id
+from ocxproxy.http.body import too_large
 from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of, scope_of
 from ocxproxy.metrics import Timing
 
@@ -115,8 +116,7 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            limit = proxy.config.max_body_bytes
-            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.") from None
+            raise too_large(proxy.config.max_body_bytes) from None
         except web.HTTPException as exc:
             raise HttpError(exc.reason, status=exc.status) from None
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 
-from ocxproxy.errors import PayloadTooLarge
+from ocxproxy.http.body import body_chunks, check_length
 from ocxproxy.http.context import proxy_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.metrics import Timing
@@ -20,15 +18,14 @@ async def passthrough(request: web.Request, *, body: bytes | None = None) -> web
     timing = timing_of(request)
     headers = upstream_headers(request.headers, proxy.config, identity=False)
     limit = proxy.config.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
-    stream = _BoundedBody(request, limit) if request.body_exists and body is None else None
+    check_length(request, limit)
+    stream = body_chunks(request, limit) if request.body_exists and body is None else None
     # A streamed body over the limit raises PayloadTooLarge out of open(): a 413.
     async with proxy.pool.open(
         request.method,
         request.path_qs,
         headers,
-        stream.chunks() if stream else body,
+        stream if stream is not None else body,
         timing=timing,
         retry=stream is None,
     ) as (_, upstream):
@@ -54,20 +51,3 @@ async def _relay(
         await response.write(chunk)
     await response.write_eof()
     return response
-
-
-class _BoundedBody:
-    """The client's body, streamed on and cut off past the limit (a chunked body has no
-    Content-Length to check up front)."""
-
-    def __init__(self, request: web.Request, limit: int) -> None:
-        self.request = request
-        self.limit = limit
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        size = 0
-        async for chunk in self.request.content.iter_any():
-            size += len(chunk)
-            if size > self.limit:
-                raise PayloadTooLarge(f"Request body exceeds {self.limit} bytes.")
-            yield chunk

@@ -12,31 +12,13 @@ from multidict import CIMultiDict
 
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.continuation.references import references
-from ocxproxy.errors import (
-    InvalidRequest,
-    NotFound,
-    PayloadTooLarge,
-    StorageUnavailable,
-    StoreFailure,
-)
+from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.http.body import read_body
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import create, loads_or_none, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class WebReply:
