@@ -63,7 +63,7 @@ def parse_port(text: str) -> int:
 
 
 def normalize_upstream(url: str) -> str:
-    """`http://h:8000/v1` and `http://h:8000` name the same backend root (C6)."""
+    """`http://h:8000/v1` and `http://h:8000` name the same backend root (CONTRACT.md C6)."""
     url = url.strip().rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:

@@ -2,7 +2,7 @@
 
     OcxError                      status + OpenAI type/code/param; to_openai_error()
     ├── InvalidRequest            400 invalid_request_error (bad JSON, bad field, conflicts)
-    ├── PreviousResponseNotFound  400 previous_response_not_found (C1.2), carries the reason
+    ├── PreviousResponseNotFound  400 previous_response_not_found (CONTRACT.md C1.2), + reason
     ├── NotFound                  404 (unknown stored response)
     ├── PayloadTooLarge           413
     ├── Unauthorized              401

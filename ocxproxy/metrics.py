@@ -250,7 +250,7 @@ class Metrics:
         self.upstream_in_flight = Gauge(
             "ocxproxy_upstream_in_flight", "Backend requests in flight", ["backend"]
         )
-        # Fleet (C6)
+        # Fleet (CONTRACT.md C6)
         self.backend_up = Gauge(
             "ocxproxy_backend_up",
             "1 while a backend is considered healthy, 0 while it is skipped",
@@ -299,7 +299,7 @@ class Metrics:
             "ocxproxy_stream_repairs_total",
             "SSE streams that lacked spec fields and were repaired",
         )
-        # Store (C4)
+        # Store (CONTRACT.md C4)
         self.store_entries = Gauge(
             "ocxproxy_store_entries",
             "Stored responses and segments by tier",
@@ -364,7 +364,7 @@ class Metrics:
             "ocxproxy_store_available",
             "1 while the journal takes writes, 0 after a failed commit until one succeeds",
         )
-        # WebSocket (C3)
+        # WebSocket (CONTRACT.md C3)
         self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")
         self.ws_frames = Counter(
             "ocxproxy_websocket_frames_total",

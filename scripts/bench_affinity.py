@@ -1,4 +1,4 @@
-"""Cache-affinity routing against round-robin, on two real llama.cpp backends (C6).
+"""Cache-affinity routing against round-robin, on two real llama.cpp backends (CONTRACT.md C6).
 
 Two embedded llama.cpp servers (ocxproxy.upstream.local.LocalBackend, SmolLM2, one CPU
 thread each) behind `python -m ocxproxy serve --upstream A --upstream B`. N chains of M

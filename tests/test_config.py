@@ -196,7 +196,7 @@ def test_every_setting_has_help_env_and_default() -> None:
         assert help_for(name)
         assert env_name(name) == "OCXPROXY_" + name.upper()
         assert hasattr(defaults, name)
-    assert defaults.host == "127.0.0.1"  # loopback only by default (C5)
+    assert defaults.host == "127.0.0.1"  # loopback only by default (CONTRACT.md C5)
     assert defaults.retain_unstored is False
 
 

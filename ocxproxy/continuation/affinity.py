@@ -1,4 +1,4 @@
-"""Affinity keys (C6): which requests belong together, so the Fleet sends them to one
+"""Affinity keys (CONTRACT.md C6): which requests belong together, so the Fleet sends them to one
 backend and that backend's prompt cache keeps serving them. Pure.
 
 A key is a string whose prefix says where it came from:

@@ -84,7 +84,7 @@ def serialize_items(items: Iterable[Any]) -> list[bytes]:
 
 def tail_as_sent(raw: bytes, request: Request) -> list[bytes]:
     """A first turn's own items as the backend saw them in `raw`, one serialized item
-    each: what is remembered, so the next turn replays them byte for byte (C1.2)."""
+    each: what is remembered, so the next turn replays them byte for byte (CONTRACT.md C1.2)."""
     encoded = [orjson.dumps(item) for item in request.items]
     if not isinstance(request.body.get("input"), list) or b"[" + b",".join(encoded) + b"]" in raw:
         return encoded  # a string input, or the client encodes as compactly as orjson
@@ -149,7 +149,7 @@ def call_ids_of(items: Iterable[Any]) -> frozenset[str]:
 
 
 def check_call_bindings(items: list[Any], record: Record) -> None:
-    """C1.5: every tool output must answer a call in the expanded history."""
+    """CONTRACT.md C1.5: every tool output must answer a call in the expanded history."""
     seen_here: set[str] | None = None
     for index, item in enumerate(items):
         if not isinstance(item, dict) or item.get("type") not in _OUTPUT_TYPES:

@@ -1,4 +1,5 @@
-"""A finished exchange → the Turn to remember, or the reason it is not remembered (C1.6)."""
+"""A finished exchange → the Turn to remember, or the reason it is not remembered
+(CONTRACT.md C1.6)."""
 
 from __future__ import annotations
 

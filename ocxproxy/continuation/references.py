@@ -1,5 +1,5 @@
 """`item_reference` input items: which items are references, and the input with each
-replaced by the stored item it names (C1.1).
+replaced by the stored item it names (CONTRACT.md C1.1).
 
 The stored item is spliced in as the bytes it was first forwarded or produced as, never
 re-encoded, so a history resent by reference reaches the backend byte-identical to the

@@ -48,7 +48,8 @@ def bearer_token(headers: Mapping[str, str]) -> str | None:
 
 
 def scope_of(headers: Mapping[str, str]) -> str:
-    """C5: a stored turn belongs to a hash of the caller's bearer token, never the token."""
+    """A stored turn belongs to a hash of the caller's bearer token, never the token
+    (CONTRACT.md C5)."""
     token = bearer_token(headers)
     if token is None:
         return ANONYMOUS

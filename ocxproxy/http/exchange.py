@@ -4,9 +4,10 @@
 connection's own store first) and splices the forwarded body; `open_upstream` sends it to
 the backend its chain's affinity picks; `create` relays a JSON answer or, through
 `stream_events`, an SSE stream, and `Exchange.finish` remembers the turn before the client
-can see that it ended (C1.7); with the durable store in `ack` mode `Exchange.commit` then
-holds the answer (the JSON body, the SSE or WebSocket terminal event) until the turn is
-fsynced, and turns it into a 503 storage_unavailable / `error` event when it cannot be.
+can see that it ended (CONTRACT.md C1.7); with the durable store in `ack` mode
+`Exchange.commit` then holds the answer (the JSON body, the SSE or WebSocket terminal
+event) until the turn is fsynced, and turns it into a 503 storage_unavailable / `error`
+event when it cannot be.
 Where the answer goes is a `Reply`: an aiohttp response (http/responses.py) or the front
 end's own connection (http/front.py). No aiohttp.web here.
 """
@@ -88,7 +89,7 @@ class Exchange:
     cached_tokens: int | None = None
 
     def finish(self, response: Any) -> None:
-        """Remember the turn when the response is one to remember (C1.6)."""
+        """Remember the turn when the response is one to remember (CONTRACT.md C1.6)."""
         self.finished = True
         metrics = self.proxy.metrics
         self.observe_usage(response)
@@ -165,8 +166,8 @@ async def prepare_exchange(
     """Resolve and expand a create request; raises before anything is forwarded.
 
     `raw` is the client's body, forwarded unchanged when there is nothing to expand or
-    resolve (C1.1). `local` is a WebSocket connection's own store: store:false turns live
-    there, and a chain that started there stays there.
+    resolve (CONTRACT.md C1.1). `local` is a WebSocket connection's own store: store:false
+    turns live there, and a chain that started there stays there.
     """
     refs = references(request.items)
     resolved, sources = await _resolve_items(proxy, scope, refs, local) if refs else ({}, set())
@@ -288,7 +289,7 @@ def _resolve(proxy: Proxy, scope: str, prev: str, local: Store | None) -> tuple[
 def _retention(
     proxy: Proxy, request: Request, local: Store | None, parent_store: Store | None
 ) -> tuple[Store | None, bool]:
-    """Where a turn is remembered and whether it may reach disk (C3, C5)."""
+    """Where a turn is remembered and whether it may reach disk (CONTRACT.md C3, C5)."""
     if local is not None and (parent_store is local or not request.store):
         return local, False
     if request.store:
@@ -301,7 +302,7 @@ def _retention(
 def open_upstream(
     exchange: Exchange, path_qs: str, headers: Mapping[str, str], timing: Timing
 ) -> AbstractAsyncContextManager[tuple[Backend, UpstreamResponse]]:
-    """The backend request of a create exchange, routed by its chain's affinity (C6)."""
+    """The backend request of a create exchange, routed by its chain's affinity (CONTRACT.md C6)."""
     return exchange.proxy.pool.open(
         "POST",
         path_qs,
@@ -410,8 +411,9 @@ async def stream_events(
 ) -> AsyncIterator[list[Event]]:
     """The backend's SSE events in arrival order, a batch per chunk read. Streams that
     lack spec fields are repaired; the turn is recorded before the terminal event is
-    yielded, so a continuation sent the instant it arrives resolves (C1.7), and yielded
-    only once durable: the events before it, then StorageUnavailable, when it cannot be.
+    yielded, so a continuation sent the instant it arrives resolves (CONTRACT.md C1.7),
+    and yielded only once durable: the events before it, then StorageUnavailable, when it
+    cannot be.
     A stream that ends with neither a terminal event nor an `error` one is an
     UpstreamError: the client would otherwise take a cut-short response for a finished
     one."""

@@ -1,4 +1,4 @@
-"""Liveness, readiness and metrics (C2, C7)."""
+"""Liveness, readiness and metrics (CONTRACT.md C2, C7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every other path: reverse-proxied transparently, bodies streamed both ways (C2)."""
+"""Every other path: reverse-proxied transparently, bodies streamed both ways (CONTRACT.md C2)."""
 
 from __future__ import annotations
 

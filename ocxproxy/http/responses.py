@@ -1,5 +1,5 @@
 """The `/v1/responses` routes on aiohttp: create (the turn itself is http/exchange.py's),
-its siblings `input_tokens` and `compact`, and the stored responses (C2)."""
+its siblings `input_tokens` and `compact`, and the stored responses (CONTRACT.md C2)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
         )
 
 
-# -- stored responses (C2) ---------------------------------------------------------------
+# -- stored responses (CONTRACT.md C2) ---------------------------------------------------
 
 
 def _lookup(proxy: Proxy, request: web.Request) -> Record | None:

@@ -1,4 +1,4 @@
-"""WebSocket mode (C3): `GET /v1/responses` with an upgrade; one socket, many turns.
+"""WebSocket mode (CONTRACT.md C3): `GET /v1/responses` with an upgrade; one socket, many turns.
 
 Each `response.create` frame becomes a streaming `POST /v1/responses` to a backend, and
 every SSE event goes back as one text frame with its JSON payload unchanged. Turns run one
@@ -8,7 +8,8 @@ never resolvable from another connection or over HTTP, dropped on close. Errors 
 `error` events and the socket stays open, except for the lifetime limit and protocol
 violations (a frame over the size limit closes with 1009).
 
-A GET without an upgrade is not WebSocket mode: it is forwarded like any other path (C2).
+A GET without an upgrade is not WebSocket mode: it is forwarded like any other path
+(CONTRACT.md C2).
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class Connection:
         response = warmup_response(
             exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time())
         )
-        exchange.finish(response)  # before response.completed goes out (C1.7)
+        exchange.finish(response)  # before response.completed goes out (CONTRACT.md C1.7)
         await exchange.commit()
         pending = {**response, "status": "in_progress"}
         events = (

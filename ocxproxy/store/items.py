@@ -1,5 +1,5 @@
 """The item-id index: which live records hold an item with a given id, per scope, so an
-`item_reference` resolves in the caller's scope (C1.1, C5).
+`item_reference` resolves in the caller's scope (CONTRACT.md C1.1, C5).
 
 A record is indexed by the ids of its own segment (the last of its chain: the items its
 turn added, input and output), and only while it lives: the Store adds it on put and

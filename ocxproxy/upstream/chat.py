@@ -1,4 +1,4 @@
-"""Responses request → Chat Completions request, for backends that speak only chat (C6).
+"""Responses request → Chat Completions request, for backends that speak only chat (CONTRACT.md C6).
 Pure: dicts in, dicts out; no asyncio, no aiohttp.
 
 The translation is deterministic: the same items always give the same chat messages, so a

@@ -1,4 +1,4 @@
-"""Chat Completions answer → Responses answer (C6). Pure: bytes and dicts, no I/O.
+"""Chat Completions answer → Responses answer (CONTRACT.md C6). Pure: bytes and dicts, no I/O.
 
 `ChatStream` turns chat completion chunks into the full Responses SSE event sequence, with
 `sequence_number`, `output_index` and `content_index`, and the proxy's own `resp_`/`msg_`/

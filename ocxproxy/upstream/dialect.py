@@ -1,4 +1,5 @@
-"""Backends that speak Chat Completions only, made to answer like Responses backends (C6).
+"""Backends that speak Chat Completions only, made to answer like Responses backends
+(CONTRACT.md C6).
 
 The pool builds one `Translator` per request. For a backend of the `chat` dialect it turns a
 `POST /v1/responses` body into a `POST /v1/chat/completions` request (an unsupported field

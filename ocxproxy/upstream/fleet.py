@@ -1,4 +1,4 @@
-"""Which backend serves a request: health state, cache affinity and admission (C6).
+"""Which backend serves a request: health state, cache affinity and admission (CONTRACT.md C6).
 
 Decisions only. `Fleet.choose` is synchronous and does no I/O, so a choice and the slot it
 reserves happen with no `await` in between; `Fleet.admit` adds the one bounded wait for a

@@ -1,4 +1,4 @@
-"""Make an incomplete Responses SSE stream spec-complete (C1.7). Pure, no I/O.
+"""Make an incomplete Responses SSE stream spec-complete (CONTRACT.md C1.7). Pure, no I/O.
 
 llama.cpp's events carry no `sequence_number`, `output_index` or `content_index`, and its
 `response.created` holds a stub response; the official SDK's `responses.stream()` helper

@@ -1,4 +1,5 @@
-"""continuation/record.py: which finished responses are remembered (C1.6), and as what."""
+"""continuation/record.py: which finished responses are remembered (CONTRACT.md C1.6),
+and as what."""
 
 from __future__ import annotations
 

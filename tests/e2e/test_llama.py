@@ -1,5 +1,5 @@
 """End-to-end against the real llama.cpp server (xllamacpp + SmolLM2-135M): the proof that
-expansion is byte-stable enough for the backend's prefix cache (issue 3, CONTRACT C1)."""
+expansion is byte-stable enough for the backend's prefix cache (issue 3, CONTRACT.md C1)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ async def test_codex_style_full_history_passes_through_and_hits(
 async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
     llama_proxy: ProxyHandle, llama_url: str
 ) -> None:
-    # llama.cpp's own stream lacks sequence_number: the proxy repairs it (C1.7).
+    # llama.cpp's own stream lacks sequence_number: the proxy repairs it (CONTRACT.md C1.7).
     async with aiohttp.ClientSession() as http:
         body = {"model": "local", "input": "Say hi", "stream": True, "max_output_tokens": 8}
         async with http.post(llama_url + "/v1/responses", json=body) as raw:

@@ -38,7 +38,7 @@ def top_level_span(body: bytes, key: str) -> bytes:
 
 
 def assert_append_only(bodies: list[bytes]) -> None:
-    """Each forwarded `input` array is a byte prefix of the next one's (C1.2)."""
+    """Each forwarded `input` array is a byte prefix of the next one's (CONTRACT.md C1.2)."""
     spans = [top_level_span(body, "input") for body in bodies]
     for before, after in itertools.pairwise(spans):
         assert before.startswith(b"[") and before.endswith(b"]"), before

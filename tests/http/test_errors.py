@@ -1,5 +1,5 @@
 """http/middleware.py: every failure is OpenAI-shaped, with the right status, and the
-proxy keeps serving afterwards (C1.3, C5)."""
+proxy keeps serving afterwards (CONTRACT.md C1.3, C5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""http/health.py: liveness, readiness and Prometheus metrics (C2, C7)."""
+"""http/health.py: liveness, readiness and Prometheus metrics (CONTRACT.md C2, C7)."""
 
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ async def test_ai_sdk_history_by_reference_reaches_the_backend_resolved(
 async def test_a_function_call_by_reference_binds_its_output(
     make_proxy: MakeProxy, backend: FakeBackend
 ) -> None:
-    """A tool output answering a call that arrives by reference is bound (C1.5), with or
+    """A tool output answering a call that arrives by reference is bound (CONTRACT.md C1.5), with or
     without previous_response_id."""
     handle = await make_proxy(backend.url)
     first = await json_turn(handle, {"model": "m", "input": [user("CALL:get_weather")]})

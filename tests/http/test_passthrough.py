@@ -1,4 +1,4 @@
-"""http/passthrough.py: every other path is reverse-proxied transparently (C2, C5)."""
+"""http/passthrough.py: every other path is reverse-proxied transparently (CONTRACT.md C2, C5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`/v1/responses` end to end: the official SDK and raw HTTP through the proxy to a fake
-stateless backend, over real loopback sockets (C1, C2)."""
+stateless backend, over real loopback sockets (CONTRACT.md C1, C2)."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ async def test_continuation_sent_the_instant_completed_arrives(
     spec: bool, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     """The backend holds the stream open after `response.completed`; a continuation sent
-    as soon as those bytes arrive (before EOF) must resolve (C1.7)."""
+    as soon as those bytes arrive (before EOF) must resolve (CONTRACT.md C1.7)."""
     events = script_events("resp_fast", "first", spec=spec)
     script = b"".join(
         b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events
@@ -276,7 +276,7 @@ async def test_events_are_relayed_as_they_arrive(
     spec: bool, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     """The backend stops before its terminal event; everything before it already reached
-    the client (no buffering of deltas, C1.7)."""
+    the client (no buffering of deltas, CONTRACT.md C1.7)."""
     events = script_events("resp_live", "partial", spec=spec)
     chunks = [
         b"event: " + e["type"].encode() + b"\ndata: " + orjson.dumps(e) + b"\n\n" for e in events
@@ -299,7 +299,7 @@ async def test_events_are_relayed_as_they_arrive(
         assert [p["type"] for p in sse_payloads(rest)] == ["response.completed"]
 
 
-# -- C1.1: no previous_response_id ------------------------------------------------------------
+# -- CONTRACT.md C1.1: no previous_response_id ------------------------------------------------
 
 ODD_BODY = (
     b'{ "stream" :false,\n\t"input": [ {"content" : "caf\\u00e9 \xe2\x98\x95", "role":"user"} ,'
@@ -325,7 +325,7 @@ async def test_first_turn_items_replay_as_the_backend_saw_them(
     proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
 ) -> None:
     """The next turn's forwarded input starts with the first turn's items, byte for byte,
-    odd spacing and escapes included (C1.2)."""
+    odd spacing and escapes included (CONTRACT.md C1.2)."""
     _, raw, _ = await post(http, proxy, ODD_BODY)
     rid = orjson.loads(raw)["id"]
     status, raw, _ = await post(http, proxy, {"input": "next", "previous_response_id": rid})
@@ -337,7 +337,7 @@ async def test_first_turn_items_replay_as_the_backend_saw_them(
     assert second.startswith(b"[" + items[0] + b"," + items[1].strip() + b",")
 
 
-# -- C1.2 / C5: unknown ids, scope ------------------------------------------------------------
+# -- CONTRACT.md C1.2 / C5: unknown ids, scope ------------------------------------------------
 
 
 async def test_unknown_id_is_400_and_nothing_is_forwarded(
@@ -394,7 +394,7 @@ async def test_no_token_is_the_anonymous_scope(
     assert (status, orjson.loads(raw)) == (400, not_found(rid))
 
 
-# -- C5: store:false; C1.4: no inheritance -------------------------------------------------
+# -- CONTRACT.md C5: store:false; C1.4: no inheritance -------------------------------------
 
 
 async def test_store_false_is_not_retained_by_default(
@@ -422,7 +422,8 @@ async def test_store_false_chains_with_retain_unstored(
     )
     assert r2.output_text == "echo#3: y"
     assert backend.responses_seen[1].json["store"] is False
-    # Kept only so it can be chained: not retrievable, as on OpenAI (C2: GET serves store:true).
+    # Kept only so it can be chained: not retrievable, as on OpenAI (CONTRACT.md C2: GET
+    # serves store:true).
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(r2.id)
 
@@ -448,7 +449,7 @@ async def test_instructions_and_tools_are_not_inherited(
     assert b"be terse" not in backend.responses_seen[1].body
 
 
-# -- C1.5: tool-call bindings -----------------------------------------------------------------
+# -- CONTRACT.md C1.5: tool-call bindings -----------------------------------------------------
 
 
 async def test_function_call_output_must_answer_a_call(
@@ -476,7 +477,7 @@ async def test_function_call_output_must_answer_a_call(
     assert forwarded[1]["call_id"] == forwarded[2]["call_id"] == call.call_id
 
 
-# -- C1.6: what is remembered -----------------------------------------------------------------
+# -- CONTRACT.md C1.6: what is remembered -----------------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -570,7 +571,7 @@ async def test_sdk_sees_a_broken_stream_as_an_error(
             pass
 
 
-# -- C1.8: the backend's answers pass through ---------------------------------------------------
+# -- CONTRACT.md C1.8: the backend's answers pass through ---------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -605,7 +606,7 @@ async def test_sdk_sees_backend_errors(proxy: ProxyHandle, backend: FakeBackend)
     assert info.value.response.headers["x-request-id"] == "req_1"
 
 
-# -- C1.7: a client that disconnects cancels the upstream request ------------------------------
+# -- CONTRACT.md C1.7: a client that disconnects cancels the upstream request ------------------
 
 
 async def test_client_disconnect_mid_stream_cancels_upstream(
@@ -646,7 +647,7 @@ async def test_client_disconnect_while_backend_stalls_cancels_upstream(
     assert status == 200
 
 
-# -- C2: stored responses ------------------------------------------------------------------
+# -- CONTRACT.md C2: stored responses ------------------------------------------------------
 
 
 async def test_get_returns_the_stored_response(

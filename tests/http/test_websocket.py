@@ -1,5 +1,5 @@
-"""WebSocket mode (C3) over real sockets: the store matrix, Codex's warm-up + incremental
-pattern, FIFO turns, limits, disconnects and malformed frames."""
+"""WebSocket mode (CONTRACT.md C3) over real sockets: the store matrix, Codex's warm-up +
+incremental pattern, FIFO turns, limits, disconnects and malformed frames."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def closes() -> Iterator[CloseLog]:
     logger.setLevel(level)
 
 
-# -- the store matrix (C3 seed case), through the official SDK ------------------------------
+# -- the store matrix (CONTRACT.md C3 seed case), through the official SDK ------------------
 
 
 async def sdk_turn(conn: Any, **fields: Any) -> list[Any]:

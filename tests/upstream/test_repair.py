@@ -1,4 +1,4 @@
-"""upstream/repair.py: llama.cpp-style streams made spec-complete (C1.7)."""
+"""upstream/repair.py: llama.cpp-style streams made spec-complete (CONTRACT.md C1.7)."""
 
 from __future__ import annotations
 
