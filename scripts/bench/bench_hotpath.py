@@ -5,7 +5,7 @@ by ±30 % from run to run, and half of a turn is the kernel (two loopback sends 
 other processes). This runs ocxproxy's real request path in one process over in-memory
 transports: the client's bytes go into the front end's `FrontConnection.data_received`,
 the forwarded request comes out of the real `Http1Client` and is answered at once, with
-scripts/instant_backend.py's answer, straight into that connection's `data_received`; the
+scripts/bench/instant_backend.py's answer, straight into that connection's `data_received`; the
 answer is collected from the front end's transport. What remains is exactly the Python
 a turn costs: parsing, expansion, routing, the HTTP/1.1 on both sides, recording, metrics.
 
@@ -16,9 +16,9 @@ in the other benchmarks; `--durable` gives it a state dir, whose writer threads 
 fsync per file, snapshots) then compete for the GIL. `--profile` adds cProfile's top
 functions for the 8k JSON case.
 
-    python scripts/bench_hotpath.py            # ~20 s
-    python scripts/bench_hotpath.py --quick
-    python scripts/bench_hotpath.py --profile
+    python scripts/bench/bench_hotpath.py            # ~20 s
+    python scripts/bench/bench_hotpath.py --quick
+    python scripts/bench/bench_hotpath.py --profile
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 from benchkit import make_items, user_message
 from instant_backend import InstantBackend
+from loopback import message_length
 
 from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY
@@ -47,7 +48,6 @@ from ocxproxy.server import build_app
 from ocxproxy.upstream import http1
 
 SIZES = {"8k": 32 * 1024, "128k": 512 * 1024}
-_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
 _RID = re.compile(rb'"id":"(resp_[^"]*)"')
 
 
@@ -74,20 +74,6 @@ class MemoryTransport:
         raise AssertionError("no request here is handed to aiohttp")
 
 
-def _complete(buffer: bytes | bytearray) -> int:
-    """The length of the first whole HTTP message in `buffer` (Content-Length or chunked
-    framing), else 0."""
-    end = buffer.find(b"\r\n\r\n")
-    if end < 0:
-        return 0
-    m = _LENGTH.search(buffer, 0, end + 2)
-    if m is not None:
-        total = end + 4 + int(m.group(1))
-        return total if len(buffer) >= total else 0
-    last = buffer.find(b"\r\n0\r\n\r\n", end)
-    return last + 7 if last >= 0 else 0
-
-
 class Backend:
     """Answers each request the proxy's Http1Client sends, on the next loop turn."""
 
@@ -100,11 +86,11 @@ class Backend:
         received = bytearray()
 
         def sink(data: bytes) -> None:
-            if not received and _complete(data) == len(data):  # the usual case: no copies
+            if not received and message_length(data) == len(data):  # the usual case: no copies
                 self.loop.call_soon(conn.data_received, self.answer(data))
                 return
             received.extend(data)
-            n = _complete(received)
+            n = message_length(received)
             if n:
                 request = bytes(received[:n])
                 del received[:n]
@@ -145,7 +131,7 @@ class Client:
 
     def sink(self, data: bytes) -> None:
         self.received.extend(data)
-        n = _complete(self.received)
+        n = message_length(self.received)
         if n and self.done is not None:
             answer = bytes(self.received[:n])
             del self.received[:n]

@@ -1,7 +1,7 @@
 """Store benchmarks: what a long chain costs in memory and on disk, and whether memory stays
 under the cap while many chains run. Prints figures; asserts nothing.
 
-    python scripts/bench_store.py [--turns 172] [--chains 1000] [--chain-turns 10]
+    python scripts/bench/bench_store.py [--turns 172] [--chains 1000] [--chain-turns 10]
                                   [--cap 1MiB] [--concurrency 64] [--turn-time 0.2]
 
 1. One chain of --turns turns (~8k tokens, ~32 KB of items in all): bytes of items the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ocxproxy.config import parse_bytes
 from ocxproxy.metrics import Metrics

@@ -1,6 +1,6 @@
 """Continuation turns per second through one proxy process against an instant backend.
 
-Starts scripts/instant_backend.py and `python -m ocxproxy serve` as subprocesses, then
+Starts scripts/bench/instant_backend.py and `python -m ocxproxy serve` as subprocesses, then
 load-generator processes that run CHAINS concurrent conversations: each chain makes a
 first turn (untimed), then sends continuation turns (previous_response_id = its last
 response, one small user message) back to back until the window closes; a chain that
@@ -13,8 +13,8 @@ The default load generator is a hand-written HTTP/1.1 keep-alive client (one con
 per chain) because aiohttp's client costs several times more CPU per request and would
 take cores from the proxy; `--client aiohttp` uses aiohttp (connector limit = chains).
 
-    .venv/bin/python scripts/bench_throughput.py            # ~1 minute
-    .venv/bin/python scripts/bench_throughput.py --quick    # smoke, < 30 s
+    .venv/bin/python scripts/bench/bench_throughput.py            # ~1 minute
+    .venv/bin/python scripts/bench/bench_throughput.py --quick    # smoke, < 30 s
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import orjson
 from benchkit import (
@@ -49,48 +48,13 @@ from benchkit import (
     user_message,
     verdict,
 )
+from loopback import RawClient
 
 TARGET_TPS = 1500.0
 _RID = re.compile(rb'"id":"(resp_[^"]*)"')
-_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
 
 
 # -- load generator (runs in worker processes) -----------------------------------------------
-
-
-class RawClient:
-    """HTTP/1.1 keep-alive POSTs over one connection; Content-Length or chunked answers."""
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-        head += b"Content-Length: %d\r\n\r\n"
-        self.writer.write(head % (path.encode(), self.host.encode(), len(body)) + body)
-        response = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(response[9:12])
-        m = _LENGTH.search(response)
-        if m is not None:
-            return status, await self.reader.readexactly(int(m.group(1)))
-        chunks = []
-        while True:  # chunked
-            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            chunk = await self.reader.readexactly(size + 2)
-            if size == 0:
-                return status, b"".join(chunks)
-            chunks.append(chunk[:-2])
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 class AiohttpClient:
@@ -98,10 +62,10 @@ class AiohttpClient:
         self.session = session
         self.url = url
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, bytes]:
         headers = {"Content-Type": "application/json"}
         async with self.session.post(self.url + path, data=body, headers=headers) as response:
-            return response.status, await response.read()
+            return response.status, response.content_type.encode(), await response.read()
 
     async def close(self) -> None:
         pass
@@ -117,7 +81,7 @@ class ChainStats:
 
 async def first_turn(client: Any, root: list[Any]) -> str:
     body = orjson.dumps({"model": "bench", "input": root})
-    status, data = await client.post("/v1/responses", body)
+    status, _, data = await client.post("/v1/responses", body)
     m = _RID.search(data)
     if status != 200 or m is None:
         raise RuntimeError(f"first turn failed: {status} {data[:200]!r}")
@@ -148,7 +112,7 @@ async def chain(
             {"model": "bench", "previous_response_id": head, "input": [message], "stream": False}
         )
         start = clock()
-        status, data = await client.post("/v1/responses", body)
+        status, _, data = await client.post("/v1/responses", body)
         end = clock()
         if end > window[1]:
             return
@@ -199,7 +163,11 @@ async def worker(args: argparse.Namespace) -> None:
     if session is not None:
         await session.close()
     s = Summary.of(latencies)
-    result = {"turns": stats.turns, "firsts": stats.firsts, "errors": stats.errors}
+    result: dict[str, float] = {
+        "turns": stats.turns,
+        "firsts": stats.firsts,
+        "errors": stats.errors,
+    }
     result |= {"p50": s.p50, "p90": s.p90, "p99": s.p99, "max": s.max}
     print(json.dumps(result), flush=True)
 
@@ -241,7 +209,7 @@ def run_config(label: str, args: argparse.Namespace, *, history_kb: int, raw: bo
     backend = start_backend(raw=raw)
     if args.proxy == "ocxproxy":
         proxy = start_proxy(backend.url)
-    else:  # a yardstick: scripts/floor_proxy.py
+    else:  # a yardstick: scripts/bench/floor_proxy.py
         side = "raw" if args.proxy == "raw-floor" else "aiohttp"
         proxy = start_floor(backend.url, server=side, client=side)
     workers: list[subprocess.Popen[str]] = []
@@ -317,7 +285,7 @@ def main() -> None:
         "--proxy",
         choices=("ocxproxy", "floor", "raw-floor"),
         default="ocxproxy",
-        help="the proxy under load; floor/raw-floor: scripts/floor_proxy.py as a yardstick",
+        help="the proxy under load; floor/raw-floor: scripts/bench/floor_proxy.py as a yardstick",
     )
     parser.add_argument(
         "--chain-turns", type=int, default=172, help="turns before a chain restarts"

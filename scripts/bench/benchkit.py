@@ -1,4 +1,4 @@
-"""Shared pieces of the scripts/bench_*.py benchmarks (not a test helper, never collected).
+"""Shared pieces of the benchmarks in scripts/bench/ (not a test helper, never collected).
 
 Child processes (the proxy, the instant backend) started and stopped by their own pid,
 /proc readings (CPU time, peak RSS), realistic Responses items of a chosen size,
@@ -25,19 +25,11 @@ from typing import Any
 
 import orjson
 
-SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parents[1]
 PYTHON = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# What tests/instant_backend.py answers: the one output item every turn adds.
-OUTPUT_ITEM: dict[str, Any] = {
-    "type": "message",
-    "id": "msg_x",
-    "role": "assistant",
-    "status": "completed",
-    "content": [{"type": "output_text", "text": "ok", "annotations": []}],
-}
 BYTES_PER_TOKEN = 4  # the usual rough figure for English text and JSON
 
 
@@ -110,8 +102,8 @@ def start_child(
 
 
 def start_backend(*, raw: bool = False) -> Child:
-    """scripts/instant_backend.py (aiohttp; `raw`: hand-written HTTP, cheaper)."""
-    argv = [PYTHON, str(SCRIPTS / "instant_backend.py"), "--port", "0"]
+    """scripts/bench/instant_backend.py (aiohttp; `raw`: hand-written HTTP, cheaper)."""
+    argv = [PYTHON, str(BENCH / "instant_backend.py"), "--port", "0"]
     return start_child(
         "backend", [*argv, *(["--raw"] if raw else [])], r"listening on (http://\S+)"
     )
@@ -127,8 +119,8 @@ def start_proxy(upstream: str, *extra: str) -> Child:
 
 
 def start_profiled(upstream: str, name: str, *, ablate: str = "", out: Path | None = None) -> Child:
-    """ocxproxy under scripts/profiled_proxy.py: cProfile on SIGUSR1/SIGUSR2, ablations."""
-    argv = [PYTHON, str(SCRIPTS / "profiled_proxy.py"), "serve", "--upstream", upstream]
+    """ocxproxy under scripts/bench/profiled_proxy.py: cProfile on SIGUSR1/SIGUSR2, ablations."""
+    argv = [PYTHON, str(BENCH / "profiled_proxy.py"), "serve", "--upstream", upstream]
     env = {"OCXPROXY_BENCH_ABLATE": ablate, "OCXPROXY_PROFILE_OUT": str(out or "/dev/null")}
     return start_child(name, [*argv, *PROXY_ARGS], r"listening on (http://\S+?)/v1", env=env)
 
@@ -229,7 +221,7 @@ def make_items(target_bytes: int, seed: int = 1) -> list[dict[str, Any]]:
         n += 1
         call_id = f"call_{seed}_{n:05d}"
         tool = rng.choice(_TOOLS)
-        round_ = [
+        round_: list[dict[str, Any]] = [
             {
                 "type": "message",
                 "id": f"msg_{seed}_{n:05d}",
@@ -384,7 +376,7 @@ def summarize_pstats(path: Path, top: int = 15) -> PstatsSummary:
 
     stats: dict[Any, Any] = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     groups: Counter[str] = Counter()
-    rows = []
+    rows: list[tuple[str, float, int]] = []
     inclusive: dict[str, float] = {}
     total = 0.0
     for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.items():
@@ -402,11 +394,12 @@ def summarize_pstats(path: Path, top: int = 15) -> PstatsSummary:
         if "/ocxproxy/" in file and "/site-packages/" not in file:
             inclusive[f"{func} ({short})"] = max(ct, inclusive.get(f"{func} ({short})", 0.0))
     rows.sort(key=lambda r: -r[1])
-    return PstatsSummary(total, groups.most_common(), rows[:top], inclusive)
+    ranked = [(name, float(seconds)) for name, seconds in groups.most_common()]
+    return PstatsSummary(total, ranked, rows[:top], inclusive)
 
 
 def start_floor(upstream: str, *, server: str = "aiohttp", client: str = "aiohttp") -> Child:
-    """scripts/floor_proxy.py: the least a continuation proxy can do (aiohttp or raw sides)."""
-    argv = [PYTHON, str(SCRIPTS / "floor_proxy.py"), "--upstream", upstream, "--port", "0"]
+    """floor_proxy.py: the least a continuation proxy can do (aiohttp or raw sides)."""
+    argv = [PYTHON, str(BENCH / "floor_proxy.py"), "--upstream", upstream, "--port", "0"]
     argv += ["--server", server, "--upstream-client", client]
     return start_child(f"floor-{server}-{client}", argv, r"listening on (http://\S+?)/v1")

@@ -6,64 +6,40 @@ header filtering, no limits, no affinity, no error mapping, no eviction. It is w
 framework costs; whatever ocxproxy spends above it is its own.
 
 `--upstream-client raw` swaps aiohttp's client for a hand-written HTTP/1.1 keep-alive
-pool (asyncio streams), and `--server raw` aiohttp's server for an asyncio.Protocol
-(Content-Length bodies; an SSE answer is passed on whole): what each side of aiohttp
-costs per request.
+pool, and `--server raw` aiohttp's server for a hand-written one (both loopback.py's:
+Content-Length bodies; an SSE answer is passed on whole): what each side of aiohttp costs
+per request.
 
-    python scripts/floor_proxy.py --upstream URL --port 0   # prints "... listening on URL/v1"
+    python scripts/bench/floor_proxy.py --upstream URL --port 0   # "... listening on URL/v1"
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import re
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
+import loopback
 import orjson
 from aiohttp import web
+from loopback import RawClient
 
 _TERMINAL = re.compile(rb"^data: (\{\"type\":\"response\.completed\".*)$", re.M)
-_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
-_TYPE = re.compile(rb"\r\ncontent-type: *([^\r;]+)", re.I)
 
 
 class RawPool:
-    """Keep-alive HTTP/1.1 POSTs to one backend; Content-Length or chunked answers."""
+    """Keep-alive connections to one backend, as many as requests in flight."""
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.url = url
+        self.idle: list[RawClient] = []
 
-    async def post(self, path: bytes, body: bytes) -> tuple[bytes, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[bytes, bytes]:
         """(content type, body) of the answer."""
-        if self.idle:
-            reader, writer = self.idle.pop()
-        else:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-        head += b"Content-Length: %d\r\n\r\n"
-        writer.writelines((head % (path, self.host.encode(), len(body)), body))  # no join
-        response = await reader.readuntil(b"\r\n\r\n")
-        m = _TYPE.search(response)
-        kind = m.group(1) if m else b"application/json"
-        m = _LENGTH.search(response)
-        if m is not None:
-            data = await reader.readexactly(int(m.group(1)))
-        else:
-            chunks = []
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                chunk = await reader.readexactly(size + 2)
-                if size == 0:
-                    break
-                chunks.append(chunk[:-2])
-            data = b"".join(chunks)
-        self.idle.append((reader, writer))
+        client = self.idle.pop() if self.idle else RawClient(self.url)
+        _, kind, data = await client.post(path, body)
+        self.idle.append(client)
         return kind, data
 
 
@@ -99,7 +75,7 @@ class Floor:
         """For the raw server: the whole answer (content type, body)."""
         data, own, prefix = self.splice(raw)
         if self.pool is not None:
-            kind, answer = await self.pool.post(b"/v1/responses", data)
+            kind, answer = await self.pool.post("/v1/responses", data)
         else:
             assert self.session is not None
             headers = {"Content-Type": "application/json"}
@@ -112,6 +88,12 @@ class Floor:
         else:
             self.remember(orjson.loads(answer), own, prefix)
         return kind, answer
+
+    async def handle_raw_request(self, head: bytes, body: bytes) -> tuple[bytes, bytes]:
+        """The raw server's handler: a scrape of /metrics gets an empty answer."""
+        if head.startswith(b"GET /metrics"):
+            return b"text/plain", b""
+        return await self.handle_raw(body)
 
     def remember(self, response: Any, own: bytes, prefix: tuple[bytes, ...]) -> None:
         output = b",".join(orjson.dumps(item) for item in response["output"])
@@ -146,79 +128,23 @@ class Floor:
         return web.Response(text="")
 
 
-class RawServer(asyncio.Protocol):
-    """HTTP/1.1 keep-alive by hand: Content-Length requests, one at a time per connection."""
-
-    def __init__(self, floor: Floor) -> None:
-        self.floor = floor
-        self.buffer = bytearray()
-        self.transport: Any = None
-        self.end: int | None = None
-        self.body_start = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if self.end is None:
-            head_end = self.buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return
-            m = _LENGTH.search(self.buffer, 0, head_end + 2)
-            self.body_start = head_end + 4
-            self.end = self.body_start + (int(m.group(1)) if m else 0)
-        if len(self.buffer) < self.end:
-            return
-        head = bytes(self.buffer[: self.body_start])
-        body = bytes(self.buffer[self.body_start : self.end])
-        del self.buffer[: self.end]
-        self.end = None
-        task = asyncio.ensure_future(self.answer(head, body))
-        _TASKS.add(task)
-        task.add_done_callback(_TASKS.discard)
-
-    async def answer(self, head: bytes, body: bytes) -> None:
-        if head.startswith(b"GET /metrics"):
-            kind, payload = b"text/plain", b""
-        else:
-            kind, payload = await self.floor.handle_raw(body)
-        line = b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
-        self.transport.writelines((line % (kind, len(payload)), payload))
-
-
-_TASKS: set[asyncio.Task[None]] = set()
-
-
 async def serve(upstream: str, port: int, raw_server: bool, raw_client: bool) -> None:
     floor = Floor(upstream, raw_client)
     floor.session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
         timeout=aiohttp.ClientTimeout(total=None),
     )
-    if raw_server:
-        server = await asyncio.get_running_loop().create_server(
-            lambda: RawServer(floor), "127.0.0.1", port
-        )
-        bound = server.sockets[0].getsockname()[1]
-        print(f"floor proxy listening on http://127.0.0.1:{bound}/v1", flush=True)
-        async with server:
-            await server.serve_forever()
-        return
-    app = web.Application(client_max_size=1 << 30)
-    app.router.add_post("/v1/responses", floor.create)
-    app.router.add_get("/metrics", floor.metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    host, bound = runner.addresses[0][:2]
-    print(f"floor proxy listening on http://{host}:{bound}/v1", flush=True)
+    banner = "floor proxy listening on {url}/v1"
     try:
-        await asyncio.Event().wait()
+        if raw_server:
+            await loopback.serve(port, banner, handler=floor.handle_raw_request)
+        else:
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_post("/v1/responses", floor.create)
+            app.router.add_get("/metrics", floor.metrics)
+            await loopback.serve(port, banner, app=app)
     finally:
         await floor.session.close()
-        await runner.cleanup()
 
 
 def main() -> None:
@@ -228,14 +154,8 @@ def main() -> None:
     parser.add_argument("--server", choices=("aiohttp", "raw"), default="aiohttp")
     parser.add_argument("--upstream-client", choices=("aiohttp", "raw"), default="aiohttp")
     args = parser.parse_args()
-    try:
-        import uvloop
-    except ImportError:
-        run = asyncio.run
-    else:
-        run = uvloop.run
-    with contextlib.suppress(KeyboardInterrupt):
-        run(serve(args.upstream, args.port, args.server == "raw", args.upstream_client == "raw"))
+    raw_server, raw_client = args.server == "raw", args.upstream_client == "raw"
+    loopback.run(serve(args.upstream, args.port, raw_server, raw_client))
 
 
 if __name__ == "__main__":

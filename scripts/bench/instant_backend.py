@@ -10,24 +10,21 @@ Unlike tests/fakes/backend.py (which simulates a prefix cache, ≈9 ms per 512 K
 costs the same small amount whatever the history, so it cancels out of
 "via proxy - direct".
 
-    python scripts/instant_backend.py --port 0   # prints "instant backend listening on URL"
+    python scripts/bench/instant_backend.py --port 0   # prints "instant backend listening on URL"
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import hashlib
 import os
-import re
-import socket
 from typing import Any
 
+import loopback
 import orjson
 from aiohttp import web
 
-OUTPUT_ITEM = {
+OUTPUT_ITEM: dict[str, Any] = {  # the one output item every turn adds
     "type": "message",
     "id": "msg_x",
     "role": "assistant",
@@ -69,21 +66,21 @@ def _sse_template() -> bytes:
     part = {"type": "output_text", "text": "", "annotations": []}
     loc = {"item_id": "msg_x", "output_index": 0, "content_index": 0}
     added = {**OUTPUT_ITEM, "status": "in_progress", "content": []}
-    events = [
+    events: list[dict[str, Any]] = [
         {"type": "response.created", "response": pending},
         {"type": "response.in_progress", "response": pending},
         {"type": "response.output_item.added", "output_index": 0, "item": added},
         {"type": "response.content_part.added", **loc, "part": part},
         {"type": "response.output_text.delta", **loc, "delta": "ok", "logprobs": []},
         {"type": "response.output_text.done", **loc, "text": "ok", "logprobs": []},
-        {"type": "response.content_part.done", **loc, "part": OUTPUT_ITEM["content"][0]},  # type: ignore[index]
+        {"type": "response.content_part.done", **loc, "part": OUTPUT_ITEM["content"][0]},
         {"type": "response.output_item.done", "output_index": 0, "item": OUTPUT_ITEM},
         {"type": "response.completed", "response": _response("completed", [OUTPUT_ITEM])},
     ]
     out = []
     for seq, event in enumerate(events):
         event["sequence_number"] = seq
-        out.append(b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event)))  # type: ignore[union-attr]
+        out.append(b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event)))
     return b"".join(out)
 
 
@@ -108,6 +105,11 @@ class InstantBackend:
             return self._fill(self.sse, body), True
         return self._fill(self.json, body), False
 
+    def raw(self, head: bytes, body: bytes) -> tuple[bytes, bytes]:
+        """The answer on loopback.RawServer (`--raw`): the cheapest a backend can be."""
+        payload, is_stream = self.answer(body)
+        return (b"text/event-stream" if is_stream else b"application/json"), payload
+
     async def create(self, request: web.Request) -> web.StreamResponse:
         payload, is_stream = self.answer(await request.read())
         if is_stream:
@@ -127,44 +129,6 @@ class InstantBackend:
         return web.json_response(info)
 
 
-_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.I)
-
-
-class RawProtocol(asyncio.Protocol):
-    """`--raw`: HTTP/1.1 keep-alive by hand (Content-Length bodies only), so that the
-    backend costs as little CPU as possible when it shares the cores with the proxy."""
-
-    def __init__(self, backend: InstantBackend) -> None:
-        self.backend = backend
-        self.buffer = bytearray()
-        self.body_start = 0
-        self.end: int | None = None
-        self.transport: Any = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # uvloop's TCPTransport is no asyncio.Transport subclass
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while True:
-            if self.end is None:
-                head_end = self.buffer.find(b"\r\n\r\n")
-                if head_end < 0:
-                    return
-                m = _CONTENT_LENGTH.search(self.buffer, 0, head_end + 2)
-                self.body_start = head_end + 4
-                self.end = self.body_start + (int(m.group(1)) if m else 0)
-            if len(self.buffer) < self.end:
-                return
-            body = bytes(self.buffer[self.body_start : self.end])
-            del self.buffer[: self.end]
-            self.end = None
-            payload, is_stream = self.backend.answer(body)
-            kind = b"text/event-stream" if is_stream else b"application/json"
-            head = b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
-            self.transport.write(head % (kind, len(payload)) + payload)
-
-
 def build_app() -> web.Application:
     backend = InstantBackend()
     app = web.Application(client_max_size=1 << 30)
@@ -174,28 +138,11 @@ def build_app() -> web.Application:
 
 
 async def serve(port: int, raw: bool) -> None:
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     if raw:
         backend = InstantBackend()
-        loop = asyncio.get_running_loop()
-        sock.listen(1024)
-        server = await loop.create_server(lambda: RawProtocol(backend), sock=sock)
-        print(f"instant backend (raw) listening on {url}", flush=True)
-        async with server:
-            await server.serve_forever()
-        return
-    runner = web.AppRunner(build_app(), access_log=None)
-    await runner.setup()
-    site = web.SockSite(runner, sock, backlog=1024)
-    await site.start()
-    print(f"instant backend listening on {url}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+        await loopback.serve(port, "instant backend (raw) listening on {url}", handler=backend.raw)
+    else:
+        await loopback.serve(port, "instant backend listening on {url}", app=build_app())
 
 
 def main() -> None:
@@ -203,14 +150,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--raw", action="store_true", help="hand-written HTTP/1.1, no aiohttp")
     args = parser.parse_args()
-    try:
-        import uvloop
-    except ImportError:
-        run = asyncio.run
-    else:
-        run = uvloop.run
-    with contextlib.suppress(KeyboardInterrupt):
-        run(serve(args.port, args.raw))
+    loopback.run(serve(args.port, args.raw))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ without touching ocxproxy's code:
   metrics-off   every metric update a no-op (the most that metrics can cost)
 Everything else is `ocxproxy`'s own command line:
 
-    python scripts/profiled_proxy.py serve --upstream URL --port 0 ...
+    python scripts/bench/profiled_proxy.py serve --upstream URL --port 0 ...
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ import openai
 import orjson
 import pytest
 
-from scripts.demo import QUESTIONS, long_message
 from tests.conftest import MakeProxy, ProxyHandle, unavailable
 from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, cached_ratio
+from tests.e2e.text import QUESTIONS, long_message
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(300)]
 

@@ -1,0 +1,28 @@
+"""scripts/bench/bench_hotpath.py still runs: a few-second smoke run with tiny counts, so
+that a change which breaks the benchmark fails the suite. Its figures are not judged here
+(speed is measured by running the benchmark, not by a timed test)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^(8k|128k) +(\d+\.\d) \( *(\d+\.\d)\) +(\d+\.\d) \( *(\d+\.\d)\)$", re.M)
+
+
+async def test_bench_hotpath_prints_its_figures() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath.py")]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, "--n", "20", "--rounds", "2", cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(60):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out
+    rows = {m.group(1): [float(x) for x in m.groups()[1:]] for m in ROW.finditer(out)}
+    assert set(rows) == {"8k", "128k"}, out
+    for figures in rows.values():
+        json_median, json_min, sse_median, sse_min = figures
+        assert 0 < json_min <= json_median and 0 < sse_min <= sse_median, out
