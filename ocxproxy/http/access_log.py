@@ -4,8 +4,8 @@ Lines go straight to stdout, flushed each (the other logs go to stderr): the log
 would cost ~25 µs a line, most of a turn's budget. The field names are stable;
 docs/BEHAVIOR.md lists them. A line
 never carries content: no prompt or output text, no header, no key; the caller appears as
-a prefix of its scope hash (C5), and a client's X-Request-Id only if it is a plain token.
-Probe routes (/healthz, /readyz, /metrics) are not logged.
+a prefix of its scope hash (CONTRACT.md C5), and a client's X-Request-Id only if it is a
+plain token. Probe routes (/healthz, /readyz, /metrics) are not logged.
 """
 
 from __future__ import annotations

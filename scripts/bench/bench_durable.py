@@ -2,7 +2,7 @@
 
 Everything runs against real `python -m ocxproxy serve` processes on the default durable
 configuration (no --zdr, default budgets, each with a fresh --state-dir) in front of
-scripts/instant_backend.py, driven from outside over loopback HTTP:
+scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
 
   1. latency: fill a store to N records through the proxy (16 closed-loop chains of 100
      turns), then continuation turns open loop at --rate turns/s over 64 chains for
