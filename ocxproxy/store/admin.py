@@ -16,8 +16,9 @@ from pathlib import Path
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store import files, journal
-from ocxproxy.store.journal import Journal, Loaded
+from ocxproxy.store import codec, files, journal
+from ocxproxy.store.codec import Loaded
+from ocxproxy.store.journal import Journal
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ def inspect(root: Path) -> StateReport:
     for row in report.loaded.records.values():
         if row[3] <= now:
             continue
-        needed = [*(journal.chain_sids(row) or (-1,)), row[5]]  # None: its parent is gone
+        needed = [*(codec.chain_sids(row) or (-1,)), row[5]]  # None: its parent is gone
         if any(sid not in segments or segments[sid].pack not in report.loaded.sizes
                for sid in needed):  # fmt: skip
             report.missing.append(row[0])

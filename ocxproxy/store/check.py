@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ocxproxy.store.core import SEG_OVERHEAD
 from ocxproxy.store.journal import Journal
+from ocxproxy.store.keydir import SEG_OVERHEAD
 
 if TYPE_CHECKING:
     from ocxproxy.store.core import Store

@@ -32,7 +32,7 @@ import gc
 import logging
 import time
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +46,25 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment, Turn
-from ocxproxy.store import files, journal
+from ocxproxy.store import codec, files, journal
+from ocxproxy.store.codec import DEL, NOP, PUT, SEG, Loaded
 from ocxproxy.store.disk import Committer, Offload, Outcome
 from ocxproxy.store.items import ItemIndex
-from ocxproxy.store.journal import DEL, NOP, PUT, SEG, Journal, Loaded
+from ocxproxy.store.journal import Journal
+from ocxproxy.store.keydir import Keydir
+from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
+from ocxproxy.store.restore import rebuild
+from ocxproxy.store.upkeep import (
+    CHECKPOINT_AGE,
+    CHECKPOINT_BYTES,
+    COMPACT_BATCH,
+    COMPACT_BELOW,
+    COMPACT_BYTES,
+    DISK_KEEP,
+    MAINTAIN_EVERY,
+    encode_checkpoint,
+)
 
 __all__ = ["Store", "StoreStats", "default_state_dir"]
 
@@ -58,17 +72,7 @@ log = logging.getLogger("ocxproxy.store")
 
 _TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
-CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
-CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
-CHUNK = 2000  # records or segments encoded between yields to the event loop
-COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
-COMPACT_BATCH = 1000  # segments moved per commit (the loop runs between)
-COMPACT_BYTES = 32 * 1024**2  # most bytes one checkpoint's compaction moves
-SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
-MAINTAIN_EVERY = 0.5
-DISK_KEEP = 0.6  # share of --max-disk-bytes live segments and the checkpoint may fill
 LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
-_OUTPUT = b'"output":['
 
 
 def default_state_dir() -> Path:
@@ -140,16 +144,11 @@ class Store:
         self._committer: Committer | None = None
         self._lock: files.DirLock | None = None
         self._maintainer: asyncio.Task[None] | None = None
-        self._located = 0  # segments whose bytes the journal holds
-        self._pack_live: dict[int, int] = {}  # file -> compressed bytes of those segments
-        self._pack_size: dict[int, int] = {}  # file -> its size
-        self._left_at: dict[int, int] = {}  # file -> capture number when a segment last left
-        self._live_bytes = 0
+        self._keydir = Keydir()
         self._unwritten: dict[str, Segment] = {}  # queued, not yet committed
         self._ghosts: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # forgotten
         self._uncommitted: dict[str, tuple[Record, asyncio.Future[Any]]] = {}
         self._sid = 0
-        self._captures = 0  # checkpoints captured
         self._replay_from = (0, 0)  # the durable checkpoint's journal position
         self._checkpoint_size = 0
         self._since_checkpoint = 0  # journal bytes appended since the checkpoint's position
@@ -228,13 +227,15 @@ class Store:
         # checkpoint and their removal (never when the checkpoint was unreadable).
         first = loaded.replay_from[0]
         stale = [
-            p for p in loaded.sizes if p < first and not self._pack_live.get(p) and not loaded.error
+            p
+            for p in loaded.sizes
+            if p < first and not self._keydir.live.get(p) and not loaded.error
         ]
         for pack in stale:
-            self._drop_pack_accounting(pack)
+            self._keydir.drop(pack)
         await self._offload(self._sweep_files, journal_, stale)
         await self._offload(journal_.open_next)
-        self._pack_size[journal_.active] = 0
+        self._keydir.sizes[journal_.active] = 0
         self._committer = Committer(
             journal_, offload=self._offload, apply=self._applied, window=self.window
         )
@@ -244,7 +245,7 @@ class Store:
             "store loaded in %.2fs: %d records, %d segments (%d bytes in %d journal files), "
             "%d entries replayed, %d stale files removed",
             time.monotonic() - started, len(self._records), len(self._segments),
-            self._live_bytes, len(self._pack_size), loaded.entries, len(stale),
+            self._keydir.live_bytes, len(self._keydir.sizes), loaded.entries, len(stale),
         )  # fmt: skip
 
     def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
@@ -341,103 +342,17 @@ class Store:
 
     def _restore(self, loaded: Loaded) -> None:
         """Build records and segments from what start-up read."""
-        now = self.clock()
-        strings: dict[str, str] = {}
         self._sid = max(loaded.next_sid, 1) - 1
-        by_sid: dict[int, Segment] = {}
-        for sid, seg in loaded.segments.items():
-            if seg.pack not in loaded.sizes:
-                continue  # its journal file is gone
-            known = self._segments.get(seg.key)
-            if known is None:
-                self._segments[seg.key] = seg
-                self._locate(seg, seg.pack, seg.offset, seg.length)
-            by_sid[sid] = known or seg
-        find = by_sid.__getitem__
-
-        def intern(value: str | None) -> str | None:
-            return None if value is None else strings.setdefault(value, value)
-
-        # A row's chain is a list of sids, or (its parent's row, its own last sid): each
-        # chain is built once from its parent's (a C-level copy), and references are
-        # counted per row times the live records under it, not per chain element.
-        memo: dict[int, tuple[Segment, ...]] = {}
-        order: list[list[Any]] = []  # rows whose chain was built, parents first
-
-        def chain_of(row: list[Any]) -> tuple[Segment, ...]:
-            stack: list[list[Any]] = []
-            while (base := memo.get(id(row))) is None:
-                link = row[4]
-                if isinstance(link, tuple):
-                    stack.append(row)
-                    row = link[0]
-                    continue
-                base = memo[id(row)] = tuple(map(find, link))  # None, a gone sid: raises
-                order.append(row)
-                break
-            for row in reversed(stack):
-                base = memo[id(row)] = (*base, find(row[4][1]))
-                order.append(row)
-            return base
-
-        missing = 0
-        live: Counter[int] = Counter()  # id(row) -> live records at or under it
-        held: Counter[Segment] = Counter()
-        for row in loaded.records.values():
-            try:
-                rid, scope, created, expires, _, resp_sid = row[:6]
-                output_at, backend, affinity, n_items, stored = row[6:11]
-            except ValueError:
-                continue
-            if expires <= now:
-                continue
-            try:
-                segs = chain_of(row)
-                response = find(resp_sid)
-            except (KeyError, TypeError):  # a segment (or, None, a parent) that is gone
-                missing += 1
-                self._tombstone(rid, FailureReason.MISSING)
-                continue
-            live[id(row)] += 1
-            held[response] += 1
-            self._records[rid] = record = Record(
-                id=rid,
-                scope=intern(scope),  # type: ignore[arg-type]
-                created_at=created,
-                expires_at=expires,
-                durable=True,
-                segments=segs,
-                response=response,
-                backend=intern(backend),
-                affinity_key=intern(affinity),
-                n_items=n_items,
-                output_at=(output_at[0], output_at[1]) if output_at else None,
-                stored=stored,
-            )
+        records, missing = rebuild(loaded, self.clock(), self._segments, self._keydir)
+        for rid in missing:
+            self._tombstone(rid, FailureReason.MISSING)
+        for record in records:
+            self._records[record.id] = record
             self.items.add(record)
-        for row in reversed(order):  # children after parents: sum them up the tree
-            link = row[4]
-            if isinstance(link, tuple) and live[id(row)]:
-                live[id(link[0])] += live[id(row)]
-        for row in order:
-            n = live[id(row)]
-            if n:
-                segs = memo[id(row)]
-                if isinstance(row[4], tuple):
-                    held[segs[-1]] += n  # the rest is counted at its parent's row
-                else:
-                    for seg in segs:
-                        held[seg] += n
-        for seg, n in held.items():  # every restored record is durable
-            seg.refs = seg.durable_refs = n
-        for seg in list(self._segments.values()):
-            if seg.refs == 0:  # in the journal, but no live record needs it
-                self._unlocate(seg)
-                del self._segments[seg.key]
         if missing:
-            self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(missing)
-            log.warning("journal: %d records need segments that are gone", missing)
-        self._pack_size.update(loaded.sizes)
+            self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
+            log.warning("journal: %d records need segments that are gone", len(missing))
+        self._keydir.sizes.update(loaded.sizes)
         self._replay_from = loaded.replay_from
         first, start = loaded.replay_from
         self._since_checkpoint = sum(
@@ -510,7 +425,7 @@ class Store:
             self.metrics.spill_failures.labels(reason=str(result.reason)).inc()
             log.warning("journal read failed for segment %s: %s", segment.key[:12], result)
             if live and result.reason != FailureReason.READ_FAILED and segment.data is None:
-                self._unlocate(segment)
+                self._keydir.unlocate(segment)
                 segment.lost = segment.lost or str(result.reason)
             failure = failure or StoreFailure(FailureReason(segment.lost or result.reason))
         if failure is not None:
@@ -621,7 +536,7 @@ class Store:
                 self._journal_segment(segment)
         # A live durable parent's PUT precedes this one in the journal: name it.
         named = parent is not None and self._records.get(parent.id) is parent and parent.durable
-        row = journal.record_row(record, parent.id if named and parent else None)
+        row = codec.record_row(record, parent.id if named and parent else None)
         future = committer.submit(PUT, orjson.dumps(row), record)
         self._uncommitted[record.id] = (record, future)
         self._changed()
@@ -635,7 +550,7 @@ class Store:
         if not segment.sid:
             self._sid += 1
             segment.sid = self._sid
-        row = journal.segment_row(segment)
+        row = codec.segment_row(segment)
         size = len(blob) if blob is not None else segment.size
         self._committer.submit(SEG, (row, data, blob), segment, size)
         self._unwritten[segment.key] = segment
@@ -655,7 +570,7 @@ class Store:
             log.warning("journal writes succeed again: store available")
         self.available = True
         assert outcome.places is not None
-        self._pack_size[outcome.pack] = outcome.size
+        self._keydir.sizes[outcome.pack] = outcome.size
         self._since_checkpoint += outcome.written
         for (kind, _), subject, place in zip(outcome.jobs, subjects, outcome.places, strict=True):
             if kind == SEG:
@@ -674,8 +589,8 @@ class Store:
         if self._segments.get(segment.key) is not segment or not segment.durable:
             return  # dropped meanwhile: its bytes in the journal are garbage
         if segment.pack >= 0:
-            self._unlocate(segment)  # moved by compaction
-        self._locate(segment, *place)
+            self._keydir.unlocate(segment)  # moved by compaction
+        self._keydir.locate(segment, *place)
         if segment.key not in self.resident:  # only held for the write
             if segment.size:
                 segment.data = None
@@ -769,9 +684,9 @@ class Store:
             self._admit(copy)
             return copy
         ghost = self._ghosts.pop(copy.key, None)
-        if durable and ghost is not None and ghost[0] in self._pack_size:
+        if durable and ghost is not None and ghost[0] in self._keydir.sizes:
             copy.sid = ghost[3]
-            self._locate(copy, *ghost[:3])
+            self._keydir.locate(copy, *ghost[:3])
         else:
             copy.lost = str(FailureReason.EVICTED)
         return copy
@@ -830,7 +745,7 @@ class Store:
         """Only records that may not reach disk still hold the segment: the journal's copy
         no longer counts (compaction drops it); bytes only there go with it."""
         if segment.on_disk:
-            self._unlocate(segment)
+            self._keydir.unlocate(segment)
             if segment.data is None:
                 segment.lost = str(FailureReason.EVICTED)
 
@@ -843,30 +758,7 @@ class Store:
             self._ghosts[segment.key] = (segment.pack, segment.offset, segment.length, segment.sid)
             if len(self._ghosts) > _TOMBSTONES:
                 self._ghosts.popitem(last=False)
-        self._unlocate(segment)
-
-    # -- where segment bytes are (the keydir) ---------------------------------------------
-
-    def _locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
-        segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
-        self._located += 1
-        self._pack_live[pack] = self._pack_live.get(pack, 0) + length + SEG_OVERHEAD
-        self._live_bytes += length + SEG_OVERHEAD
-
-    def _unlocate(self, segment: Segment) -> None:
-        pack = segment.pack
-        if pack < 0:
-            return
-        self._located -= 1
-        self._pack_live[pack] -= segment.length + SEG_OVERHEAD
-        self._live_bytes -= segment.length + SEG_OVERHEAD
-        self._left_at[pack] = self._captures
-        segment.pack = -1
-
-    def _drop_pack_accounting(self, pack: int) -> None:
-        self._pack_live.pop(pack, None)
-        self._pack_size.pop(pack, None)
-        self._left_at.pop(pack, None)
+        self._keydir.unlocate(segment)
 
     def _enforce_bounds(self) -> None:
         while len(self._records) > self.max_entries:
@@ -914,7 +806,7 @@ class Store:
                 log.exception("store maintenance failed")
 
     def _over_disk(self) -> bool:
-        return self._live_bytes + self._checkpoint_size > self.max_disk_bytes * DISK_KEEP
+        return self._keydir.live_bytes + self._checkpoint_size > self.max_disk_bytes * DISK_KEEP
 
     def _evict_for_disk(self) -> None:
         """The oldest durable records go (journaled, like a delete) until what the store
@@ -925,7 +817,7 @@ class Store:
         # The checkpoint shrinks too once it no longer names the evicted records.
         target = max(keep - self._checkpoint_size, keep / 2)
         for record in list(self._records.values()):
-            if self._live_bytes <= target:
+            if self._keydir.live_bytes <= target:
                 return
             if record.durable and record.id not in self._uncommitted:
                 self._drop(record, FailureReason.EVICTED, "disk_bytes")
@@ -935,13 +827,7 @@ class Store:
         (the loop runs between them), at most COMPACT_BYTES per checkpoint."""
         assert self.journal is not None and self._committer is not None
         first = self._replay_from[0]
-        sparse: set[int] = set()
-        budget = COMPACT_BYTES
-        for pack, size in sorted(self._pack_size.items()):
-            live = self._pack_live.get(pack, 0)
-            if pack < first and 0 < live < size * COMPACT_BELOW and budget > 0:
-                sparse.add(pack)
-                budget -= live
+        sparse = self._keydir.sparse(first, COMPACT_BELOW, COMPACT_BYTES)
         if not sparse:
             return
         moves = sorted(
@@ -981,9 +867,9 @@ class Store:
         await self._compact()
         async with committer.io:
             position = await self._offload(j.rotate)
-            self._pack_size[position[0]] = 0
-            self._captures += 1
-            capture = self._captures
+            self._keydir.sizes[position[0]] = 0
+            self._keydir.captures += 1
+            capture = self._keydir.captures
             records = [
                 r for r in self._records.values() if r.durable and r.id not in self._uncommitted
             ]
@@ -993,36 +879,9 @@ class Store:
             since = self._since_checkpoint
             self._dirty_at = None if not committer.pending() else time.monotonic()
             self._since_checkpoint = 0
-        chunks = [journal.encode_head(position, self.clock(), next_sid)]
-        n_segs = n_recs = 0
-        for start in range(0, len(segments), CHUNK):
-            rows = [
-                [*journal.segment_row(s), s.pack, s.offset, s.length]
-                for s in segments[start : start + CHUNK]
-                if s.pack >= 0 and s.sid
-            ]
-            n_segs += len(rows)
-            chunks.append(journal.encode_chunk(journal.SEGS, rows))
-            await asyncio.sleep(0)
-        emitted: dict[int, Record] = {}  # id(last segment) -> a record whose row is out
-        for start in range(0, len(records), CHUNK):
-            rows = []
-            for r in records[start : start + CHUNK]:
-                segs = r.segments
-                parent = emitted.get(id(segs[-2])) if len(segs) > 1 else None
-                if parent is not None and parent.segments == segs[:-1]:
-                    if segs[-1].pack < 0 or r.response.pack < 0:
-                        continue
-                    rows.append(journal.record_row(r, parent.id))
-                else:
-                    if r.response.pack < 0 or not all(s.pack >= 0 for s in segs):
-                        continue  # evicted bytes: it would be dropped at load
-                    rows.append(journal.record_row(r))
-                emitted[id(segs[-1])] = r
-            n_recs += len(rows)
-            chunks.append(journal.encode_chunk(journal.RECS, rows))
-            await asyncio.sleep(0)
-        chunks.append(journal.encode_end(n_segs, n_recs))
+        chunks, n_recs = await encode_checkpoint(
+            position, self.clock(), next_sid, segments, records
+        )
         try:
             size = await self._offload(j.write_checkpoint, chunks)
         except OSError as exc:
@@ -1033,15 +892,11 @@ class Store:
             return False
         self.metrics.snapshot_writes.inc()
         self._replay_from, self._checkpoint_size = position, size
-        doomed = [
-            p
-            for p in self._pack_size
-            if p < position[0] and not self._pack_live.get(p) and self._left_at.get(p, -1) < capture
-        ]
+        doomed = self._keydir.removable(position[0], capture)
         if doomed:
             await committer.run_locked(j.remove, doomed)
             for pack in doomed:
-                self._drop_pack_accounting(pack)
+                self._keydir.drop(pack)
         log.debug("checkpoint %d: %d records, %d bytes", capture, n_recs, size)
         return True
 
@@ -1059,7 +914,7 @@ class Store:
     def disk_bytes(self) -> int:
         j = self.journal
         room = j.allocated - j.size if j is not None and self._committer is not None else 0
-        return sum(self._pack_size.values()) + self._checkpoint_size + max(room, 0)
+        return sum(self._keydir.sizes.values()) + self._checkpoint_size + max(room, 0)
 
     def stats(self) -> StoreStats:
         committer = self._committer
@@ -1068,9 +923,9 @@ class Store:
             segments=len(self._segments),
             resident_segments=len(self.resident),
             resident_bytes=self.resident.bytes,
-            disk_segments=self._located,
+            disk_segments=self._keydir.located,
             disk_bytes=self.disk_bytes(),
-            live_bytes=self._live_bytes + self._since_checkpoint + self._checkpoint_size,
+            live_bytes=self._keydir.live_bytes + self._since_checkpoint + self._checkpoint_size,
             pending_segments=len(self._unwritten),
             pending_bytes=committer.queued_bytes if committer else 0,
             snapshot_age=self.snapshot_age() if self._dirty_at is not None else None,
@@ -1094,7 +949,7 @@ class Store:
         m.store_capacity_bytes.labels(tier="resident").set(self.resident.max_bytes)
         if self.state_dir is not None:
             m.store_capacity_bytes.labels(tier="disk").set(self.max_disk_bytes)
-            disk_segments = gauge(lambda s: s._located)
+            disk_segments = gauge(lambda s: s._keydir.located)
             m.store_entries.labels(tier="disk").set_function(disk_segments)
             m.store_bytes.labels(tier="disk").set_function(gauge(lambda s: s.disk_bytes()))
             m.store_bytes.labels(tier="pending").set_function(
@@ -1122,11 +977,7 @@ class Store:
 
     def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
         """Journal file -> (segments located there, their bytes as counted, its size)."""
-        held: dict[int, dict[str, Segment]] = {p: {} for p in self._pack_size}
-        for segment in self._segments.values():
-            if segment.pack >= 0:
-                held.setdefault(segment.pack, {})[segment.key] = segment
-        return {p: (held[p], self._pack_live.get(p, 0), self._pack_size.get(p, -1)) for p in held}
+        return self._keydir.packs(self._segments)
 
     def pending_keys(self) -> set[str]:
         return set(self._unwritten)
@@ -1139,25 +990,3 @@ def _place(segment: Segment) -> tuple[int, int]:
 def _unavailable(error: OSError) -> StoreFailure:
     name = errno.errorcode.get(error.errno or 0, "error")
     return StoreFailure(FailureReason.WRITE_FAILED, f"{name}: {error.strerror or error}")
-
-
-def split_output(response: bytes, items: bytes) -> tuple[bytes, tuple[int, int] | None]:
-    """Cut from `response` the leading bytes of its output array that equal the tail of
-    `items` (the same serialized output items), so they are stored once. Any cut is
-    verified byte for byte, so putting them back always restores `response` exactly."""
-    start = response.find(_OUTPUT)
-    if start < 0:
-        return response, None
-    start += len(_OUTPUT)
-    probe = response[start : start + 64]
-    if not probe or probe.startswith(b"]"):
-        return response, None
-    at = items.find(probe)
-    for _ in range(4):
-        if at < 0:
-            break
-        length = len(items) - at
-        if response.startswith(items[at:], start):
-            return response[:start] + response[start + length :], (start, length)
-        at = items.find(probe, at + 1)
-    return response, None

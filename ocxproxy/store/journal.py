@@ -1,21 +1,10 @@
-"""The journal: append-only log files of framed, checksummed entries, and the checkpoint.
+"""The journal: append-only log files of framed, checksummed entries (codec.py), and the
+checkpoint.
 
     journal/00000001.log ...   entries, appended in order; a file is also a pack: the
                                compressed bytes of each new segment live in its entry,
                                read back later with one pread at a known offset
     checkpoint                 the index at a journal position, written atomically
-
-An entry is `<length u32><crc32 u32><type u8><payload>`; the crc covers the type and the
-payload, so a torn or corrupt entry is detected and replay stops at the last good one.
-
-    SEG  <meta length u16><meta JSON><zstd blob>    a segment and its bytes
-    PUT  <record row JSON>                          a record (its chain by segment sid)
-    DEL  <record id JSON>                           a record dropped
-    NOP  (empty)                                    a probe: can the disk take a write?
-
-The checkpoint uses the same framing: HEAD (position to replay from, next sid), SEGS and
-RECS chunks (JSON arrays of rows), END. Segment and record rows are built by one function
-each (`segment_row`, `record_row`) for the journal and the checkpoint alike.
 
 Every call here blocks: the store runs them in a thread. OSError passes through from the
 write side (the store turns it into a failed commit); reads and replay never raise for bad
@@ -25,252 +14,33 @@ data, they report it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
-import struct
 import threading
-import zlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
-import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import NO_ITEMS, ItemIds, Record, Segment
 from ocxproxy.store import files
+from ocxproxy.store.codec import (
+    FRAME,
+    META,
+    SEG,
+    Loaded,
+    compressor,
+    decode,
+    frame,
+    good_prefix,
+    load_checkpoint,
+)
 
-SEG, PUT, DEL, NOP = 1, 2, 3, 4
-HEAD, SEGS, RECS, END = 11, 12, 13, 14
-FORMAT = "ocxproxy-checkpoint"
-VERSION = 1
 CHECKPOINT = "checkpoint"
-LEVEL = 3
 FILE_BYTES = 64 * 1024**2  # a journal file is closed (rotated) past this size
 PREALLOCATE = 4 * 1024**2  # room the active file grows by (fdatasync then suffices)
-MAX_ENTRY = 1024**3
-_FRAME = struct.Struct("<IIB")
-_META = struct.Struct("<H")
 _NAME = re.compile(r"([0-9]{8})\.log")
-_local = threading.local()
-
-
-def _compressor() -> zstandard.ZstdCompressor:
-    c = getattr(_local, "c", None)
-    if c is None:
-        c = _local.c = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "d", None)
-    if d is None:
-        d = _local.d = zstandard.ZstdDecompressor()
-    return d
-
-
-def frame(kind: int, payload: bytes) -> bytes:
-    return _FRAME.pack(len(payload), zlib.crc32(payload, kind), kind) + payload
-
-
-# -- rows: the one encoding of a segment's and a record's metadata ---------------------------
-
-
-def segment_row(segment: Segment) -> list[Any]:
-    """A segment's metadata (without its location): journal SEG entries and checkpoint rows
-    alike, so a new field is added here and in `parse_segment`, nowhere else."""
-    ids = sorted(segment.call_ids) if segment.call_ids else []
-    items = [list(entry) for entry in segment.item_ids] if segment.item_ids else []
-    return [segment.sid, segment.key, segment.size, segment.n_items, ids, items]
-
-
-SEGMENT_FIELDS = 6  # the length of a segment_row
-
-
-def record_row(record: Record, parent: str | None = None) -> list[Any]:
-    """A record as a row: its chain and response by segment sid. With `parent` (a record
-    whose chain is this one's but the last segment, named by an earlier row) the chain is
-    ["^", parent, last sid]: a row's size does not grow with the chain's depth."""
-    segments = record.segments
-    chain = ["^", parent, segments[-1].sid] if parent else [s.sid for s in segments]
-    return [
-        record.id,
-        record.scope,
-        record.created_at,
-        record.expires_at,
-        chain,
-        record.response.sid,
-        record.output_at,
-        record.backend,
-        record.affinity_key,
-        record.n_items,
-        record.stored,
-    ]
-
-
-_NO_IDS: frozenset[str] = frozenset()
-
-
-def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
-    """A segment row (and where its bytes are) as a Segment whose bytes are not loaded."""
-    sid, key, size, n_items, ids, items = row
-    if not (isinstance(sid, int) and isinstance(key, str) and len(key) == 64):
-        raise ValueError("bad segment row")
-    size = int(size)
-    spans = [(str(i), int(start), int(end)) for i, start, end in items] if items else ()
-    if any(not 0 <= start <= end <= size for _, start, end in spans):
-        raise ValueError("item span outside its segment")
-    segment = Segment.restore(
-        key, size, int(n_items), frozenset(ids) if ids else _NO_IDS, durable=True,
-        data=None if size else b"", item_ids=ItemIds(spans) if spans else NO_ITEMS,
-    )  # fmt: skip
-    segment.sid, segment.pack, segment.offset, segment.length = sid, pack, offset, length
-    return segment
-
-
-# -- what start-up reads -------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Loaded:
-    """The index as of the end of the journal: checkpoint plus replay."""
-
-    segments: dict[int, Segment] = field(default_factory=dict)  # by sid, not yet indexed
-    records: dict[str, list[Any]] = field(default_factory=dict)  # id -> row, oldest first
-    replay_from: tuple[int, int] = (0, 0)  # (file, offset) the checkpoint covers up to
-    checkpoint_at: float | None = None  # when the checkpoint was written
-    next_sid: int = 1
-    cut: int = 0  # torn or corrupt entries cut
-    cut_at: list[tuple[int, int]] = field(default_factory=list)  # (file, offset) cut there
-    error: str | None = None  # the checkpoint could not be used (replayed from the start)
-    entries: int = 0  # journal entries replayed
-    sizes: dict[int, int] = field(default_factory=dict)  # journal file -> bytes kept
-
-    def apply(self, kind: int, payload: memoryview, pack: int, offset: int) -> None:
-        if kind == SEG:
-            (n,) = _META.unpack_from(payload, 0)
-            row = orjson.loads(payload[2 : 2 + n])
-            start = offset + _FRAME.size + 2 + n
-            info = parse_segment(row, pack, start, len(payload) - 2 - n)
-            self.segments[info.sid] = info
-            self.next_sid = max(self.next_sid, info.sid + 1)
-        elif kind == PUT:
-            self.put(orjson.loads(payload))
-        elif kind == DEL:
-            self.records.pop(orjson.loads(payload), None)
-
-    def put(self, row: list[Any]) -> None:
-        """A record row. A chain named by its parent becomes (the parent's row, last sid):
-        the very row live when it was written, even if that id is deleted or reused later
-        (None: no such parent)."""
-        chain = row[4]
-        if chain and chain[0] == "^":
-            parent = self.records.get(chain[1])
-            row[4] = None if parent is None else (parent, chain[2])
-        self.records.pop(row[0], None)  # a reused id moves to the end
-        self.records[row[0]] = row
-
-
-def chain_sids(row: list[Any]) -> list[int] | None:
-    """A loaded row's chain as sids, oldest first (None: a parent was missing)."""
-    tail: list[int] = []
-    link = row[4]
-    while isinstance(link, tuple):
-        tail.append(link[1])
-        link = link[0][4]
-    return None if link is None else [*link, *reversed(tail)]
-
-
-def entries(data: bytes | memoryview, start: int = 0) -> Iterator[tuple[int, memoryview, int]]:
-    """(type, payload, offset) of each good entry from `start`; stops at the first bad one
-    (check `end` of the last to see where)."""
-    view = memoryview(data)
-    offset, total = start, len(view)
-    while offset + _FRAME.size <= total:
-        length, crc, kind = _FRAME.unpack_from(view, offset)
-        end = offset + _FRAME.size + length
-        if length > MAX_ENTRY or end > total:
-            return
-        payload = view[offset + _FRAME.size : end]
-        if kind == 0 or zlib.crc32(payload, kind) != crc:  # 0: preallocated, never written
-            return
-        yield kind, payload, offset
-        offset = end
-
-
-def good_prefix(data: bytes | memoryview, start: int, loaded: Loaded, pack: int) -> int:
-    """Apply every good entry of one journal file from `start`; the offset they end at."""
-    end = start
-    for kind, payload, offset in entries(data, start):
-        try:
-            loaded.apply(kind, payload, pack, offset)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, struct.error):
-            return offset  # well framed but not ours: treated as corrupt from here
-        loaded.entries += 1
-        end = offset + _FRAME.size + len(payload)
-    return end
-
-
-# -- the checkpoint --------------------------------------------------------------------------
-
-
-def encode_head(replay_from: tuple[int, int], written_at: float, next_sid: int) -> bytes:
-    head = {
-        "format": FORMAT,
-        "version": VERSION,
-        "written_at": written_at,
-        "replay_from": list(replay_from),
-        "next_sid": next_sid,
-    }
-    return frame(HEAD, orjson.dumps(head))
-
-
-def encode_chunk(kind: int, rows: list[list[Any]]) -> bytes:
-    return frame(kind, orjson.dumps(rows))
-
-
-def encode_end(n_segments: int, n_records: int) -> bytes:
-    return frame(END, orjson.dumps([n_segments, n_records]))
-
-
-def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
-    """Fill `loaded` from a checkpoint file; ValueError when it is not a whole, valid one."""
-    view = memoryview(raw)
-    seen_head, counts = False, [0, 0]
-    end = 0
-    for kind, payload, offset in entries(view):
-        end = offset + _FRAME.size + len(payload)
-        doc = orjson.loads(payload)
-        if kind == HEAD:
-            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-                raise ValueError(f"not a version {VERSION} checkpoint")
-            loaded.replay_from = (int(doc["replay_from"][0]), int(doc["replay_from"][1]))
-            loaded.checkpoint_at = float(doc["written_at"])
-            loaded.next_sid = int(doc["next_sid"])
-            seen_head = True
-        elif kind == SEGS and seen_head:
-            for row in doc:
-                n = SEGMENT_FIELDS
-                info = parse_segment(row[:n], int(row[n]), int(row[n + 1]), int(row[n + 2]))
-                loaded.segments[info.sid] = info
-            counts[0] += len(doc)
-        elif kind == RECS and seen_head:
-            for row in doc:
-                loaded.put(row)
-            counts[1] += len(doc)
-        elif kind == END and seen_head:
-            if list(doc) != counts or end != len(raw):
-                raise ValueError("checkpoint counts disagree")
-            return
-        else:
-            raise ValueError(f"unexpected checkpoint entry {kind}")
-    raise ValueError("checkpoint is truncated")
-
-
-# -- the files -------------------------------------------------------------------------------
 
 
 class Journal:
@@ -409,10 +179,10 @@ class Journal:
             if kind == SEG:
                 row, data, blob = job
                 if blob is None:
-                    blob = _compressor().compress(data)
+                    blob = compressor().compress(data)
                 meta = orjson.dumps(row)
-                payload = b"".join((_META.pack(len(meta)), meta, blob))
-                places.append((self.active, at + _FRAME.size + 2 + len(meta), len(blob)))
+                payload = b"".join((META.pack(len(meta)), meta, blob))
+                places.append((self.active, at + FRAME.size + 2 + len(meta), len(blob)))
             else:
                 payload = job
                 places.append(None)
@@ -522,17 +292,3 @@ class Journal:
             except (OSError, StoreFailure):
                 out.append(None)
         return out
-
-
-def decode(key: str, size: int, blob: bytes) -> bytes:
-    """Decompress at most `size` bytes and check they hash to `key`; CORRUPT otherwise."""
-    try:
-        declared = zstandard.frame_content_size(blob)
-        if declared != size:
-            raise StoreFailure(FailureReason.CORRUPT, f"{key}: frame declares {declared} bytes")
-        data = _decompressor().decompress(blob, max_output_size=max(size, 1))
-    except zstandard.ZstdError as exc:
-        raise StoreFailure(FailureReason.CORRUPT, f"{key}: {exc}") from None
-    if len(data) != size or hashlib.sha256(data).hexdigest() != key:
-        raise StoreFailure(FailureReason.CORRUPT, f"{key}: digest mismatch")
-    return data

@@ -116,10 +116,10 @@ def journal_files(state_dir: Path) -> dict[int, Path]:
 
 def checkpoint_ids(state_dir: Path) -> list[str]:
     """Record ids the checkpoint alone names (no journal replay)."""
-    from ocxproxy.store import journal
+    from ocxproxy.store import codec, journal
 
-    loaded = journal.Loaded()
-    journal.load_checkpoint((state_dir / journal.CHECKPOINT).read_bytes(), loaded)
+    loaded = codec.Loaded()
+    codec.load_checkpoint((state_dir / journal.CHECKPOINT).read_bytes(), loaded)
     return list(loaded.records)
 
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store import journal
-from ocxproxy.store.journal import DEL, PUT, SEG, Journal, Loaded
+from ocxproxy.store import codec, journal
+from ocxproxy.store.codec import DEL, PUT, SEG, Loaded
+from ocxproxy.store.journal import Journal
 from tests.store.helpers import HYPOTHESIS
 
 
@@ -44,8 +45,8 @@ def test_append_read_back_and_replay(tmp_path: Path) -> None:
     a, b = segment(b'{"a":1}' * 50, 1), segment(b'{"b":2}', 2)
     places = j.append(
         [
-            (SEG, (journal.segment_row(a), a.data, None)),
-            (SEG, (journal.segment_row(b), b.data, None)),
+            (SEG, (codec.segment_row(a), a.data, None)),
+            (SEG, (codec.segment_row(b), b.data, None)),
             (PUT, row("r1", [1], 2)),
             (PUT, row("r2", [1, 2], 2)),
             (DEL, b'"r1"'),
@@ -67,16 +68,14 @@ def test_append_read_back_and_replay(tmp_path: Path) -> None:
 def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
     j = opened(tmp_path)
     a = segment(b"[1]", 7)
-    (place,) = [p for p in j.append([(SEG, (journal.segment_row(a), a.data, None))]) if p]
+    (place,) = [p for p in j.append([(SEG, (codec.segment_row(a), a.data, None))]) if p]
     position = j.rotate()
     j.write_checkpoint(
         [
-            journal.encode_head(position, 123.0, 8),
-            journal.encode_chunk(journal.SEGS, [[*journal.segment_row(a), *place]]),
-            journal.encode_chunk(
-                journal.RECS, [list(__import__("orjson").loads(row("r", [7], 7)))]
-            ),
-            journal.encode_end(1, 1),
+            codec.encode_head(position, 123.0, 8),
+            codec.encode_chunk(codec.SEGS, [[*codec.segment_row(a), *place]]),
+            codec.encode_chunk(codec.RECS, [list(__import__("orjson").loads(row("r", [7], 7)))]),
+            codec.encode_end(1, 1),
         ]
     )
     j.append([(PUT, row("later", [7], 7))])
@@ -89,13 +88,13 @@ def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "empty", "counts"])
 def test_a_damaged_checkpoint_is_reported_not_used(tmp_path: Path, damage: str) -> None:
-    head = journal.encode_head((1, 0), 1.0, 1)
-    good = head + journal.encode_chunk(journal.RECS, []) + journal.encode_end(0, 0)
+    head = codec.encode_head((1, 0), 1.0, 1)
+    good = head + codec.encode_chunk(codec.RECS, []) + codec.encode_end(0, 0)
     raw = {
         "truncated": good[:-3],
         "flipped": good[:10] + bytes([good[10] ^ 1]) + good[11:],
         "empty": b"",
-        "counts": head + journal.encode_end(5, 0),
+        "counts": head + codec.encode_end(5, 0),
     }[damage]
     (tmp_path / journal.CHECKPOINT).write_bytes(raw)
     loaded = Journal(tmp_path).load(repair=False)
@@ -105,7 +104,7 @@ def test_a_damaged_checkpoint_is_reported_not_used(tmp_path: Path, damage: str) 
 def test_reads_check_the_digest_and_never_follow_a_symlink(tmp_path: Path) -> None:
     j = opened(tmp_path)
     a = segment(b"hello world", 1)
-    (place,) = j.append([(SEG, (journal.segment_row(a), a.data, None))])
+    (place,) = j.append([(SEG, (codec.segment_row(a), a.data, None))])
     with pytest.raises(StoreFailure) as info:
         j.read(hashlib.sha256(b"other").hexdigest(), a.size, *place)
     assert info.value.reason == FailureReason.CORRUPT
@@ -125,7 +124,7 @@ def test_reads_check_the_digest_and_never_follow_a_symlink(tmp_path: Path) -> No
 @given(blob=st.binary(max_size=200), size=st.integers(0, 1000))
 def test_decode_of_arbitrary_bytes_raises_only_store_failure(blob: bytes, size: int) -> None:
     try:
-        journal.decode(hashlib.sha256(b"x").hexdigest(), size, blob)
+        codec.decode(hashlib.sha256(b"x").hexdigest(), size, blob)
     except StoreFailure as failure:
         assert failure.reason == FailureReason.CORRUPT
 
@@ -134,12 +133,12 @@ def test_decode_of_arbitrary_bytes_raises_only_store_failure(blob: bytes, size: 
 @given(raw=st.binary(max_size=300), cut=st.integers(0, 300))
 def test_replay_of_arbitrary_bytes_never_raises(raw: bytes, cut: int) -> None:
     loaded = Loaded()
-    end = journal.good_prefix(raw, 0, loaded, 1)
+    end = codec.good_prefix(raw, 0, loaded, 1)
     assert 0 <= end <= len(raw)
-    entries = journal.frame(PUT, row("r", [1], 1)) + journal.frame(DEL, b'"r"')
+    entries = codec.frame(PUT, row("r", [1], 1)) + codec.frame(DEL, b'"r"')
     damaged = entries[: min(cut, len(entries))] + raw
     loaded = Loaded()
-    end = journal.good_prefix(damaged, 0, loaded, 1)
+    end = codec.good_prefix(damaged, 0, loaded, 1)
     assert 0 <= end <= len(damaged)
     if cut >= len(entries):  # both entries whole: put, then deleted, whatever follows
         assert end >= len(entries) and loaded.records == {}
@@ -151,4 +150,4 @@ def test_replay_of_arbitrary_bytes_never_raises(raw: bytes, cut: int) -> None:
 def test_a_checkpoint_of_arbitrary_bytes_is_an_error_never_a_crash(raw: bytes) -> None:
     loaded = Loaded()
     with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
-        journal.load_checkpoint(journal.encode_head((1, 0), 1.0, 1) + raw, loaded)
+        codec.load_checkpoint(codec.encode_head((1, 0), 1.0, 1) + raw, loaded)

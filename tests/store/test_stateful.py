@@ -37,8 +37,8 @@ from ocxproxy.aio import cancel_and_wait
 from ocxproxy.errors import StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store, files
-from ocxproxy.store.core import DISK_KEEP
 from ocxproxy.store.journal import Journal
+from ocxproxy.store.upkeep import DISK_KEEP
 from tests.store.helpers import (
     HYPOTHESIS,
     Clock,
@@ -290,7 +290,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.run(self.store.flush())
         # a checkpoint brings what the store keeps on disk back under its cap
         assert self.store.stats().disk_segments == 0 or (
-            self.store._live_bytes <= self.disk_cap * DISK_KEEP
+            self.store._keydir.live_bytes <= self.disk_cap * DISK_KEEP
         )
 
     @rule()

@@ -16,7 +16,7 @@ from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.store.core import split_output
+from ocxproxy.store.output import split_output
 from tests.store.helpers import (
     Clock,
     all_bytes_under,

@@ -1,0 +1,69 @@
+"""Where segment bytes are: the count of segments the journal holds, and per journal file
+the bytes its live segments take, its size, and when a segment last left it. Store owns
+the one Keydir and calls it whenever a segment's location changes."""
+
+from __future__ import annotations
+
+from ocxproxy.model import Segment
+
+SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
+
+
+class Keydir:
+    __slots__ = ("captures", "left_at", "live", "live_bytes", "located", "sizes")
+
+    def __init__(self) -> None:
+        self.located = 0  # segments whose bytes the journal holds
+        self.live: dict[int, int] = {}  # file -> compressed bytes of those segments
+        self.sizes: dict[int, int] = {}  # file -> its size
+        self.left_at: dict[int, int] = {}  # file -> capture number when a segment last left
+        self.live_bytes = 0
+        self.captures = 0  # checkpoints captured
+
+    def locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
+        segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
+        self.located += 1
+        self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
+        self.live_bytes += length + SEG_OVERHEAD
+
+    def unlocate(self, segment: Segment) -> None:
+        pack = segment.pack
+        if pack < 0:
+            return
+        self.located -= 1
+        self.live[pack] -= segment.length + SEG_OVERHEAD
+        self.live_bytes -= segment.length + SEG_OVERHEAD
+        self.left_at[pack] = self.captures
+        segment.pack = -1
+
+    def drop(self, pack: int) -> None:
+        self.live.pop(pack, None)
+        self.sizes.pop(pack, None)
+        self.left_at.pop(pack, None)
+
+    def sparse(self, before: int, below: float, budget: int) -> set[int]:
+        """Files before `before` whose live share is under `below`, oldest first, until
+        their live bytes pass `budget`."""
+        out: set[int] = set()
+        for pack, size in sorted(self.sizes.items()):
+            live = self.live.get(pack, 0)
+            if pack < before and 0 < live < size * below and budget > 0:
+                out.add(pack)
+                budget -= live
+        return out
+
+    def removable(self, before: int, capture: int) -> list[int]:
+        """Files before `before` that no live segment has needed since `capture`."""
+        return [
+            p
+            for p in self.sizes
+            if p < before and not self.live.get(p) and self.left_at.get(p, -1) < capture
+        ]
+
+    def packs(self, segments: dict[str, Segment]) -> dict[int, tuple[dict[str, Segment], int, int]]:
+        """Journal file -> (segments located there, their bytes as counted, its size)."""
+        held: dict[int, dict[str, Segment]] = {p: {} for p in self.sizes}
+        for segment in segments.values():
+            if segment.pack >= 0:
+                held.setdefault(segment.pack, {})[segment.key] = segment
+        return {p: (held[p], self.live.get(p, 0), self.sizes.get(p, -1)) for p in held}

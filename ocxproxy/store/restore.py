@@ -1,0 +1,114 @@
+"""Start-up: the records and segments a `Loaded` checkpoint and journal describe.
+
+`rebuild` builds them, sharing each segment among the records whose chains hold it, and
+returns them for Store to index; it records where each segment's bytes are in the keydir."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ocxproxy.model import Record, Segment
+from ocxproxy.store.codec import Loaded
+from ocxproxy.store.keydir import Keydir
+
+
+def rebuild(
+    loaded: Loaded, now: float, segments: dict[str, Segment], keydir: Keydir
+) -> tuple[list[Record], list[str]]:
+    """The live records of `loaded` (expired ones left out), oldest first, and the ids of
+    those whose chain needs a segment that is gone. Their segments are added to
+    `segments` (by key; their refcounts set) and located in `keydir`; segments no live
+    record needs are taken out of both."""
+    strings: dict[str, str] = {}
+    by_sid: dict[int, Segment] = {}
+    for sid, seg in loaded.segments.items():
+        if seg.pack not in loaded.sizes:
+            continue  # its journal file is gone
+        known = segments.get(seg.key)
+        if known is None:
+            segments[seg.key] = seg
+            keydir.locate(seg, seg.pack, seg.offset, seg.length)
+        by_sid[sid] = known or seg
+    find = by_sid.__getitem__
+
+    def intern(value: str | None) -> str | None:
+        return None if value is None else strings.setdefault(value, value)
+
+    # A row's chain is a list of sids, or (its parent's row, its own last sid): each
+    # chain is built once from its parent's (a C-level copy), and references are
+    # counted per row times the live records under it, not per chain element.
+    memo: dict[int, tuple[Segment, ...]] = {}
+    order: list[list[Any]] = []  # rows whose chain was built, parents first
+
+    def chain_of(row: list[Any]) -> tuple[Segment, ...]:
+        stack: list[list[Any]] = []
+        while (base := memo.get(id(row))) is None:
+            link = row[4]
+            if isinstance(link, tuple):
+                stack.append(row)
+                row = link[0]
+                continue
+            base = memo[id(row)] = tuple(map(find, link))  # None, a gone sid: raises
+            order.append(row)
+            break
+        for row in reversed(stack):
+            base = memo[id(row)] = (*base, find(row[4][1]))
+            order.append(row)
+        return base
+
+    missing: list[str] = []
+    records: list[Record] = []
+    live: Counter[int] = Counter()  # id(row) -> live records at or under it
+    held: Counter[Segment] = Counter()
+    for row in loaded.records.values():
+        try:
+            rid, scope, created, expires, _, resp_sid = row[:6]
+            output_at, backend, affinity, n_items, stored = row[6:11]
+        except ValueError:
+            continue
+        if expires <= now:
+            continue
+        try:
+            segs = chain_of(row)
+            response = find(resp_sid)
+        except (KeyError, TypeError):  # a segment (or, None, a parent) that is gone
+            missing.append(rid)
+            continue
+        live[id(row)] += 1
+        held[response] += 1
+        record = Record(
+            id=rid,
+            scope=intern(scope),  # type: ignore[arg-type]
+            created_at=created,
+            expires_at=expires,
+            durable=True,
+            segments=segs,
+            response=response,
+            backend=intern(backend),
+            affinity_key=intern(affinity),
+            n_items=n_items,
+            output_at=(output_at[0], output_at[1]) if output_at else None,
+            stored=stored,
+        )
+        records.append(record)
+    for row in reversed(order):  # children after parents: sum them up the tree
+        link = row[4]
+        if isinstance(link, tuple) and live[id(row)]:
+            live[id(link[0])] += live[id(row)]
+    for row in order:
+        n = live[id(row)]
+        if n:
+            segs = memo[id(row)]
+            if isinstance(row[4], tuple):
+                held[segs[-1]] += n  # the rest is counted at its parent's row
+            else:
+                for seg in segs:
+                    held[seg] += n
+    for seg, n in held.items():  # every restored record is durable
+        seg.refs = seg.durable_refs = n
+    for seg in list(segments.values()):
+        if seg.refs == 0:  # in the journal, but no live record needs it
+            keydir.unlocate(seg)
+            del segments[seg.key]
+    return records, missing

@@ -1,0 +1,63 @@
+"""The maintenance policy's numbers (disk cap, compaction, checkpoint schedule) and the
+checkpoint's encoding, in chunks between which the event loop runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from ocxproxy.model import Record, Segment
+from ocxproxy.store import codec
+
+CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
+CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
+CHUNK = 2000  # records or segments encoded between yields to the event loop
+COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
+COMPACT_BATCH = 1000  # segments moved per commit (the loop runs between)
+COMPACT_BYTES = 32 * 1024**2  # most bytes one checkpoint's compaction moves
+MAINTAIN_EVERY = 0.5
+DISK_KEEP = 0.6  # share of --max-disk-bytes live segments and the checkpoint may fill
+
+
+async def encode_checkpoint(
+    position: tuple[int, int],
+    written_at: float,
+    next_sid: int,
+    segments: Sequence[Segment],
+    records: Sequence[Record],
+) -> tuple[list[bytes], int]:
+    """The checkpoint of `segments` and `records` (durable, committed) at journal
+    `position`, as chunks to write, and how many records it names. A record is named by
+    its parent's row when that row is out already; a segment whose bytes the journal does
+    not hold is left out, and so is every record that needs one."""
+    chunks: list[bytes] = [codec.encode_head(position, written_at, next_sid)]
+    n_segs = n_recs = 0
+    for start in range(0, len(segments), CHUNK):
+        rows = [
+            [*codec.segment_row(s), s.pack, s.offset, s.length]
+            for s in segments[start : start + CHUNK]
+            if s.pack >= 0 and s.sid
+        ]
+        n_segs += len(rows)
+        chunks.append(codec.encode_chunk(codec.SEGS, rows))
+        await asyncio.sleep(0)
+    emitted: dict[int, Record] = {}  # id(last segment) -> a record whose row is out
+    for start in range(0, len(records), CHUNK):
+        rows = []
+        for r in records[start : start + CHUNK]:
+            segs = r.segments
+            parent = emitted.get(id(segs[-2])) if len(segs) > 1 else None
+            if parent is not None and parent.segments == segs[:-1]:
+                if segs[-1].pack < 0 or r.response.pack < 0:
+                    continue
+                rows.append(codec.record_row(r, parent.id))
+            else:
+                if r.response.pack < 0 or not all(s.pack >= 0 for s in segs):
+                    continue  # evicted bytes: it would be dropped at load
+                rows.append(codec.record_row(r))
+            emitted[id(segs[-1])] = r
+        n_recs += len(rows)
+        chunks.append(codec.encode_chunk(codec.RECS, rows))
+        await asyncio.sleep(0)
+    chunks.append(codec.encode_end(n_segs, n_recs))
+    return chunks, n_recs
