@@ -3,7 +3,11 @@
     OcxError                      status + OpenAI type/code/param; to_openai_error()
     ├── InvalidRequest            400 invalid_request_error (bad JSON, bad field, conflicts)
     ├── PreviousResponseNotFound  400 previous_response_not_found (CONTRACT.md C1.2), + reason
-    ├── NotFound                  404 (unknown stored response)
+    ├── ConversationLocked        400 conversation_locked (another turn holds it)
+    ├── NotFound                  404 (unknown stored response or conversation)
+    ├── Conflict                  409 (an Idempotency-Key whose first request is in flight)
+    ├── Unprocessable             422 (an Idempotency-Key reused with another body)
+    ├── StoreFull                 507 (taking a write would make a cap drop conversation items)
     ├── PayloadTooLarge           413
     ├── Unauthorized              401
     ├── RateLimited               429 rate_limit_exceeded
@@ -86,6 +90,40 @@ class NotFound(OcxError):
     code = "not_found"
 
 
+class ConversationLocked(InvalidRequest):
+    """Another response or items write is in progress on the conversation (OpenAI's exact
+    error: HTTP 400, not 409, so the SDK does not retry it by itself)."""
+
+    code = "conversation_locked"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Another process is currently operating on this conversation. "
+            "Please retry in a few seconds.",
+            param="conversation",
+        )
+
+
+class Conflict(OcxError):
+    status = 409
+    type = "invalid_request_error"
+    code = "idempotency_key_in_use"
+
+
+class Unprocessable(OcxError):
+    status = 422
+    type = "invalid_request_error"
+    code = "idempotency_key_reused"
+
+
+class StoreFull(OcxError):
+    """A write the store's caps could only take by dropping conversation items."""
+
+    status = 507
+    type = "server_error"
+    code = "store_full"
+
+
 class PayloadTooLarge(OcxError):
     status = 413
     type = "invalid_request_error"
@@ -129,6 +167,7 @@ class FailureReason(enum.StrEnum):
     TOO_LARGE = "too_large"  # the stored data exceeds a read limit
     WRITE_FAILED = "write_failed"  # its data could not be written to the disk tier
     READ_FAILED = "read_failed"  # an I/O error reading the disk tier
+    FULL = "full"  # taking it would make a cap drop conversation items
 
 
 class StoreFailure(Exception):

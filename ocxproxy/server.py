@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
-from ocxproxy.http import health, passthrough, responses, websocket
+from ocxproxy.http import conversations, health, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
@@ -52,6 +52,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_get("/v1/responses/{response_id}", responses.get_response)
     r.add_delete("/v1/responses/{response_id}", responses.delete_response)
     r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
+    conversations.add_routes(r)
     r.add_route("*", "/{tail:.*}", passthrough.passthrough)
     return app
 

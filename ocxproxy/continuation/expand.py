@@ -17,6 +17,7 @@ from ocxproxy.errors import InvalidRequest
 from ocxproxy.model import Record
 
 _OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
+_STATE_FIELDS = ("previous_response_id", "conversation", "input")  # replaced by the splice
 # A JSON string, or one structural character: numbers and literals lie between tokens.
 _TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},:]', re.DOTALL)
 
@@ -169,10 +170,10 @@ def check_call_bindings(items: list[Any], record: Record) -> None:
 
 
 def expand(body: dict[str, Any], history: list[bytes], tail: list[bytes]) -> bytes:
-    """The forwarded body: the request without `previous_response_id`, its input being
-    the stored history followed by the request's own items (`tail`, one serialized item
-    each)."""
-    rest = {k: v for k, v in body.items() if k not in ("previous_response_id", "input")}
+    """The forwarded body: the request without `previous_response_id` or `conversation`,
+    its input being the stored history followed by the request's own items (`tail`, one
+    serialized item each)."""
+    rest = {k: v for k, v in body.items() if k not in _STATE_FIELDS}
     head = orjson.dumps(rest)
     opening = head[:-1] + (b',"input":[' if rest else b'"input":[')
     items = [*history, *tail]

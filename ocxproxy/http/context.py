@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from ocxproxy.config import Config
+from ocxproxy.continuation.locks import InFlight, Leases
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
@@ -26,6 +27,13 @@ class Proxy:
     metrics: Metrics
     ready: bool = False
     access_log: AccessLog | None = None  # --access-log off: None
+    leases: Leases = field(init=False)  # one writer per conversation (process memory)
+    in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
+
+    def __post_init__(self) -> None:
+        # A live holder renews its lease with every chunk from the backend, so a holder
+        # silent for longer than the backend's read timeout is failing anyway.
+        self.leases = Leases(self.config.read_timeout)
 
 
 PROXY = web.AppKey("proxy", Proxy)

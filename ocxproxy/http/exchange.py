@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
+from ocxproxy.continuation.conversation import conversation_id_of
 from ocxproxy.continuation.echo import echo_previous_id
 from ocxproxy.continuation.expand import (
     Request,
@@ -33,6 +34,7 @@ from ocxproxy.continuation.expand import (
     serialize_items,
     tail_as_sent,
 )
+from ocxproxy.continuation.locks import Lease
 from ocxproxy.continuation.record import build_turn, not_recordable_reason
 from ocxproxy.continuation.references import not_found, references, splice
 from ocxproxy.errors import (
@@ -43,10 +45,19 @@ from ocxproxy.errors import (
     StoreFailure,
     UpstreamError,
 )
+from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, scope_of
+from ocxproxy.http.conversation_state import (
+    Conversation,
+    append,
+    check_room,
+    load,
+    lock,
+    unreadable,
+)
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.metrics import Timing
-from ocxproxy.model import Record
+from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import Store
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.pool import Backend, read_chunk
@@ -87,22 +98,80 @@ class Exchange:
     history_bytes: int = 0
     input_tokens: int | None = None
     cached_tokens: int | None = None
+    conversation: Conversation | None = None  # the one this turn reads and appends to
+    lease: Lease | None = None  # its lock, held from prepare_exchange until the end
+    idempotency_key: idempotency.Key | None = None  # the request's Idempotency-Key
+    kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
 
     def finish(self, response: Any) -> None:
-        """Remember the turn when the response is one to remember (CONTRACT.md C1.6)."""
+        """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
+        append it to its conversation, and let the conversation go: before the client can
+        see the end."""
         self.finished = True
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
+        if self.idempotency_key is not None:  # a retry from now on gets this response
+            if reason is None:
+                entry = idempotency.remember(
+                    self.proxy, self.idempotency_key, response, durable=self.durable
+                )
+                if entry is not None:
+                    self.kept.append(entry)
+            self.proxy.in_flight.end(self.idempotency_key.record_id)
+        if self.conversation is not None:
+            if reason is None:
+                self._append(response)
+            self.release()
         if reason is None and self.target is None:
             reason = "store_false"
         if reason is not None:
             metrics.turns_not_recorded.labels(reason=reason).inc()
             return
         assert self.target is not None  # else reason is "store_false"
+        self.record = self.target.put(self._turn(response), self.parent)
+        self.recorded = True
+
+    def _append(self, response: dict[str, Any]) -> None:
+        """Append the request's items and the output to the conversation (as one segment,
+        the bytes this turn's record holds too): the answer is out, so even past the
+        store's caps (their room was checked before the turn, for its own items)."""
+        conversation = self.conversation
+        assert conversation is not None
+        store = self.proxy.store
+        try:
+            current = store.record(self.scope, conversation.id)
+        except StoreFailure:
+            current = None
+        if current is not conversation.record:  # deleted, or written by a lease-breaker
+            log.warning("conversation %s changed during a turn; not appended", conversation.id)
+            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_changed").inc()
+            return
+        turn = self._turn(response)
+        segment = Segment(
+            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
+        )
+        items = [*self.request.items, *response["output"]]
+        backend = self.backend.url if self.backend else None
+        try:
+            self.conversation = append(
+                store, conversation, segment, items, backend=backend, force=True
+            )
+            self.kept.append(self.conversation.record)
+        except OcxError as error:  # its stored items could not be read
+            log.error("conversation %s: turn not appended: %s", conversation.id, error)
+            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_failed").inc()
+
+    def release(self) -> None:
+        """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
+        if self.lease is not None:
+            self.proxy.leases.release(self.lease)
+            self.lease = None
+
+    def _turn(self, response: dict[str, Any]) -> Turn:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
-        turn = build_turn(
+        return build_turn(
             response=response,
             scope=self.scope,
             durable=self.durable,
@@ -112,18 +181,20 @@ class Exchange:
             affinity_key=chain_key(self.affinity_key, self.parent, response),
             stored=self.request.store,
         )
-        self.record = self.target.put(turn, self.parent)
-        self.recorded = True
 
     async def commit(self) -> None:
-        """Until the turn finish() remembered is durable (a no-op unless the store is in
-        `ack` mode); StorageUnavailable when it cannot be: it must not be acknowledged."""
+        """Until the turn finish() remembered, and what it wrote to its conversation, are
+        durable (a no-op unless the store is in `ack` mode); StorageUnavailable when they
+        cannot be: the turn must not be acknowledged."""
+        kept, self.kept = self.kept, []
         record, target = self.record, self.target
-        if record is None or target is None:
-            return
         self.record = None
         metrics = self.proxy.metrics
         try:
+            for other in kept:  # its conversation's new state, its Idempotency-Key
+                await self.proxy.store.commit(other)
+            if record is None or target is None:
+                return
             await target.commit(record)
         except StoreFailure:
             self.recorded = False
@@ -175,6 +246,9 @@ async def prepare_exchange(
     # chain that started there: its store:false content must not reach disk.
     from_local = local if local in sources else None
     prev = request.previous_response_id
+    conversation_id = conversation_id_of(request.body)
+    if conversation_id is not None:
+        return await _prepare_conversation(proxy, scope, request, conversation_id, local, resolved)
     if prev is None:
         target, durable = _retention(proxy, request, local, parent_store=from_local)
         await _room_in(proxy, target)
@@ -270,6 +344,53 @@ async def _resolve_items(
     return resolved, set(wanted)
 
 
+async def _prepare_conversation(
+    proxy: Proxy,
+    scope: str,
+    request: Request,
+    conversation_id: str,
+    local: Store | None,
+    resolved: dict[int, bytes],
+) -> Exchange:
+    """A turn on a conversation: its items spliced in front of the input like a chain's,
+    under its lock (400 conversation_locked while another turn or write holds it), taken
+    before anything is forwarded."""
+    store = proxy.store
+    lease = lock(proxy.leases, conversation_id)
+    try:
+        conversation = await load(store, scope, conversation_id)
+        parent = conversation.record
+        try:
+            history = await store.history(parent)
+        except StoreFailure as failure:
+            raise unreadable(failure) from None
+        tail, items = splice(serialize_items(request.items), request.items, resolved)
+        request = replace(request, items=items)
+        check_call_bindings(request.items, parent)
+        check_room(store, conversation, sum(len(part) + 1 for part in tail))
+        body = expand(request.body, history, tail)
+        target, durable = _retention(proxy, request, local, parent_store=store)
+        await _room_in(proxy, target)
+    except BaseException:
+        proxy.leases.release(lease)
+        raise
+    return Exchange(
+        proxy,
+        scope,
+        request,
+        body,
+        target,
+        durable and parent.durable,
+        parent=parent,
+        tail=tail,
+        affinity_key=affinity_of(request, parent),
+        expansion="conversation",
+        history_bytes=sum(map(len, history)),
+        conversation=conversation,
+        lease=lease,
+    )
+
+
 async def _room_in(proxy: Proxy, target: Store | None) -> None:
     """A turn the shared store will take waits while its disk writer is behind (bounded);
     one remembered elsewhere, or nowhere, does not."""
@@ -338,9 +459,52 @@ async def create(
     timing: Timing,
     reply: Reply,
 ) -> None:
-    """`POST /v1/responses`: expand, forward, relay the answer, remember the turn."""
-    exchange = await prepare_exchange(proxy, scope_of(headers), parse_request(raw), raw)
-    timing.exchange = exchange
+    """`POST /v1/responses`: expand, forward, relay the answer, remember the turn; with an
+    Idempotency-Key, a retry is answered from the first run (http/idempotency.py)."""
+    scope = scope_of(headers)
+    request = parse_request(raw)
+    key = idempotency.key_of(headers, scope, raw)
+    if key is not None:
+        proxy.in_flight.begin(key.record_id, key.fingerprint)  # 409 or 422 while running
+    try:
+        if key is not None:
+            done = await idempotency.stored(proxy, key)
+            if done is not None:
+                await _replay(reply, done, stream=request.stream)
+                return
+        exchange = await prepare_exchange(proxy, scope, request, raw)
+        timing.exchange = exchange
+        exchange.idempotency_key = key
+        try:
+            await _forward(exchange, headers, path_qs, timing, reply)
+        finally:
+            exchange.release()
+    finally:
+        if key is not None:
+            proxy.in_flight.end(key.record_id)
+
+
+async def _replay(reply: Reply, response: dict[str, Any], *, stream: bool) -> None:
+    headers = CIMultiDict({"Idempotent-Replayed": "true"})
+    if not stream:
+        headers["Content-Type"] = "application/json"
+        reply.answer(200, headers, orjson.dumps(response))
+        return
+    headers["Content-Type"] = "text/event-stream"
+    headers["Cache-Control"] = "no-cache"
+    await reply.start(200, headers)
+    await reply.write(idempotency.replay_stream(response))
+    await reply.end()
+
+
+async def _forward(
+    exchange: Exchange,
+    headers: Mapping[str, str],
+    path_qs: str,
+    timing: Timing,
+    reply: Reply,
+) -> None:
+    proxy = exchange.proxy
     forwarded = upstream_headers(headers, proxy.config, identity=True)
     forwarded["Content-Type"] = "application/json"
     async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
@@ -425,6 +589,8 @@ async def stream_events(
     while True:
         with timing.waiting():
             chunk = await read_chunk(upstream)
+        if exchange.lease is not None:
+            exchange.proxy.leases.renew(exchange.lease)
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
         terminal = -1  # where in the batch the terminal event of a remembered turn is

@@ -201,6 +201,7 @@ class Connection:
         outcome = TurnOutcome.CANCELLED
         prev: str | None = None
         failure: OcxError | None = None
+        exchange: Exchange | None = None
         try:
             body, generate = parse_frame(frame)
             request = check_request(body)
@@ -224,6 +225,8 @@ class Connection:
             )
             await self._send_error(error)
         finally:
+            if exchange is not None:
+                exchange.release()  # its conversation, when the turn ended without a response
             self.proxy.metrics.ws_turns.labels(outcome=str(outcome)).inc()
             if prev is not None and outcome in _EVICTING:
                 self.local.delete(self.scope, prev)  # OpenAI's rule for a failed turn

@@ -73,6 +73,8 @@ log = logging.getLogger("ocxproxy.store")
 _TOMBSTONES = 10_000  # remembered ids of dropped records, to count why a lookup failed
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
 LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
+NEVER = 1e18  # the expiry of a record kept until deleted (a conversation)
+KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response
 
 
 def default_state_dir() -> Path:
@@ -137,6 +139,8 @@ class Store:
         self._segments: dict[str, Segment] = {}
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
         self.items = ItemIndex()
+        self._pinned: dict[str, int] = {}  # id -> bytes of each record kept until deleted
+        self._pinned_bytes = 0  # their sum
         self._failed: OrderedDict[str, StoreFailure] = OrderedDict()  # ids whose commit failed
         self._started = False
         # The disk side, all owned here: where segment bytes are, per journal file.
@@ -349,6 +353,10 @@ class Store:
         for record in records:
             self._records[record.id] = record
             self.items.add(record)
+            if record.expires_at >= NEVER:
+                kept = {s.key: s.size for s in (*record.segments, record.response)}
+                self._pinned[record.id] = sum(kept.values())
+                self._pinned_bytes += self._pinned[record.id]
         if missing:
             self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))
@@ -368,10 +376,16 @@ class Store:
 
     def lookup(self, scope: str, response_id: str) -> Record:
         """The caller's record for `response_id`, or StoreFailure (another scope = unknown)."""
-        record = self._records.get(response_id)
+        if response_id.startswith(KEPT_PREFIXES):
+            raise StoreFailure(FailureReason.UNKNOWN)
+        return self.record(scope, response_id)
+
+    def record(self, scope: str, record_id: str) -> Record:
+        """The caller's record of any kind (a response, or one `keep` wrote)."""
+        record = self._records.get(record_id)
         if record is None or record.scope != scope:
-            if record is None and response_id in self._tombstones:
-                raise StoreFailure(self._tombstones[response_id])
+            if record is None and record_id in self._tombstones:
+                raise StoreFailure(self._tombstones[record_id])
             raise StoreFailure(FailureReason.UNKNOWN)
         if record.expires_at <= self.clock():
             self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
@@ -386,6 +400,10 @@ class Store:
             return [d for d in await self._fetch(segments) if d]
         self.resident.touch_all(segments)
         return [d for d in datas if d]
+
+    async def segment_bytes(self, segments: Sequence[Segment]) -> list[bytes]:
+        """The bytes of each segment, empty ones included."""
+        return await self._fetch(segments)
 
     async def response_bytes(self, record: Record) -> bytes:
         """The stored response object, with its output items put back when they were cut."""
@@ -512,13 +530,117 @@ class Store:
         self._enforce_bounds()
         return record
 
-    def delete(self, scope: str, response_id: str) -> bool:
-        """Forget a record (journaled: `await commit()` before acknowledging)."""
+    def delete(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
+        """Forget a record (one `keep` wrote when `kept`; journaled: `await commit()`
+        before acknowledging)."""
         record = self._records.get(response_id)
         if record is None or record.scope != scope:
             return False
+        if response_id.startswith(KEPT_PREFIXES) != kept:
+            return False
         self._drop(record, None, None)
         return True
+
+    def keep(
+        self,
+        record_id: str,
+        scope: str,
+        chain: Sequence[Segment],
+        meta: bytes,
+        *,
+        created_at: float,
+        expires_at: float = NEVER,
+        durable: bool = True,
+        backend: str | None = None,
+        affinity_key: str | None = None,
+        force: bool = False,
+    ) -> Record:
+        """Write (or rewrite) a record that is not a response: `chain` reuses the segments
+        of records already held (the same objects) and interns new ones; `meta` is kept as
+        its response segment. Journaled like `put` (`await commit(record)` before
+        acknowledging). With `expires_at=NEVER` it is pinned: no count or byte cap drops
+        it, and StoreFailure(FULL) refuses a write that would need that, unless `force`
+        (a turn already answered: taken even past the caps)."""
+        durable = durable and self._committer is not None
+        pinned = expires_at >= NEVER
+        # A chain is never empty (a row needs a chain): one empty segment.
+        chain = chain or (Segment(b"", 0, frozenset(), durable=False),)
+        old = self._records.get(record_id)
+        shared = 0  # leading segments the old record holds too, the same objects (an append)
+        if (
+            old is not None
+            and old.durable == durable
+            and tuple(chain[: len(old.segments)]) == old.segments
+        ):
+            shared = len(old.segments)
+        fresh = chain[shared:]
+        if old is not None and shared and record_id in self._pinned:
+            size = self._pinned[record_id] - old.response.size
+            size += sum(s.size for s in fresh) + len(meta)
+        else:
+            size = sum(s.size for s in {s.key: s for s in chain}.values()) + len(meta)
+        if pinned and not force and not self._fits(record_id, size, durable=durable):
+            raise StoreFailure(FailureReason.FULL, record_id)
+        segments = tuple(chain[:shared]) + tuple(self._take(s, durable) for s in fresh)
+        response = self._intern(Segment(meta, 0, frozenset(), durable=False))
+        record = Record(
+            id=record_id,
+            scope=scope,
+            created_at=created_at,
+            expires_at=expires_at,
+            durable=durable,
+            segments=segments,
+            response=response,
+            backend=backend,
+            affinity_key=affinity_key,
+            n_items=(old.n_items if shared and old else 0) + sum(s.n_items for s in fresh),
+            stored=False,
+        )
+        for segment in (*segments[shared:], response):  # held before the old record goes
+            self._hold(segment, durable=durable)
+        journaled = durable and self._committer is not None
+        pending = self._uncommitted.get(record_id)
+        if old is not None and pending is not None and pending[0] is old:
+            # Its PUT is still queued: a DEL after it, then this record's whole row.
+            self._drop(old, None, None, shared=shared)
+            if journaled:
+                self._journal_put(record, None)
+        elif old is not None:
+            if journaled:  # a PUT of the same id supersedes the old row; name it if it is
+                parent = old if shared and shared == len(segments) - 1 else None
+                self._journal_put(record, parent)
+            self._drop(old, None, None, journaled=False, shared=shared)
+        elif journaled:
+            self._journal_put(record, None)
+        self._records[record_id] = record
+        self.items.add(record)
+        if pinned:
+            self._pinned[record_id] = size
+            self._pinned_bytes += size
+        self._tombstones.pop(record_id, None)
+        self._failed.pop(record_id, None)
+        self._enforce_bounds()
+        return record
+
+    def room_for(self, record_id: str, extra: int) -> bool:
+        """Can the pinned record `record_id` (or a new one) grow by `extra` bytes with no
+        cap having to drop pinned records?"""
+        return self._fits(record_id, self._pinned.get(record_id, 0) + extra, durable=True)
+
+    def _fits(self, record_id: str, size: int, *, durable: bool) -> bool:
+        """Pinned bytes count against the share of the disk cap the store keeps when
+        durable, else against the memory cap; their number against the entry cap."""
+        others = self._pinned_bytes - self._pinned.get(record_id, 0)
+        on_disk = durable and self._committer is not None
+        cap = self.max_disk_bytes * DISK_KEEP if on_disk else self.resident.max_bytes
+        if record_id not in self._pinned and len(self._pinned) >= self.max_entries:
+            return False
+        return others + size <= cap
+
+    def _take(self, segment: Segment, durable: bool) -> Segment:
+        if segment.refs == 0 and segment.data is not None:  # new, or forgotten meanwhile
+            return self._intern(segment)
+        return self._adopt(segment, durable)
 
     def sweep(self) -> int:
         """Drop expired records; returns how many (not journaled: replay drops them too)."""
@@ -703,8 +825,12 @@ class Store:
         label: str | None,
         *,
         journaled: bool = True,
+        shared: int = 0,
     ) -> None:
+        """Forget a record; its first `shared` segments stay held (by the record that
+        replaces it, which took them over)."""
         del self._records[record.id]
+        self._pinned_bytes -= self._pinned.pop(record.id, 0)
         self.items.remove(record)
         if reason is not None:
             self._tombstone(record.id, reason)
@@ -718,7 +844,7 @@ class Store:
             if journaled:
                 self._committer.submit(DEL, orjson.dumps(record.id), None)
                 self._changed()
-        for segment in (*record.segments, record.response):
+        for segment in (*record.segments[shared:], record.response):
             self._release(segment, durable=record.durable)
 
     def _hold(self, segment: Segment, *, durable: bool) -> None:
@@ -762,7 +888,10 @@ class Store:
 
     def _enforce_bounds(self) -> None:
         while len(self._records) > self.max_entries:
-            self._drop(next(iter(self._records.values())), FailureReason.EVICTED, "max_entries")
+            victim = next((r for r in self._records.values() if r.id not in self._pinned), None)
+            if victim is None:
+                break
+            self._drop(victim, FailureReason.EVICTED, "max_entries")
         for segment in self.resident.evict_over_budget():
             if segment.on_disk:
                 segment.data = None  # the journal holds it: just release the bytes
@@ -819,7 +948,8 @@ class Store:
         for record in list(self._records.values()):
             if self._keydir.live_bytes <= target:
                 return
-            if record.durable and record.id not in self._uncommitted:
+            pinned = record.id in self._pinned  # a conversation: never dropped by a cap
+            if record.durable and record.id not in self._uncommitted and not pinned:
                 self._drop(record, FailureReason.EVICTED, "disk_bytes")
 
     async def _compact(self) -> None:

@@ -1,0 +1,179 @@
+"""The `/v1/conversations` routes (OpenAI's Conversations API) on aiohttp.
+
+Every write (metadata, items, delete) takes the conversation's lock, as a create turn on
+it does, so no write can interleave with a turn: a second writer gets 400
+`conversation_locked` (http/conversation_state.py keeps the state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ocxproxy.continuation.conversation import (
+    ListQuery,
+    check_include,
+    check_items,
+    check_metadata,
+    conversation_object,
+    deleted_object,
+    item_view,
+    page,
+    parse_list_query,
+)
+from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.http import conversation_state as state
+from ocxproxy.http.body import read_body
+from ocxproxy.http.context import Proxy, proxy_of, scope_of
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+async def _body(request: web.Request, proxy: Proxy) -> dict[str, Any]:
+    raw = await read_body(request, proxy.config.max_body_bytes)
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def _includes(request: web.Request) -> frozenset[str]:
+    query = request.query
+    return check_include([*query.getall("include[]", []), *query.getall("include", [])])
+
+
+async def _load(request: web.Request) -> tuple[Proxy, str, state.Conversation]:
+    proxy = proxy_of(request)
+    scope = scope_of(request.headers)
+    conversation = await state.load(proxy.store, scope, request.match_info["conversation_id"])
+    return proxy, scope, conversation
+
+
+def _view(conversation: state.Conversation) -> dict[str, Any]:
+    return conversation_object(conversation.id, conversation.meta)
+
+
+async def create_conversation(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    body = await _body(request, proxy)
+    items = check_items(body.get("items"), required=False)
+    metadata = check_metadata(body.get("metadata"))
+    conversation = state.create(proxy.store, scope_of(request.headers), items, metadata)
+    await _durable(proxy, conversation)
+    return _json(_view(conversation))
+
+
+async def get_conversation(request: web.Request) -> web.StreamResponse:
+    _, _, conversation = await _load(request)
+    return _json(_view(conversation))
+
+
+async def update_conversation(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    body = await _body(request, proxy)
+    if "metadata" not in body:
+        raise InvalidRequest("Missing required parameter: 'metadata'.", param="metadata")
+    metadata = check_metadata(body["metadata"])
+    with _locked(proxy, request.match_info["conversation_id"]):
+        _, _, conversation = await _load(request)
+        conversation = state.set_metadata(proxy.store, conversation, metadata)
+        await _durable(proxy, conversation)
+    return _json(_view(conversation))
+
+
+async def delete_conversation(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    with _locked(proxy, request.match_info["conversation_id"]):
+        _, scope, conversation = await _load(request)
+        proxy.store.delete(scope, conversation.id, kept=True)
+        await _durable(proxy, None)
+    return _json(deleted_object(conversation.id))
+
+
+async def create_items(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    include = _includes(request)
+    body = await _body(request, proxy)
+    items = check_items(body.get("items"), required=True)
+    if not items:
+        raise InvalidRequest("Invalid 'items': expected at least one item.", param="items")
+    with _locked(proxy, request.match_info["conversation_id"]):
+        _, _, conversation = await _load(request)
+        conversation = state.append(proxy.store, conversation, state.new_segment(items), items)
+        await _durable(proxy, conversation)
+    ids = conversation.meta.ids[-1]
+    data = [item_view(item, item_id, include) for item_id, item in zip(ids, items, strict=True)]
+    query = ListQuery(None, len(data), "asc", include)
+    return _json(page(data, query))
+
+
+async def list_items(request: web.Request) -> web.StreamResponse:
+    query = parse_list_query(request.query, _includes(request))
+    proxy, _, conversation = await _load(request)
+    pairs = await state.items(proxy.store, conversation)
+    views = [item_view(item, item_id, query.include) for item_id, item in pairs]
+    return _json(page(views, query))
+
+
+async def get_item(request: web.Request) -> web.StreamResponse:
+    include = _includes(request)
+    proxy, _, conversation = await _load(request)
+    item_id = request.match_info["item_id"]
+    if conversation.meta.find(item_id) is None:
+        raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+    for found_id, item in await state.items(proxy.store, conversation):
+        if found_id == item_id:
+            return _json(item_view(item, item_id, include))
+    raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
+
+
+async def delete_item(request: web.Request) -> web.StreamResponse:
+    proxy = proxy_of(request)
+    with _locked(proxy, request.match_info["conversation_id"]):
+        _, _, conversation = await _load(request)
+        conversation = await state.delete_item(
+            proxy.store, conversation, request.match_info["item_id"]
+        )
+        await _durable(proxy, conversation)
+    return _json(_view(conversation))
+
+
+async def _durable(proxy: Proxy, conversation: state.Conversation | None) -> None:
+    """Ack mode: a write is durable before it is answered (None: everything queued)."""
+    try:
+        await proxy.store.commit(conversation.record if conversation is not None else None)
+    except StoreFailure:
+        raise StorageUnavailable(
+            "The conversation could not be stored: the proxy's storage is unavailable. Retry later."
+        ) from None
+
+
+@contextmanager
+def _locked(proxy: Proxy, conversation_id: str) -> Iterator[None]:
+    """The conversation's lock around an items or metadata write (400 while taken)."""
+    lease = state.lock(proxy.leases, conversation_id)
+    try:
+        yield
+    finally:
+        proxy.leases.release(lease)
+
+
+def add_routes(router: web.UrlDispatcher) -> None:
+    base = "/v1/conversations"
+    router.add_post(base, create_conversation)
+    router.add_get(base + "/{conversation_id}", get_conversation)
+    router.add_post(base + "/{conversation_id}", update_conversation)
+    router.add_delete(base + "/{conversation_id}", delete_conversation)
+    router.add_post(base + "/{conversation_id}/items", create_items)
+    router.add_get(base + "/{conversation_id}/items", list_items)
+    router.add_get(base + "/{conversation_id}/items/{item_id}", get_item)
+    router.add_delete(base + "/{conversation_id}/items/{item_id}", delete_item)
