@@ -654,7 +654,9 @@ class Store:
         committer = self._committer
         assert committer is not None
         for segment in (*record.segments, record.response):
-            if segment.pack < 0 and segment.key not in self._unwritten:
+            # Queued means this very object: a record deleted before its commit can leave
+            # its forgotten segment queued under the same key, with another sid.
+            if segment.pack < 0 and self._unwritten.get(segment.key) is not segment:
                 self._journal_segment(segment)
         # A live durable parent's PUT precedes this one in the journal: name it.
         named = parent is not None and self._records.get(parent.id) is parent and parent.durable

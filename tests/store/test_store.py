@@ -501,3 +501,24 @@ async def test_backpressure_gives_up_after_its_timeout(tmp_path: Path) -> None:
     assert store.stats().pending_bytes > 1024
     gate.set()
     await store.close()
+
+
+async def test_a_turn_acknowledged_after_its_twin_was_deleted_uncommitted_survives(
+    tmp_path: Path,
+) -> None:
+    # The deleted turn's segment is still queued for the journal when an identical turn
+    # (the same items, so the same digest) arrives: the new turn must queue its own.
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    store.put(make_turn("r1", "same", answer="same"), None)
+    assert store.delete("scope-a", "r1")
+    twin = store.put(make_turn("r2", "same", answer="same"), None)
+    await store.commit(twin)  # acknowledged
+    await store.close()
+    reopened = make_store(tmp_path, offload=inline)
+    await reopened.start()
+    assert sample(reopened.metrics.spill_failures, reason="missing") == 0
+    record = reopened.lookup("scope-a", "r2")
+    assert len(await reopened.history(record)) == 1
+    assert reopened.check() == []
+    await reopened.close()
