@@ -120,7 +120,7 @@ class Exchange:
                     self.kept.append(entry)
             self.proxy.in_flight.end(self.idempotency_key.record_id)
         if self.conversation is not None:
-            if reason is None:
+            if reason is None and self.request.store:  # store:false content never on disk
                 self._append(response)
             self.release()
         if reason is None and self.target is None:

@@ -387,37 +387,40 @@ async def test_websocket_turns_on_a_conversation(
 # -- store:false, privacy, restart ------------------------------------------------------------
 
 
-async def test_store_false_appends_to_the_conversation_but_keeps_no_response(
+async def test_store_false_reads_the_conversation_but_leaves_nothing_on_disk(
     make_proxy: MakeProxy, backend: FakeBackend, tmp_path: Path
 ) -> None:
-    """As OpenAI documents it: a conversation's turn is appended to it whatever `store`
-    says (the client asked the conversation to keep it); store:false keeps the response
-    object itself from being stored. A store:false turn without a conversation still
-    leaves nothing on disk."""
+    """Nothing from a store:false turn is written to disk (CONTRACT.md C5), conversation or
+    not: the turn sees the conversation's items but is not appended to it, and its response
+    object is stored nowhere. A store:true turn on the same conversation is kept, so the scan
+    is shown to see what was stored."""
     handle = await make_proxy(backend.url)
     client = handle.client()
     conv = await client.conversations.create()
-    kept = await client.responses.create(
+    await client.responses.create(model="m", input="MARKER-stored-turn", conversation=conv.id)
+    hidden = await client.responses.create(
         model="m",
         input="MARKER-in-conversation",
         conversation=conv.id,
         store=False,
         metadata={"tag": "MARKER-response-object"},
     )
-    hidden = await client.responses.create(model="m", input="MARKER-no-conversation", store=False)
+    assert b"MARKER-stored-turn" in backend.responses_seen[-1].body  # it read the conversation
+    bare = await client.responses.create(model="m", input="MARKER-no-conversation", store=False)
     assert texts(await all_items(client, conv.id, order="asc")) == [
-        "MARKER-in-conversation",
-        "echo#1: MARKER-in-conversation",
+        "MARKER-stored-turn",
+        "echo#1: MARKER-stored-turn",
     ]
-    for response_id in (kept.id, hidden.id):
+    for response_id in (hidden.id, bare.id):
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(response_id)
     await handle.server.close()  # graceful: everything durable is flushed
     on_disk = await asyncio.to_thread(all_bytes_under, tmp_path / "state")
-    assert b"MARKER-in-conversation" in on_disk  # the scan sees what was kept
+    assert b"MARKER-stored-turn" in on_disk  # the scan sees what was kept
+    assert b"MARKER-in-conversation" not in on_disk
     assert b"MARKER-no-conversation" not in on_disk
     assert b"MARKER-response-object" not in on_disk
-    assert kept.id.encode() not in on_disk
+    assert hidden.id.encode() not in on_disk
 
 
 async def test_conversations_survive_a_restart(
