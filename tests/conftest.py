@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.server import Listener, build_app, listen
 from tests.fakes.backend import FakeBackend
+from tests.serve import Serve
 
 # Imported here, at collection, on purpose: CPython 3.11.7 can fail to compile hypothesis
 # ("AST constructor recursion depth mismatch") when it is first imported from a deep stack.
@@ -105,6 +107,17 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
         for client in handle.clients:
             await client.close()
         await handle.server.close()
+
+
+@pytest.fixture
+async def processes() -> AsyncIterator[list[Serve]]:
+    """Every `ocxproxy serve` process (tests/serve.py) a test appends is killed at teardown
+    if it still runs."""
+    started: list[Serve] = []
+    yield started
+    for p in started:
+        if p.running:
+            await p.stop(signal.SIGKILL)
 
 
 @pytest.fixture

@@ -14,20 +14,18 @@ import openai
 from ocxproxy.aio import spawn
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
-from tests.store.test_proxy_process import ProxyProcess, processes
-
-__all__ = ["processes"]  # the fixture, used here
+from tests.serve import Serve
 
 
-async def started(backend: FakeBackend, state: Path, started: list[ProxyProcess]) -> ProxyProcess:
-    proc = ProxyProcess(backend.url, state)
+async def started(backend: FakeBackend, state: Path, started: list[Serve]) -> Serve:
+    proc = Serve(backend.url, state)
     started.append(proc)
     await proc.start()
     return proc
 
 
 async def test_an_acknowledged_conversation_turn_survives_kill_9(
-    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess]
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve]
 ) -> None:
     state = tmp_path / "state"
     first = await started(backend, state, processes)
@@ -58,7 +56,7 @@ async def test_an_acknowledged_conversation_turn_survives_kill_9(
 
 
 async def test_a_lock_held_by_a_killed_process_is_free_after_restart(
-    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess]
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve]
 ) -> None:
     state = tmp_path / "state"
     first = await started(backend, state, processes)

@@ -19,7 +19,7 @@ from ocxproxy.http.context import scope_of
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
-from tests.store.test_proxy_process import ProxyProcess
+from tests.serve import Serve
 
 Json = dict[str, Any]
 KEY = "sk-test-a"
@@ -288,7 +288,7 @@ async def test_references_resolve_after_a_restart(
     """A `serve` process stopped, or killed right after it answered (an acknowledged turn
     is durable), and started again on the same state dir resolves the item ids it held."""
     state = tmp_path / "state"
-    procs = [ProxyProcess(backend.url, state), ProxyProcess(backend.url, state)]
+    procs = [Serve(backend.url, state), Serve(backend.url, state)]
     try:
         await procs[0].start()
         client = procs[0].client()

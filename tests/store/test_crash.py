@@ -17,9 +17,7 @@ import aiohttp
 import orjson
 
 from tests.fakes.backend import FakeBackend
-from tests.store.serve import Serve, create, processes
-
-__all__ = ["processes"]  # the fixture
+from tests.serve import Serve, create
 
 ROUNDS = 5
 FULL_LOAD_ROUND = 2  # this round's traffic is closed loop, as fast as the proxy answers

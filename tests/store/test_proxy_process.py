@@ -6,12 +6,10 @@ segment has been spilled to disk."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,60 +19,13 @@ import pytest
 
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
+from tests.serve import Serve
 from tests.store.helpers import all_bytes_under
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class ProxyProcess:
-    def __init__(self, upstream: str, state_dir: Path, *extra: str) -> None:
-        self.args = [
-            sys.executable, "-m", "ocxproxy", "serve", "--upstream", upstream,
-            "--state-dir", str(state_dir), "--port", "0", "--snapshot-delay", "0.2", *extra,
-        ]  # fmt: skip
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
-
-    async def start(self) -> str:
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.args,
-            cwd=ROOT,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert self.proc.stdout is not None
-        async with asyncio.timeout(20):
-            while True:
-                line = (await self.proc.stdout.readline()).decode()
-                assert line, "the proxy exited before listening"
-                found = re.search(r"listening on (http://\S+)/v1", line)
-                if found:
-                    self.url = found.group(1)
-                    return self.url
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="sk-x", max_retries=0)
-
-    async def stop(self, sig: int) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        async with asyncio.timeout(20):
-            await self.proc.communicate()
-        return self.proc.returncode or 0
-
-
-@pytest.fixture
-async def processes() -> AsyncIterator[list[ProxyProcess]]:
-    started: list[ProxyProcess] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.returncode is None:
-            p.proc.kill()
-            await p.proc.wait()
-
-
-async def chain_through(proxy: ProxyProcess, prev: str | None, *texts: str) -> tuple[str, str]:
+async def chain_through(proxy: Serve, prev: str | None, *texts: str) -> tuple[str, str]:
     client = proxy.client()
     text = ""
     for t in texts:
@@ -88,10 +39,10 @@ async def chain_through(proxy: ProxyProcess, prev: str | None, *texts: str) -> t
 
 @pytest.mark.parametrize("how", ["sigterm", "kill -9"])
 async def test_a_chain_survives_a_restart(
-    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess], how: str
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve], how: str
 ) -> None:
     state = tmp_path / "state"
-    first = ProxyProcess(backend.url, state)
+    first = Serve(backend.url, state, "--snapshot-delay", "0.2")
     processes.append(first)
     await first.start()
     last, text = await chain_through(first, None, "one", "two", "three")
@@ -101,7 +52,7 @@ async def test_a_chain_survives_a_restart(
     else:
         await asyncio.sleep(0.6)  # > the snapshot delay
         assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
-    second = ProxyProcess(backend.url, state)
+    second = Serve(backend.url, state)
     processes.append(second)
     await second.start()
     _, text = await chain_through(second, last, "four")
@@ -117,10 +68,10 @@ async def test_a_chain_survives_a_restart(
 
 
 async def test_state_cli_on_a_stopped_proxy_dir(
-    backend: FakeBackend, tmp_path: Path, processes: list[ProxyProcess]
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve]
 ) -> None:
     state = tmp_path / "state"
-    proxy = ProxyProcess(backend.url, state)
+    proxy = Serve(backend.url, state)
     processes.append(proxy)
     await proxy.start()
     await chain_through(proxy, None, "one", "two")

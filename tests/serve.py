@@ -1,5 +1,6 @@
-"""A real `python -m ocxproxy serve` process for black-box store tests: started on a state
-dir, killed (-9) or stopped, restarted; its output drained (and kept) while it runs."""
+"""A real `python -m ocxproxy serve` process for black-box tests: started on a state dir,
+killed (-9) or stopped, restarted; its output drained (and kept) while it runs. The
+`processes` fixture (tests/conftest.py) kills whatever a test left running."""
 
 from __future__ import annotations
 
@@ -7,31 +8,42 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections import deque
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
-import pytest
 
 from ocxproxy.aio import spawn
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 Json = dict[str, Any]
 
 
-class Serve:
-    """`ocxproxy serve` on the default (durable) configuration unless `extra` says."""
+class ServeExited(AssertionError):
+    """The process ended before it listened (a refusal at start, or a crash)."""
 
-    def __init__(self, upstream: str, state_dir: Path, *extra: str) -> None:
+    def __init__(self, code: int | None, output: str) -> None:
+        super().__init__(f"the proxy exited ({code}) before listening:\n{output}")
+        self.code = code
+        self.output = output
+
+
+class Serve:
+    """`ocxproxy serve` on the default (durable) configuration unless `extra` says; `env`
+    adds environment variables (e.g. OCXPROXY_SHARED_STORE)."""
+
+    def __init__(
+        self, upstream: str, state_dir: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.args = [
             sys.executable, "-m", "ocxproxy", "serve", "--upstream", upstream,
             "--state-dir", str(state_dir), "--port", "0", "--health-interval", "0", *extra,
         ]  # fmt: skip
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.output: deque[str] = deque(maxlen=2000)  # the last lines it printed
@@ -39,19 +51,21 @@ class Serve:
         self._drain: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
-        """Start it and wait until it listens (the store is loaded by then)."""
+        """Start it and wait until it listens (the store is loaded by then); ServeExited
+        if it ends first."""
         self.proc = await asyncio.create_subprocess_exec(
             *self.args,
             cwd=ROOT,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env=self.env,
         )
         assert self.proc.stdout is not None
         async with asyncio.timeout(30):
             while True:
-                line = (await self.proc.stdout.readline()).decode()
-                assert line, "the proxy exited before listening:\n" + "".join(self.output)
+                line = (await self.proc.stdout.readline()).decode(errors="replace")
+                if not line:
+                    raise ServeExited(await self.proc.wait(), "".join(self.output))
                 self.output.append(line)
                 found = re.search(r"listening on (http://\S+)/v1", line)
                 if found:
@@ -70,6 +84,16 @@ class Serve:
         assert self.proc is not None
         return self.proc.pid
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def client(self, api_key: str = "sk-x", **kwargs: Any) -> openai.AsyncOpenAI:
+        """An SDK client on it (the caller closes it)."""
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs
+        )
+
     def rss_kib(self) -> int:
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:
@@ -77,47 +101,33 @@ class Serve:
                     return int(line.split()[1])
         raise AssertionError("no VmRSS")
 
-    async def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        assert await self.proc.wait() == -signal.SIGKILL
-        if self._drain is not None:
-            await self._drain
-
-    async def stop(self) -> int:
+    async def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Send `sig` (if it still runs), wait for the exit; its exit code."""
         assert self.proc is not None
         if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
         async with asyncio.timeout(30):
             code = await self.proc.wait()
         if self._drain is not None:
             await self._drain
         return code
 
-
-@pytest.fixture
-async def processes() -> AsyncIterator[list[Serve]]:
-    """Every Serve a test appends is killed at teardown if it still runs."""
-    started: list[Serve] = []
-    yield started
-    for p in started:
-        if p.proc is not None and p.proc.returncode is None:
-            p.proc.kill()
-            await p.proc.wait()
+    async def kill9(self) -> None:
+        assert await self.stop(signal.SIGKILL) == -signal.SIGKILL
 
 
-async def create(
-    http: aiohttp.ClientSession, url: str, body: Json
-) -> tuple[int, Json | None, str | None]:
+async def respond(
+    http: aiohttp.ClientSession, url: str, body: Json, headers: dict[str, str] | None = None
+) -> tuple[int, Json | None, Json | None]:
     """POST /v1/responses as JSON or SSE (body["stream"]): (status, the error object if
-    one came, the response id if the turn was acknowledged: a 200 JSON response, or an SSE
-    `response.completed` event received)."""
-    async with http.post(url + "/v1/responses", json=body) as r:
+    one came, the response object if the turn was acknowledged: a 200 JSON response, or an
+    SSE `response.completed` event received)."""
+    async with http.post(url + "/v1/responses", json=body, headers=headers) as r:
         if not body.get("stream") or r.status != 200:
             data = await r.read()
             doc = orjson.loads(data) if data[:1] == b"{" else {}
             if r.status == 200:
-                return 200, None, doc["id"]
+                return 200, None, doc
             return r.status, doc.get("error", {"unshaped": data.decode()[:200]}), None
         error: Json | None = None
         data_lines: list[bytes] = []
@@ -131,27 +141,21 @@ async def create(
             event = orjson.loads(b"\n".join(data_lines))
             data_lines = []
             if event.get("type") == "response.completed":
-                return 200, None, event["response"]["id"]
+                return 200, None, event["response"]
             if event.get("type") == "error":
                 error = event
         return 200, error or {"no_terminal_event": True}, None
 
 
-def mount_tmpfs(path: Path, size: str) -> None:
-    """Mount a tmpfs of `size` at `path`; fail under CI=true, skip elsewhere, if we may not."""
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
+async def create(
+    http: aiohttp.ClientSession, url: str, body: Json, headers: dict[str, str] | None = None
+) -> tuple[int, Json | None, str | None]:
+    """respond(), with the acknowledged response's id instead of the whole object."""
+    status, error, response = await respond(http, url, body, headers)
+    return status, error, None if response is None else response["id"]
+
+
+def output_text(response: Json) -> str:
+    return "".join(
+        part.get("text", "") for item in response["output"] for part in item.get("content", [])
     )
-    if done.returncode != 0:
-        reason = f"cannot mount a tmpfs (needs root and CAP_SYS_ADMIN): {done.stderr.strip()}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason + " (CI=true)", pytrace=False)
-        pytest.skip(reason)
-
-
-def umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
