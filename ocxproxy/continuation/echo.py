@@ -9,8 +9,11 @@ passes untouched.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
+
+from ocxproxy.upstream.sse import Event, with_data
 
 _NULL = re.compile(rb'"previous_response_id"\s*:\s*null')
 _SET = re.compile(rb'"previous_response_id"\s*:\s*"')
@@ -38,3 +41,15 @@ def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -
     at = match.end()
     empty = _CLOSE.match(data, at) is not None
     return b"".join((data[:at], member, b"" if empty else b",", data[at:]))
+
+
+def echo_in_event(event: Event, payload: Any, previous_id: str) -> tuple[Event, Any]:
+    """A Response-carrying event naming the request's previous_response_id, patched in
+    its bytes (and in its decoded payload, when there is one)."""
+    data = echo_previous_id(event.data, previous_id, in_event=True)
+    if data is event.data:
+        return event, payload
+    response = payload.get("response") if isinstance(payload, dict) else None
+    if isinstance(response, dict):
+        response["previous_response_id"] = previous_id
+    return with_data(event, data), payload

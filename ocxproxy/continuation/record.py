@@ -28,6 +28,19 @@ def not_recordable_reason(response: Any) -> str | None:
     return str(status) if isinstance(status, str) else "malformed"
 
 
+def input_tokens_of(response: Any) -> tuple[int, int | None] | None:
+    """The input tokens the backend reported, and how many of them its cache held."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("input_tokens")
+    details = usage.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(total, int) or total <= 0:
+        return None
+    return total, cached if isinstance(cached, int) and cached >= 0 else None
+
+
 def build_turn(
     *,
     response: dict[str, Any],

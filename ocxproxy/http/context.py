@@ -1,12 +1,15 @@
-"""What every handler reaches through the app: config, store, backends, metrics."""
+"""What every handler reaches through the app (config, store, backends, metrics), the
+caller's scope, and where a create call's answer goes (`Reply`)."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from ocxproxy.config import Config
 from ocxproxy.continuation.locks import InFlight, Leases
@@ -67,3 +70,19 @@ def scope_of(headers: Mapping[str, str]) -> str:
 def check_client_key(headers: Mapping[str, str], keys: tuple[str, ...]) -> None:
     if keys and bearer_token(headers) not in keys:
         raise Unauthorized("Incorrect API key provided.")
+
+
+class Reply(Protocol):
+    """Where a create call's answer goes: an aiohttp response (WebReply), or the front
+    end's own connection (http/front.py)."""
+
+    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """The whole answer at once. Synchronous on purpose: create() remembers the turn
+        right after, before anything else can run."""
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        """The head of a streamed answer."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...

@@ -4,11 +4,13 @@ A conversation is a record the store keeps until deleted (`Store.keep`): its cha
 the items (segments, bytes as forwarded), its response segment the `Meta` (created_at,
 metadata, item ids). Every write replaces the record; segments are shared, so appending a
 turn adds one segment and deleting an item rewrites only the segment that holds it.
-Used by the routes (http/conversations.py) and the create turn (http/exchange.py).
+Used by the routes (http/conversations.py) and, through `ConversationTurn`, by the create
+turn (http/exchange.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +37,11 @@ from ocxproxy.errors import (
     StoreFailure,
     StoreFull,
 )
-from ocxproxy.model import Record, Segment
+from ocxproxy.http.context import Proxy
+from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import Store
+
+log = logging.getLogger("ocxproxy.responses")
 
 
 @dataclass(slots=True)
@@ -224,3 +229,70 @@ def _full() -> StoreFull:
         "The store is full: taking this write would drop conversation items. "
         "Delete conversations or raise --max-disk-bytes / --max-entries."
     )
+
+
+@dataclass(slots=True)
+class ConversationTurn:
+    """A create turn's hold on its conversation: the lock, from before anything is
+    forwarded until the turn ends, and the append of the answered turn."""
+
+    proxy: Proxy
+    lease: Lease | None
+    conversation: Conversation
+
+    def renew(self) -> None:
+        if self.lease is not None:
+            self.proxy.leases.renew(self.lease)
+
+    def release(self) -> None:
+        """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
+        if self.lease is not None:
+            self.proxy.leases.release(self.lease)
+            self.lease = None
+
+    def append(
+        self, scope: str, turn: Turn, items: list[Any], backend: str | None
+    ) -> Record | None:
+        """The conversation with the turn's items appended (as one segment, the bytes the
+        turn's record holds too): the answer is out, so even past the store's caps (their
+        room was checked before the turn, for its own items). None when it could not be."""
+        conversation, store = self.conversation, self.proxy.store
+        try:
+            current = store.record(scope, conversation.id)
+        except StoreFailure:
+            current = None
+        if current is not conversation.record:  # deleted, or written by a lease-breaker
+            log.warning("conversation %s changed during a turn; not appended", conversation.id)
+            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_changed").inc()
+            return None
+        segment = Segment(
+            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
+        )
+        try:
+            self.conversation = append(
+                store, conversation, segment, items, backend=backend, force=True
+            )
+        except OcxError as error:  # its stored items could not be read
+            log.error("conversation %s: turn not appended: %s", conversation.id, error)
+            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_failed").inc()
+            return None
+        return self.conversation.record
+
+
+async def open_turn(
+    proxy: Proxy, scope: str, conversation_id: str
+) -> tuple[ConversationTurn, list[bytes]]:
+    """A create turn on a conversation: its lock (400 conversation_locked while another
+    turn or write holds it) and its items' bytes, spliced in front of the input like a
+    chain's."""
+    lease = lock(proxy.leases, conversation_id)
+    try:
+        conversation = await load(proxy.store, scope, conversation_id)
+        try:
+            history = await proxy.store.history(conversation.record)
+        except StoreFailure as failure:
+            raise unreadable(failure) from None
+    except BaseException:
+        proxy.leases.release(lease)
+        raise
+    return ConversationTurn(proxy, lease, conversation), history

@@ -18,14 +18,13 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
-from multidict import CIMultiDict
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.conversation import conversation_id_of
-from ocxproxy.continuation.echo import echo_previous_id
+from ocxproxy.continuation.echo import echo_in_event, echo_previous_id
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -34,30 +33,22 @@ from ocxproxy.continuation.expand import (
     serialize_items,
     tail_as_sent,
 )
-from ocxproxy.continuation.locks import Lease
-from ocxproxy.continuation.record import build_turn, not_recordable_reason
-from ocxproxy.continuation.references import not_found, references, splice
+from ocxproxy.continuation.record import build_turn, input_tokens_of, not_recordable_reason
+from ocxproxy.continuation.references import references, splice
 from ocxproxy.errors import (
     FailureReason,
-    OcxError,
     PreviousResponseNotFound,
     StorageUnavailable,
     StoreFailure,
     UpstreamError,
 )
 from ocxproxy.http import idempotency
-from ocxproxy.http.context import Proxy, scope_of
-from ocxproxy.http.conversation_state import (
-    Conversation,
-    append,
-    check_room,
-    load,
-    lock,
-    unreadable,
-)
+from ocxproxy.http.context import Proxy, Reply, scope_of
+from ocxproxy.http.conversation_state import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
+from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
 from ocxproxy.metrics import Timing
-from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.model import Record, Turn
 from ocxproxy.store import Store
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.pool import Backend, read_chunk
@@ -68,8 +59,7 @@ from ocxproxy.upstream.sse import (
     TERMINAL_EVENTS,
     Event,
     EventSplitter,
-    encode_event,
-    with_data,
+    error_event,
 )
 
 log = logging.getLogger("ocxproxy.responses")
@@ -98,8 +88,7 @@ class Exchange:
     history_bytes: int = 0
     input_tokens: int | None = None
     cached_tokens: int | None = None
-    conversation: Conversation | None = None  # the one this turn reads and appends to
-    lease: Lease | None = None  # its lock, held from prepare_exchange until the end
+    conversation: ConversationTurn | None = None  # the one this turn reads and appends to
     idempotency_key: idempotency.Key | None = None  # the request's Idempotency-Key
     kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
 
@@ -111,18 +100,21 @@ class Exchange:
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
-        if self.idempotency_key is not None:  # a retry from now on gets this response
-            if reason is None:
-                entry = idempotency.remember(
-                    self.proxy, self.idempotency_key, response, durable=self.durable
-                )
-                if entry is not None:
-                    self.kept.append(entry)
-            self.proxy.in_flight.end(self.idempotency_key.record_id)
+        if self.idempotency_key is not None:
+            done = response if reason is None else None
+            entry = idempotency.complete(
+                self.proxy, self.idempotency_key, done, durable=self.durable
+            )
+            if entry is not None:
+                self.kept.append(entry)
         if self.conversation is not None:
             if reason is None and self.request.store:  # store:false content never on disk
-                self._append(response)
-            self.release()
+                items = [*self.request.items, *response["output"]]
+                backend = self.backend.url if self.backend else None
+                state = self.conversation.append(self.scope, self._turn(response), items, backend)
+                if state is not None:
+                    self.kept.append(state)
+            self.conversation.release()
         if reason is None and self.target is None:
             reason = "store_false"
         if reason is not None:
@@ -132,41 +124,10 @@ class Exchange:
         self.record = self.target.put(self._turn(response), self.parent)
         self.recorded = True
 
-    def _append(self, response: dict[str, Any]) -> None:
-        """Append the request's items and the output to the conversation (as one segment,
-        the bytes this turn's record holds too): the answer is out, so even past the
-        store's caps (their room was checked before the turn, for its own items)."""
-        conversation = self.conversation
-        assert conversation is not None
-        store = self.proxy.store
-        try:
-            current = store.record(self.scope, conversation.id)
-        except StoreFailure:
-            current = None
-        if current is not conversation.record:  # deleted, or written by a lease-breaker
-            log.warning("conversation %s changed during a turn; not appended", conversation.id)
-            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_changed").inc()
-            return
-        turn = self._turn(response)
-        segment = Segment(
-            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
-        )
-        items = [*self.request.items, *response["output"]]
-        backend = self.backend.url if self.backend else None
-        try:
-            self.conversation = append(
-                store, conversation, segment, items, backend=backend, force=True
-            )
-            self.kept.append(self.conversation.record)
-        except OcxError as error:  # its stored items could not be read
-            log.error("conversation %s: turn not appended: %s", conversation.id, error)
-            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_failed").inc()
-
     def release(self) -> None:
         """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
-        if self.lease is not None:
-            self.proxy.leases.release(self.lease)
-            self.lease = None
+        if self.conversation is not None:
+            self.conversation.release()
 
     def _turn(self, response: dict[str, Any]) -> Turn:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
@@ -206,18 +167,13 @@ class Exchange:
         metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
 
     def observe_usage(self, response: Any) -> None:
-        usage = response.get("usage") if isinstance(response, dict) else None
-        if not isinstance(usage, dict) or self.backend is None:
+        usage = input_tokens_of(response)
+        if usage is None or self.backend is None:
             return
-        total = usage.get("input_tokens")
-        details = usage.get("input_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if not isinstance(total, int) or total <= 0:
-            return
-        metrics, url = self.proxy.metrics, self.backend.url
+        (total, cached), metrics, url = usage, self.proxy.metrics, self.backend.url
         metrics.input_tokens.labels(url).inc(total)
         self.input_tokens = total
-        if isinstance(cached, int) and cached >= 0:
+        if cached is not None:
             self.cached_tokens = cached
             metrics.cached_tokens.labels(url).inc(cached)
             metrics.cached_ratio.labels(url).observe(min(cached / total, 1.0))
@@ -241,138 +197,54 @@ async def prepare_exchange(
     turns live there, and a chain that started there stays there.
     """
     refs = references(request.items)
-    resolved, sources = await _resolve_items(proxy, scope, refs, local) if refs else ({}, set())
+    resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, set())
     # A turn holding items of a WebSocket connection's own store stays there, like a
     # chain that started there: its store:false content must not reach disk.
-    from_local = local if local in sources else None
+    parent_store = local if local in sources else None
+    parent: Record | None = None
+    history: list[bytes] = []
+    expansion: str | None = None
+    held: ConversationTurn | None = None
     prev = request.previous_response_id
     conversation_id = conversation_id_of(request.body)
     if conversation_id is not None:
-        return await _prepare_conversation(proxy, scope, request, conversation_id, local, resolved)
-    if prev is None:
-        target, durable = _retention(proxy, request, local, parent_store=from_local)
-        await _room_in(proxy, target)
-        tail: list[bytes] | None = None
-        if resolved:
-            own = tail_as_sent(raw, request) if raw is not None else serialize_items(request.items)
-            tail, items = splice(own, request.items, resolved)
-            request = replace(request, items=items)
-            body = expand(request.body, [], tail)
-        else:
-            body = raw if raw is not None else orjson.dumps(request.body)
-        return Exchange(
-            proxy,
-            scope,
-            request,
-            body,
-            target,
-            durable,
-            tail=tail,
-            affinity_key=affinity_of(request, None),
-        )
-    metrics = proxy.metrics
-    try:
-        store, parent = _resolve(proxy, scope, prev, local)
-        history = await store.history(parent)
-    except StoreFailure as failure:
-        metrics.expansions.labels(outcome=str(failure.reason)).inc()
-        if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
-            body = raw if raw is not None else orjson.dumps(request.body)
-            return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
-        raise PreviousResponseNotFound(prev, failure.reason) from None
-    tail = serialize_items(request.items)
-    if resolved:
-        tail, items = splice(tail, request.items, resolved)
-        request = replace(request, items=items)
-    check_call_bindings(request.items, parent)
-    body = expand(request.body, history, tail)
-    metrics.expansions.labels(outcome="hit").inc()
-    target, durable = _retention(proxy, request, local, parent_store=from_local or store)
-    await _room_in(proxy, target)
-    return Exchange(
-        proxy,
-        scope,
-        request,
-        body,
-        target,
-        durable and parent.durable,
-        parent=parent,
-        tail=tail,
-        affinity_key=affinity_of(request, parent),
-        expansion="hit",
-        history_bytes=sum(map(len, history)),
-    )
-
-
-async def _resolve_items(
-    proxy: Proxy, scope: str, refs: dict[int, str], local: Store | None
-) -> tuple[dict[int, bytes], set[Store]]:
-    """Each referenced item's stored bytes, by input index, and the stores they came from:
-    from the caller's scope, over WebSocket the connection's own store first (its
-    store:false items too), else the shared store's stored items. An id found nowhere is
-    an InvalidRequest naming it, unless the operator forwards unknown ids (the reference
-    then goes as it came)."""
-    metrics = proxy.metrics.item_references
-    stores = ((local, True), (proxy.store, False)) if local is not None else ((proxy.store, False),)
-    wanted: dict[Store, list[tuple[int, Record, str]]] = {}
-    for index, item_id in refs.items():
-        for store, unstored in stores:
-            try:
-                record = store.find_item(scope, item_id, unstored=unstored)
-            except StoreFailure:
-                continue
-            wanted.setdefault(store, []).append((index, record, item_id))
-            break
-        else:
-            metrics.labels(outcome=str(FailureReason.UNKNOWN)).inc()
-            if not proxy.config.forward_unknown_ids:
-                raise not_found(item_id)
-    resolved: dict[int, bytes] = {}
-    for store, entries in wanted.items():
+        held, history = await open_turn(proxy, scope, conversation_id)
+        parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"
+    elif prev is not None:
         try:
-            datas = await store.item_bytes([(record, item_id) for _, record, item_id in entries])
-        except StoreFailure as failure:  # which one: ask for each
-            metrics.labels(outcome=str(failure.reason)).inc()
-            datas = []
-            for _, record, item_id in entries:
-                try:
-                    datas += await store.item_bytes([(record, item_id)])
-                except StoreFailure:
-                    raise not_found(item_id) from None
-        resolved.update((index, data) for (index, _, _), data in zip(entries, datas, strict=True))
-    metrics.labels(outcome="resolved").inc(len(resolved))
-    return resolved, set(wanted)
-
-
-async def _prepare_conversation(
-    proxy: Proxy,
-    scope: str,
-    request: Request,
-    conversation_id: str,
-    local: Store | None,
-    resolved: dict[int, bytes],
-) -> Exchange:
-    """A turn on a conversation: its items spliced in front of the input like a chain's,
-    under its lock (400 conversation_locked while another turn or write holds it), taken
-    before anything is forwarded."""
-    store = proxy.store
-    lease = lock(proxy.leases, conversation_id)
-    try:
-        conversation = await load(store, scope, conversation_id)
-        parent = conversation.record
-        try:
+            store, parent = resolve_previous(proxy, scope, prev, local)
             history = await store.history(parent)
         except StoreFailure as failure:
-            raise unreadable(failure) from None
-        tail, items = splice(serialize_items(request.items), request.items, resolved)
-        request = replace(request, items=items)
-        check_call_bindings(request.items, parent)
-        check_room(store, conversation, sum(len(part) + 1 for part in tail))
-        body = expand(request.body, history, tail)
-        target, durable = _retention(proxy, request, local, parent_store=store)
-        await _room_in(proxy, target)
+            proxy.metrics.expansions.labels(outcome=str(failure.reason)).inc()
+            if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
+                body = raw if raw is not None else orjson.dumps(request.body)  # as it came
+                return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
+            raise PreviousResponseNotFound(prev, failure.reason) from None
+        parent_store, expansion = parent_store or store, "hit"
+    try:
+        tail: list[bytes] | None = None  # the request's own items as forwarded
+        if parent is not None or resolved:
+            if parent is None and raw is not None:  # a first turn keeps the client's bytes
+                tail = tail_as_sent(raw, request)
+            else:
+                tail = serialize_items(request.items)
+            if resolved:
+                tail, items = splice(tail, request.items, resolved)
+                request = replace(request, items=items)
+            if parent is not None:
+                check_call_bindings(request.items, parent)
+            if held is not None:
+                check_room(proxy.store, held.conversation, sum(len(part) + 1 for part in tail))
+            body = expand(request.body, history, tail)
+        else:  # nothing to splice in: forwarded as the client sent it
+            body = raw if raw is not None else orjson.dumps(request.body)
+        if expansion == "hit":
+            proxy.metrics.expansions.labels(outcome="hit").inc()
+        target, durable = retention(proxy, request, local, parent_store)
+        await wait_for_room(proxy, target)
     except BaseException:
-        proxy.leases.release(lease)
+        if held is not None:
+            held.release()
         raise
     return Exchange(
         proxy,
@@ -380,44 +252,14 @@ async def _prepare_conversation(
         request,
         body,
         target,
-        durable and parent.durable,
+        durable and (parent is None or parent.durable),
         parent=parent,
         tail=tail,
         affinity_key=affinity_of(request, parent),
-        expansion="conversation",
+        expansion=expansion,
         history_bytes=sum(map(len, history)),
-        conversation=conversation,
-        lease=lease,
+        conversation=held,
     )
-
-
-async def _room_in(proxy: Proxy, target: Store | None) -> None:
-    """A turn the shared store will take waits while its disk writer is behind (bounded);
-    one remembered elsewhere, or nowhere, does not."""
-    if target is proxy.store:
-        await proxy.store.wait_for_room()
-
-
-def _resolve(proxy: Proxy, scope: str, prev: str, local: Store | None) -> tuple[Store, Record]:
-    if local is not None:
-        try:
-            return local, local.lookup(scope, prev)
-        except StoreFailure:
-            pass
-    return proxy.store, proxy.store.lookup(scope, prev)
-
-
-def _retention(
-    proxy: Proxy, request: Request, local: Store | None, parent_store: Store | None
-) -> tuple[Store | None, bool]:
-    """Where a turn is remembered and whether it may reach disk (CONTRACT.md C3, C5)."""
-    if local is not None and (parent_store is local or not request.store):
-        return local, False
-    if request.store:
-        return proxy.store, not proxy.config.zdr
-    if proxy.config.retain_unstored:
-        return proxy.store, False
-    return None, False
 
 
 def open_upstream(
@@ -435,22 +277,6 @@ def open_upstream(
     )
 
 
-class Reply(Protocol):
-    """Where a create call's answer goes: an aiohttp response (WebReply), or the front
-    end's own connection (http/front.py)."""
-
-    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        """The whole answer at once. Synchronous on purpose: create() remembers the turn
-        right after, before anything else can run."""
-
-    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
-        """The head of a streamed answer."""
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def end(self) -> None: ...
-
-
 async def create(
     proxy: Proxy,
     headers: Mapping[str, str],
@@ -464,14 +290,11 @@ async def create(
     scope = scope_of(headers)
     request = parse_request(raw)
     key = idempotency.key_of(headers, scope, raw)
-    if key is not None:
-        proxy.in_flight.begin(key.record_id, key.fingerprint)  # 409 or 422 while running
+    done = await idempotency.begin(proxy, key) if key is not None else None
     try:
-        if key is not None:
-            done = await idempotency.stored(proxy, key)
-            if done is not None:
-                await _replay(reply, done, stream=request.stream)
-                return
+        if done is not None:  # answered before: the same response again
+            await idempotency.replay(reply, done, stream=request.stream)
+            return
         exchange = await prepare_exchange(proxy, scope, request, raw)
         timing.exchange = exchange
         exchange.idempotency_key = key
@@ -481,20 +304,7 @@ async def create(
             exchange.release()
     finally:
         if key is not None:
-            proxy.in_flight.end(key.record_id)
-
-
-async def _replay(reply: Reply, response: dict[str, Any], *, stream: bool) -> None:
-    headers = CIMultiDict({"Idempotent-Replayed": "true"})
-    if not stream:
-        headers["Content-Type"] = "application/json"
-        reply.answer(200, headers, orjson.dumps(response))
-        return
-    headers["Content-Type"] = "text/event-stream"
-    headers["Cache-Control"] = "no-cache"
-    await reply.start(200, headers)
-    await reply.write(idempotency.replay_stream(response))
-    await reply.end()
+            idempotency.end(proxy, key)
 
 
 async def _forward(
@@ -546,20 +356,10 @@ async def relay_stream(
         if not exchange.finished:
             # The status line is out: say so in the stream, then end it; nothing is recorded.
             exchange.proxy.metrics.turns_not_recorded.labels(reason="broken_off").inc()
-            await reply.write(sse_error_event(exc, _next_sequence_number(last)))
+            await reply.write(error_event(exc.to_openai_error(), _next_sequence_number(last)))
     except StorageUnavailable as exc:  # instead of the terminal event
-        await reply.write(sse_error_event(exc, _next_sequence_number(last)))
+        await reply.write(error_event(exc.to_openai_error(), _next_sequence_number(last)))
     await reply.end()
-
-
-def sse_error_event(error: OcxError, sequence_number: int | None) -> bytes:
-    """An SSE `error` event: the nested error object, its fields also at the top level."""
-    body = error.to_openai_error()["error"]
-    payload = {"type": "error", "code": body["code"], "message": body["message"]}
-    payload.update(param=body["param"], error=body)
-    if sequence_number is not None:
-        payload["sequence_number"] = sequence_number
-    return encode_event("error", orjson.dumps(payload))
 
 
 def _next_sequence_number(last: Event | None) -> int | None:
@@ -589,8 +389,8 @@ async def stream_events(
     while True:
         with timing.waiting():
             chunk = await read_chunk(upstream)
-        if exchange.lease is not None:
-            exchange.proxy.leases.renew(exchange.lease)
+        if exchange.conversation is not None:
+            exchange.conversation.renew()
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
         terminal = -1  # where in the batch the terminal event of a remembered turn is
@@ -611,7 +411,7 @@ async def stream_events(
                 payload = payload if payload is not None else loads_or_none(event.data)
                 kind = payload.get("type") if isinstance(payload, dict) else None
             if echo is not None and kind in RESPONSE_EVENTS:
-                event, payload = _echoed(event, payload, echo)
+                event, payload = echo_in_event(event, payload, echo)
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):
@@ -632,18 +432,6 @@ async def stream_events(
             if last not in FINAL_EVENTS:
                 raise UpstreamError("The backend's stream ended before the response finished.")
             return
-
-
-def _echoed(event: Event, payload: Any, previous_id: str) -> tuple[Event, Any]:
-    """A Response-carrying event naming the request's previous_response_id, patched in
-    its bytes (and in its decoded payload, when there is one)."""
-    data = echo_previous_id(event.data, previous_id, in_event=True)
-    if data is event.data:
-        return event, payload
-    response = payload.get("response") if isinstance(payload, dict) else None
-    if isinstance(response, dict):
-        response["previous_response_id"] = previous_id
-    return with_data(event, data), payload
 
 
 def loads_or_none(data: bytes) -> Any:

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict
 
 from ocxproxy.continuation.locks import fingerprint, idempotency_record_id, mismatch
 from ocxproxy.errors import InvalidRequest, StoreFailure
-from ocxproxy.http.context import Proxy
+from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.model import Record
 from ocxproxy.upstream.sse import encode_event
 
@@ -44,7 +45,23 @@ def key_of(headers: Mapping[str, str], scope: str, raw: bytes) -> Key | None:
     return Key(idempotency_record_id(scope, value), fingerprint(raw), scope)
 
 
-async def stored(proxy: Proxy, key: Key) -> dict[str, Any] | None:
+async def begin(proxy: Proxy, key: Key) -> dict[str, Any] | None:
+    """The key is in flight until `end` (a retry meanwhile: 409, or 422 for another
+    body); the response a completed request with this key got, to answer again."""
+    proxy.in_flight.begin(key.record_id, key.fingerprint)
+    try:
+        return await _stored(proxy, key)
+    except BaseException:
+        end(proxy, key)
+        raise
+
+
+def end(proxy: Proxy, key: Key) -> None:
+    """Idempotent: when the response is remembered, and again when the request ends."""
+    proxy.in_flight.end(key.record_id)
+
+
+async def _stored(proxy: Proxy, key: Key) -> dict[str, Any] | None:
     """The response a completed request with this key got; 422 for another body."""
     try:
         record = proxy.store.record(key.scope, key.record_id)
@@ -57,8 +74,13 @@ async def stored(proxy: Proxy, key: Key) -> dict[str, Any] | None:
     return response
 
 
-def remember(proxy: Proxy, key: Key, response: Any, *, durable: bool) -> Record | None:
-    """The completed key's record (to commit before the answer is acknowledged)."""
+def complete(proxy: Proxy, key: Key, response: Any | None, *, durable: bool) -> Record | None:
+    """The request has its response: a retry from now on gets it (when it is one the
+    proxy remembers, else None: a retry runs again). The completed key's record, to
+    commit before the answer is acknowledged."""
+    end(proxy, key)
+    if response is None:
+        return None
     entry = orjson.dumps({"fingerprint": key.fingerprint, "response": response})
     now = proxy.store.clock()
     try:
@@ -71,7 +93,21 @@ def remember(proxy: Proxy, key: Key, response: Any, *, durable: bool) -> Record 
         return None
 
 
-def replay_stream(response: dict[str, Any]) -> bytes:
+async def replay(reply: Reply, response: dict[str, Any], *, stream: bool) -> None:
+    """The answer to a retry of a completed request: its response, as JSON or SSE."""
+    headers = CIMultiDict({"Idempotent-Replayed": "true"})
+    if not stream:
+        headers["Content-Type"] = "application/json"
+        reply.answer(200, headers, orjson.dumps(response))
+        return
+    headers["Content-Type"] = "text/event-stream"
+    headers["Cache-Control"] = "no-cache"
+    await reply.start(200, headers)
+    await reply.write(_replay_stream(response))
+    await reply.end()
+
+
+def _replay_stream(response: dict[str, Any]) -> bytes:
     """A stored response as SSE: its lifecycle and item events (no deltas), then the
     terminal event its status calls for."""
     pending = {**response, "status": "in_progress", "output": []}

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 # The events that end a response: after one, the client expects nothing more of it.
 TERMINAL_EVENTS = frozenset(
@@ -104,3 +107,14 @@ def with_data(event: Event, data: bytes) -> Event:
 def encode_event(name: str | None, data: bytes) -> bytes:
     head = b"event: " + name.encode() + b"\n" if name else b""
     return head + b"data: " + data + b"\n\n"
+
+
+def error_event(error: dict[str, Any], sequence_number: int | None) -> bytes:
+    """The client's SSE `error` event for an OpenAI-shaped error: the nested error
+    object, its fields also at the top level."""
+    body = error["error"]
+    payload = {"type": "error", "code": body["code"], "message": body["message"]}
+    payload.update(param=body["param"], error=body)
+    if sequence_number is not None:
+        payload["sequence_number"] = sequence_number
+    return encode_event("error", orjson.dumps(payload))
