@@ -30,10 +30,12 @@ from ocxproxy.continuation.expand import call_ids_of, serialize_items
 from ocxproxy.continuation.locks import Lease, Leases
 from ocxproxy.continuation.record import item_ids_of
 from ocxproxy.errors import (
+    Conflict,
     ConversationLocked,
     FailureReason,
     NotFound,
     OcxError,
+    StorageUnavailable,
     StoreFailure,
     StoreFull,
 )
@@ -250,12 +252,11 @@ class ConversationTurn:
             self.proxy.leases.release(self.lease)
             self.lease = None
 
-    def append(
-        self, scope: str, turn: Turn, items: list[Any], backend: str | None
-    ) -> Record | None:
-        """The conversation with the turn's items appended (as one segment, the bytes the
-        turn's record holds too): the answer is out, so even past the store's caps (their
-        room was checked before the turn, for its own items). None when it could not be."""
+    def append(self, scope: str, turn: Turn, items: list[Any], backend: str | None) -> Record:
+        """The conversation's new record, with the turn's items appended (as one segment,
+        the bytes the turn's record holds too): even past the store's caps (their room was
+        checked before the turn, for its own items). A conversation another writer changed
+        meanwhile (its lease ran out) is a 409 Conflict; a write the store refused, 503."""
         conversation, store = self.conversation, self.proxy.store
         try:
             current = store.record(scope, conversation.id)
@@ -263,8 +264,13 @@ class ConversationTurn:
             current = None
         if current is not conversation.record:  # deleted, or written by a lease-breaker
             log.warning("conversation %s changed during a turn; not appended", conversation.id)
-            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_changed").inc()
-            return None
+            raise Conflict(
+                "The conversation changed while this response was generated (its lock ran "
+                "out and another request wrote to it); the response was not added to it. "
+                "Retry the request.",
+                param="conversation",
+                code="conversation_changed",
+            )
         segment = Segment(
             turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
         )
@@ -272,20 +278,22 @@ class ConversationTurn:
             self.conversation = append(
                 store, conversation, segment, items, backend=backend, force=True
             )
-        except OcxError as error:  # its stored items could not be read
+        except OcxError as error:
             log.error("conversation %s: turn not appended: %s", conversation.id, error)
-            self.proxy.metrics.turns_not_recorded.labels(reason="conversation_failed").inc()
-            return None
+            raise StorageUnavailable(
+                "The response could not be added to its conversation: the proxy's storage "
+                "failed. Nothing was saved; retry later."
+            ) from None
         return self.conversation.record
 
 
 async def open_turn(
-    proxy: Proxy, scope: str, conversation_id: str
+    proxy: Proxy, scope: str, conversation_id: str, *, locked: bool = True
 ) -> tuple[ConversationTurn, list[bytes]]:
     """A create turn on a conversation: its lock (400 conversation_locked while another
     turn or write holds it) and its items' bytes, spliced in front of the input like a
-    chain's."""
-    lease = lock(proxy.leases, conversation_id)
+    chain's. Without `locked`, a read (a sibling of create, which appends nothing)."""
+    lease = lock(proxy.leases, conversation_id) if locked else None
     try:
         conversation = await load(proxy.store, scope, conversation_id)
         try:
@@ -293,6 +301,7 @@ async def open_turn(
         except StoreFailure as failure:
             raise unreadable(failure) from None
     except BaseException:
-        proxy.leases.release(lease)
+        if lease is not None:
+            proxy.leases.release(lease)
         raise
     return ConversationTurn(proxy, lease, conversation), history

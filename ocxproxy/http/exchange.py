@@ -1,15 +1,12 @@
 """One create turn, for HTTP and WebSocket alike: resolve → expand → forward → relay → record.
 
-`prepare_exchange` resolves `previous_response_id` (in the caller's scope, or a WebSocket
-connection's own store first) and splices the forwarded body; `open_upstream` sends it to
-the backend its chain's affinity picks; `create` relays a JSON answer or, through
-`stream_events`, an SSE stream, and `Exchange.finish` remembers the turn before the client
-can see that it ended (CONTRACT.md C1.7); with the durable store in `ack` mode
-`Exchange.commit` then holds the answer (the JSON body, the SSE or WebSocket terminal
-event) until the turn is fsynced, and turns it into a 503 storage_unavailable / `error`
-event when it cannot be.
-Where the answer goes is a `Reply`: an aiohttp response (http/responses.py) or the front
-end's own connection (http/front.py). No aiohttp.web here.
+`prepare_exchange` resolves what the request continues (a previous response, a
+conversation, item references) and splices the forwarded body; `open_upstream` sends it to
+the backend its affinity picks; `create` relays a JSON answer or, through `stream_events`,
+an SSE stream. `Exchange.finish` remembers the turn, and appends it to its conversation,
+before the client can see that it ended (CONTRACT.md C1.7); `Exchange.commit` holds the
+answer until that is durable, or turns it into an error (an `error` event in a stream) when
+it cannot be. The answer goes to a `Reply` (http/context.py). No aiohttp.web here.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import orjson
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.conversation import conversation_id_of
-from ocxproxy.continuation.echo import echo_in_event, echo_previous_id
+from ocxproxy.continuation.echo import echo_in_event, echo_member
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -37,6 +34,7 @@ from ocxproxy.continuation.record import build_turn, input_tokens_of, not_record
 from ocxproxy.continuation.references import references, splice
 from ocxproxy.errors import (
     FailureReason,
+    OcxError,
     PreviousResponseNotFound,
     StorageUnavailable,
     StoreFailure,
@@ -60,6 +58,7 @@ from ocxproxy.upstream.sse import (
     Event,
     EventSplitter,
     error_event,
+    loads_or_none,
 )
 
 log = logging.getLogger("ocxproxy.responses")
@@ -91,6 +90,8 @@ class Exchange:
     conversation: ConversationTurn | None = None  # the one this turn reads and appends to
     idempotency_key: idempotency.Key | None = None  # the request's Idempotency-Key
     kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
+    failure: OcxError | None = None  # why the finished turn must not be acknowledged
+    echo: tuple[str, Any] | None = None  # the member the client's Response gets patched in
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -100,6 +101,10 @@ class Exchange:
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
+        if self.conversation is not None:
+            if reason is None and self.request.store:  # store:false content never on disk
+                reason = self._append(response)
+            self.conversation.release()
         if self.idempotency_key is not None:
             done = response if reason is None else None
             entry = idempotency.complete(
@@ -107,14 +112,6 @@ class Exchange:
             )
             if entry is not None:
                 self.kept.append(entry)
-        if self.conversation is not None:
-            if reason is None and self.request.store:  # store:false content never on disk
-                items = [*self.request.items, *response["output"]]
-                backend = self.backend.url if self.backend else None
-                state = self.conversation.append(self.scope, self._turn(response), items, backend)
-                if state is not None:
-                    self.kept.append(state)
-            self.conversation.release()
         if reason is None and self.target is None:
             reason = "store_false"
         if reason is not None:
@@ -123,6 +120,21 @@ class Exchange:
         assert self.target is not None  # else reason is "store_false"
         self.record = self.target.put(self._turn(response), self.parent)
         self.recorded = True
+
+    def _append(self, response: dict[str, Any]) -> str | None:
+        """Append the turn to its conversation; else the reason it was not (a metric
+        label), and the error that answers the client instead (commit() raises it)."""
+        assert self.conversation is not None
+        items = [*self.request.items, *response["output"]]
+        backend = self.backend.url if self.backend else None
+        try:
+            turn = self._turn(response)
+            self.kept.append(self.conversation.append(self.scope, turn, items, backend))
+        except OcxError as error:
+            self.failure = error
+            changed = error.code == "conversation_changed"
+            return "conversation_changed" if changed else "conversation_failed"
+        return None
 
     def release(self) -> None:
         """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
@@ -146,7 +158,10 @@ class Exchange:
     async def commit(self) -> None:
         """Until the turn finish() remembered, and what it wrote to its conversation, are
         durable (a no-op unless the store is in `ack` mode); StorageUnavailable when they
-        cannot be: the turn must not be acknowledged."""
+        cannot be, or the error that kept finish() from appending the turn to its
+        conversation: the turn must not be acknowledged."""
+        if self.failure is not None:
+            raise self.failure
         kept, self.kept = self.kept, []
         record, target = self.record, self.target
         self.record = None
@@ -189,12 +204,14 @@ async def prepare_exchange(
     raw: bytes | None,
     *,
     local: Store | None = None,
+    remember: bool = True,
 ) -> Exchange:
     """Resolve and expand a create request; raises before anything is forwarded.
 
     `raw` is the client's body, forwarded unchanged when there is nothing to expand or
     resolve (CONTRACT.md C1.1). `local` is a WebSocket connection's own store: store:false
-    turns live there, and a chain that started there stays there.
+    turns live there, and a chain that started there stays there. Without `remember` (the
+    siblings of create), nothing will be: a conversation is read without its lock.
     """
     refs = references(request.items)
     resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, set())
@@ -206,10 +223,12 @@ async def prepare_exchange(
     expansion: str | None = None
     held: ConversationTurn | None = None
     prev = request.previous_response_id
+    echo: tuple[str, Any] | None = None if prev is None else ("previous_response_id", prev)
     conversation_id = conversation_id_of(request.body)
     if conversation_id is not None:
-        held, history = await open_turn(proxy, scope, conversation_id)
+        held, history = await open_turn(proxy, scope, conversation_id, locked=remember)
         parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"
+        echo = ("conversation", {"id": conversation_id})
     elif prev is not None:
         try:
             store, parent = resolve_previous(proxy, scope, prev, local)
@@ -218,7 +237,8 @@ async def prepare_exchange(
             proxy.metrics.expansions.labels(outcome=str(failure.reason)).inc()
             if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
                 body = raw if raw is not None else orjson.dumps(request.body)  # as it came
-                return Exchange(proxy, scope, request, body, None, expansion=str(failure.reason))
+                reason = str(failure.reason)
+                return Exchange(proxy, scope, request, body, None, expansion=reason, echo=echo)
             raise PreviousResponseNotFound(prev, failure.reason) from None
         parent_store, expansion = parent_store or store, "hit"
     try:
@@ -233,14 +253,14 @@ async def prepare_exchange(
                 request = replace(request, items=items)
             if parent is not None:
                 check_call_bindings(request.items, parent)
-            if held is not None:
+            if held is not None and remember:
                 check_room(proxy.store, held.conversation, sum(len(part) + 1 for part in tail))
             body = expand(request.body, history, tail)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
         if expansion == "hit":
             proxy.metrics.expansions.labels(outcome="hit").inc()
-        target, durable = retention(proxy, request, local, parent_store)
+        target, durable = retention(proxy, request, local, parent_store, remember)
         await wait_for_room(proxy, target)
     except BaseException:
         if held is not None:
@@ -259,6 +279,7 @@ async def prepare_exchange(
         expansion=expansion,
         history_bytes=sum(map(len, history)),
         conversation=held,
+        echo=echo,
     )
 
 
@@ -325,9 +346,9 @@ async def _forward(
             return
         with timing.waiting():
             body = await upstream.read()
-        prev = exchange.request.previous_response_id
-        if prev is not None and upstream.status == 200 and "json" in content_type:
-            body = echo_previous_id(body, prev)
+        echo = exchange.echo
+        if echo is not None and upstream.status == 200 and "json" in content_type:
+            body = echo_member(body, *echo)
         answer_headers = client_headers(upstream.headers, body_rewritten=False)
         # The turn is remembered, and durable, before the client can see the answer.
         if upstream.status == 200 and "json" in content_type:
@@ -356,18 +377,10 @@ async def relay_stream(
         if not exchange.finished:
             # The status line is out: say so in the stream, then end it; nothing is recorded.
             exchange.proxy.metrics.turns_not_recorded.labels(reason="broken_off").inc()
-            await reply.write(error_event(exc.to_openai_error(), _next_sequence_number(last)))
-    except StorageUnavailable as exc:  # instead of the terminal event
-        await reply.write(error_event(exc.to_openai_error(), _next_sequence_number(last)))
+            await reply.write(error_event(exc.to_openai_error(), after=last))
+    except OcxError as exc:  # instead of the terminal event: it cannot be acknowledged
+        await reply.write(error_event(exc.to_openai_error(), after=last))
     await reply.end()
-
-
-def _next_sequence_number(last: Event | None) -> int | None:
-    if last is None:
-        return 0
-    payload = loads_or_none(last.data)
-    seq = payload.get("sequence_number") if isinstance(payload, dict) else None
-    return seq + 1 if isinstance(seq, int) else None
 
 
 async def stream_events(
@@ -377,13 +390,13 @@ async def stream_events(
     lack spec fields are repaired; the turn is recorded before the terminal event is
     yielded, so a continuation sent the instant it arrives resolves (CONTRACT.md C1.7),
     and yielded only once durable: the events before it, then StorageUnavailable, when it
-    cannot be.
+    cannot be (or the error that kept the turn off its conversation).
     A stream that ends with neither a terminal event nor an `error` one is an
     UpstreamError: the client would otherwise take a cut-short response for a finished
     one."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
-    echo = exchange.request.previous_response_id
+    echo = exchange.echo
     decided = False
     last: str | None = None  # the type of the last event with data
     while True:
@@ -411,7 +424,7 @@ async def stream_events(
                 payload = payload if payload is not None else loads_or_none(event.data)
                 kind = payload.get("type") if isinstance(payload, dict) else None
             if echo is not None and kind in RESPONSE_EVENTS:
-                event, payload = echo_in_event(event, payload, echo)
+                event, payload = echo_in_event(event, payload, *echo)
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):
@@ -422,7 +435,7 @@ async def stream_events(
         if terminal >= 0:
             try:
                 await exchange.commit()
-            except StorageUnavailable:
+            except OcxError:
                 if terminal:
                     yield batch[:terminal]
                 raise
@@ -432,11 +445,3 @@ async def stream_events(
             if last not in FINAL_EVENTS:
                 raise UpstreamError("The backend's stream ended before the response finished.")
             return
-
-
-def loads_or_none(data: bytes) -> Any:
-    """The JSON value of `data`, or None when it is not JSON."""
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None

@@ -15,10 +15,11 @@ from ocxproxy.continuation.references import references
 from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
 from ocxproxy.http.body import read_body
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
-from ocxproxy.http.exchange import create, loads_or_none, open_upstream, prepare_exchange
+from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
+from ocxproxy.upstream.sse import loads_or_none
 
 
 class WebReply:
@@ -55,18 +56,21 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def create_sibling(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses/input_tokens` and `/v1/responses/compact` take
-    `previous_response_id` and item references too: they are expanded and resolved the
-    same way (the backend counts or compacts the whole chain), and nothing is remembered.
-    Without either, the body passes unchanged."""
+    `previous_response_id`, `conversation` and item references too: they are expanded and
+    resolved the same way (the backend counts or compacts the whole chain or conversation),
+    and nothing is remembered (a conversation is read without its lock). Without any of
+    them, the body passes unchanged."""
     proxy = proxy_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
     parsed = loads_or_none(raw)
     if not isinstance(parsed, dict) or (
         parsed.get("previous_response_id") is None
+        and parsed.get("conversation") is None
         and not (isinstance(parsed.get("input"), list) and references(parsed["input"]))
     ):
         return await passthrough(request, body=raw)
-    exchange = await prepare_exchange(proxy, scope_of(request.headers), check_request(parsed), raw)
+    scope = scope_of(request.headers)
+    exchange = await prepare_exchange(proxy, scope, check_request(parsed), raw, remember=False)
     timing = timing_of(request)
     timing.exchange = exchange
     headers = upstream_headers(request.headers, proxy.config, identity=False)

@@ -77,9 +77,15 @@ def resolve_previous(
 
 
 def retention(
-    proxy: Proxy, request: Request, local: Store | None, parent_store: Store | None
+    proxy: Proxy,
+    request: Request,
+    local: Store | None,
+    parent_store: Store | None,
+    remember: bool = True,
 ) -> tuple[Store | None, bool]:
     """Where a turn is remembered and whether it may reach disk (CONTRACT.md C3, C5)."""
+    if not remember:
+        return None, False
     if local is not None and (parent_store is local or not request.store):
         return local, False
     if request.store:

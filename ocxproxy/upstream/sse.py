@@ -109,12 +109,29 @@ def encode_event(name: str | None, data: bytes) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
-def error_event(error: dict[str, Any], sequence_number: int | None) -> bytes:
-    """The client's SSE `error` event for an OpenAI-shaped error: the nested error
-    object, its fields also at the top level."""
+def error_event(error: dict[str, Any], *, after: Event | None) -> bytes:
+    """The client's SSE `error` event for an OpenAI-shaped error, sent after the event
+    `after` (None: first): the nested error object, its fields also at the top level."""
     body = error["error"]
     payload = {"type": "error", "code": body["code"], "message": body["message"]}
     payload.update(param=body["param"], error=body)
+    sequence_number = _next_sequence_number(after)
     if sequence_number is not None:
         payload["sequence_number"] = sequence_number
     return encode_event("error", orjson.dumps(payload))
+
+
+def _next_sequence_number(last: Event | None) -> int | None:
+    if last is None:
+        return 0
+    payload = loads_or_none(last.data)
+    seq = payload.get("sequence_number") if isinstance(payload, dict) else None
+    return seq + 1 if isinstance(seq, int) else None
+
+
+def loads_or_none(data: bytes) -> Any:
+    """The JSON value of `data`, or None when it is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ocxproxy.continuation.echo import echo_previous_id
+from ocxproxy.continuation.echo import echo_member
 from ocxproxy.continuation.references import references, splice
 from ocxproxy.errors import InvalidRequest
 
@@ -60,9 +60,13 @@ def test_splice_puts_the_stored_bytes_in_place() -> None:
     assert splice(parts, items, {}) == (parts, items)
 
 
-# -- echo_previous_id ----------------------------------------------------------------------
+# -- echo_member ---------------------------------------------------------------------------
 
 RID = "resp_prev"
+
+
+def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -> bytes:
+    return echo_member(data, "previous_response_id", previous_id, in_event=in_event)
 
 
 @pytest.mark.parametrize(
@@ -128,3 +132,28 @@ def test_echo_ignores_the_member_name_inside_strings() -> None:
 def test_echo_escapes_the_id(data: bytes) -> None:
     odd = 'resp_"quoted"\\1\\g<0>'
     assert orjson.loads(echo_previous_id(data, odd))["previous_response_id"] == odd
+
+
+CONV = {"id": "conv_1"}
+
+
+@pytest.mark.parametrize(
+    ("data", "in_event"),
+    [
+        (b'{"id":"r","conversation":null,"previous_response_id":null}', False),
+        (b'{"id":"r"}', False),
+        (b'{"type":"response.completed","response":{"id":"r","conversation":null}}', True),
+        (b'{"type":"response.created","response":{"id":"r"},"sequence_number":0}', True),
+    ],
+)
+def test_echo_sets_a_null_or_absent_conversation(data: bytes, in_event: bool) -> None:
+    patched = orjson.loads(echo_member(data, "conversation", CONV, in_event=in_event))
+    response = patched["response"] if in_event else patched
+    original = orjson.loads(data)
+    original_response = original["response"] if in_event else original
+    assert response == {**original_response, "conversation": CONV}
+
+
+def test_echo_keeps_a_conversation_the_backend_named() -> None:
+    data = b'{"id":"r","conversation":{"id":"conv_other"}}'
+    assert echo_member(data, "conversation", CONV) == data

@@ -74,7 +74,7 @@ class Seen:
 class Action:
     """One scripted behaviour, consumed by the next ``POST /v1/responses``."""
 
-    kind: Literal["fail", "hang_up", "stall", "status"]
+    kind: Literal["fail", "hang_up", "stall", "status", "drip"]
     status: int = 0
     body: Json | None = None
     after_events: int = 0
@@ -247,6 +247,11 @@ class FakeBackend:
         """Wait ``seconds`` before answering (then answer normally)."""
         self.script.append(Action("stall", seconds=seconds))
 
+    def drip_next(self, seconds: float, parts: int = 3) -> None:
+        """Send the next JSON answer's head at once and its body in ``parts`` pieces,
+        ``seconds`` apart (a slow body that never goes silent for long)."""
+        self.script.append(Action("drip", seconds=seconds, after_events=parts))
+
     def status_next(self, status: TerminalStatus) -> None:
         """End the next response as ``incomplete`` (max_output_tokens) or ``failed``."""
         self.script.append(Action("status", terminal=status))
@@ -379,7 +384,22 @@ class FakeBackend:
         await self._pause()
         if hang_up is not None:
             return self._hang_up(request, web.Response())
+        if action is not None and action.kind == "drip":
+            return await self._drip(request, orjson.dumps(response), action)
         return _json_response(response)
+
+    @staticmethod
+    async def _drip(request: web.Request, body: bytes, action: Action) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        size = -(-len(body) // action.after_events)
+        for at in range(0, len(body), size):
+            if at:
+                await asyncio.sleep(action.seconds)
+            await resp.write(body[at : at + size])
+        await resp.write_eof()
+        return resp
 
     def _build(
         self, payload: Json, body: bytes, terminal: TerminalStatus | None
