@@ -25,19 +25,6 @@ from ocxproxy.errors import InvalidRequest
 PREFIX = "conv_"
 MAX_ITEMS_PER_WRITE = 20
 MAX_METADATA_KEYS = 16
-# The `include` values OpenAI accepts on the items endpoints.
-INCLUDABLE = frozenset(
-    {
-        "code_interpreter_call.outputs",
-        "computer_call_output.output.image_url",
-        "file_search_call.results",
-        "message.input_image.image_url",
-        "message.output_text.logprobs",
-        "reasoning.encrypted_content",
-        "web_search_call.action.sources",
-        "web_search_call.results",
-    }
-)
 _ID_PREFIX = {
     "message": "msg",
     "function_call": "fc",
@@ -191,77 +178,3 @@ def split_items(data: bytes) -> list[bytes]:
             start = match.end()
     spans.append(data[start:].strip())
     return spans
-
-
-def item_view(item: Any, item_id: str, include: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """An item as OpenAI lists it: with its id; messages typed, with a status and content
-    parts; fields `include` asks for kept, the others left out."""
-    view: dict[str, Any] = {"id": item_id, **(item if isinstance(item, dict) else {})}
-    view["id"] = item_id
-    if "role" in view:
-        view.setdefault("type", "message")
-    kind = view.get("type")
-    if kind == "message":
-        view.setdefault("status", "completed")
-        content = view.get("content")
-        if isinstance(content, str):
-            part = "output_text" if view.get("role") == "assistant" else "input_text"
-            view["content"] = [{"type": part, "text": content}]
-        elif isinstance(content, list) and "message.output_text.logprobs" not in include:
-            view["content"] = [
-                {k: v for k, v in p.items() if k != "logprobs"} if isinstance(p, dict) else p
-                for p in content
-            ]
-    elif kind == "reasoning" and "reasoning.encrypted_content" not in include:
-        view.pop("encrypted_content", None)
-    elif kind in ("function_call", "function_call_output"):
-        view.setdefault("status", "completed")
-    return view
-
-
-@dataclass(frozen=True, slots=True)
-class ListQuery:
-    after: str | None
-    limit: int
-    order: str
-    include: frozenset[str]
-
-
-def parse_list_query(query: Mapping[str, str], includes: Iterable[str]) -> ListQuery:
-    """`after`, `limit` (1 to 100, default 20), `order` (default desc) and `include[]`."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("Invalid 'order': expected 'asc' or 'desc'.", param="order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.", param="limit")
-    return ListQuery(query.get("after"), limit, order, check_include(includes))
-
-
-def check_include(values: Iterable[str]) -> frozenset[str]:
-    found = frozenset(values)
-    unknown = sorted(found - INCLUDABLE)
-    if unknown:
-        raise InvalidRequest(f"Invalid 'include': unknown value '{unknown[0]}'.", param="include")
-    return found
-
-
-def page(items: list[dict[str, Any]], query: ListQuery) -> dict[str, Any]:
-    """One page of a list, `items` oldest first (each with an `id`)."""
-    ordered = items if query.order == "asc" else items[::-1]
-    if query.after is not None:
-        ids = [item["id"] for item in ordered]
-        if query.after not in ids:
-            raise InvalidRequest(f"No item with id '{query.after}' in this list.", param="after")
-        ordered = ordered[ids.index(query.after) + 1 :]
-    data = ordered[: query.limit]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(ordered) > query.limit,
-    }

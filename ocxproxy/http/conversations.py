@@ -15,12 +15,14 @@ import orjson
 from aiohttp import web
 
 from ocxproxy.continuation.conversation import (
-    ListQuery,
-    check_include,
     check_items,
     check_metadata,
     conversation_object,
     deleted_object,
+)
+from ocxproxy.continuation.listing import (
+    ListQuery,
+    includes_of,
     item_view,
     page,
     parse_list_query,
@@ -44,11 +46,6 @@ async def _body(request: web.Request, proxy: Proxy) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     return body
-
-
-def _includes(request: web.Request) -> frozenset[str]:
-    query = request.query
-    return check_include([*query.getall("include[]", []), *query.getall("include", [])])
 
 
 async def _load(request: web.Request) -> tuple[Proxy, str, state.Conversation]:
@@ -101,7 +98,7 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
 
 async def create_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    include = _includes(request)
+    include = includes_of(request.query)
     body = await _body(request, proxy)
     items = check_items(body.get("items"), required=True)
     if not items:
@@ -117,7 +114,7 @@ async def create_items(request: web.Request) -> web.StreamResponse:
 
 
 async def list_items(request: web.Request) -> web.StreamResponse:
-    query = parse_list_query(request.query, _includes(request))
+    query = parse_list_query(request.query, includes_of(request.query))
     proxy, _, conversation = await _load(request)
     pairs = await state.items(proxy.store, conversation)
     views = [item_view(item, item_id, query.include) for item_id, item in pairs]
@@ -125,7 +122,7 @@ async def list_items(request: web.Request) -> web.StreamResponse:
 
 
 async def get_item(request: web.Request) -> web.StreamResponse:
-    include = _includes(request)
+    include = includes_of(request.query)
     proxy, _, conversation = await _load(request)
     item_id = request.match_info["item_id"]
     if conversation.meta.find(item_id) is None:

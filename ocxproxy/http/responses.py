@@ -4,15 +4,15 @@ its siblings `input_tokens` and `compact`, and the stored responses (CONTRACT.md
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from ocxproxy.continuation.expand import check_request
+from ocxproxy.continuation.listing import includes_of, input_item_views, page, parse_list_query
 from ocxproxy.continuation.references import references
-from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.errors import NotFound, StorageUnavailable, StoreFailure
 from ocxproxy.http.body import read_body
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
@@ -133,61 +133,12 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     record = _lookup(proxy, request)
     if record is None:
         raise _not_found(request.match_info["response_id"])
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("Invalid 'order': expected 'asc' or 'desc'.", param="order")
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.", param="limit")
+    query = parse_list_query(request.query, includes_of(request.query))
     try:
         history = await proxy.store.history(record)
         stored = orjson.loads(await proxy.store.response_bytes(record))
     except StoreFailure:
         raise _not_found(record.id) from None
-    items = await asyncio.to_thread(_input_items, record.id, history, len(stored.get("output", [])))
-    if order == "desc":
-        items.reverse()
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise InvalidRequest(f"No item with id '{after}' in this list.", param="after")
-        items = items[ids.index(after) + 1 :]
-    page = items[:limit]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        },
-        dumps=lambda obj: orjson.dumps(obj).decode(),
-    )
-
-
-def _input_items(response_id: str, history: list[bytes], n_output: int) -> list[dict[str, Any]]:
-    """The model-visible input of a stored response as OpenAI lists it: each item with an
-    id (minted when the client sent none, stable per response and position), messages in
-    the typed form (content parts, status)."""
-    items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
-    if n_output:
-        items = items[:-n_output]
-    result: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        if not isinstance(item, dict):
-            continue
-        item = {"id": f"msg_{response_id.removeprefix('resp_')}_{index}", **item}
-        if "role" in item:
-            item.setdefault("type", "message")
-        if item.get("type") == "message":
-            item.setdefault("status", "completed")
-            if isinstance(item.get("content"), str):
-                kind = "output_text" if item.get("role") == "assistant" else "input_text"
-                item["content"] = [{"type": kind, "text": item["content"]}]
-        result.append(item)
-    return result
+    n_output = len(stored.get("output", []))
+    views = await asyncio.to_thread(input_item_views, record.id, history, n_output, query.include)
+    return web.json_response(page(views, query), dumps=lambda obj: orjson.dumps(obj).decode())

@@ -10,17 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ocxproxy.continuation.conversation import (
-    ListQuery,
     Meta,
     assign_ids,
     check_items,
     check_metadata,
     conversation_id_of,
-    item_view,
-    page,
-    parse_list_query,
     split_items,
 )
+from ocxproxy.continuation.listing import ListQuery, item_view, page, parse_list_query
 from ocxproxy.errors import InvalidRequest
 
 json_values = st.recursive(

@@ -736,6 +736,30 @@ async def test_input_items_pagination(proxy: ProxyHandle) -> None:
     assert texts(first.data) == ["u1"]
 
 
+async def test_input_items_are_listed_like_conversation_items(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    """One view of an item for both lists: `include` keeps what it names (reasoning's
+    encrypted_content, output-text logprobs) and only that; tool items have a status."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "SECRET"}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    client = proxy.client()
+    r = await client.responses.create(model="m", input=[reasoning, call, output])
+    url = f"{proxy.url}/v1/responses/{r.id}/input_items?order=asc"
+    auth = {"Authorization": "Bearer sk-test-a"}
+    async with http.get(url, headers=auth) as resp:
+        plain = (await resp.json())["data"]
+    assert [i["type"] for i in plain] == ["reasoning", "function_call", "function_call_output"]
+    assert plain[0]["id"] == "rs_1" and "encrypted_content" not in plain[0]
+    assert [i["status"] for i in plain[1:]] == ["completed", "completed"]
+    async with http.get(url + "&include[]=reasoning.encrypted_content", headers=auth) as resp:
+        assert (await resp.json())["data"][0]["encrypted_content"] == "SECRET"
+    async with http.get(url + "&include[]=bogus", headers=auth) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "include"
+
+
 @pytest.mark.parametrize(
     ("query", "param"),
     [("limit=0", "limit"), ("limit=101", "limit"), ("limit=x", "limit"), ("order=up", "order")],
