@@ -44,6 +44,15 @@ def not_found(item_id: str) -> InvalidRequest:
     )
 
 
+def not_storable(item_id: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"Item with id '{item_id}' comes from a store:false response of this connection: "
+        "it cannot be added to a conversation, which is stored. Send the turn with "
+        "store=false, or the item itself.",
+        param="input",
+    )
+
+
 def splice(
     parts: list[bytes], items: list[Any], resolved: dict[int, bytes]
 ) -> tuple[list[bytes], list[Any]]:

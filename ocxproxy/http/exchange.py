@@ -31,7 +31,7 @@ from ocxproxy.continuation.expand import (
     tail_as_sent,
 )
 from ocxproxy.continuation.record import build_turn, input_tokens_of, not_recordable_reason
-from ocxproxy.continuation.references import references, splice
+from ocxproxy.continuation.references import not_storable, references, splice
 from ocxproxy.errors import (
     FailureReason,
     OcxError,
@@ -214,7 +214,7 @@ async def prepare_exchange(
     siblings of create), nothing will be: a conversation is read without its lock.
     """
     refs = references(request.items)
-    resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, set())
+    resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, {})
     # A turn holding items of a WebSocket connection's own store stays there, like a
     # chain that started there: its store:false content must not reach disk.
     parent_store = local if local in sources else None
@@ -226,6 +226,8 @@ async def prepare_exchange(
     echo: tuple[str, Any] | None = None if prev is None else ("previous_response_id", prev)
     conversation_id = conversation_id_of(request.body)
     if conversation_id is not None:
+        if local in sources and request.store:  # the conversation would keep it (on disk)
+            raise not_storable(sources[local][0])
         held, history = await open_turn(proxy, scope, conversation_id, locked=remember)
         parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"
         echo = ("conversation", {"id": conversation_id})

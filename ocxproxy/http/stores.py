@@ -19,8 +19,9 @@ from ocxproxy.store import Store
 
 async def resolve_items(
     proxy: Proxy, scope: str, refs: dict[int, str], local: Store | None
-) -> tuple[dict[int, bytes], set[Store]]:
-    """Each referenced item's stored bytes, by input index, and the stores they came from:
+) -> tuple[dict[int, bytes], dict[Store, list[str]]]:
+    """Each referenced item's stored bytes, by input index, and the stores they came from
+    (with the ids found in each):
     from the caller's scope, over WebSocket the connection's own store first (its
     store:false items too), else the shared store's stored items. An id found nowhere is
     an InvalidRequest naming it, unless the operator forwards unknown ids (the reference
@@ -54,7 +55,7 @@ async def resolve_items(
                     raise not_found(item_id) from None
         resolved.update((index, data) for (index, _, _), data in zip(entries, datas, strict=True))
     metrics.labels(outcome="resolved").inc(len(resolved))
-    return resolved, set(wanted)
+    return resolved, {store: [item_id for *_, item_id in found] for store, found in wanted.items()}
 
 
 async def wait_for_room(proxy: Proxy, target: Store | None) -> None:

@@ -5,6 +5,7 @@ client sees (JSON, SSE, WebSocket), never a silent success."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from ocxproxy.store import Store
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import sse_payloads
+from tests.store.helpers import all_bytes_under
 
 Json = dict[str, Any]
 AUTH = {"Authorization": "Bearer sk-test-a"}
@@ -250,3 +252,48 @@ async def test_the_siblings_of_create_expand_a_conversation(
         assert r.status == 404
         assert (await r.json())["error"]["param"] == "conversation_id"
     assert len(backend.seen) == before
+
+
+# -- store:false content of a WebSocket connection ------------------------------------------
+
+
+async def test_a_connections_store_false_item_never_reaches_a_conversation(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """An item_reference to a store:false item (kept only in the WebSocket connection's
+    memory) on a conversation turn would put that item into the conversation, which is
+    stored: refused before anything is forwarded, and nothing of it reaches disk."""
+    handle = await make_proxy(backend.url)
+    conv = await handle.client().conversations.create(items=[user("MARKER-kept")])
+    async with http.ws_connect(handle.base_url + "/responses", headers=AUTH) as ws:
+
+        async def turn(**fields: Any) -> Json:
+            await ws.send_str(orjson.dumps({"type": "response.create", **fields}).decode())
+            while True:
+                async with asyncio.timeout(5):
+                    event: Json = orjson.loads((await ws.receive()).data)
+                if event["type"] in ("response.completed", "error"):
+                    return event
+
+        private = await turn(model="m", input="MARKER-private", store=False)
+        item_id = private["response"]["output"][0]["id"]
+        seen = len(backend.responses_seen)
+        refused = await turn(
+            model="m", input=[{"type": "item_reference", "id": item_id}], conversation=conv.id
+        )
+        assert refused["type"] == "error" and refused["status"] == 400, refused
+        assert refused["error"]["param"] == "input" and item_id in refused["error"]["message"]
+        assert len(backend.responses_seen) == seen
+        # store:false on the conversation reads it and appends nothing: allowed
+        read = await turn(
+            model="m",
+            input=[{"type": "item_reference", "id": item_id}],
+            conversation=conv.id,
+            store=False,
+        )
+        assert read["type"] == "response.completed", read
+    assert await texts(handle.client(), conv.id) == ["MARKER-kept"]
+    await handle.server.close()  # graceful: everything durable is flushed
+    on_disk = await asyncio.to_thread(all_bytes_under, tmp_path / "state")
+    assert b"MARKER-kept" in on_disk  # the scan sees what was kept
+    assert b"MARKER-private" not in on_disk
