@@ -51,10 +51,9 @@ from ocxproxy.store.codec import DEL, NOP, PUT, SEG, Loaded
 from ocxproxy.store.disk import Committer, Offload, Outcome
 from ocxproxy.store.items import ItemIndex
 from ocxproxy.store.journal import Journal
-from ocxproxy.store.keydir import Keydir
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.restore import rebuild
+from ocxproxy.store.segments import SegmentTable
 from ocxproxy.store.upkeep import (
     CHECKPOINT_AGE,
     CHECKPOINT_BYTES,
@@ -136,7 +135,7 @@ class Store:
         self.checkpoint_age = checkpoint_age
         self._offload = offload
         self._records: OrderedDict[str, Record] = OrderedDict()
-        self._segments: dict[str, Segment] = {}
+        self.table = SegmentTable(self.resident, self.metrics, offload)
         self._tombstones: OrderedDict[str, FailureReason] = OrderedDict()
         self.items = ItemIndex()
         self._pinned: dict[str, int] = {}  # id -> bytes of each record kept until deleted
@@ -148,11 +147,7 @@ class Store:
         self._committer: Committer | None = None
         self._lock: files.DirLock | None = None
         self._maintainer: asyncio.Task[None] | None = None
-        self._keydir = Keydir()
-        self._unwritten: dict[str, Segment] = {}  # queued, not yet committed
-        self._ghosts: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # forgotten
         self._uncommitted: dict[str, tuple[Record, asyncio.Future[Any]]] = {}
-        self._sid = 0
         self._replay_from = (0, 0)  # the durable checkpoint's journal position
         self._checkpoint_size = 0
         self._since_checkpoint = 0  # journal bytes appended since the checkpoint's position
@@ -182,7 +177,7 @@ class Store:
 
     def __repr__(self) -> str:
         return (
-            f"<Store {len(self._records)} records {len(self._segments)} segments "
+            f"<Store {len(self._records)} records {len(self.table)} segments "
             f"{self.resident!r} {self.journal!r}>"
         )
 
@@ -233,23 +228,23 @@ class Store:
         stale = [
             p
             for p in loaded.sizes
-            if p < first and not self._keydir.live.get(p) and not loaded.error
+            if p < first and not self.table.keydir.live.get(p) and not loaded.error
         ]
-        for pack in stale:
-            self._keydir.drop(pack)
+        self.table.dropped(stale)
         await self._offload(self._sweep_files, journal_, stale)
         await self._offload(journal_.open_next)
-        self._keydir.sizes[journal_.active] = 0
+        self.table.sized(journal_.active, 0)
         self._committer = Committer(
             journal_, offload=self._offload, apply=self._applied, window=self.window
         )
+        self.table.committer, self.table.journal = self._committer, journal_
         self._committer.start()
         self._maintainer = spawn(self._maintain(), name="store-maintainer")
         log.info(
             "store loaded in %.2fs: %d records, %d segments (%d bytes in %d journal files), "
             "%d entries replayed, %d stale files removed",
-            time.monotonic() - started, len(self._records), len(self._segments),
-            self._keydir.live_bytes, len(self._keydir.sizes), loaded.entries, len(stale),
+            time.monotonic() - started, len(self._records), len(self.table),
+            self.table.keydir.live_bytes, len(self.table.keydir.sizes), loaded.entries, len(stale),
         )  # fmt: skip
 
     def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
@@ -346,8 +341,7 @@ class Store:
 
     def _restore(self, loaded: Loaded) -> None:
         """Build records and segments from what start-up read."""
-        self._sid = max(loaded.next_sid, 1) - 1
-        records, missing = rebuild(loaded, self.clock(), self._segments, self._keydir)
+        records, missing = self.table.restore(loaded, self.clock())
         for rid in missing:
             self._tombstone(rid, FailureReason.MISSING)
         for record in records:
@@ -360,7 +354,6 @@ class Store:
         if missing:
             self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))
-        self._keydir.sizes.update(loaded.sizes)
         self._replay_from = loaded.replay_from
         first, start = loaded.replay_from
         self._since_checkpoint = sum(
@@ -397,60 +390,22 @@ class Store:
         segments = record.segments
         datas = [s.data for s in segments]
         if None in datas:
-            return [d for d in await self._fetch(segments) if d]
+            return [d for d in await self.table.fetch(segments) if d]
         self.resident.touch_all(segments)
         return [d for d in datas if d]
 
     async def segment_bytes(self, segments: Sequence[Segment]) -> list[bytes]:
         """The bytes of each segment, empty ones included."""
-        return await self._fetch(segments)
+        return await self.table.fetch(segments)
 
     async def response_bytes(self, record: Record) -> bytes:
         """The stored response object, with its output items put back when they were cut."""
         if record.output_at is None:
-            (skeleton,) = await self._fetch((record.response,))
+            (skeleton,) = await self.table.fetch((record.response,))
             return skeleton
-        skeleton, own = await self._fetch((record.response, record.segments[-1]))
+        skeleton, own = await self.table.fetch((record.response, record.segments[-1]))
         offset, length = record.output_at
         return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
-
-    async def _fetch(self, segments: Sequence[Segment]) -> list[bytes]:
-        """Bytes of each segment, reading the non-resident ones from the journal in a
-        thread and taking them back into the resident tier."""
-        datas = [s.data for s in segments]
-        cold = list({id(s): s for s, d in zip(segments, datas, strict=True) if d is None}.values())
-        for segment in cold:
-            if segment.lost is not None:
-                raise StoreFailure(FailureReason(segment.lost), segment.key)
-            if not segment.on_disk or self.journal is None:
-                raise StoreFailure(FailureReason.EVICTED, segment.key)
-        results: list[Any] = []
-        if cold:
-            assert self.journal is not None
-            jobs = [(s.key, s.size, s.pack, s.offset, s.length) for s in cold]
-            results = await self._offload(self.journal.read_many, jobs)
-        got: dict[int, bytes] = {}
-        failure: StoreFailure | None = None
-        for segment, result in zip(cold, results, strict=True):
-            live = self._segments.get(segment.key) is segment
-            if isinstance(result, bytes):
-                self.metrics.spill_reads.inc()
-                got[id(segment)] = result
-                if live and segment.data is None:
-                    segment.data = result
-                    self._admit(segment)
-                continue
-            self.metrics.spill_failures.labels(reason=str(result.reason)).inc()
-            log.warning("journal read failed for segment %s: %s", segment.key[:12], result)
-            if live and result.reason != FailureReason.READ_FAILED and segment.data is None:
-                self._keydir.unlocate(segment)
-                segment.lost = segment.lost or str(result.reason)
-            failure = failure or StoreFailure(FailureReason(segment.lost or result.reason))
-        if failure is not None:
-            raise failure
-        if got:
-            self._enforce_bounds()
-        return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
     def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest live record of `scope` whose turn added an item with this id (one a
@@ -474,7 +429,7 @@ class Store:
     async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
         """Each (record, item id)'s item, as the bytes its record's own segment holds."""
         segments = [record.segments[-1] for record, _ in found]
-        datas = await self._fetch(segments)
+        datas = await self.table.fetch(segments)
         self.resident.touch_all(segments)
         result = []
         for segment, data, (_, item_id) in zip(segments, datas, found, strict=True):
@@ -494,17 +449,18 @@ class Store:
         if old is not None:  # a reused id: drop the old record before its segments are shared
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
-        own = self._intern(
+        own = self.table.intern(
             Segment(turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids)
         )
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = self._intern(Segment(skeleton, 0, frozenset(), durable=False))
+        response = self.table.intern(Segment(skeleton, 0, frozenset(), durable=False))
         if parent is None:
             chain: tuple[Segment, ...] = (own,)
         elif self._records.get(parent.id) is parent:
             chain = (*parent.segments, own)
         else:  # dropped meanwhile, or another store's record: take its segments in
-            chain = (*(self._adopt(s, durable) for s in parent.segments), own)
+            adopt = self.table.adopt
+            chain = (*(adopt(s, durable) for s in parent.segments), own)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
@@ -519,8 +475,7 @@ class Store:
             output_at=output_at,
             stored=turn.stored,
         )
-        for segment in (*chain, response):
-            self._hold(segment, durable=durable)
+        self.table.hold((*chain, response), durable=durable)
         self._records[record.id] = record
         self.items.add(record)
         self._tombstones.pop(record.id, None)
@@ -581,8 +536,9 @@ class Store:
             size = sum(s.size for s in {s.key: s for s in chain}.values()) + len(meta)
         if pinned and not force and not self._fits(record_id, size, durable=durable):
             raise StoreFailure(FailureReason.FULL, record_id)
-        segments = tuple(chain[:shared]) + tuple(self._take(s, durable) for s in fresh)
-        response = self._intern(Segment(meta, 0, frozenset(), durable=False))
+        take = self.table.take
+        segments = tuple(chain[:shared]) + tuple(take(s, durable) for s in fresh)
+        response = self.table.intern(Segment(meta, 0, frozenset(), durable=False))
         record = Record(
             id=record_id,
             scope=scope,
@@ -596,8 +552,7 @@ class Store:
             n_items=(old.n_items if shared and old else 0) + sum(s.n_items for s in fresh),
             stored=False,
         )
-        for segment in (*segments[shared:], response):  # held before the old record goes
-            self._hold(segment, durable=durable)
+        self.table.hold((*segments[shared:], response), durable=durable)  # before old goes
         journaled = durable and self._committer is not None
         pending = self._uncommitted.get(record_id)
         if old is not None and pending is not None and pending[0] is old:
@@ -637,11 +592,6 @@ class Store:
             return False
         return others + size <= cap
 
-    def _take(self, segment: Segment, durable: bool) -> Segment:
-        if segment.refs == 0 and segment.data is not None:  # new, or forgotten meanwhile
-            return self._intern(segment)
-        return self._adopt(segment, durable)
-
     def sweep(self) -> int:
         """Drop expired records; returns how many (not journaled: replay drops them too)."""
         now = self.clock()
@@ -653,31 +603,13 @@ class Store:
     def _journal_put(self, record: Record, parent: Record | None) -> None:
         committer = self._committer
         assert committer is not None
-        for segment in (*record.segments, record.response):
-            # Queued means this very object: a record deleted before its commit can leave
-            # its forgotten segment queued under the same key, with another sid.
-            if segment.pack < 0 and self._unwritten.get(segment.key) is not segment:
-                self._journal_segment(segment)
+        self.table.queue_missing((*record.segments, record.response))
         # A live durable parent's PUT precedes this one in the journal: name it.
         named = parent is not None and self._records.get(parent.id) is parent and parent.durable
         row = codec.record_row(record, parent.id if named and parent else None)
         future = committer.submit(PUT, orjson.dumps(row), record)
         self._uncommitted[record.id] = (record, future)
         self._changed()
-
-    def _journal_segment(self, segment: Segment, blob: bytes | None = None) -> None:
-        """Queue a segment's bytes (`blob`: already compressed, moved by compaction)."""
-        assert self._committer is not None
-        data = segment.data if blob is None else None
-        if blob is None and data is None:
-            return  # lost: records needing it are dropped at replay, as they are now
-        if not segment.sid:
-            self._sid += 1
-            segment.sid = self._sid
-        row = codec.segment_row(segment)
-        size = len(blob) if blob is not None else segment.size
-        self._committer.submit(SEG, (row, data, blob), segment, size)
-        self._unwritten[segment.key] = segment
 
     def _changed(self) -> None:
         if self._dirty_at is None:
@@ -694,35 +626,17 @@ class Store:
             log.warning("journal writes succeed again: store available")
         self.available = True
         assert outcome.places is not None
-        self._keydir.sizes[outcome.pack] = outcome.size
+        self.table.sized(outcome.pack, outcome.size)
         self._since_checkpoint += outcome.written
         for (kind, _), subject, place in zip(outcome.jobs, subjects, outcome.places, strict=True):
             if kind == SEG:
-                self._segment_written(subject, place)
+                self.table.written(subject, place)
             elif kind == PUT:
                 pending = self._uncommitted.get(subject.id)
                 if pending is not None and pending[0] is subject:
                     del self._uncommitted[subject.id]
         if self._over_disk() or self._since_checkpoint >= self.checkpoint_bytes:
             self._wanted.set()
-
-    def _segment_written(self, segment: Segment, place: tuple[int, int, int]) -> None:
-        if self._unwritten.get(segment.key) is segment:
-            del self._unwritten[segment.key]
-        self.metrics.spill_writes.inc()
-        if self._segments.get(segment.key) is not segment or not segment.durable:
-            return  # dropped meanwhile: its bytes in the journal are garbage
-        if segment.pack >= 0:
-            self._keydir.unlocate(segment)  # moved by compaction
-        self._keydir.locate(segment, *place)
-        if segment.key not in self.resident:  # only held for the write
-            if segment.size:
-                segment.data = None
-        elif not segment.n_items and segment.size:
-            # A response object (no items): only GET /v1/responses/{id} reads it, so once
-            # durable it leaves memory to the hot chain segments.
-            self.resident.remove(segment)
-            segment.data = None
 
     def _commit_failed(self, outcome: Outcome) -> None:
         error = outcome.error
@@ -745,12 +659,7 @@ class Store:
         failure = _unavailable(error)
         for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
             if kind == SEG:
-                seg: Segment = subject
-                if self._unwritten.get(seg.key) is seg:
-                    del self._unwritten[seg.key]
-                if seg.key not in self.resident and seg.pack < 0 and seg.size:
-                    seg.data = None  # only held for the write: not kept while disk is full
-                    seg.lost = str(FailureReason.WRITE_FAILED)
+                self.table.not_written(subject)
             elif kind == PUT:
                 pending = self._uncommitted.get(subject.id)
                 if pending is None or pending[0] is not subject:
@@ -764,56 +673,6 @@ class Store:
                     if len(self._failed) > _TOMBSTONES:
                         self._failed.popitem(last=False)
         self._enforce_bounds()
-
-    def _admit(self, segment: Segment) -> None:
-        if segment.size:
-            self.resident.admit(segment)
-
-    def _intern(self, segment: Segment) -> Segment:
-        existing = self._segments.get(segment.key)
-        if existing is None:
-            self._segments[segment.key] = segment
-            self._admit(segment)
-            return segment
-        if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
-            existing.data = segment.data
-            existing.lost = None
-        if not existing.item_ids:
-            existing.item_ids = segment.item_ids
-        self._admit(existing)
-        return existing
-
-    def _adopt(self, segment: Segment, durable: bool) -> Segment:
-        """This store's segment for a segment object it does not index, for a record that
-        is `durable` or not. Bytes it forgot but the journal still holds are taken back."""
-        mine = self._segments.get(segment.key)
-        if mine is segment:
-            return mine
-        if mine is not None:
-            if mine.data is None and segment.data is not None:
-                mine.data, mine.lost = segment.data, None
-                self._admit(mine)
-            return mine
-        copy = Segment.restore(
-            segment.key,
-            segment.size,
-            segment.n_items,
-            segment.call_ids,
-            durable=False,
-            data=segment.data,
-            item_ids=segment.item_ids,
-        )
-        self._segments[copy.key] = copy
-        if copy.data is not None:
-            self._admit(copy)
-            return copy
-        ghost = self._ghosts.pop(copy.key, None)
-        if durable and ghost is not None and ghost[0] in self._keydir.sizes:
-            copy.sid = ghost[3]
-            self._keydir.locate(copy, *ghost[:3])
-        else:
-            copy.lost = str(FailureReason.EVICTED)
-        return copy
 
     def _tombstone(self, response_id: str, reason: FailureReason) -> None:
         self._tombstones[response_id] = reason
@@ -846,47 +705,7 @@ class Store:
             if journaled:
                 self._committer.submit(DEL, orjson.dumps(record.id), None)
                 self._changed()
-        for segment in (*record.segments[shared:], record.response):
-            self._release(segment, durable=record.durable)
-
-    def _hold(self, segment: Segment, *, durable: bool) -> None:
-        """A record takes the segment. A segment may reach disk while, and only while, a
-        durable record holds it: store:false content shared by a store:true turn (the
-        same bytes, content-addressed) stops being durable when that turn goes."""
-        segment.refs += 1
-        if durable:
-            segment.durable_refs += 1
-            segment.durable = True
-
-    def _release(self, segment: Segment, *, durable: bool) -> None:
-        segment.refs -= 1
-        if durable:
-            segment.durable_refs -= 1
-            if segment.durable_refs <= 0:
-                segment.durable = False
-                if segment.refs > 0:
-                    self._undurable(segment)
-        if segment.refs <= 0:
-            self._forget(segment)
-
-    def _undurable(self, segment: Segment) -> None:
-        """Only records that may not reach disk still hold the segment: the journal's copy
-        no longer counts (compaction drops it); bytes only there go with it."""
-        if segment.on_disk:
-            self._keydir.unlocate(segment)
-            if segment.data is None:
-                segment.lost = str(FailureReason.EVICTED)
-
-    def _forget(self, segment: Segment) -> None:
-        # The object keeps its bytes for anyone still holding it (an in-flight exchange's
-        # parent record); put() adopts them back.
-        del self._segments[segment.key]
-        self.resident.remove(segment)
-        if segment.pack >= 0:  # an in-flight child may still need it (see _adopt)
-            self._ghosts[segment.key] = (segment.pack, segment.offset, segment.length, segment.sid)
-            if len(self._ghosts) > _TOMBSTONES:
-                self._ghosts.popitem(last=False)
-        self._keydir.unlocate(segment)
+        self.table.release((*record.segments[shared:], record.response), durable=record.durable)
 
     def _enforce_bounds(self) -> None:
         while len(self._records) > self.max_entries:
@@ -894,17 +713,7 @@ class Store:
             if victim is None:
                 break
             self._drop(victim, FailureReason.EVICTED, "max_entries")
-        for segment in self.resident.evict_over_budget():
-            if segment.on_disk:
-                segment.data = None  # the journal holds it: just release the bytes
-            elif segment.key in self._unwritten:
-                pass  # released when its commit lands
-            elif segment.durable and self._committer is not None:
-                self._journal_segment(segment)  # (a failed commit's) bytes: write them now
-            else:  # store:false content, or no journal: gone
-                segment.data = None
-                segment.lost = str(FailureReason.EVICTED)
-                self.metrics.store_evictions.labels(reason="resident_bytes").inc()
+        self.table.shed()
 
     # -- maintenance: disk cap, compaction, checkpoint -------------------------------------
 
@@ -937,7 +746,9 @@ class Store:
                 log.exception("store maintenance failed")
 
     def _over_disk(self) -> bool:
-        return self._keydir.live_bytes + self._checkpoint_size > self.max_disk_bytes * DISK_KEEP
+        return (
+            self.table.keydir.live_bytes + self._checkpoint_size > self.max_disk_bytes * DISK_KEEP
+        )
 
     def _evict_for_disk(self) -> None:
         """The oldest durable records go (journaled, like a delete) until what the store
@@ -948,7 +759,7 @@ class Store:
         # The checkpoint shrinks too once it no longer names the evicted records.
         target = max(keep - self._checkpoint_size, keep / 2)
         for record in list(self._records.values()):
-            if self._keydir.live_bytes <= target:
+            if self.table.keydir.live_bytes <= target:
                 return
             pinned = record.id in self._pinned  # a conversation: never dropped by a cap
             if record.durable and record.id not in self._uncommitted and not pinned:
@@ -959,29 +770,16 @@ class Store:
         (the loop runs between them), at most COMPACT_BYTES per checkpoint."""
         assert self.journal is not None and self._committer is not None
         first = self._replay_from[0]
-        sparse = self._keydir.sparse(first, COMPACT_BELOW, COMPACT_BYTES)
+        sparse = self.table.keydir.sparse(first, COMPACT_BELOW, COMPACT_BYTES)
         if not sparse:
             return
-        moves = sorted(
-            (
-                s
-                for s in self._segments.values()
-                if s.pack in sparse and s.key not in self._unwritten
-            ),
-            key=_place,
-        )
+        moves = self.table.in_files(sparse)
         for start in range(0, len(moves), COMPACT_BATCH):
             batch = moves[start : start + COMPACT_BATCH]
             jobs = [(s.pack, s.offset, s.length) for s in batch]
             blobs = await self._offload(self.journal.read_blobs, jobs)
             for segment, blob, (pack, offset, _) in zip(batch, blobs, jobs, strict=True):
-                if blob is None or segment.pack != pack or segment.offset != offset:
-                    continue
-                if (
-                    self._segments.get(segment.key) is segment
-                    and segment.key not in self._unwritten
-                ):
-                    self._journal_segment(segment, blob)
+                self.table.move(segment, blob, pack, offset)
             await self._committer.write()
 
     async def _checkpoint(self) -> bool:
@@ -999,14 +797,12 @@ class Store:
         await self._compact()
         async with committer.io:
             position = await self._offload(j.rotate)
-            self._keydir.sizes[position[0]] = 0
-            self._keydir.captures += 1
-            capture = self._keydir.captures
+            capture = self.table.captured(position[0])
             records = [
                 r for r in self._records.values() if r.durable and r.id not in self._uncommitted
             ]
-            segments = list(self._segments.values())
-            next_sid = self._sid + 1
+            segments = list(self.table.by_key.values())
+            next_sid = self.table.sid + 1
             dirty_before = self._dirty_at
             since = self._since_checkpoint
             self._dirty_at = None if not committer.pending() else time.monotonic()
@@ -1024,11 +820,10 @@ class Store:
             return False
         self.metrics.snapshot_writes.inc()
         self._replay_from, self._checkpoint_size = position, size
-        doomed = self._keydir.removable(position[0], capture)
+        doomed = self.table.keydir.removable(position[0], capture)
         if doomed:
             await committer.run_locked(j.remove, doomed)
-            for pack in doomed:
-                self._keydir.drop(pack)
+            self.table.dropped(doomed)
         log.debug("checkpoint %d: %d records, %d bytes", capture, n_recs, size)
         return True
 
@@ -1046,19 +841,21 @@ class Store:
     def disk_bytes(self) -> int:
         j = self.journal
         room = j.allocated - j.size if j is not None and self._committer is not None else 0
-        return sum(self._keydir.sizes.values()) + self._checkpoint_size + max(room, 0)
+        return sum(self.table.keydir.sizes.values()) + self._checkpoint_size + max(room, 0)
 
     def stats(self) -> StoreStats:
         committer = self._committer
         return StoreStats(
             records=len(self._records),
-            segments=len(self._segments),
+            segments=len(self.table),
             resident_segments=len(self.resident),
             resident_bytes=self.resident.bytes,
-            disk_segments=self._keydir.located,
+            disk_segments=self.table.keydir.located,
             disk_bytes=self.disk_bytes(),
-            live_bytes=self._keydir.live_bytes + self._since_checkpoint + self._checkpoint_size,
-            pending_segments=len(self._unwritten),
+            live_bytes=self.table.keydir.live_bytes
+            + self._since_checkpoint
+            + self._checkpoint_size,
+            pending_segments=len(self.table.unwritten),
             pending_bytes=committer.queued_bytes if committer else 0,
             snapshot_age=self.snapshot_age() if self._dirty_at is not None else None,
             available=self.available,
@@ -1081,7 +878,7 @@ class Store:
         m.store_capacity_bytes.labels(tier="resident").set(self.resident.max_bytes)
         if self.state_dir is not None:
             m.store_capacity_bytes.labels(tier="disk").set(self.max_disk_bytes)
-            disk_segments = gauge(lambda s: s._keydir.located)
+            disk_segments = gauge(lambda s: s.table.keydir.located)
             m.store_entries.labels(tier="disk").set_function(disk_segments)
             m.store_bytes.labels(tier="disk").set_function(gauge(lambda s: s.disk_bytes()))
             m.store_bytes.labels(tier="pending").set_function(
@@ -1105,18 +902,14 @@ class Store:
         return list(self._records.values())
 
     def segments(self) -> dict[str, Segment]:
-        return dict(self._segments)
+        return dict(self.table.by_key)
 
     def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
         """Journal file -> (segments located there, their bytes as counted, its size)."""
-        return self._keydir.packs(self._segments)
+        return self.table.keydir.packs(self.table.by_key)
 
     def pending_keys(self) -> set[str]:
-        return set(self._unwritten)
-
-
-def _place(segment: Segment) -> tuple[int, int]:
-    return segment.pack, segment.offset
+        return set(self.table.unwritten)
 
 
 def _unavailable(error: OSError) -> StoreFailure:

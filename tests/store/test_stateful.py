@@ -290,7 +290,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.run(self.store.flush())
         # a checkpoint brings what the store keeps on disk back under its cap
         assert self.store.stats().disk_segments == 0 or (
-            self.store._keydir.live_bytes <= self.disk_cap * DISK_KEEP
+            self.store.table.keydir.live_bytes <= self.disk_cap * DISK_KEEP
         )
 
     @rule()
