@@ -212,6 +212,28 @@ class SegmentTable:
             self.shed()
         return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
+    async def response_bytes(self, record: Record) -> bytes:
+        """A record's stored response object, its output items put back when they were cut."""
+        if record.output_at is None:
+            (skeleton,) = await self.fetch((record.response,))
+            return skeleton
+        skeleton, own = await self.fetch((record.response, record.segments[-1]))
+        offset, length = record.output_at
+        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+
+    async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
+        """Each (record, item id)'s item, as the bytes its record's own segment holds."""
+        segments = [record.segments[-1] for record, _ in found]
+        datas = await self.fetch(segments)
+        self.resident.touch_all(segments)
+        result = []
+        for segment, data, (_, item_id) in zip(segments, datas, found, strict=True):
+            span = segment.item_ids.span(item_id)
+            if span is None:  # cannot happen: the index holds only ids of own segments
+                raise StoreFailure(FailureReason.UNKNOWN)
+            result.append(data[span[0] : span[1]])
+        return result
+
     # -- the journal's SEG entries -------------------------------------------------------
 
     def queue_missing(self, segments: Sequence[Segment]) -> None:

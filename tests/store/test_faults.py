@@ -270,7 +270,7 @@ async def test_crash_during_compaction(
         assert not old <= set(journal_files(tmp_path))  # the sparse file went
     else:
         with pytest.raises(Crash):
-            await store._checkpoint()
+            await store.disk.checkpoint()
     monkeypatch.undo()
     await store.abandon()
     store = await started(tmp_path)

@@ -344,7 +344,7 @@ class StoreMachine(RuleBasedStateMachine):
         real = getattr(Journal, step)
         setattr(Journal, step, crash)
         try:
-            self.run(self.store._checkpoint())
+            self.run(self.store.disk.checkpoint())
         except Crash:
             pass
         finally:
@@ -355,9 +355,9 @@ class StoreMachine(RuleBasedStateMachine):
     def quiet(self) -> None:
         """Stop the store's background maintenance, so the crash hits the step we drive."""
         assert self.store is not None
-        if self.store._maintainer is not None:
-            self.run(cancel_and_wait(self.store._maintainer))
-            self.store._maintainer = None
+        if self.store.disk._maintainer is not None:
+            self.run(cancel_and_wait(self.store.disk._maintainer))
+            self.store.disk._maintainer = None
 
     def _reopen(self, *, crashed: bool) -> None:
         for exp in self.model.values():

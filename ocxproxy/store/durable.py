@@ -1,0 +1,370 @@
+"""The disk side of a store with a state dir (`Durable`): the directory's lock, the
+journal, its committer (disk.py), the checkpoint and the maintenance that schedules it,
+and whether the disk takes writes (`available`).
+
+It owns no record and no segment state: it is given work (entries to commit, a checkpoint
+to write) and hands outcomes back through narrow calls: the committer's to `apply` (the
+Ledger's) after its own accounting, start-up's and the disk cap's to the store,
+compaction's and the checkpoint's to the SegmentTable.
+
+The checkpoint (journal.py) is the index at a journal position; it is written when the
+journal since the last one passes `checkpoint_bytes` or `checkpoint_age`, encoded in
+chunks between which the event loop runs. Journal files before the checkpoint that hold
+few live segments are compacted (their live segments re-appended) and then removed; a
+journal file is removed only when a checkpoint captured after its last live segment left
+it is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import gc
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.errors import FailureReason
+from ocxproxy.metrics import Metrics
+from ocxproxy.model import Record
+from ocxproxy.store import files, journal
+from ocxproxy.store.codec import NOP, Loaded
+from ocxproxy.store.disk import Committer, Offload, Outcome
+from ocxproxy.store.journal import Journal
+from ocxproxy.store.segments import SegmentTable
+from ocxproxy.store.upkeep import (
+    COMPACT_BATCH,
+    COMPACT_BELOW,
+    COMPACT_BYTES,
+    DISK_KEEP,
+    MAINTAIN_EVERY,
+    encode_checkpoint,
+)
+
+log = logging.getLogger("ocxproxy.store")
+
+LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
+
+
+class Owner(Protocol):
+    """What the disk side asks of the store that owns the records."""
+
+    def __len__(self) -> int: ...
+
+    def restore(self, loaded: Loaded) -> None:
+        """Build the records and segments start-up read."""
+
+    def evict_for_disk(self, target: float) -> None:
+        """Drop the oldest durable records until live segments take `target` bytes."""
+
+    def committed_records(self) -> list[Record]:
+        """The durable records whose PUT is committed: what a checkpoint names."""
+
+
+class Durable:
+    def __init__(
+        self,
+        root: Path,
+        owner: Owner,
+        table: SegmentTable,
+        apply: Callable[[Outcome], None],
+        *,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        offload: Offload,
+        window: float,
+        max_disk_bytes: int,
+        checkpoint_bytes: int,
+        checkpoint_age: float,
+    ) -> None:
+        self.root = root
+        self.owner = owner
+        self.table = table
+        self.apply = apply  # a commit's outcome, to the records and segments
+        self.metrics = metrics
+        self.clock = clock
+        self.offload = offload
+        self.window = window
+        self.max_disk_bytes = max_disk_bytes
+        self.checkpoint_bytes = checkpoint_bytes
+        self.checkpoint_age = checkpoint_age
+        self.journal: Journal | None = None
+        self.committer: Committer | None = None
+        self._lock: files.DirLock | None = None
+        self._maintainer: asyncio.Task[None] | None = None
+        self.replay_from = (0, 0)  # the durable checkpoint's journal position
+        self.checkpoint_size = 0
+        self.since_checkpoint = 0  # journal bytes appended since the checkpoint's position
+        self.dirty_at: float | None = None  # monotonic: oldest change not in the checkpoint
+        self._wanted = asyncio.Event()  # maintenance has work (checkpoint, cap)
+        self._checkpointing = asyncio.Lock()
+        self.available = True
+        self._failures_unlogged = 0
+        self._logged_at = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def load(self) -> bool:
+        """Take the dir, load the checkpoint and replay the journal into the store (every
+        intact chain), then start the committer and the maintainer. False: the dir is
+        unusable and the store runs memory-only."""
+        started = time.monotonic()
+        opened: tuple[Journal, Loaded] | None = await self.offload(self._open, self.root)
+        if opened is None:
+            return False
+        j, loaded = opened
+        self.journal = j
+        if loaded.error is not None:
+            self.metrics.snapshot_failures.labels(reason="corrupt").inc()
+            log.error("checkpoint unusable (%s): replaying the whole journal", loaded.error)
+        if loaded.cut:
+            self.metrics.journal_cut.inc(loaded.cut)
+            log.warning("journal: cut %d torn or corrupt tail(s) at %s", loaded.cut, loaded.cut_at)
+        # Building 100,000s of long-lived objects at once: the cyclic GC would rescan them
+        # all, several times over, for nothing (none of them is garbage, none is in a
+        # cycle); frozen, later collections (each a pause of the event loop) skip them.
+        gc.disable()
+        try:
+            self.owner.restore(loaded)
+            loaded.records.clear()
+            loaded.segments.clear()
+            gc.freeze()
+        finally:
+            gc.enable()
+        self._restored(loaded)
+        # Files before the checkpoint that no live segment needs: a crash came between a
+        # checkpoint and their removal (never when the checkpoint was unreadable).
+        first, live = loaded.replay_from[0], self.table.keydir.live
+        stale = [p for p in loaded.sizes if p < first and not live.get(p) and not loaded.error]
+        self.table.dropped(stale)
+        await self.offload(self._sweep_files, j, stale)
+        await self.offload(j.open_next)
+        self.table.sized(j.active, 0)
+        self.committer = Committer(j, offload=self.offload, apply=self._applied, window=self.window)
+        self.committer.start()
+        self._maintainer = spawn(self._maintain(), name="store-maintainer")
+        keydir = self.table.keydir
+        log.info(
+            "store loaded in %.2fs: %d records, %d segments (%d bytes in %d journal files), "
+            "%d entries replayed, %d stale files removed",
+            time.monotonic() - started, len(self.owner), len(self.table),
+            keydir.live_bytes, len(keydir.sizes), loaded.entries, len(stale),
+        )  # fmt: skip
+        return True
+
+    def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
+        """Blocking: take the dir, read checkpoint and journal."""
+        lock = files.DirLock(root)
+        try:
+            files.ensure_root(root)
+            if not lock.acquire():
+                self._unusable(root, "locked", "in use by another ocxproxy process")
+                return None
+            j = Journal(root)
+            j.prepare()
+            loaded = j.load(repair=True)
+        except OSError as exc:
+            lock.release()
+            self._unusable(root, "unsafe", str(exc))
+            return None
+        self._lock = lock
+        return j, loaded
+
+    def _unusable(self, root: Path, reason: str, detail: str) -> None:
+        self.metrics.snapshot_failures.labels(reason=reason).inc()
+        log.error("state dir %s unusable (%s): running memory-only", root, detail)
+
+    def _restored(self, loaded: Loaded) -> None:
+        """Where the loaded checkpoint and journal leave the checkpoint's schedule."""
+        self.replay_from = loaded.replay_from
+        first, start = loaded.replay_from
+        self.since_checkpoint = sum(
+            size - (start if p == first else 0) for p, size in loaded.sizes.items() if p >= first
+        )
+        if self.since_checkpoint or loaded.error:
+            self.dirty_at = time.monotonic()
+        with contextlib.suppress(OSError):
+            self.checkpoint_size = (self.root / journal.CHECKPOINT).lstat().st_size
+
+    @staticmethod
+    def _sweep_files(j: Journal, stale: list[int]) -> None:
+        j.remove(stale)
+        for path in j.temps():
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def shutdown(self, *, drain: bool) -> None:
+        """Stop maintenance and the committer (after writing what is queued, with
+        `drain`), close the journal and let go of the directory."""
+        if self._maintainer is not None:
+            await cancel_and_wait(self._maintainer)
+            self._maintainer = None
+        if self.committer is not None:
+            await self.committer.stop(drain=drain)
+            self.committer = None
+        if self.journal is not None:
+            self.journal.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # -- commits -------------------------------------------------------------------------
+
+    def changed(self) -> None:
+        """A change the checkpoint does not hold yet was queued."""
+        if self.dirty_at is None:
+            self.dirty_at = time.monotonic()
+
+    def _applied(self, outcome: Outcome) -> None:
+        """The committer's callback: its own accounting, then the store's."""
+        if outcome.error is not None:
+            self._write_failed(outcome.error)
+            self.apply(outcome)
+            return
+        self.metrics.journal_commits.inc()
+        if not self.available:
+            log.warning("journal writes succeed again: store available")
+        self.available = True
+        self.since_checkpoint += outcome.written
+        self.apply(outcome)
+        if self.over_disk() or self.since_checkpoint >= self.checkpoint_bytes:
+            self._wanted.set()
+
+    def _write_failed(self, error: OSError) -> None:
+        reason = errno.errorcode.get(error.errno or 0, "error")
+        self.metrics.store_write_failures.labels(reason=reason).inc()
+        self.metrics.spill_failures.labels(reason=str(FailureReason.WRITE_FAILED)).inc()
+        self.available = False
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_EVERY:
+            more = f" ({self._failures_unlogged} more since the last warning)"
+            log.warning(
+                "journal write failed (%s): turns are not acknowledged%s",
+                error,
+                more if self._failures_unlogged else "",
+            )
+            self._logged_at, self._failures_unlogged = now, 0
+        else:
+            self._failures_unlogged += 1
+
+    # -- maintenance: disk cap, compaction, checkpoint -------------------------------------
+
+    async def _maintain(self) -> None:
+        probed = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(MAINTAIN_EVERY):
+                    await self._wanted.wait()
+            self._wanted.clear()
+            try:
+                committer = self.committer
+                if committer is None:
+                    return
+                if not self.available and committer.pending() is None:
+                    if time.monotonic() - probed >= 1.0:  # does the disk take writes again?
+                        probed = time.monotonic()
+                        committer.submit(NOP, b"", None)
+                    continue
+                over = self.over_disk()
+                due = self.since_checkpoint >= self.checkpoint_bytes or (
+                    self.dirty_at is not None
+                    and time.monotonic() - self.dirty_at >= self.checkpoint_age
+                )
+                if over or due:
+                    await self.checkpoint()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let maintenance die; the next round retries
+                log.exception("store maintenance failed")
+
+    def over_disk(self) -> bool:
+        keep = self.max_disk_bytes * DISK_KEEP
+        return self.table.keydir.live_bytes + self.checkpoint_size > keep
+
+    async def _compact(self) -> None:
+        """Re-append the live segments of sparse files the checkpoint covers, in batches
+        (the loop runs between them), at most COMPACT_BYTES per checkpoint."""
+        assert self.journal is not None and self.committer is not None
+        first = self.replay_from[0]
+        sparse = self.table.keydir.sparse(first, COMPACT_BELOW, COMPACT_BYTES)
+        if not sparse:
+            return
+        moves = self.table.in_files(sparse)
+        for start in range(0, len(moves), COMPACT_BATCH):
+            batch = moves[start : start + COMPACT_BATCH]
+            jobs = [(s.pack, s.offset, s.length) for s in batch]
+            blobs = await self.offload(self.journal.read_blobs, jobs)
+            for segment, blob, (pack, offset, _) in zip(batch, blobs, jobs, strict=True):
+                self.table.move(segment, blob, pack, offset)
+            await self.committer.write()
+
+    async def checkpoint(self) -> bool:
+        """Compact, then capture the index at a fresh journal file, encode it in chunks (the
+        loop runs between them), write it, and remove the files it makes unneeded."""
+        async with self._checkpointing:
+            return await self._checkpoint_now()
+
+    async def _checkpoint_now(self) -> bool:
+        committer, j = self.committer, self.journal
+        if committer is None or j is None:
+            return False
+        if self.over_disk():
+            # What the store keeps on disk (live segments, with the checkpoint) back under
+            # DISK_KEEP of --max-disk-bytes; the rest is room for the journal's tail,
+            # compaction's garbage and the next checkpoint. The checkpoint shrinks too
+            # once it no longer names the evicted records.
+            keep = self.max_disk_bytes * DISK_KEEP
+            self.owner.evict_for_disk(max(keep - self.checkpoint_size, keep / 2))
+        await self._compact()
+        async with committer.io:
+            position = await self.offload(j.rotate)
+            capture = self.table.captured(position[0])
+            records = self.owner.committed_records()
+            segments = list(self.table.by_key.values())
+            next_sid = self.table.sid + 1
+            dirty_before = self.dirty_at
+            since = self.since_checkpoint
+            self.dirty_at = None if not committer.pending() else time.monotonic()
+            self.since_checkpoint = 0
+        chunks, n_recs = await encode_checkpoint(
+            position, self.clock(), next_sid, segments, records
+        )
+        try:
+            size = await self.offload(j.write_checkpoint, chunks)
+        except OSError as exc:
+            self.metrics.snapshot_failures.labels(reason="write_failed").inc()
+            log.warning("checkpoint not written: %s", exc)
+            self.dirty_at = dirty_before or time.monotonic()
+            self.since_checkpoint += since
+            return False
+        self.metrics.snapshot_writes.inc()
+        self.replay_from, self.checkpoint_size = position, size
+        doomed = self.table.keydir.removable(position[0], capture)
+        if doomed:
+            await committer.run_locked(j.remove, doomed)
+            self.table.dropped(doomed)
+        log.debug("checkpoint %d: %d records, %d bytes", capture, n_recs, size)
+        return True
+
+    # -- introspection -------------------------------------------------------------------
+
+    def snapshot_age(self) -> float:
+        return 0.0 if self.dirty_at is None else time.monotonic() - self.dirty_at
+
+    def journal_lag(self) -> float:
+        committer = self.committer
+        if committer is None or committer.oldest is None:
+            return 0.0
+        return time.monotonic() - committer.oldest
+
+    def queued_bytes(self) -> int:
+        return self.committer.queued_bytes if self.committer is not None else 0
+
+    def disk_bytes(self) -> int:
+        j = self.journal
+        room = j.allocated - j.size if j is not None and self.committer is not None else 0
+        return sum(self.table.keydir.sizes.values()) + self.checkpoint_size + max(room, 0)

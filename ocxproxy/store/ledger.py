@@ -1,0 +1,144 @@
+"""Records on their way into the journal (`Ledger`): their PUT and DEL entries, the
+futures `Store.commit` awaits, and each commit's outcome applied back through narrow
+calls: SEG entries to the SegmentTable, PUT entries here, a record whose PUT failed to
+the store, which drops it (never acknowledged).
+
+Order of durability, so a crash never loses an acknowledged turn:
+  1. a segment's bytes and a record's entry count as durable only after their fsync;
+  2. a record's entry is appended after (or with) the entries of every segment it needs;
+  3. a journal file is removed only when a checkpoint captured after its last live
+     segment left it is durable (durable.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import orjson
+
+from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.model import Record
+from ocxproxy.store import codec
+from ocxproxy.store.codec import DEL, PUT, SEG
+from ocxproxy.store.disk import Committer, Outcome
+from ocxproxy.store.segments import SegmentTable
+
+
+class Owner(Protocol):
+    """What the ledger tells the store that owns the records."""
+
+    def unwritten(self, record: Record, failure: StoreFailure) -> None:
+        """`record`'s PUT failed: it goes, and `commit` answers `failure` for its id."""
+
+    def settle(self) -> None:
+        """Back within the caps after a failed commit."""
+
+
+class Ledger:
+    def __init__(self, owner: Owner, table: SegmentTable) -> None:
+        self.owner = owner
+        self.table = table
+        # Set while the journal is open.
+        self.committer: Committer | None = None
+        self.changed: Callable[[], None] = _nothing  # a change the checkpoint lacks
+        self._uncommitted: dict[str, tuple[Record, asyncio.Future[Any]]] = {}
+
+    def put(self, record: Record, parent: str | None) -> None:
+        """Queue `record`'s PUT after the SEG entries of the segments it needs that the
+        journal neither holds nor awaits; `parent`: the id of the live durable record
+        whose row precedes it in the journal, which names it."""
+        committer = self.committer
+        assert committer is not None
+        self.table.queue_missing((*record.segments, record.response))
+        row = codec.record_row(record, parent)
+        future = committer.submit(PUT, orjson.dumps(row), record)
+        self._uncommitted[record.id] = (record, future)
+        self.changed()
+
+    def delete(self, record: Record, *, journaled: bool) -> None:
+        """`record` went: a DEL when `journaled`, and whenever its PUT is still queued (the
+        DEL must follow it, or the record comes back)."""
+        assert self.committer is not None
+        if journaled or self.pending(record):
+            self.committer.submit(DEL, orjson.dumps(record.id), None)
+            self.changed()
+
+    def queued(self, record_id: str) -> bool:
+        """A PUT of this id is queued or being written."""
+        return record_id in self._uncommitted
+
+    def committed(self, records: Iterable[Record]) -> list[Record]:
+        """The durable ones among `records` whose PUT is committed."""
+        uncommitted = self._uncommitted
+        return [r for r in records if r.durable and r.id not in uncommitted]
+
+    def pending(self, record: Record) -> bool:
+        """`record`'s PUT is queued or being written."""
+        entry = self._uncommitted.get(record.id)
+        return entry is not None and entry[0] is record
+
+    async def commit(self, record: Record | None) -> None:
+        """Until `record`'s entries (or everything queued so far) are durable; raises
+        StoreFailure(WRITE_FAILED) when they could not be written."""
+        if record is not None:
+            entry = self._uncommitted.get(record.id)
+            if entry is None or entry[0] is not record:
+                return
+            future: asyncio.Future[Any] | None = entry[1]
+        else:
+            future = self.committer.pending() if self.committer is not None else None
+        if future is None:
+            return
+        error = await asyncio.shield(future)
+        if error is not None:
+            raise unavailable(error)
+
+    async def wait_for_room(self, budget: int, patience: float) -> None:
+        """While more than `budget` bytes wait for the journal, wait (at most `patience`)
+        for commits."""
+        committer = self.committer
+        if committer is None or committer.queued_bytes <= budget:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(patience):
+                while committer.queued_bytes > budget and (f := committer.pending()):
+                    await asyncio.shield(f)
+
+    def applied(self, outcome: Outcome) -> None:
+        """A commit's outcome, applied to the segments and records, entry by entry."""
+        if outcome.error is not None:
+            self._failed(outcome, unavailable(outcome.error))
+            return
+        assert outcome.places is not None
+        self.table.sized(outcome.pack, outcome.size)
+        jobs = zip(outcome.jobs, outcome.subjects, outcome.places, strict=True)
+        for (kind, _), subject, place in jobs:
+            if kind == SEG:
+                self.table.written(subject, place)
+            elif kind == PUT and self.pending(subject):
+                del self._uncommitted[subject.id]
+
+    def _failed(self, outcome: Outcome, failure: StoreFailure) -> None:
+        for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
+            if kind == SEG:
+                self.table.not_written(subject)
+            elif kind == PUT and self.pending(subject):
+                del self._uncommitted[subject.id]
+                # Not durable: in ack mode never acknowledged; in relaxed mode within the
+                # window it may lose. Its children name it in the journal: it goes.
+                self.owner.unwritten(subject, failure)
+        self.owner.settle()
+
+
+def unavailable(error: OSError) -> StoreFailure:
+    """The failure a turn whose entries could not be written answers with."""
+    name = errno.errorcode.get(error.errno or 0, "error")
+    return StoreFailure(FailureReason.WRITE_FAILED, f"{name}: {error.strerror or error}")
+
+
+def _nothing() -> None:
+    pass
