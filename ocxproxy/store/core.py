@@ -198,8 +198,8 @@ class Store:
     async def wait_for_room(self) -> None:
         """Backpressure: while more bytes wait for the journal than half the resident
         budget, a new turn waits (at most `backpressure_timeout`) for a commit."""
-        if self.ledger is not None:
-            budget = self.resident.max_bytes // 2
+        committer, budget = self._committer, self.resident.max_bytes // 2
+        if committer is not None and committer.queued_bytes > budget and self.ledger:
             await self.ledger.wait_for_room(budget, self.backpressure_timeout)
 
     def restore(self, loaded: Loaded) -> None:
@@ -221,7 +221,9 @@ class Store:
 
     def record(self, scope: str, record_id: str) -> Record:
         """The caller's record of any kind (a response, or one `keep` wrote)."""
-        record = self.index.find(scope, record_id)
+        record = self._records.get(record_id)
+        if record is None or record.scope != scope:
+            raise self.index.unknown(record_id, found=record is not None)
         if record.expires_at <= self.clock():
             self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
             raise StoreFailure(FailureReason.EXPIRED)
@@ -429,9 +431,13 @@ class Store:
         self.table.release((*record.segments[shared:], record.response), durable=record.durable)
 
     def _enforce_bounds(self) -> None:
-        while (victim := self.index.over(self.max_entries)) is not None:
+        while len(self._records) > self.max_entries:
+            victim = self.index.oldest_unpinned()
+            if victim is None:
+                break
             self._drop(victim, FailureReason.EVICTED, "max_entries")
-        self.table.shed()
+        if self.resident.bytes > self.resident.max_bytes:  # (no call in the common case)
+            self.table.shed()
 
     # -- asked by the disk side --------------------------------------------------------
 

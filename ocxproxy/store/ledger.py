@@ -113,14 +113,13 @@ class Ledger:
         if outcome.error is not None:
             self._failed(outcome, unavailable(outcome.error))
             return
-        assert outcome.places is not None
-        self.table.sized(outcome.pack, outcome.size)
-        jobs = zip(outcome.jobs, outcome.subjects, outcome.places, strict=True)
-        for (kind, _), subject, place in jobs:
-            if kind == SEG:
-                self.table.written(subject, place)
-            elif kind == PUT and self.pending(subject):
-                del self._uncommitted[subject.id]
+        self.table.committed(outcome)
+        uncommitted = self._uncommitted
+        for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
+            if kind == PUT:
+                entry = uncommitted.get(subject.id)
+                if entry is not None and entry[0] is subject:
+                    del uncommitted[subject.id]
 
     def _failed(self, outcome: Outcome, failure: StoreFailure) -> None:
         for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):

@@ -30,14 +30,11 @@ class Records:
     def __len__(self) -> int:
         return len(self.by_id)
 
-    def find(self, scope: str, record_id: str) -> Record:
-        """The caller's record (expired or not), or StoreFailure (another scope: unknown)."""
-        record = self.by_id.get(record_id)
-        if record is None or record.scope != scope:
-            if record is None and record_id in self.tombstones:
-                raise StoreFailure(self.tombstones[record_id])
-            raise StoreFailure(FailureReason.UNKNOWN)
-        return record
+    def unknown(self, record_id: str, *, found: bool) -> StoreFailure:
+        """Why a lookup found no record of the caller's: the reason its record went, or
+        unknown (another scope's record, `found`, is unknown too)."""
+        reason = self.tombstones.get(record_id) if not found else None
+        return StoreFailure(reason if reason is not None else FailureReason.UNKNOWN)
 
     def add(self, record: Record, pinned: int | None = None) -> None:
         """Index `record` (its id free), pinned with `pinned` bytes unless None."""
@@ -79,10 +76,7 @@ class Records:
         if len(self.failed) > REMEMBERED:
             self.failed.popitem(last=False)
 
-    def over(self, max_entries: int) -> Record | None:
-        """The oldest record that is not pinned, while there are more than `max_entries`."""
-        if len(self.by_id) <= max_entries:
-            return None
+    def oldest_unpinned(self) -> Record | None:
         return next((r for r in self.by_id.values() if r.id not in self.pinned), None)
 
     def expired(self, now: float) -> list[Record]:

@@ -20,7 +20,7 @@ from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment
 from ocxproxy.store import codec
 from ocxproxy.store.codec import SEG, Loaded
-from ocxproxy.store.disk import Committer, Offload
+from ocxproxy.store.disk import Committer, Offload, Outcome
 from ocxproxy.store.journal import Journal
 from ocxproxy.store.keydir import Keydir
 from ocxproxy.store.resident import ResidentTier
@@ -258,24 +258,31 @@ class SegmentTable:
         self.committer.submit(SEG, (row, data, blob), segment, size)
         self.unwritten[segment.key] = segment
 
-    def written(self, segment: Segment, place: tuple[int, int, int]) -> None:
-        """A committed SEG entry: the segment is at `place` (pack, offset, length)."""
-        if self.unwritten.get(segment.key) is segment:
-            del self.unwritten[segment.key]
-        self.metrics.spill_writes.inc()
-        if self.by_key.get(segment.key) is not segment or not segment.durable:
-            return  # dropped meanwhile: its bytes in the journal are garbage
-        if segment.pack >= 0:
-            self.keydir.unlocate(segment)  # moved by compaction
-        self.keydir.locate(segment, *place)
-        if segment.key not in self.resident:  # only held for the write
-            if segment.size:
+    def committed(self, outcome: Outcome) -> None:
+        """A commit's SEG entries: each segment is where it landed (pack, offset, length)."""
+        assert outcome.places is not None
+        self.keydir.sizes[outcome.pack] = outcome.size
+        segment: Segment
+        jobs = zip(outcome.jobs, outcome.subjects, outcome.places, strict=True)
+        for (kind, _), segment, place in jobs:
+            if kind != SEG:
+                continue
+            if self.unwritten.get(segment.key) is segment:
+                del self.unwritten[segment.key]
+            self.metrics.spill_writes.inc()
+            if self.by_key.get(segment.key) is not segment or not segment.durable:
+                continue  # dropped meanwhile: its bytes in the journal are garbage
+            if segment.pack >= 0:
+                self.keydir.unlocate(segment)  # moved by compaction
+            self.keydir.locate(segment, *place)
+            if segment.key not in self.resident:  # only held for the write
+                if segment.size:
+                    segment.data = None
+            elif not segment.n_items and segment.size:
+                # A response object (no items): only GET /v1/responses/{id} reads it, so
+                # once durable it leaves memory to the hot chain segments.
+                self.resident.remove(segment)
                 segment.data = None
-        elif not segment.n_items and segment.size:
-            # A response object (no items): only GET /v1/responses/{id} reads it, so once
-            # durable it leaves memory to the hot chain segments.
-            self.resident.remove(segment)
-            segment.data = None
 
     def not_written(self, segment: Segment) -> None:
         """A SEG entry whose commit failed."""
