@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
 
     try:
         server.run(config)
-    except LocalBackendError as exc:
+    except (LocalBackendError, ConfigError) as exc:  # ConfigError: e.g. the shared store's
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # e.g. the port is taken

@@ -145,6 +145,26 @@ class Config:
             "metavar": "ack|relaxed",
         },
     )
+    shared_store: str | None = field(
+        default=None,
+        metadata={
+            "help": "run several replicas on one Valkey/Redis server: redis://host:6379/0, "
+            "rediss://..., unix:///path/to.sock (needs ocxproxy[shared]; --durability is "
+            "checked against the server's persistence)",
+            "metavar": "URL",
+        },
+    )
+    shared_prefix: str = field(
+        default="ocx:", metadata={"help": "what every key of the shared store starts with"}
+    )
+    shared_wait_replicas: int = field(
+        default=0,
+        metadata={
+            "help": "with --shared-store: a turn is answered once this many of the server's "
+            "replicas have it too (WAIT/WAITAOF)",
+            "metavar": "N",
+        },
+    )
     ws_max_age: float = field(
         default=3600.0, metadata={"help": "WebSocket connection lifetime (e.g. 60m)"}
     )
@@ -249,6 +269,19 @@ class Config:
                 raise ValueError(f"{name} must not be negative")
         if self.durability not in ("ack", "relaxed"):
             raise ValueError(f"unknown durability {self.durability!r} (ack or relaxed)")
+        if self.shared_store is not None:
+            scheme = urlsplit(self.shared_store).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ValueError(
+                    f"--shared-store: not a redis://, rediss:// or unix:// URL: "
+                    f"{self.shared_store!r}"
+                )
+            if self.zdr:
+                raise ValueError("--zdr keeps nothing outside the process: no --shared-store")
+        if not self.shared_prefix or any(c.isspace() for c in self.shared_prefix):
+            raise ValueError(f"shared_prefix must be non-empty, no spaces: {self.shared_prefix!r}")
+        if self.shared_wait_replicas < 0:
+            raise ValueError("shared_wait_replicas must not be negative")
         if self.routing not in ("affinity", "round-robin"):
             raise ValueError(f"unknown routing {self.routing!r} (affinity or round-robin)")
         if not self.health_path.startswith("/"):
@@ -304,6 +337,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "admission_timeout": parse_duration,
     "max_concurrency": int,
     "max_concurrency_per_backend": int,
+    "shared_wait_replicas": int,
 }
 SETTINGS = tuple(f.name for f in dataclasses.fields(Config))
 LIST_SETTINGS = ("upstream", "upstream_dialect", "api_keys")

@@ -11,7 +11,9 @@
     ├── PayloadTooLarge           413
     ├── Unauthorized              401
     ├── RateLimited               429 rate_limit_exceeded
-    ├── StorageUnavailable        503 storage_unavailable (a turn could not be made durable)
+    ├── StorageUnavailable        503 storage_unavailable (a turn could not be made durable,
+    │                             or the shared store cannot be reached)
+    ├── NotSupported              501 not yet supported with a shared store
     └── UpstreamError             502/504 backend unreachable, timed out or broke off
 
 Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
@@ -54,9 +56,9 @@ class OcxError(Exception):
         return orjson.dumps(self.to_openai_error())
 
     def headers(self) -> dict[str, str]:
-        """The answer's headers: JSON, and when to try again for a 429."""
+        """The answer's headers: JSON, and when to try again for a 429 or 503."""
         headers = {"Content-Type": "application/json"}
-        if self.status == 429:
+        if self.status in (429, 503):
             headers["Retry-After"] = "1"
         return headers
 
@@ -154,6 +156,14 @@ class StorageUnavailable(OcxError):
     status = 503
     type = "server_error"
     code = "storage_unavailable"
+
+
+class NotSupported(OcxError):
+    """A feature this deployment cannot serve correctly (rather than serve it wrongly)."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "unsupported_with_shared_store"
 
 
 class FailureReason(enum.StrEnum):

@@ -364,6 +364,24 @@ class Metrics:
             "ocxproxy_store_available",
             "1 while the journal takes writes, 0 after a failed commit until one succeeds",
         )
+        # The shared tier (--shared-store)
+        self.shared_seconds = Histogram(
+            "ocxproxy_shared_store_seconds",
+            "Shared store round trips by operation (begin, item, fetch, commit, delete, ping)",
+            ["op"],
+            buckets=_FAST_BUCKETS,
+        )
+        self.shared_commits = Counter(
+            "ocxproxy_shared_commits_total", "Shared store commits by outcome", ["outcome"]
+        )
+        self.shared_cache = Counter(
+            "ocxproxy_shared_segment_cache_total",
+            "Segments a shared-store turn needed, found in this replica's cache or fetched",
+            ["result"],
+        )
+        self.shared_available = Gauge(
+            "ocxproxy_shared_store_available", "1 while the shared store answers (0: unreachable)"
+        )
         # WebSocket (CONTRACT.md C3)
         self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")
         self.ws_frames = Counter(

@@ -18,7 +18,7 @@ from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors
 from ocxproxy.metrics import Metrics
-from ocxproxy.store import Store
+from ocxproxy.store import Store, open_store
 from ocxproxy.upstream.pool import UpstreamPool
 
 log = logging.getLogger("ocxproxy")
@@ -29,7 +29,7 @@ SHUTDOWN_GRACE = 10.0
 
 def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Application:
     metrics = metrics or Metrics()
-    store = Store.from_config(config, metrics)
+    store = open_store(config, metrics)
     proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
     if config.access_log != "off":
         proxy.access_log = AccessLog(config.access_log)

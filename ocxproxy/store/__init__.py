@@ -9,9 +9,27 @@ files, the committer (disk.py) and the checkpoint. journal.py holds the files (j
 packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding of the
 index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py the stats
 and gauges.
-Public surface: Store, StoreStats, default_state_dir.
+The shared tier (--shared-store, shared.py: SharedStore, a Store on Valkey/Redis; its
+layout and scripts in shared_layout.py, its start-up checks in shared_checks.py) is
+imported only when asked for: its client is an extra (ocxproxy[shared]).
+Public surface: Store, StoreStats, default_state_dir, open_store.
 """
 
+from ocxproxy.config import Config, ConfigError
+from ocxproxy.metrics import Metrics
 from ocxproxy.store.core import Store, StoreStats, default_state_dir
 
-__all__ = ["Store", "StoreStats", "default_state_dir"]
+__all__ = ["Store", "StoreStats", "default_state_dir", "open_store"]
+
+
+def open_store(config: Config, metrics: Metrics | None = None) -> Store:
+    """The proxy's store: the single-node one, or with --shared-store the shared tier."""
+    if config.shared_store is None:
+        return Store.from_config(config, metrics)
+    try:
+        from ocxproxy.store.shared import SharedStore
+    except ImportError:
+        raise ConfigError(
+            "--shared-store needs the Valkey/Redis client: pip install 'ocxproxy[shared]'"
+        ) from None
+    return SharedStore.from_config(config, metrics)

@@ -31,6 +31,9 @@ class ResidentTier:
     def __iter__(self) -> Iterator[Segment]:
         return iter(self._lru.values())
 
+    def get(self, key: str) -> Segment | None:
+        return self._lru.get(key)
+
     def admit(self, segment: Segment) -> None:
         if segment.key in self._lru:
             self._lru.move_to_end(segment.key)

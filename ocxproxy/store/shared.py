@@ -1,0 +1,453 @@
+"""SharedStore: the store on a Valkey/Redis server that several replicas share (--shared-store).
+
+The same interface as the single-node Store, which it extends: the handlers cannot tell
+them apart. Durable turns (store:true) live on the server (layout and scripts:
+shared_layout.py); what must stay in the process (store:false turns kept with
+--retain-unstored) lives in the inherited memory-only Store, never on the server.
+
+Round trips: `begin` (a continuation, GET, input_items) is one script returning the
+record and its chain's digests, plus one MGET of the segments this replica does not hold
+(the resident cache, an LRU by digest: segments never change, so it is never stale;
+each fetched one is checked against its digest). `put` builds the record in memory;
+`commit` is one script writing segments, record, chain append (or fork) and TTLs
+atomically, plus WAIT/WAITAOF in the same round trip when replicas are asked for. The
+handlers release an answer only after `commit` returned (ack mode's contract).
+
+A server that cannot be reached answers StorageUnavailable (503, Retry-After) before
+anything is forwarded; `available` says so until a probe (every second) succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.config import Config
+from ocxproxy.errors import (
+    FailureReason,
+    NotSupported,
+    StorageUnavailable,
+    StoreFailure,
+)
+from ocxproxy.metrics import Metrics
+from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.store import shared_layout as layout
+from ocxproxy.store.core import KEPT_PREFIXES, Store
+from ocxproxy.store.output import split_output
+from ocxproxy.store.resident import ResidentTier
+from ocxproxy.store.shared_checks import SharedStoreRefused, check_server
+from ocxproxy.store.shared_layout import Keys, SharedRecord
+
+__all__ = ["SharedStore"]
+
+log = logging.getLogger("ocxproxy.store.shared")
+
+PROBE_EVERY = 1.0  # seconds between probes while the server is unreachable
+START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
+RETRY_AFTER = "1"
+UNAVAILABLE = (
+    "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
+)
+
+
+class SharedStore(Store):
+    """Records and segments on a shared Valkey/Redis server; local turns in memory."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_resident_bytes: int,
+        max_entries: int,
+        ttl: float,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+        durability: str = "ack",
+        prefix: str = "ocx:",
+        wait_replicas: int = 0,
+        start_timeout: float = START_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            max_resident_bytes=max_resident_bytes,
+            max_entries=max_entries,
+            ttl=ttl,
+            metrics=metrics,
+            clock=clock,
+            durability=durability,
+        )
+        self.url = url
+        self.prefix = prefix
+        self.wait_replicas = wait_replicas
+        self.start_timeout = start_timeout
+        self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
+        self._redis: aioredis.Redis | None = None
+        self._shas: dict[str, str] = {}
+        self._wait: tuple[Any, ...] = ()  # the command that waits for replicas, if asked
+        self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
+        self._probe: asyncio.Task[None] | None = None
+        self.metrics.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
+
+    @classmethod
+    def from_config(cls, config: Config, metrics: Metrics | None = None) -> SharedStore:
+        assert config.shared_store is not None
+        return cls(
+            config.shared_store,
+            max_resident_bytes=config.max_resident_bytes,
+            max_entries=config.max_entries,
+            ttl=config.ttl,
+            metrics=metrics,
+            durability=config.durability,
+            prefix=config.shared_prefix,
+            wait_replicas=config.shared_wait_replicas,
+        )
+
+    def __repr__(self) -> str:
+        return f"<SharedStore {self.url!r} {self.cache!r}>"
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, check the server's configuration against the durability profile
+        (SharedStoreRefused when it does not fit) and load the scripts."""
+        if self._redis is not None:
+            return
+        await super().start()
+        client = aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=0
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                self._wait = await check_server(client, self.durability, self.wait_replicas)
+                await self._load(client)
+                break
+            except (RedisError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    await client.aclose()
+                    raise SharedStoreRefused(
+                        f"shared store {self.url} unreachable: {exc}"
+                    ) from None
+                await asyncio.sleep(0.2)
+            except BaseException:
+                await client.aclose()
+                raise
+        self._redis = client
+        self.available = True
+        self._probe = spawn(self._watch(), name="shared-store-probe")
+        log.info("shared store %s ready (%s)", self.url, self.durability)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            await cancel_and_wait(self._probe)
+            self._probe = None
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
+        await super().close()
+
+    abandon = close  # nothing is queued: a crash and a close leave the server alike
+
+    async def _watch(self) -> None:
+        """While the server is unreachable, a PING every second; the first answer makes
+        the store available again (no restart needed)."""
+        while True:
+            await asyncio.sleep(PROBE_EVERY)
+            if self.available:
+                continue
+            with contextlib.suppress(StorageUnavailable):
+                await self._call("ping", lambda r: r.ping())
+
+    # -- round trips ---------------------------------------------------------------------
+
+    async def _call(self, op: str, run: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
+        """One round trip, timed and counted; a server that cannot answer is
+        StorageUnavailable, and the store is unavailable until one answers."""
+        client = self._redis
+        if client is None:
+            raise StorageUnavailable(UNAVAILABLE)
+        started = time.perf_counter()
+        try:
+            result = await run(client)
+        except ResponseError as exc:
+            if str(exc).startswith(layout.LOST):
+                raise StoreFailure(FailureReason.MISSING, "chain") from None
+            self._down(op, exc)
+            raise StorageUnavailable(UNAVAILABLE) from None
+        except (RedisError, OSError) as exc:
+            self._down(op, exc)
+            raise StorageUnavailable(UNAVAILABLE) from None
+        self.metrics.shared_seconds.labels(op).observe(time.perf_counter() - started)
+        if not self.available:
+            log.warning("shared store answers again: available")
+            self.available = True
+        return result
+
+    def _down(self, op: str, exc: Exception) -> None:
+        self.metrics.shared_seconds.labels(op).observe(0.0)
+        if self.available:
+            log.warning("shared store %s failed (%s): unavailable", op, exc)
+        self.available = False
+
+    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """A read-only script (begin, item)."""
+
+        async def run(client: aioredis.Redis) -> Any:
+            try:
+                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
+            except NoScriptError:  # the server restarted without them (not persisted)
+                await self._load(client)
+                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
+
+        return await self._call(name, run)
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def record(self, scope: str, record_id: str) -> Record:
+        if record_id.startswith(KEPT_PREFIXES):
+            raise NotSupported(
+                "Conversations and Idempotency-Key are not yet supported with a shared "
+                "store (--shared-store)."
+            )
+        return super().record(scope, record_id)
+
+    async def begin(self, scope: str, response_id: str) -> Record:
+        """The caller's record (a turn kept in this process, else the server's), with
+        every segment of its chain in hand."""
+        with contextlib.suppress(StoreFailure):
+            return self.lookup(scope, response_id)
+        if response_id.startswith(KEPT_PREFIXES):
+            raise StoreFailure(FailureReason.UNKNOWN)
+        keys = Keys(self.prefix, scope)
+        found = await self._script("begin", (keys.record(response_id),), ())
+        if found is None:
+            raise StoreFailure(FailureReason.UNKNOWN)
+        meta, chain, digests = found
+        return await self._build(keys, response_id, meta, chain, digests)
+
+    async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+        """The newest record whose own segment holds the item (kept here, else the server's)."""
+        with contextlib.suppress(StoreFailure):
+            return self.find_item(scope, item_id, unstored=unstored)
+        keys = Keys(self.prefix, scope)
+        found = await self._script("item", (keys.item(item_id),), (keys.record(""),))
+        if found is None:
+            raise StoreFailure(FailureReason.UNKNOWN)
+        meta, chain, digests, record_id = found
+        record = await self._build(keys, record_id.decode(), meta, chain, digests)
+        if record.segments[-1].item_ids.span(item_id) is None:
+            raise StoreFailure(FailureReason.UNKNOWN)
+        return record
+
+    async def _build(
+        self, keys: Keys, record_id: str, meta: bytes, chain: bytes, digests: list[bytes]
+    ) -> SharedRecord:
+        m = orjson.loads(meta)
+        if m["e"] <= self.clock():
+            self.metrics.store_evictions.labels(reason="expired").inc()
+            raise StoreFailure(FailureReason.EXPIRED)
+        if len(digests) != m["l"]:
+            raise StoreFailure(FailureReason.MISSING, "chain")
+        segments = await self._gather(keys, [d.decode() for d in digests])
+        return layout.decode_record(record_id, keys.scope, m, segments, chain.decode())
+
+    async def _gather(self, keys: Keys, digests: list[str]) -> tuple[Segment, ...]:
+        """The segments, from the resident cache, the missing ones fetched with one MGET."""
+        cache = self.cache
+        found = [cache.get(d) for d in digests]
+        missing = list(dict.fromkeys(d for d, s in zip(digests, found, strict=True) if s is None))
+        counter = self.metrics.shared_cache
+        counter.labels("hit").inc(len(digests) - len(missing))
+        if missing:
+            counter.labels("miss").inc(len(missing))
+            got = await self._fetch_segments(keys, missing)
+            found = [s if s is not None else got[d] for d, s in zip(digests, found, strict=True)]
+        cache.touch_all([s for s in found if s is not None])
+        return tuple(s for s in found if s is not None)
+
+    async def _fetch_segments(self, keys: Keys, digests: list[str]) -> dict[str, Segment]:
+        values = await self._call("fetch", lambda r: r.mget([keys.segment(d) for d in digests]))
+        got: dict[str, Segment] = {}
+        for digest, value in zip(digests, values, strict=True):
+            if value is None:
+                raise StoreFailure(FailureReason.MISSING, digest)
+            try:
+                segment = layout.decode_segment(digest, value)
+            except ValueError as exc:
+                self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
+                log.warning("shared store: %s", exc)
+                raise StoreFailure(FailureReason.CORRUPT, digest) from None
+            got[digest] = segment
+            self._cache(segment)
+        return got
+
+    def _cache(self, segment: Segment) -> None:
+        self.cache.admit(segment)
+        self.cache.evict_over_budget()  # the segments stay whole for whoever holds them
+
+    async def history(self, record: Record) -> list[bytes]:
+        if not isinstance(record, SharedRecord):
+            return await super().history(record)
+        return [s.data for s in record.segments if s.data]
+
+    async def response_bytes(self, record: Record) -> bytes:
+        if not isinstance(record, SharedRecord):
+            return await super().response_bytes(record)
+        response = record.response
+        if response.data is None:
+            keys = Keys(self.prefix, record.scope)
+            (response,) = await self._gather(keys, [response.key])
+        skeleton = response.data
+        assert skeleton is not None
+        if record.output_at is None:
+            return skeleton
+        own = record.segments[-1].data
+        assert own is not None
+        offset, length = record.output_at
+        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+
+    async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
+        result = []
+        for record, item_id in found:
+            if not isinstance(record, SharedRecord):
+                result += await super().item_bytes([(record, item_id)])
+                continue
+            segment = record.segments[-1]
+            span = segment.item_ids.span(item_id)
+            if span is None or segment.data is None:
+                raise StoreFailure(FailureReason.UNKNOWN)
+            result.append(segment.data[span[0] : span[1]])
+        return result
+
+    # -- changes -------------------------------------------------------------------------
+
+    def put(self, turn: Turn, parent: Record | None) -> Record:
+        """A durable turn on a durable (shared) parent is built here and written by
+        `commit`; any other stays in this process's memory (never on the server)."""
+        shared_parent = parent is None or isinstance(parent, SharedRecord)
+        if not turn.durable or not shared_parent:
+            return super().put(turn, parent)
+        now = self.clock()
+        own = Segment(turn.items, turn.n_items, turn.call_ids, durable=True, item_ids=turn.item_ids)
+        skeleton, output_at = split_output(turn.response, turn.items)
+        response = Segment(skeleton, 0, frozenset(), durable=True)
+        segments = (own,) if parent is None else (*parent.segments, own)
+        record = SharedRecord(
+            id=turn.response_id,
+            scope=turn.scope,
+            created_at=now,
+            expires_at=now + self.ttl,
+            durable=True,
+            segments=segments,
+            response=response,
+            backend=turn.backend,
+            affinity_key=turn.affinity_key,
+            n_items=(parent.n_items if parent else 0) + turn.n_items,
+            output_at=output_at,
+            stored=turn.stored,
+            length=len(segments),
+        )
+        self._staged[record.id] = (record, parent)
+        return record
+
+    async def commit(self, record: Record | None = None) -> None:
+        """Write a record `put` built, atomically (one round trip); StoreFailure when it
+        could not be written: the turn must not be acknowledged."""
+        staged = self._staged.get(record.id) if record is not None else None
+        if staged is None or staged[0] is not record:
+            await super().commit(record)
+            return
+        del self._staged[staged[0].id]
+        shared, parent = staged
+        try:
+            shared.chain = await self._commit(shared, parent)
+        except StorageUnavailable:
+            self.metrics.shared_commits.labels("unavailable").inc()
+            raise StoreFailure(FailureReason.WRITE_FAILED, "shared store unavailable") from None
+        except StoreFailure as failure:
+            self.metrics.shared_commits.labels(str(failure.reason)).inc()
+            raise
+        self.metrics.shared_commits.labels("ok").inc()
+        self._cache(shared.segments[-1])
+
+    async def _commit(self, record: SharedRecord, parent: Record | None) -> str:
+        keys = Keys(self.prefix, record.scope)
+        own, response = record.segments[-1], record.response
+        assert own.data is not None and response.data is not None
+        values = [layout.encode_segment(own, own.data)]
+        segment_keys = [keys.segment(own.key)]
+        if response.key != own.key:
+            values.append(layout.encode_segment(response, response.data))
+            segment_keys.append(keys.segment(response.key))
+        new_chain = keys.chain(secrets.token_hex(8))
+        parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
+        plen = parent.length if isinstance(parent, SharedRecord) else 0
+        item_keys = [keys.item(item_id) for item_id in own.item_ids.ids]
+        meta = layout.record_meta(record)
+        args = [plen, own.key, int(record.expires_at * 1000), meta, record.id]
+        args += [keys.segment(""), len(values), *values]
+        script_keys = [keys.record(record.id), parent_chain, new_chain, *segment_keys, *item_keys]
+        chain = await self._write(
+            "commit",
+            lambda: ("EVALSHA", self._shas["commit"], len(script_keys), *script_keys, *args),
+        )
+        return chain.decode() if isinstance(chain, bytes) else str(chain)
+
+    async def _write(self, op: str, command: Callable[[], tuple[Any, ...]]) -> Any:
+        """One write, and with --shared-wait-replicas the WAIT/WAITAOF for it on the same
+        connection, pipelined: one round trip. Too few replicas acknowledging is a failed
+        write (it may have happened on the primary; it is not acknowledged)."""
+
+        async def run(client: aioredis.Redis) -> Any:
+            for attempt in (1, 2):
+                try:
+                    if not self._wait:
+                        return await client.execute_command(*command())  # type: ignore[no-untyped-call]
+                    async with client.pipeline(transaction=False) as pipe:
+                        pipe.execute_command(*command())
+                        pipe.execute_command(*self._wait)
+                        result, acked = await pipe.execute()
+                    acked = acked[-1] if isinstance(acked, list) else acked
+                    if acked < self.wait_replicas:
+                        raise StoreFailure(
+                            FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged"
+                        )
+                    return result
+                except NoScriptError:  # the server restarted, or was flushed
+                    if attempt == 2:
+                        raise
+                    await self._load(client)
+            return None
+
+        return await self._call(op, run)
+
+    async def _load(self, client: aioredis.Redis) -> None:
+        for name, source in _SOURCES.items():
+            self._shas[name] = await client.script_load(source)
+
+    async def remove(self, scope: str, response_id: str) -> bool:
+        """Forget a response (kept here, else on the server); True when there was one."""
+        if self.delete(scope, response_id):
+            return True
+        if response_id.startswith(KEPT_PREFIXES):
+            return False
+        key = Keys(self.prefix, scope).record(response_id)
+        return bool(await self._write("delete", lambda: ("DEL", key)))
+
+    def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:
+        raise NotSupported(
+            "Conversations and Idempotency-Key are not yet supported with a shared store "
+            "(--shared-store)."
+        )
+
+
+_SOURCES = {"begin": layout.BEGIN, "item": layout.ITEM, "commit": layout.COMMIT}

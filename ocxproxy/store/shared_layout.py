@@ -1,0 +1,204 @@
+"""The shared tier's layout on Valkey/Redis: key names, the encoding of segments and
+records, and the server-side scripts (Lua, run by EVALSHA: Redis 7.0 and Valkey alike).
+
+Every key starts with the prefix and the caller's scope hash (CONTRACT.md C5), so one
+credential's keys never answer another's and a scan per scope is one pattern:
+
+    {prefix}{scope}:s:{sha256}   a segment: its metadata and zstd bytes, written once
+    {prefix}{scope}:c:{token}    a chain: the list of its segments' digests, oldest first
+    {prefix}{scope}:r:{id}       a record (hash): chain key, chain length, meta (JSON)
+    {prefix}{scope}:i:{item id}  the id of the newest record whose own segment holds it
+
+A record reads the first `len` digests of its chain. A turn on a parent whose chain has
+grown since (a sibling was appended) forks: a new chain with the parent's digests and its
+own, so no record's history ever changes. Every key has a TTL; a commit extends the
+chain's and its segments' TTL to its own record's expiry (never shortening one), so a
+segment lives as long as the longest-lived record that needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import zstandard
+
+from ocxproxy.model import ItemIds, Record, Segment
+
+_HEAD = struct.Struct("<BI")  # version, length of the metadata JSON
+_VERSION = 1
+
+# KEYS[1] the record. A hit: {meta, chain key, digests}; a miss: nil.
+BEGIN = """
+local r = redis.call('HMGET', KEYS[1], 'chain', 'len', 'meta')
+if not r[3] then return false end
+return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)}
+"""
+
+# KEYS[1] the item index key; ARGV[1] the record key prefix of its scope.
+ITEM = """
+local id = redis.call('GET', KEYS[1])
+if not id then return false end
+local r = redis.call('HMGET', ARGV[1] .. id, 'chain', 'len', 'meta')
+if not r[3] then return false end
+return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1), id}
+"""
+
+# KEYS: record, parent chain, new chain, k segments, then item index keys.
+# ARGV: parent length (0: none), own digest, expiry (ms since epoch), meta, record id,
+#       segment key prefix, k, then k segment values.
+COMMIT = """
+local plen = tonumber(ARGV[1])
+local pxat = ARGV[3]
+local k = tonumber(ARGV[7])
+local chain = KEYS[3]
+if plen > 0 then
+  local n = redis.call('LLEN', KEYS[2])
+  if n < plen then return redis.error_reply('OCXLOST the parent chain is gone') end
+  if n == plen then
+    chain = KEYS[2]
+  else
+    redis.call('DEL', chain)
+    for i = 0, plen - 1, 1000 do
+      local part = redis.call('LRANGE', KEYS[2], i, math.min(i + 999, plen - 1))
+      redis.call('RPUSH', chain, unpack(part))
+    end
+  end
+else
+  redis.call('DEL', chain)
+end
+redis.call('RPUSH', chain, ARGV[2])
+for i = 1, k do
+  if not redis.call('SET', KEYS[3 + i], ARGV[7 + i], 'NX', 'PXAT', pxat) then
+    redis.call('PEXPIREAT', KEYS[3 + i], pxat, 'GT')
+  end
+end
+for _, d in ipairs(redis.call('LRANGE', chain, 0, -1)) do
+  redis.call('PEXPIREAT', ARGV[6] .. d, pxat, 'GT')
+end
+if redis.call('PTTL', chain) < 0 then
+  redis.call('PEXPIREAT', chain, pxat)
+else
+  redis.call('PEXPIREAT', chain, pxat, 'GT')
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4])
+redis.call('PEXPIREAT', KEYS[1], pxat)
+for i = 4 + k, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
+end
+return chain
+"""
+
+LOST = "OCXLOST"  # the commit script's error when the parent's chain expired meanwhile
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names of one scope."""
+
+    prefix: str
+    scope: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}{self.scope}:"
+
+    def record(self, record_id: str) -> str:
+        return f"{self.base}r:{record_id}"
+
+    def chain(self, token: str) -> str:
+        return f"{self.base}c:{token}"
+
+    def segment(self, digest: str) -> str:
+        return f"{self.base}s:{digest}"
+
+    def item(self, item_id: str) -> str:
+        return f"{self.base}i:{item_id}"
+
+
+@dataclass(slots=True)
+class SharedRecord(Record):
+    """A record of the shared tier: also where its history is (chain key, length)."""
+
+    chain: str = ""
+    length: int = 0
+
+
+_compressor = zstandard.ZstdCompressor(level=3)
+_decompressor = zstandard.ZstdDecompressor()
+
+
+def encode_segment(segment: Segment, data: bytes) -> bytes:
+    """A segment's value: version, metadata (items, call ids, item spans), zstd bytes."""
+    meta = orjson.dumps([segment.n_items, sorted(segment.call_ids), list(segment.item_ids)])
+    return b"".join((_HEAD.pack(_VERSION, len(meta)), meta, _compressor.compress(data)))
+
+
+def decode_segment(digest: str, value: bytes) -> Segment:
+    """The segment stored under `digest`; ValueError when it is not what it claims."""
+    try:
+        version, size = _HEAD.unpack_from(value)
+        if version != _VERSION:
+            raise ValueError(f"unknown segment version {version}")
+        n_items, call_ids, spans = orjson.loads(value[_HEAD.size : _HEAD.size + size])
+        data = _decompressor.decompress(value[_HEAD.size + size :])
+    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError, TypeError) as exc:
+        raise ValueError(f"segment {digest[:12]} unreadable: {exc}") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"segment {digest[:12]} failed its digest")
+    return Segment.restore(
+        digest,
+        len(data),
+        n_items,
+        frozenset(call_ids),
+        durable=True,
+        data=data,
+        item_ids=ItemIds([tuple(span) for span in spans]),
+    )
+
+
+def record_meta(record: Record) -> bytes:
+    response = record.response
+    return orjson.dumps(
+        {
+            "t": record.created_at,
+            "e": record.expires_at,
+            "n": record.n_items,
+            "l": len(record.segments),
+            "r": response.key,
+            "rs": response.size,
+            "o": record.output_at,
+            "b": record.backend,
+            "a": record.affinity_key,
+            "s": record.stored,
+        }
+    )
+
+
+def decode_record(
+    record_id: str, scope: str, m: dict[str, Any], segments: tuple[Segment, ...], chain: str
+) -> SharedRecord:
+    """A record from its meta (JSON, decoded) and its segments; the response object
+    (`response`) is named by digest, its bytes fetched when asked for."""
+    response = Segment.restore(m["r"], m["rs"], 0, frozenset(), durable=True)
+    output_at = m["o"]
+    return SharedRecord(
+        id=record_id,
+        scope=scope,
+        created_at=m["t"],
+        expires_at=m["e"],
+        durable=True,
+        segments=segments,
+        response=response,
+        backend=m["b"],
+        affinity_key=m["a"],
+        n_items=m["n"],
+        output_at=tuple(output_at) if output_at is not None else None,
+        stored=m["s"],
+        chain=chain,
+        length=len(segments),
+    )

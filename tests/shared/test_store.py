@@ -1,0 +1,348 @@
+"""SharedStore (store/shared.py) against a real Valkey / redis-server 7.0: chains across
+replicas, forks, deletes, item references, expiry, privacy, start-up checks, failures."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+import redis.asyncio as aioredis
+
+from ocxproxy.errors import FailureReason, NotSupported, StorageUnavailable, StoreFailure
+from ocxproxy.metrics import Metrics
+from ocxproxy.model import ItemIds, Record, Turn
+from ocxproxy.store.shared import SharedStore
+from ocxproxy.store.shared_checks import SharedStoreRefused
+from tests.shared.servers import KvServer
+from tests.store.helpers import Clock, sample
+
+MakeStore = Callable[..., Awaitable[SharedStore]]
+
+
+def turn(
+    response_id: str,
+    user: str,
+    *,
+    scope: str = "scope-a",
+    durable: bool = True,
+    item_id: str | None = None,
+    call_id: str | None = None,
+) -> Turn:
+    """A turn adding one user message and one output item (a message, with `item_id`; or
+    a function call)."""
+    output: dict[str, Any]
+    if call_id is not None:
+        output = {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
+    else:
+        output = {"type": "message", "role": "assistant", "content": f"echo: {user}"}
+    if item_id is not None:
+        output = {"id": item_id, **output}
+    user_item = orjson.dumps({"role": "user", "content": user})
+    out = orjson.dumps(output)
+    items = user_item + b"," + out
+    spans = [(item_id, len(user_item) + 1, len(items))] if item_id else []
+    response = {"id": response_id, "object": "response", "status": "completed", "output": [output]}
+    return Turn(
+        response_id=response_id,
+        scope=scope,
+        durable=durable,
+        items=items,
+        n_items=2,
+        call_ids=frozenset({call_id} if call_id else ()),
+        response=orjson.dumps(response),
+        item_ids=ItemIds(spans),
+        backend="http://b1",
+    )
+
+
+@pytest.fixture
+async def make_store(kv_server: KvServer) -> AsyncIterator[MakeStore]:
+    stores: list[SharedStore] = []
+
+    async def make(**options: Any) -> SharedStore:
+        settings: dict[str, Any] = {
+            "max_resident_bytes": 1024 * 1024,
+            "max_entries": 1000,
+            "ttl": 3600.0,
+            "metrics": Metrics(),
+            "start_timeout": 2.0,
+        }
+        settings.update(options)
+        store = SharedStore(settings.pop("url", kv_server.url), **settings)
+        await store.start()
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+async def chain_of(store: SharedStore, parent: Record | None, ids: list[str]) -> Record:
+    for rid in ids:
+        record = store.put(turn(rid, f"user says {rid}"), parent)
+        await store.commit(record)
+        parent = record
+    assert parent is not None
+    return parent
+
+
+async def raw_client(server: KvServer) -> aioredis.Redis:
+    return aioredis.Redis.from_url(server.url)
+
+
+async def test_a_chain_alternating_between_replicas_replays_the_same_bytes(
+    make_store: MakeStore,
+) -> None:
+    a, b, c = await make_store(), await make_store(), await make_store()
+    replicas = [a, b, c]
+    parent: Record | None = None
+    bodies: list[bytes] = []
+    for n in range(9):
+        store = replicas[n % 3]
+        if parent is not None:
+            parent = await store.begin("scope-a", parent.id)
+            bodies.append(b",".join(await store.history(parent)))
+        record = store.put(turn(f"resp_{n}", f"turn {n}"), parent)
+        await store.commit(record)
+        parent = record
+    for before, after in zip(bodies, bodies[1:], strict=False):
+        assert after.startswith(before + b",")  # append-only byte prefix
+    final = await b.begin("scope-a", "resp_8")
+    assert final.n_items == 18
+    assert b",".join(await b.history(final)) == b",".join(
+        turn(f"resp_{n}", f"turn {n}").items for n in range(9)
+    )
+    assert final.backend == "http://b1"
+
+
+async def test_begin_takes_cached_segments_and_fetches_only_missing_ones(
+    make_store: MakeStore,
+) -> None:
+    a, b = await make_store(), await make_store()
+    await chain_of(a, None, ["r1", "r2", "r3"])
+    cache = b.metrics.shared_cache
+    await b.begin("scope-a", "r3")
+    assert sample(cache, result="miss") == 3
+    assert sample(cache, result="hit") == 0
+    await b.begin("scope-a", "r3")  # all cached now: no fetch
+    assert sample(cache, result="hit") == 3
+    assert sum(b.metrics.shared_seconds.labels("fetch").counts) == 1
+    parent = await a.begin("scope-a", "r3")
+    await chain_of(a, parent, ["r4"])
+    await b.begin("scope-a", "r4")  # one new segment: fetched alone
+    assert sample(cache, result="miss") == 4
+    assert sample(cache, result="hit") == 6
+
+
+async def test_a_response_object_round_trips_with_its_output_cut_out(
+    make_store: MakeStore,
+) -> None:
+    a, b = await make_store(), await make_store()
+    t = turn("r1", "hello", item_id="msg_1")
+    await a.commit(a.put(t, None))
+    record = await b.begin("scope-a", "r1")
+    assert record.output_at is not None  # stored once, in the segment
+    assert await b.response_bytes(record) == t.response
+
+
+async def test_siblings_off_one_parent_fork_the_chain(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    root = await chain_of(a, None, ["r1", "r2"])
+    pa, pb = await a.begin("scope-a", root.id), await b.begin("scope-a", root.id)
+    left, right = a.put(turn("left", "L"), pa), b.put(turn("right", "R"), pb)
+    await a.commit(left)
+    await b.commit(right)  # the chain grew meanwhile: a fork
+    got_left, got_right = await b.begin("scope-a", "left"), await a.begin("scope-a", "right")
+    base = turn("r1", "user says r1").items + b"," + turn("r2", "user says r2").items
+    assert b",".join(await b.history(got_left)) == base + b"," + turn("left", "L").items
+    assert b",".join(await a.history(got_right)) == base + b"," + turn("right", "R").items
+    assert got_left.chain != got_right.chain  # type: ignore[attr-defined]
+    # Each goes on along its own chain.
+    deeper = await chain_of(b, got_right, ["right2"])
+    again = await a.begin("scope-a", deeper.id)
+    assert b",".join(await a.history(again)).startswith(base + b"," + turn("right", "R").items)
+    assert len(again.segments) == 4
+
+
+async def test_a_delete_on_one_replica_is_seen_by_every_other(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    await chain_of(a, None, ["r1", "r2"])
+    await b.begin("scope-a", "r2")
+    assert await a.remove("scope-a", "r2")
+    with pytest.raises(StoreFailure) as caught:
+        await b.begin("scope-a", "r2")
+    assert caught.value.reason == FailureReason.UNKNOWN
+    assert not await b.remove("scope-a", "r2")
+    assert (await b.begin("scope-a", "r1")).n_items == 2  # the parent stays
+
+
+async def test_another_scope_never_sees_a_record_or_an_item(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    await a.commit(a.put(turn("r1", "secret", item_id="msg_1"), None))
+    with pytest.raises(StoreFailure):
+        await b.begin("scope-b", "r1")
+    with pytest.raises(StoreFailure):
+        await b.locate_item("scope-b", "msg_1")
+    assert not await b.remove("scope-b", "r1")
+    assert (await b.begin("scope-a", "r1")).id == "r1"
+
+
+async def test_an_item_reference_resolves_on_another_replica(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    t = turn("r1", "hello", item_id="msg_1")
+    await a.commit(a.put(t, None))
+    record = await b.locate_item("scope-a", "msg_1")
+    (data,) = await b.item_bytes([(record, "msg_1")])
+    assert orjson.loads(data)["id"] == "msg_1"
+    assert t.items.endswith(data)
+    with pytest.raises(StoreFailure):
+        await b.locate_item("scope-a", "msg_unknown")
+
+
+async def test_a_store_false_turn_never_reaches_the_server(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a = await make_store()
+    stored = await chain_of(a, None, ["r1"])
+    parent = await a.begin("scope-a", stored.id)
+    secret = a.put(turn("r2", "MARKER-unstored", durable=False, item_id="msg_x"), parent)
+    await a.commit(secret)
+    assert (await a.begin("scope-a", "r2")).id == "r2"  # kept in this process
+    client = await raw_client(kv_server)
+    try:
+        keys = [k async for k in client.scan_iter(match="*")]
+        values = [await client.dump(k) or b"" for k in keys]
+    finally:
+        await client.aclose()
+    assert keys and all(k.startswith(b"ocx:scope-a:") for k in keys)
+    assert not any(b"MARKER" in k or b"msg_x" in k for k in keys)
+    assert not any(b"MARKER" in v for v in values)  # zstd frames: check decompressed too
+    b = await make_store()
+    with pytest.raises(StoreFailure):
+        await b.begin("scope-a", "r2")
+
+
+async def test_an_expired_record_is_gone_everywhere(make_store: MakeStore) -> None:
+    clock = Clock(1_700_000_000.0)
+    import time
+
+    clock.now = time.time()
+    a = await make_store(clock=clock, ttl=60.0)
+    b = await make_store(clock=clock, ttl=60.0)
+    await chain_of(a, None, ["r1"])
+    clock.now += 61
+    with pytest.raises(StoreFailure) as caught:
+        await b.begin("scope-a", "r1")
+    assert caught.value.reason == FailureReason.EXPIRED
+    assert sample(b.metrics.store_evictions, reason="expired") == 1
+
+
+async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a = await make_store(ttl=100.0)
+    await chain_of(a, None, ["r1", "r2"])
+    client = await raw_client(kv_server)
+    try:
+        keys = [k async for k in client.scan_iter(match="ocx:*")]
+        ttls = {k: await client.pttl(k) for k in keys}
+    finally:
+        await client.aclose()
+    assert len(keys) == 2 + 1 + 4  # records, one chain, two segments + two responses
+    assert all(0 < ttl <= 100_000 for ttl in ttls.values())
+
+
+async def test_a_corrupt_segment_fails_its_digest(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a, b = await make_store(), await make_store()
+    t = turn("r1", "hello")
+    await a.commit(a.put(t, None))
+    digest = hashlib.sha256(t.items).hexdigest()
+    client = await raw_client(kv_server)
+    try:
+        key = f"ocx:scope-a:s:{digest}"
+        value = await client.get(key)
+        await client.set(key, value[:-3] + b"xyz", keepttl=True)
+    finally:
+        await client.aclose()
+    with pytest.raises(StoreFailure) as caught:
+        await b.begin("scope-a", "r1")
+    assert caught.value.reason == FailureReason.CORRUPT
+
+
+async def test_conversation_records_are_refused_clearly(make_store: MakeStore) -> None:
+    a = await make_store()
+    with pytest.raises(NotSupported):
+        a.record("scope-a", "conv_123")
+    with pytest.raises(NotSupported):
+        a.keep("conv_1", "scope-a", (), b"{}", created_at=0.0)
+
+
+async def test_a_server_down_fails_closed_and_recovers_without_restart(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a = await make_store()
+    parent = await chain_of(a, None, ["r1"])
+    kv_server.close()
+    with pytest.raises(StorageUnavailable):
+        await a.begin("scope-a", "r1")
+    assert not a.available
+    assert sample(a.metrics.shared_available) == 0
+    pending = a.put(turn("r2", "lost"), parent)
+    with pytest.raises(StoreFailure) as caught:
+        await a.commit(pending)
+    assert caught.value.reason == FailureReason.WRITE_FAILED
+    assert sample(a.metrics.shared_commits, outcome="unavailable") == 1
+    await kv_server.astart()  # the same data dir: the AOF brings r1 back
+    import asyncio
+
+    for _ in range(50):
+        if a.available:
+            break
+        await asyncio.sleep(0.1)
+    assert a.available  # the probe saw it
+    assert (await a.begin("scope-a", "r1")).id == "r1"
+    with pytest.raises(StoreFailure):
+        await a.begin("scope-a", "r2")  # never acknowledged, never stored
+
+
+@pytest.mark.parametrize(
+    ("settings", "durability", "refused"),
+    [
+        ({"appendfsync": "everysec"}, "ack", "appendfsync always"),
+        ({"appendonly": False}, "ack", "appendonly yes"),
+        ({"maxmemory_policy": "allkeys-lru"}, "relaxed", "noeviction"),
+        ({"maxmemory_policy": "volatile-ttl"}, "ack", "noeviction"),
+        ({"appendfsync": "everysec"}, "relaxed", None),
+        ({"appendonly": False}, "relaxed", None),
+    ],
+)
+async def test_start_checks_the_server_against_the_durability_profile(
+    make_kv_server: Callable[..., Awaitable[KvServer]],
+    settings: dict[str, Any],
+    durability: str,
+    refused: str | None,
+) -> None:
+    server = await make_kv_server("valkey", **settings)
+    store = SharedStore(
+        server.url, max_resident_bytes=1024, max_entries=10, ttl=60.0, durability=durability
+    )
+    try:
+        if refused is None:
+            await store.start()
+            await store.commit(store.put(turn("r1", "x"), None))
+        else:
+            with pytest.raises(SharedStoreRefused, match=refused):
+                await store.start()
+    finally:
+        await store.close()
+
+
+async def test_an_unreachable_server_at_start_is_refused(make_store: MakeStore) -> None:
+    with pytest.raises(SharedStoreRefused, match="unreachable"):
+        await make_store(url="redis://127.0.0.1:1/0", start_timeout=0.3)
