@@ -4,6 +4,7 @@ replicas, forks, deletes, item references, expiry, privacy, start-up checks, fai
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -109,7 +110,7 @@ async def test_a_chain_alternating_between_replicas_replays_the_same_bytes(
         record = store.put(turn(f"resp_{n}", f"turn {n}"), parent)
         await store.commit(record)
         parent = record
-    for before, after in zip(bodies, bodies[1:], strict=False):
+    for before, after in itertools.pairwise(bodies):
         assert after.startswith(before + b",")  # append-only byte prefix
     final = await b.begin("scope-a", "resp_8")
     assert final.n_items == 18
