@@ -233,7 +233,7 @@ async def prepare_exchange(
         echo = ("conversation", {"id": conversation_id})
     elif prev is not None:
         try:
-            store, parent = resolve_previous(proxy, scope, prev, local)
+            store, parent = await resolve_previous(proxy, scope, prev, local)
             history = await store.history(parent)
         except StoreFailure as failure:
             proxy.metrics.expansions.labels(outcome=str(failure.reason)).inc()

@@ -88,11 +88,13 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
 # -- stored responses (CONTRACT.md C2) ---------------------------------------------------
 
 
-def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
+async def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
     """The caller's stored response; a store:false turn kept in memory for chaining is not
     retrievable (as on OpenAI)."""
     try:
-        record = proxy.store.lookup(scope_of(request.headers), request.match_info["response_id"])
+        record = await proxy.store.begin(
+            scope_of(request.headers), request.match_info["response_id"]
+        )
     except StoreFailure:
         return None
     return record if record.stored else None
@@ -104,7 +106,7 @@ def _not_found(response_id: str) -> NotFound:
 
 async def get_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    record = _lookup(proxy, request)
+    record = await _lookup(proxy, request)
     if record is None:
         return await passthrough(request)
     try:
@@ -117,7 +119,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
 async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
-    if not proxy.store.delete(scope_of(request.headers), response_id):
+    if not await proxy.store.remove(scope_of(request.headers), response_id):
         raise _not_found(response_id)
     try:
         await proxy.store.commit()  # ack mode: the delete is durable before it is answered
@@ -130,7 +132,7 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
 
 async def list_input_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    record = _lookup(proxy, request)
+    record = await _lookup(proxy, request)
     if record is None:
         raise _not_found(request.match_info["response_id"])
     query = parse_list_query(request.query, includes_of(request.query))

@@ -32,7 +32,7 @@ async def resolve_items(
     for index, item_id in refs.items():
         for store, unstored in stores:
             try:
-                record = store.find_item(scope, item_id, unstored=unstored)
+                record = await store.locate_item(scope, item_id, unstored=unstored)
             except StoreFailure:
                 continue
             wanted.setdefault(store, []).append((index, record, item_id))
@@ -65,7 +65,7 @@ async def wait_for_room(proxy: Proxy, target: Store | None) -> None:
         await proxy.store.wait_for_room()
 
 
-def resolve_previous(
+async def resolve_previous(
     proxy: Proxy, scope: str, prev: str, local: Store | None
 ) -> tuple[Store, Record]:
     """The caller's previous response, over WebSocket from the connection's own store first."""
@@ -74,7 +74,7 @@ def resolve_previous(
             return local, local.lookup(scope, prev)
         except StoreFailure:
             pass
-    return proxy.store, proxy.store.lookup(scope, prev)
+    return proxy.store, await proxy.store.begin(scope, prev)
 
 
 def retention(

@@ -229,6 +229,17 @@ class Store:
             raise StoreFailure(FailureReason.EXPIRED)
         return record
 
+    # The handlers' way in (awaited: a shared store's answers take a round trip; here
+    # they return at once).
+    async def begin(self, scope: str, response_id: str) -> Record:
+        return self.lookup(scope, response_id)
+
+    async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+        return self.find_item(scope, item_id, unstored=unstored)
+
+    async def remove(self, scope: str, response_id: str) -> bool:
+        return self.delete(scope, response_id)
+
     async def history(self, record: Record) -> list[bytes]:
         """The chain's segment bytes, oldest first (empty segments left out)."""
         segments = record.segments

@@ -1,0 +1,205 @@
+"""Proxies on one shared store (in this process, each its own app and port) in front of
+the fake backend, driven by the openai SDK and plain HTTP: chains across replicas (JSON,
+SSE, the stream helper), stored responses, fail-closed answers, commit failures,
+conversations refused, metrics and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from ocxproxy.config import Config
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.http.helpers import assert_append_only, sse_payloads
+from tests.shared.servers import KvServer
+
+
+async def replicas(
+    make_proxy: MakeProxy, backend: FakeBackend, url: str, n: int = 3
+) -> list[ProxyHandle]:
+    return [await make_proxy(backend.url, shared_store=url, state_dir=None) for _ in range(n)]
+
+
+async def test_a_chain_alternating_across_replicas_json_sse_and_stream_helper(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer
+) -> None:
+    proxies = await replicas(make_proxy, backend, kv_server.url)
+    previous: str | None = None
+    for n in range(9):
+        client = proxies[n % 3].client()
+        kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+        word = f"turn {n}"
+        kwargs["input"] = [{"role": "user", "content": word}]
+        if n % 3 == 0:
+            response = await client.responses.create(model="m", **kwargs)
+        elif n % 3 == 1:
+            stream = await client.responses.create(model="m", stream=True, **kwargs)
+            events = [event async for event in stream]
+            assert events[-1].type == "response.completed"
+            response = events[-1].response
+        else:
+            async with client.responses.stream(model="m", **kwargs) as helper:
+                async for _ in helper:
+                    pass
+                response = await helper.get_final_response()
+        assert response.output_text.endswith(word)
+        if previous is not None:
+            assert response.previous_response_id == previous
+        previous = response.id
+    seen = backend.responses_seen
+    assert len(seen) == 9
+    assert_append_only([s.body for s in seen])
+    assert len(seen[-1].json["input"]) == 17  # 8 turns of 2 items, and the new one
+    commits = sum(p.metric("ocxproxy_shared_commits_total", outcome="ok") for p in proxies)
+    assert commits == 9
+
+
+async def test_stored_responses_from_any_replica(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    a, b, c = await replicas(make_proxy, backend, kv_server.url)
+    first = await a.client().responses.create(model="m", input="hello")
+    second = await b.client().responses.create(
+        model="m", input="again", previous_response_id=first.id
+    )
+    got = await c.client().responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text
+    items = await c.client().responses.input_items.list(second.id, order="asc")
+    assert [i.content[0].text for i in items.data if i.type == "message"][::2] == [
+        "hello",
+        "again",
+    ]
+    # Another credential sees nothing, anywhere.
+    with pytest.raises(openai.NotFoundError):
+        await c.client(api_key="sk-other").responses.input_items.list(second.id)
+    deleted = await c.client().responses.delete(second.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    before = len(backend.responses_seen)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await a.client().responses.create(model="m", input="x", previous_response_id=second.id)
+    assert caught.value.code == "previous_response_not_found"
+    assert len(backend.responses_seen) == before
+    async with http.get(
+        f"{b.base_url}/responses/{second.id}/input_items",
+        headers={"Authorization": "Bearer sk-test-a"},
+    ) as resp:
+        assert resp.status == 404
+
+
+async def test_an_item_reference_resolves_on_another_replica(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer
+) -> None:
+    a, b, _ = await replicas(make_proxy, backend, kv_server.url)
+    first = await a.client().responses.create(model="m", input="remember this")
+    item_id = first.output[0].id
+    await b.client().responses.create(
+        model="m",
+        input=[{"type": "item_reference", "id": item_id}, {"role": "user", "content": "and?"}],
+    )
+    forwarded = backend.responses_seen[-1].json["input"]
+    assert forwarded[0]["id"] == item_id
+    assert forwarded[0]["content"][0]["text"] == first.output_text
+
+
+async def test_store_down_is_503_before_the_backend_and_recovers(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    a, b, _ = await replicas(make_proxy, backend, kv_server.url)
+    first = await a.client().responses.create(model="m", input="hello")
+    kv_server.kill9()
+    before = len(backend.responses_seen)
+    headers = {"Authorization": "Bearer sk-test-a"}
+    body = {"model": "m", "input": "more", "previous_response_id": first.id}
+    async with http.post(f"{b.base_url}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "storage_unavailable"
+    for path in (f"/responses/{first.id}", f"/responses/{first.id}/input_items"):
+        async with http.get(b.base_url + path, headers=headers) as resp:
+            assert resp.status == 503, path
+    async with http.delete(f"{b.base_url}/responses/{first.id}", headers=headers) as resp:
+        assert resp.status == 503
+    assert len(backend.responses_seen) == before  # nothing forwarded
+    # A turn that needs no stored state flows, and is not stored.
+    body = {"model": "m", "input": "stateless", "store": False}
+    async with http.post(f"{b.base_url}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200
+    # A store:true turn is forwarded, but its commit fails: never a success.
+    async with http.post(
+        f"{b.base_url}/responses", json={"model": "m", "input": "x"}, headers=headers
+    ) as resp:
+        assert resp.status == 503
+    async with http.get(f"{b.url}/readyz") as resp:
+        assert resp.status == 503
+    assert b.metric("ocxproxy_shared_store_available") == 0
+    await kv_server.astart()
+    for _ in range(50):
+        async with http.get(f"{b.url}/readyz") as resp:
+            if resp.status == 200:
+                break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("not ready again")
+    again = await b.client().responses.create(
+        model="m", input="more", previous_response_id=first.id
+    )
+    assert again.previous_response_id == first.id
+
+
+async def test_a_failed_commit_is_an_error_event_never_a_completion(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    a, b, _ = await replicas(make_proxy, backend, kv_server.url)
+    first = await a.client().responses.create(model="m", input="hello")
+    client = aioredis.Redis.from_url(kv_server.url)
+    try:
+        await client.config_set("maxmemory", "1")  # noeviction: reads work, writes fail
+        headers = {"Authorization": "Bearer sk-test-a"}
+        body = {"model": "m", "input": "more", "previous_response_id": first.id, "stream": True}
+        async with http.post(f"{b.base_url}/responses", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            payloads = sse_payloads(await resp.read())
+        assert payloads[-1]["type"] == "error"
+        assert payloads[-1]["code"] == "storage_unavailable"
+        assert not any(p["type"] == "response.completed" for p in payloads)
+        body["stream"] = False
+        async with http.post(f"{b.base_url}/responses", json=body, headers=headers) as resp:
+            assert resp.status == 503
+        assert b.metric("ocxproxy_shared_commits_total", outcome="unavailable") == 2
+    finally:
+        await client.config_set("maxmemory", "0")
+        await client.aclose()
+
+
+async def test_conversations_and_idempotency_keys_are_refused_with_a_shared_store(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    (a,) = await replicas(make_proxy, backend, kv_server.url, n=1)
+    headers = {"Authorization": "Bearer sk-test-a"}
+    async with http.post(f"{a.base_url}/conversations", json={}, headers=headers) as resp:
+        assert resp.status == 501
+        assert (await resp.json())["error"]["code"] == "unsupported_with_shared_store"
+    async with http.get(f"{a.base_url}/conversations/conv_123", headers=headers) as resp:
+        assert resp.status == 501
+    body = {"model": "m", "input": "x", "conversation": "conv_123"}
+    async with http.post(f"{a.base_url}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 501
+    keyed = {**headers, "Idempotency-Key": "k1"}
+    async with http.post(
+        f"{a.base_url}/responses", json={"model": "m", "input": "x"}, headers=keyed
+    ) as resp:
+        assert resp.status == 501
+    assert backend.responses_seen == []
+
+
+def test_zdr_refuses_a_shared_store() -> None:
+    with pytest.raises(ValueError, match="zdr"):
+        Config(zdr=True, shared_store="redis://127.0.0.1:6379/0")
+    with pytest.raises(ValueError, match="redis://"):
+        Config(shared_store="http://127.0.0.1:6379/0")
