@@ -157,6 +157,13 @@ class Config:
     shared_prefix: str = field(
         default="ocx:", metadata={"help": "what every key of the shared store starts with"}
     )
+    shared_max_bytes: int = field(
+        default=1024**3,
+        metadata={
+            "help": "byte budget of the shared store (e.g. 1GiB); past it the chains "
+            "extended longest ago are evicted (0: no budget, the server's maxmemory decides)"
+        },
+    )
     shared_wait_replicas: int = field(
         default=0,
         metadata={
@@ -280,8 +287,8 @@ class Config:
                 raise ValueError("--zdr keeps nothing outside the process: no --shared-store")
         if not self.shared_prefix or any(c.isspace() for c in self.shared_prefix):
             raise ValueError(f"shared_prefix must be non-empty, no spaces: {self.shared_prefix!r}")
-        if self.shared_wait_replicas < 0:
-            raise ValueError("shared_wait_replicas must not be negative")
+        if self.shared_wait_replicas < 0 or self.shared_max_bytes < 0:
+            raise ValueError("shared_wait_replicas and shared_max_bytes must not be negative")
         if self.routing not in ("affinity", "round-robin"):
             raise ValueError(f"unknown routing {self.routing!r} (affinity or round-robin)")
         if not self.health_path.startswith("/"):
@@ -338,6 +345,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_concurrency": int,
     "max_concurrency_per_backend": int,
     "shared_wait_replicas": int,
+    "shared_max_bytes": parse_bytes,
 }
 SETTINGS = tuple(f.name for f in dataclasses.fields(Config))
 LIST_SETTINGS = ("upstream", "upstream_dialect", "api_keys")

@@ -74,6 +74,7 @@ class SharedStore(Store):
         clock: Callable[[], float] = time.time,
         durability: str = "ack",
         prefix: str = "ocx:",
+        max_bytes: int = 1024**3,
         wait_replicas: int = 0,
         start_timeout: float = START_TIMEOUT,
     ) -> None:
@@ -87,6 +88,8 @@ class SharedStore(Store):
         )
         self.url = url
         self.prefix = prefix
+        self.max_bytes = max_bytes
+        self.shared_bytes = 0  # the server's count, as the last commit here saw it
         self.wait_replicas = wait_replicas
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
@@ -95,7 +98,10 @@ class SharedStore(Store):
         self._wait: tuple[Any, ...] = ()  # the command that waits for replicas, if asked
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         self._probe: asyncio.Task[None] | None = None
-        self.metrics.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
+        m = self.metrics
+        m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
+        m.store_bytes.labels(tier="shared").set_function(lambda: self.shared_bytes)
+        m.store_capacity_bytes.labels(tier="shared").set(max_bytes)
 
     @classmethod
     def from_config(cls, config: Config, metrics: Metrics | None = None) -> SharedStore:
@@ -108,6 +114,7 @@ class SharedStore(Store):
             metrics=metrics,
             durability=config.durability,
             prefix=config.shared_prefix,
+            max_bytes=config.shared_max_bytes,
             wait_replicas=config.shared_wait_replicas,
         )
 
@@ -255,8 +262,8 @@ class SharedStore(Store):
         if m["e"] <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
-        if len(digests) != m["l"]:
-            raise StoreFailure(FailureReason.MISSING, "chain")
+        if len(digests) != m["l"]:  # its chain was evicted for the byte budget
+            raise StoreFailure(FailureReason.EVICTED, "chain")
         segments = await self._gather(keys, [d.decode() for d in digests])
         return layout.decode_record(record_id, keys.scope, m, segments, chain.decode())
 
@@ -278,8 +285,8 @@ class SharedStore(Store):
         values = await self._call("fetch", lambda r: r.mget([keys.segment(d) for d in digests]))
         got: dict[str, Segment] = {}
         for digest, value in zip(digests, values, strict=True):
-            if value is None:
-                raise StoreFailure(FailureReason.MISSING, digest)
+            if value is None:  # evicted with a chain this one was forked from
+                raise StoreFailure(FailureReason.EVICTED, digest)
             try:
                 segment = layout.decode_segment(digest, value)
             except ValueError as exc:
@@ -394,13 +401,20 @@ class SharedStore(Store):
         item_keys = [keys.item(item_id) for item_id in own.item_ids.ids]
         meta = layout.record_meta(record)
         args = [plen, own.key, int(record.expires_at * 1000), meta, record.id]
-        args += [keys.segment(""), len(values), *values]
-        script_keys = [keys.record(record.id), parent_chain, new_chain, *segment_keys, *item_keys]
-        chain = await self._write(
+        args += [keys.segment(""), len(values), int(self.clock() * 1000), self.max_bytes]
+        args += values
+        script_keys = [keys.record(record.id), parent_chain, new_chain]
+        script_keys += [*layout.budget_keys(self.prefix), *segment_keys, *item_keys]
+        chain, total, evicted, expired = await self._write(
             "commit",
             lambda: ("EVALSHA", self._shas["commit"], len(script_keys), *script_keys, *args),
         )
-        return chain.decode() if isinstance(chain, bytes) else str(chain)
+        self.shared_bytes = total
+        if evicted:
+            self.metrics.store_evictions.labels(reason="shared_bytes").inc(evicted)
+        if expired:
+            self.metrics.store_evictions.labels(reason="shared_expired").inc(expired)
+        return str(chain.decode())
 
     async def _write(self, op: str, command: Callable[[], tuple[Any, ...]]) -> Any:
         """One write, and with --shared-wait-replicas the WAIT/WAITAOF for it on the same

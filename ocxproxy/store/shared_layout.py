@@ -8,12 +8,18 @@ credential's keys never answer another's and a scan per scope is one pattern:
     {prefix}{scope}:c:{token}    a chain: the list of its segments' digests, oldest first
     {prefix}{scope}:r:{id}       a record (hash): chain key, chain length, meta (JSON)
     {prefix}{scope}:i:{item id}  the id of the newest record whose own segment holds it
+    {prefix}_:chains, _:bytes, _:total   the byte budget's bookkeeping (no content)
 
 A record reads the first `len` digests of its chain. A turn on a parent whose chain has
 grown since (a sibling was appended) forks: a new chain with the parent's digests and its
 own, so no record's history ever changes. Every key has a TTL; a commit extends the
 chain's and its segments' TTL to its own record's expiry (never shortening one), so a
 segment lives as long as the longest-lived record that needs it.
+
+The byte budget counts what each chain's commits added (segments new to the server,
+records, digests); past it, the commit that crossed it evicts the chains extended longest
+ago, whole: their lists and segments (a fork sharing those segments loses them too:
+its continuations answer `evicted`, like the records that named the chain).
 """
 
 from __future__ import annotations
@@ -47,14 +53,17 @@ if not r[3] then return false end
 return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1), id}
 """
 
-# KEYS: record, parent chain, new chain, k segments, then item index keys.
+# KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
+#       per chain, total), k segments, then item index keys.
 # ARGV: parent length (0: none), own digest, expiry (ms since epoch), meta, record id,
-#       segment key prefix, k, then k segment values.
+#       segment key prefix, k, now (ms), byte budget, then k segment values.
+# Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
 local plen = tonumber(ARGV[1])
 local pxat = ARGV[3]
 local k = tonumber(ARGV[7])
 local chain = KEYS[3]
+local added = #ARGV[4] + 100
 if plen > 0 then
   local n = redis.call('LLEN', KEYS[2])
   if n < plen then return redis.error_reply('OCXLOST the parent chain is gone') end
@@ -66,14 +75,18 @@ if plen > 0 then
       local part = redis.call('LRANGE', KEYS[2], i, math.min(i + 999, plen - 1))
       redis.call('RPUSH', chain, unpack(part))
     end
+    added = added + 72 * plen
   end
 else
   redis.call('DEL', chain)
 end
 redis.call('RPUSH', chain, ARGV[2])
+added = added + 72
 for i = 1, k do
-  if not redis.call('SET', KEYS[3 + i], ARGV[7 + i], 'NX', 'PXAT', pxat) then
-    redis.call('PEXPIREAT', KEYS[3 + i], pxat, 'GT')
+  if redis.call('SET', KEYS[6 + i], ARGV[9 + i], 'NX', 'PXAT', pxat) then
+    added = added + #ARGV[9 + i] + #KEYS[6 + i]
+  else
+    redis.call('PEXPIREAT', KEYS[6 + i], pxat, 'GT')
   end
 end
 for _, d in ipairs(redis.call('LRANGE', chain, 0, -1)) do
@@ -87,10 +100,37 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4])
 redis.call('PEXPIREAT', KEYS[1], pxat)
-for i = 4 + k, #KEYS do
+for i = 7 + k, #KEYS do
   redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
 end
-return chain
+-- The budget: bytes per chain, chains by expiry. Expired chains leave the count; past
+-- the budget the chain extended longest ago goes whole, with its segments.
+redis.call('ZADD', KEYS[4], 'GT', pxat, chain)
+redis.call('HINCRBY', KEYS[5], chain, added)
+local total = redis.call('INCRBY', KEYS[6], added)
+local expired = 0
+for _, old in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[8], 'LIMIT', 0, 64)) do
+  total = redis.call('DECRBY', KEYS[6], tonumber(redis.call('HGET', KEYS[5], old) or 0))
+  redis.call('HDEL', KEYS[5], old)
+  redis.call('ZREM', KEYS[4], old)
+  expired = expired + 1
+end
+local evicted = 0
+local budget = tonumber(ARGV[9])
+while budget > 0 and total > budget do
+  local oldest = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  if not oldest or oldest == chain then break end
+  local segments = string.match(oldest, '^(.*):c:[^:]*$') .. ':s:'
+  for _, d in ipairs(redis.call('LRANGE', oldest, 0, -1)) do
+    redis.call('DEL', segments .. d)
+  end
+  redis.call('DEL', oldest)
+  total = redis.call('DECRBY', KEYS[6], tonumber(redis.call('HGET', KEYS[5], oldest) or 0))
+  redis.call('HDEL', KEYS[5], oldest)
+  redis.call('ZREM', KEYS[4], oldest)
+  evicted = evicted + 1
+end
+return {chain, total, evicted, expired}
 """
 
 LOST = "OCXLOST"  # the commit script's error when the parent's chain expired meanwhile
@@ -118,6 +158,11 @@ class Keys:
 
     def item(self, item_id: str) -> str:
         return f"{self.base}i:{item_id}"
+
+
+def budget_keys(prefix: str) -> tuple[str, str, str]:
+    """The byte budget's keys: a reserved scope `_` (a scope is a hash or `anonymous`)."""
+    return f"{prefix}_:chains", f"{prefix}_:bytes", f"{prefix}_:total"
 
 
 @dataclass(slots=True)

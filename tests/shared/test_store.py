@@ -219,7 +219,7 @@ async def test_a_store_false_turn_never_reaches_the_server(
         values = [await client.dump(k) or b"" for k in keys]
     finally:
         await client.aclose()
-    assert keys and all(k.startswith(b"ocx:scope-a:") for k in keys)
+    assert keys and all(k.startswith((b"ocx:scope-a:", b"ocx:_:")) for k in keys)
     assert not any(b"MARKER" in k or b"msg_x" in k for k in keys)
     assert not any(b"MARKER" in v for v in values)  # zstd frames: check decompressed too
     b = await make_store()
@@ -249,12 +249,46 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
     await chain_of(a, None, ["r1", "r2"])
     client = await raw_client(kv_server)
     try:
-        keys = [k async for k in client.scan_iter(match="ocx:*")]
+        keys = [k async for k in client.scan_iter(match="ocx:scope-a:*")]
         ttls = {k: await client.pttl(k) for k in keys}
     finally:
         await client.aclose()
     assert len(keys) == 2 + 1 + 4  # records, one chain, two segments + two responses
     assert all(0 < ttl <= 100_000 for ttl in ttls.values())
+    # A child living longer keeps its whole chain alive as long (never shortening a TTL).
+    longer = await make_store(ttl=1000.0)
+    await chain_of(longer, await longer.begin("scope-a", "r2"), ["r3"])
+    first = hashlib.sha256(turn("r1", "user says r1").items).hexdigest()
+    client = await raw_client(kv_server)
+    try:
+        assert await client.pttl(f"ocx:scope-a:s:{first}") > 100_000
+        assert 0 < await client.pttl("ocx:scope-a:r:r1") <= 100_000
+    finally:
+        await client.aclose()
+
+
+async def test_past_the_byte_budget_the_oldest_chains_go_whole(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a = await make_store(max_bytes=4000)
+    b = await make_store(max_bytes=4000)
+    for n in range(12):  # separate chains, ~700 bytes each
+        await chain_of(a if n % 2 else b, None, [f"c{n}-1", f"c{n}-2"])
+    evicted = sample(a.metrics.store_evictions, reason="shared_bytes") + sample(
+        b.metrics.store_evictions, reason="shared_bytes"
+    )
+    assert evicted >= 6
+    assert max(a.shared_bytes, b.shared_bytes) <= 4000
+    with pytest.raises(StoreFailure) as caught:
+        await a.begin("scope-a", "c0-2")
+    assert caught.value.reason == FailureReason.EVICTED
+    assert (await a.begin("scope-a", "c11-2")).n_items == 4  # the newest stay
+    client = await raw_client(kv_server)
+    try:  # the evicted chains' segments are gone from the server, not just unreachable
+        segments = [k async for k in client.scan_iter(match="ocx:scope-a:s:*")]
+    finally:
+        await client.aclose()
+    assert len(segments) < 12 * 4
 
 
 async def test_a_corrupt_segment_fails_its_digest(
