@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -45,7 +44,7 @@ from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.shared_checks import SharedStoreRefused, check_server
+from ocxproxy.store.shared_checks import SharedStoreRefused, connect
 from ocxproxy.store.shared_layout import Keys, SharedRecord
 
 __all__ = ["SharedStore"]
@@ -54,7 +53,7 @@ log = logging.getLogger("ocxproxy.store.shared")
 
 PROBE_EVERY = 1.0  # seconds between probes while the server is unreachable
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
-RETRY_AFTER = "1"
+_STAGED = 10_000
 UNAVAILABLE = (
     "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
 )
@@ -129,25 +128,14 @@ class SharedStore(Store):
         if self._redis is not None:
             return
         await super().start()
-        client = aioredis.Redis.from_url(
-            self.url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=0
+        client, self._wait = await connect(
+            self.url, self.durability, self.wait_replicas, self.start_timeout
         )
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            try:
-                self._wait = await check_server(client, self.durability, self.wait_replicas)
-                await self._load(client)
-                break
-            except (RedisError, OSError) as exc:
-                if time.monotonic() >= deadline:
-                    await client.aclose()
-                    raise SharedStoreRefused(
-                        f"shared store {self.url} unreachable: {exc}"
-                    ) from None
-                await asyncio.sleep(0.2)
-            except BaseException:
-                await client.aclose()
-                raise
+        try:
+            await self._load(client)
+        except (RedisError, OSError) as exc:
+            await client.aclose()
+            raise SharedStoreRefused(f"shared store {self.url}: {exc}") from None
         self._redis = client
         self.available = True
         self._probe = spawn(self._watch(), name="shared-store-probe")
@@ -364,6 +352,8 @@ class SharedStore(Store):
             length=len(segments),
         )
         self._staged[record.id] = (record, parent)
+        if len(self._staged) > _STAGED:  # put, then never committed (cannot happen)
+            del self._staged[next(iter(self._staged))]
         return record
 
     async def commit(self, record: Record | None = None) -> None:
@@ -387,24 +377,13 @@ class SharedStore(Store):
         self._cache(shared.segments[-1])
 
     async def _commit(self, record: SharedRecord, parent: Record | None) -> str:
-        keys = Keys(self.prefix, record.scope)
-        own, response = record.segments[-1], record.response
-        assert own.data is not None and response.data is not None
-        values = [layout.encode_segment(own, own.data)]
-        segment_keys = [keys.segment(own.key)]
-        if response.key != own.key:
-            values.append(layout.encode_segment(response, response.data))
-            segment_keys.append(keys.segment(response.key))
-        new_chain = keys.chain(secrets.token_hex(8))
-        parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
-        plen = parent.length if isinstance(parent, SharedRecord) else 0
-        item_keys = [keys.item(item_id) for item_id in own.item_ids.ids]
-        meta = layout.record_meta(record)
-        args = [plen, own.key, int(record.expires_at * 1000), meta, record.id]
-        args += [keys.segment(""), len(values), int(self.clock() * 1000), self.max_bytes]
-        args += values
-        script_keys = [keys.record(record.id), parent_chain, new_chain]
-        script_keys += [*layout.budget_keys(self.prefix), *segment_keys, *item_keys]
+        script_keys, args = layout.commit_call(
+            Keys(self.prefix, record.scope),
+            record,
+            parent,
+            int(self.clock() * 1000),
+            self.max_bytes,
+        )
         chain, total, evicted, expired = await self._write(
             "commit",
             lambda: ("EVALSHA", self._shas["commit"], len(script_keys), *script_keys, *args),

@@ -9,8 +9,13 @@ the proxy reports). Redis >= 7.0 or Valkey (the scripts use PXAT and PEXPIREAT G
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from ocxproxy.config import ConfigError
 
@@ -21,6 +26,28 @@ WAIT_TIMEOUT_MS = 1000  # WAIT/WAITAOF's bound on the replicas' acknowledgement
 
 class SharedStoreRefused(ConfigError):
     """The shared store cannot hold acknowledged turns as the profile promises."""
+
+
+async def connect(
+    url: str, durability: str, wait_replicas: int, patience: float
+) -> tuple[aioredis.Redis, tuple[Any, ...]]:
+    """A client of the server at `url`, checked (retried for `patience` seconds while it
+    cannot be reached), and the command that waits for replicas (see check_server)."""
+    client = aioredis.Redis.from_url(
+        url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=0
+    )
+    deadline = time.monotonic() + patience
+    try:
+        while True:
+            try:
+                return client, await check_server(client, durability, wait_replicas)
+            except (RedisError, OSError) as exc:
+                if time.monotonic() >= deadline:
+                    raise SharedStoreRefused(f"shared store {url} unreachable: {exc}") from None
+                await asyncio.sleep(0.2)
+    except BaseException:
+        await client.aclose()
+        raise
 
 
 def _text(value: Any) -> str:

@@ -25,6 +25,7 @@ its continuations answer `evicted`, like the records that named the chain).
 from __future__ import annotations
 
 import hashlib
+import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,29 @@ class SharedRecord(Record):
 
     chain: str = ""
     length: int = 0
+
+
+def commit_call(
+    keys: Keys, record: SharedRecord, parent: Record | None, now_ms: int, budget: int
+) -> tuple[list[str], list[Any]]:
+    """COMMIT's keys and arguments for `record` (its own segment new on top of `parent`'s
+    chain): the own segment's and the response's values, the item index, the budget."""
+    own, response = record.segments[-1], record.response
+    assert own.data is not None and response.data is not None
+    values = [encode_segment(own, own.data)]
+    segment_keys = [keys.segment(own.key)]
+    if response.key != own.key:
+        values.append(encode_segment(response, response.data))
+        segment_keys.append(keys.segment(response.key))
+    new_chain = keys.chain(secrets.token_hex(8))
+    parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
+    plen = parent.length if isinstance(parent, SharedRecord) else 0
+    script_keys = [keys.record(record.id), parent_chain, new_chain]
+    script_keys += [*budget_keys(keys.prefix), *segment_keys]
+    script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
+    args: list[Any] = [plen, own.key, int(record.expires_at * 1000), record_meta(record)]
+    args += [record.id, keys.segment(""), len(values), now_ms, budget, *values]
+    return script_keys, args
 
 
 _compressor = zstandard.ZstdCompressor(level=3)
