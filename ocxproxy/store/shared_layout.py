@@ -14,7 +14,8 @@ A record reads the first `len` digests of its chain. A turn on a parent whose ch
 grown since (a sibling was appended) forks: a new chain with the parent's digests and its
 own, so no record's history ever changes. Every key has a TTL; a commit extends the
 chain's and its segments' TTL to its own record's expiry (never shortening one), so a
-segment lives as long as the longest-lived record that needs it.
+segment lives as long as the longest-lived record that needs it (plus a tenth of the TTL:
+extending them all, O(chain), then happens once per tenth of a TTL, not every turn).
 
 The byte budget counts what each chain's commits added (segments new to the server,
 records, digests); past it, the commit that crossed it evicts the chains extended longest
@@ -57,7 +58,7 @@ return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1), id}
 # KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
 #       per chain, total), k segments, then item index keys.
 # ARGV: parent length (0: none), own digest, expiry (ms since epoch), meta, record id,
-#       segment key prefix, k, now (ms), byte budget, then k segment values.
+#       segment key prefix, k, now (ms), byte budget, slack (ms), then k segment values.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
 local plen = tonumber(ARGV[1])
@@ -83,20 +84,26 @@ else
 end
 redis.call('RPUSH', chain, ARGV[2])
 added = added + 72
+local keep = tonumber(pxat) + tonumber(ARGV[10])
 for i = 1, k do
-  if redis.call('SET', KEYS[6 + i], ARGV[9 + i], 'NX', 'PXAT', pxat) then
-    added = added + #ARGV[9 + i] + #KEYS[6 + i]
+  if redis.call('SET', KEYS[6 + i], ARGV[10 + i], 'NX', 'PXAT', keep) then
+    added = added + #ARGV[10 + i] + #KEYS[6 + i]
   else
-    redis.call('PEXPIREAT', KEYS[6 + i], pxat, 'GT')
+    redis.call('PEXPIREAT', KEYS[6 + i], keep, 'GT')
   end
 end
-for _, d in ipairs(redis.call('LRANGE', chain, 0, -1)) do
-  redis.call('PEXPIREAT', ARGV[6] .. d, pxat, 'GT')
-end
-if redis.call('PTTL', chain) < 0 then
-  redis.call('PEXPIREAT', chain, pxat)
-else
-  redis.call('PEXPIREAT', chain, pxat, 'GT')
+-- A chain's segments expire no sooner than the chain: only when the chain itself must
+-- live longer are they all extended (with slack, so not on every commit).
+local expires = redis.call('PEXPIRETIME', chain)
+if expires < tonumber(pxat) then
+  for _, d in ipairs(redis.call('LRANGE', chain, 0, -1)) do
+    redis.call('PEXPIREAT', ARGV[6] .. d, keep, 'GT')
+  end
+  if expires < 0 then
+    redis.call('PEXPIREAT', chain, keep)
+  else
+    redis.call('PEXPIREAT', chain, keep, 'GT')
+  end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4])
@@ -193,7 +200,8 @@ def commit_call(
     script_keys += [*budget_keys(keys.prefix), *segment_keys]
     script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
     args: list[Any] = [plen, own.key, int(record.expires_at * 1000), record_meta(record)]
-    args += [record.id, keys.segment(""), len(values), now_ms, budget, *values]
+    slack = int((record.expires_at - record.created_at) * 100)  # a tenth of the TTL, in ms
+    args += [record.id, keys.segment(""), len(values), now_ms, budget, slack, *values]
     return script_keys, args
 
 

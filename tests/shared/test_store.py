@@ -254,14 +254,15 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
     finally:
         await client.aclose()
     assert len(keys) == 2 + 1 + 4  # records, one chain, two segments + two responses
-    assert all(0 < ttl <= 100_000 for ttl in ttls.values())
+    assert all(0 < ttl <= 110_000 for ttl in ttls.values())  # a tenth of slack
+    assert all(ttl <= 100_000 for key, ttl in ttls.items() if b":r:" in key)
     # A child living longer keeps its whole chain alive as long (never shortening a TTL).
     longer = await make_store(ttl=1000.0)
     await chain_of(longer, await longer.begin("scope-a", "r2"), ["r3"])
     first = hashlib.sha256(turn("r1", "user says r1").items).hexdigest()
     client = await raw_client(kv_server)
     try:
-        assert await client.pttl(f"ocx:scope-a:s:{first}") > 100_000
+        assert await client.pttl(f"ocx:scope-a:s:{first}") > 110_000
         assert 0 < await client.pttl("ocx:scope-a:r:r1") <= 100_000
     finally:
         await client.aclose()
