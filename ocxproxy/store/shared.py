@@ -99,6 +99,7 @@ class SharedStore(Store):
         self._probe: asyncio.Task[None] | None = None
         m = self.metrics
         m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
+        m.store_available.set_function(lambda: 1.0 if self.available else 0.0)
         m.store_bytes.labels(tier="shared").set_function(lambda: self.shared_bytes)
         m.store_capacity_bytes.labels(tier="shared").set(max_bytes)
 

@@ -6,17 +6,21 @@ conversations refused, metrics and readiness."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from ocxproxy.cli import main
 from ocxproxy.config import Config
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
+from tests.shared.conftest import require
 from tests.shared.servers import KvServer
 
 
@@ -203,3 +207,68 @@ def test_zdr_refuses_a_shared_store() -> None:
         Config(zdr=True, shared_store="redis://127.0.0.1:6379/0")
     with pytest.raises(ValueError, match="redis://"):
         Config(shared_store="http://127.0.0.1:6379/0")
+
+
+async def test_websocket_turns_reach_other_replicas_and_store_false_stays_on_the_socket(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    a, b, _ = await replicas(make_proxy, backend, kv_server.url)
+    headers = {"Authorization": "Bearer sk-test-a"}
+    async with http.ws_connect(a.base_url + "/responses", headers=headers) as ws:
+
+        async def turn(**fields: Any) -> dict[str, Any]:
+            await ws.send_str(orjson.dumps({"type": "response.create", **fields}).decode())
+            while True:
+                event = orjson.loads((await ws.receive()).data)
+                if event["type"] in ("response.completed", "error"):
+                    return event
+
+        stored = await turn(model="m", input="MARKER-kept", store=True)
+        assert stored["type"] == "response.completed"
+        local = await turn(model="m", input="MARKER-local", store=False)
+        follow = await turn(
+            model="m", input="on", store=False, previous_response_id=local["response"]["id"]
+        )
+        assert follow["type"] == "response.completed"  # the connection's own chain
+    again = await b.client().responses.create(
+        model="m", input="more", previous_response_id=stored["response"]["id"]
+    )
+    assert again.previous_response_id == stored["response"]["id"]
+    with pytest.raises(openai.BadRequestError):
+        await b.client().responses.create(
+            model="m", input="x", previous_response_id=local["response"]["id"]
+        )
+    client = aioredis.Redis.from_url(kv_server.url)
+    try:
+        values = [await client.dump(k) or b"" async for k in client.scan_iter(match="*")]
+    finally:
+        await client.aclose()
+    blob = b"".join(values)
+    assert b"MARKER-local" not in blob
+    assert values  # (segments are zstd: MARKER-kept may be compressed; the AOF scan is harness's)
+
+
+def test_serve_refuses_a_server_that_cannot_keep_ack_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require("valkey")
+    with KvServer("valkey", tmp_path / "kv", appendfsync="everysec") as server:
+        code = main(
+            [
+                "serve",
+                "--shared-store",
+                server.url,
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--port",
+                "0",
+                "--state-dir",
+                str(tmp_path / "state"),
+            ]
+        )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "appendfsync always" in err and "--durability relaxed" in err
+    code = main(["serve", "--shared-store", "redis://h:1/0", "--zdr"])
+    assert code == 2
+    assert "--zdr" in capsys.readouterr().err
