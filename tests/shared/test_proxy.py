@@ -272,3 +272,25 @@ def test_serve_refuses_a_server_that_cannot_keep_ack_and_exits_2(
     code = main(["serve", "--shared-store", "redis://h:1/0", "--zdr"])
     assert code == 2
     assert "--zdr" in capsys.readouterr().err
+
+
+async def test_a_chain_keeps_its_backend_from_any_replica(
+    make_proxy: MakeProxy, kv_server: KvServer
+) -> None:
+    async with FakeBackend() as one, FakeBackend() as two:
+        proxies = [
+            await make_proxy(one.url, two.url, shared_store=kv_server.url, state_dir=None)
+            for _ in range(3)
+        ]
+        for chain in range(4):
+            previous: str | None = None
+            for n in range(6):
+                kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+                text = f"chain {chain} turn {n}"
+                client = proxies[(chain + n) % 3].client()
+                previous = (await client.responses.create(model="m", input=text, **kwargs)).id
+        for chain in range(4):
+            marker = f"chain {chain} turn 0".encode()
+            seen = {b.url: sum(marker in s.body for s in b.responses_seen) for b in (one, two)}
+            assert sorted(seen.values()) == [0, 6], seen  # all six turns on one backend
+        assert len(one.responses_seen) + len(two.responses_seen) == 24
