@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ocxproxy.aio import cancel_and_wait, spawn
@@ -173,7 +174,14 @@ class SharedStore(Store):
             raise StorageUnavailable(UNAVAILABLE)
         started = time.perf_counter()
         try:
-            result = await run(client)
+            try:
+                result = await run(client)
+            except RedisConnectionError:
+                # Idle connections from before a server restart fail on first use: drop
+                # them all and try once more (every operation may run twice: COMMIT
+                # recognizes a record it already wrote).
+                await client.connection_pool.disconnect(inuse_connections=False)
+                result = await run(client)
         except ResponseError as exc:
             if str(exc).startswith(layout.LOST):
                 raise StoreFailure(FailureReason.MISSING, "chain") from None

@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from ocxproxy.config import ConfigError
@@ -33,8 +35,12 @@ async def connect(
 ) -> tuple[aioredis.Redis, tuple[Any, ...]]:
     """A client of the server at `url`, checked (retried for `patience` seconds while it
     cannot be reached), and the command that waits for replicas (see check_server)."""
-    client = aioredis.Redis.from_url(
-        url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=0
+    client = aioredis.Redis.from_url(  # no retries of its own: SharedStore._call decides
+        url,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        health_check_interval=0,
+        retry=Retry(NoBackoff(), 0),
     )
     deadline = time.monotonic() + patience
     try:

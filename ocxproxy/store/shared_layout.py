@@ -61,6 +61,9 @@ return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1), id}
 #       segment key prefix, k, now (ms), byte budget, slack (ms), then k segment values.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
+if redis.call('HGET', KEYS[1], 'meta') == ARGV[4] then  -- run twice: already written
+  return {redis.call('HGET', KEYS[1], 'chain'), tonumber(redis.call('GET', KEYS[6]) or 0), 0, 0}
+end
 local plen = tonumber(ARGV[1])
 local pxat = ARGV[3]
 local k = tonumber(ARGV[7])

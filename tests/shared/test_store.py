@@ -3,6 +3,7 @@ replicas, forks, deletes, item references, expiry, privacy, start-up checks, fai
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -382,3 +383,31 @@ async def test_start_checks_the_server_against_the_durability_profile(
 async def test_an_unreachable_server_at_start_is_refused(make_store: MakeStore) -> None:
     with pytest.raises(SharedStoreRefused, match="unreachable"):
         await make_store(url="redis://127.0.0.1:1/0", start_timeout=0.3)
+
+
+async def test_connections_from_before_a_server_restart_are_not_a_failure(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    a = await make_store()
+    await chain_of(a, None, ["r1"])
+    await asyncio.gather(*(a.begin("scope-a", "r1") for _ in range(8)))  # 8 pooled connections
+    kv_server.kill9()
+    await kv_server.astart()
+    found = await asyncio.gather(*(a.begin("scope-a", "r1") for _ in range(8)))
+    assert {record.id for record in found} == {"r1"}
+    assert a.available
+
+
+async def test_a_commit_run_twice_writes_once(make_store: MakeStore, kv_server: KvServer) -> None:
+    a = await make_store()
+    parent = await chain_of(a, None, ["r1"])
+    child = a.put(turn("r2", "once"), await a.begin("scope-a", parent.id))
+    await a.commit(child)
+    again = await a._commit(child, parent)  # as after a reply lost on the way back
+    assert again == child.chain  # type: ignore[attr-defined]
+    client = await raw_client(kv_server)
+    try:
+        assert await client.llen(again) == 2
+    finally:
+        await client.aclose()
+    assert len((await a.begin("scope-a", "r2")).segments) == 2
