@@ -28,6 +28,17 @@ MAY_BE_EMPTY = {
     "[$__rate_interval]))",
     'sum by (reason) (rate(ocxproxy_store_write_failures_total{instance=~"$instance"}'
     "[$__rate_interval]))",
+    # The shared store's panels: this proxy runs the single-node store (tests/shared
+    # checks those metrics on proxies with --shared-store).
+    "histogram_quantile(0.99, sum by (op, le) (rate(ocxproxy_shared_store_seconds_bucket"
+    '{instance=~"$instance"}[$__rate_interval])))',
+    'sum by (outcome) (rate(ocxproxy_shared_commits_total{instance=~"$instance"}'
+    "[$__rate_interval]))",
+    'sum(rate(ocxproxy_shared_segment_cache_total{result="hit",instance=~"$instance"}'
+    "[$__rate_interval])) / sum(rate(ocxproxy_shared_segment_cache_total"
+    '{instance=~"$instance"}[$__rate_interval]))',
+    'max(ocxproxy_store_bytes{tier="shared",instance=~"$instance"}) / '
+    'max(ocxproxy_store_capacity_bytes{tier="shared",instance=~"$instance"})',
 }
 # Selectors inside the queries (or their metric, for any selector of it) that may match
 # nothing, and why.
@@ -36,6 +47,12 @@ SELECTORS_MAY_BE_EMPTY = {
     "ocxproxy_store_write_failures_total",  # as above
     # Nothing is evicted from the disk tier: this traffic stays far under --max-disk-bytes.
     'ocxproxy_store_evictions_total{reason="disk_bytes"}',
+    # The shared store's (see MAY_BE_EMPTY).
+    "ocxproxy_shared_store_seconds_bucket",
+    "ocxproxy_shared_commits_total",
+    "ocxproxy_shared_segment_cache_total",
+    'ocxproxy_store_bytes{tier="shared",instance=~"$instance"}',
+    'ocxproxy_store_capacity_bytes{tier="shared",instance=~"$instance"}',
 }
 # Alerts the traffic provokes (their expression has series now; `for:` keeps them pending).
 FIRES = {
@@ -251,9 +268,15 @@ async def test_every_dashboard_query_and_alert_works_on_a_real_prometheus(
     assert set(empty) <= MAY_BE_EMPTY, empty
 
     rules = alert_rules()
-    exprs = [t.resolved(instance) for t in targets()] + [r["expr"] for r in rules.values()]
-    for selector in {s for expr in exprs for s in selectors(expr)}:
-        if not {selector, selector.partition("{")[0]} & SELECTORS_MAY_BE_EMPTY:
+    # (each selector as queried, and as written: with "$instance")
+    pairs = {
+        pair
+        for t in targets()
+        for pair in zip(selectors(t.resolved(instance)), selectors(t.expr), strict=True)
+    }
+    pairs |= {(s, s) for r in rules.values() for s in selectors(r["expr"])}
+    for selector, written in pairs:
+        if not {selector, written, selector.partition("{")[0]} & SELECTORS_MAY_BE_EMPTY:
             assert await api.query(selector), f"{selector} matches no series"
 
     firing = set()
