@@ -411,3 +411,35 @@ async def test_a_commit_run_twice_writes_once(make_store: MakeStore, kv_server: 
     finally:
         await client.aclose()
     assert len((await a.begin("scope-a", "r2")).segments) == 2
+
+
+async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
+    make_kv_server: Callable[..., Awaitable[KvServer]], kv_server: KvServer
+) -> None:
+    client = await raw_client(kv_server)
+    await client.config_set("repl-diskless-sync-delay", 0)  # sync the replica at once
+    replica = await make_kv_server(
+        kv_server.kind, extra={"replicaof": f"127.0.0.1 {kv_server.port}"}
+    )
+    try:
+        for _ in range(100):  # the replica's initial sync
+            slave = (await client.info("replication")).get("slave0")
+            if isinstance(slave, dict) and slave.get("state") == "online":
+                break
+            await asyncio.sleep(0.1)
+        store = SharedStore(
+            kv_server.url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0, wait_replicas=1
+        )
+        await store.start()
+        try:
+            await store.commit(store.put(turn("r1", "held twice"), None))
+            assert await store.remove("scope-a", "r1")
+            replica.stop()
+            with pytest.raises(StoreFailure) as caught:  # WAIT(AOF) times out at 0 replicas
+                await store.commit(store.put(turn("r2", "held once"), None))
+            assert caught.value.reason == FailureReason.WRITE_FAILED
+            assert sample(store.metrics.shared_commits, outcome="write_failed") == 1
+        finally:
+            await store.close()
+    finally:
+        await client.aclose()
