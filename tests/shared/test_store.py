@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from ocxproxy.errors import FailureReason, NotSupported, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
@@ -422,9 +423,13 @@ async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
         kv_server.kind, extra={"replicaof": f"127.0.0.1 {kv_server.port}"}
     )
     try:
-        for _ in range(100):  # the replica's initial sync
-            slave = (await client.info("replication")).get("slave0")
-            if isinstance(slave, dict) and slave.get("state") == "online":
+        for _ in range(100):  # until the replica, synced, acknowledges a write
+            await client.set("probe", "1")
+            try:
+                acked = (await client.execute_command("WAITAOF", 0, 1, 100))[-1]
+            except ResponseError:  # Redis 7.0
+                acked = await client.execute_command("WAIT", 1, 100)
+            if acked >= 1:
                 break
             await asyncio.sleep(0.1)
         store = SharedStore(
