@@ -232,40 +232,53 @@ class SharedStore(Store):
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = Keys(self.prefix, scope)
-        found = await self._script("begin", (keys.record(response_id),), ())
+        args = (layout.TAIL, keys.segment(""))
+        found = await self._script("begin", (keys.record(response_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
-        meta, chain, digests = found
-        return await self._build(keys, response_id, meta, chain, digests)
+        meta, chain, digests, tail = found
+        return await self._build(keys, response_id, meta, chain, digests, tail)
 
     async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
-        """The newest record whose own segment holds the item (kept here, else the server's)."""
+        """The newest record whose own segment holds the item (kept here, else the
+        server's); only that segment is fetched: the record serves `item_bytes` alone."""
         with contextlib.suppress(StoreFailure):
             return self.find_item(scope, item_id, unstored=unstored)
         keys = Keys(self.prefix, scope)
-        found = await self._script("item", (keys.item(item_id),), (keys.record(""),))
+        args = (keys.record(""), keys.segment(""))
+        found = await self._script("item", (keys.item(item_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
-        meta, chain, digests, record_id = found
-        record = await self._build(keys, record_id.decode(), meta, chain, digests)
+        meta, chain, digests, tail, record_id = found
+        record = await self._build(keys, record_id.decode(), meta, chain, digests[-1:], tail)
         if record.segments[-1].item_ids.span(item_id) is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         return record
 
     async def _build(
-        self, keys: Keys, record_id: str, meta: bytes, chain: bytes, digests: list[bytes]
+        self,
+        keys: Keys,
+        record_id: str,
+        meta: bytes,
+        chain: bytes,
+        digests: list[bytes],
+        tail: list[bytes | None],
     ) -> SharedRecord:
         m = orjson.loads(meta)
         if m["e"] <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
-        if len(digests) != m["l"]:  # its chain was evicted for the byte budget
+        names = [d.decode() for d in digests]
+        if len(names) != m["l"] and len(names) != 1:  # its chain was evicted for the budget
             raise StoreFailure(FailureReason.EVICTED, "chain")
-        segments = await self._gather(keys, [d.decode() for d in digests])
+        segments = await self._gather(keys, names, tail)
         return layout.decode_record(record_id, keys.scope, m, segments, chain.decode())
 
-    async def _gather(self, keys: Keys, digests: list[str]) -> tuple[Segment, ...]:
-        """The segments, from the resident cache, the missing ones fetched with one MGET."""
+    async def _gather(
+        self, keys: Keys, digests: list[str], tail: list[bytes | None]
+    ) -> tuple[Segment, ...]:
+        """The segments, from the resident cache, else from `tail` (the newest ones'
+        values, sent along by BEGIN), the rest fetched with one MGET."""
         cache = self.cache
         found = [cache.get(d) for d in digests]
         missing = list(dict.fromkeys(d for d, s in zip(digests, found, strict=True) if s is None))
@@ -273,15 +286,19 @@ class SharedStore(Store):
         counter.labels("hit").inc(len(digests) - len(missing))
         if missing:
             counter.labels("miss").inc(len(missing))
-            got = await self._fetch_segments(keys, missing)
+            sent = dict(zip(digests[len(digests) - len(tail) :], tail, strict=True))
+            got = self._decode({d: sent[d] for d in missing if sent.get(d) is not None})
+            rest = [d for d in missing if d not in got]
+            if rest:
+                values = await self._call("fetch", lambda r: r.mget(map(keys.segment, rest)))
+                got.update(self._decode(dict(zip(rest, values, strict=True))))
             found = [s if s is not None else got[d] for d, s in zip(digests, found, strict=True)]
         cache.touch_all([s for s in found if s is not None])
         return tuple(s for s in found if s is not None)
 
-    async def _fetch_segments(self, keys: Keys, digests: list[str]) -> dict[str, Segment]:
-        values = await self._call("fetch", lambda r: r.mget([keys.segment(d) for d in digests]))
+    def _decode(self, values: dict[str, bytes | None]) -> dict[str, Segment]:
         got: dict[str, Segment] = {}
-        for digest, value in zip(digests, values, strict=True):
+        for digest, value in values.items():
             if value is None:  # evicted with a chain this one was forked from
                 raise StoreFailure(FailureReason.EVICTED, digest)
             try:
@@ -306,12 +323,13 @@ class SharedStore(Store):
     async def response_bytes(self, record: Record) -> bytes:
         if not isinstance(record, SharedRecord):
             return await super().response_bytes(record)
-        response = record.response
-        if response.data is None:
-            keys = Keys(self.prefix, record.scope)
-            (response,) = await self._gather(keys, [response.key])
-        skeleton = response.data
-        assert skeleton is not None
+        skeleton = record.response.data
+        if skeleton is None:  # kept in the record (hash field `resp`), read when asked for
+            key = Keys(self.prefix, record.scope).record(record.id)
+            value = await self._call("get", lambda r: r.hget(key, "resp"))
+            if value is None:
+                raise StoreFailure(FailureReason.UNKNOWN)  # deleted meanwhile
+            skeleton = layout.unpack(value)
         if record.output_at is None:
             return skeleton
         own = record.segments[-1].data
@@ -343,7 +361,7 @@ class SharedStore(Store):
         now = self.clock()
         own = Segment(turn.items, turn.n_items, turn.call_ids, durable=True, item_ids=turn.item_ids)
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = Segment(skeleton, 0, frozenset(), durable=True)
+        response = Segment.restore("", len(skeleton), 0, frozenset(), durable=True, data=skeleton)
         segments = (own,) if parent is None else (*parent.segments, own)
         record = SharedRecord(
             id=turn.response_id,

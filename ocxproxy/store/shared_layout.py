@@ -39,26 +39,39 @@ from ocxproxy.model import ItemIds, Record, Segment
 _HEAD = struct.Struct("<BI")  # version, length of the metadata JSON
 _VERSION = 1
 
-# KEYS[1] the record. A hit: {meta, chain key, digests}; a miss: nil.
+TAIL = 2  # the newest segments' values BEGIN sends along: what another replica just added
+
+# KEYS[1] the record; ARGV: how many of the newest segments' values to send along, the
+# segment key prefix. A hit: {meta, chain key, digests, values of the newest}; a miss: nil.
 BEGIN = """
 local r = redis.call('HMGET', KEYS[1], 'chain', 'len', 'meta')
 if not r[3] then return false end
-return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)}
+local digests = redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)
+local tail = {}
+for i = math.max(1, #digests - tonumber(ARGV[1]) + 1), #digests do
+  tail[#tail + 1] = redis.call('GET', ARGV[2] .. digests[i]) or false
+end
+return {r[3], r[1], digests, tail}
 """
 
-# KEYS[1] the item index key; ARGV[1] the record key prefix of its scope.
+# KEYS[1] the item index key; ARGV: the record and segment key prefixes of its scope.
+# A hit: BEGIN's answer (the own segment's value alone), and the record's id.
 ITEM = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
 local r = redis.call('HMGET', ARGV[1] .. id, 'chain', 'len', 'meta')
 if not r[3] then return false end
-return {r[3], r[1], redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1), id}
+local digests = redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)
+local own = digests[#digests]
+local value = own and redis.call('GET', ARGV[2] .. own) or false
+return {r[3], r[1], digests, {value}, id}
 """
 
 # KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
 #       per chain, total), k segments, then item index keys.
 # ARGV: parent length (0: none), own digest, expiry (ms since epoch), meta, record id,
-#       segment key prefix, k, now (ms), byte budget, slack (ms), then k segment values.
+#       segment key prefix, k, now (ms), byte budget, slack (ms), the response object
+#       (packed), then k segment values.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
 if redis.call('HGET', KEYS[1], 'meta') == ARGV[4] then  -- run twice: already written
@@ -68,7 +81,7 @@ local plen = tonumber(ARGV[1])
 local pxat = ARGV[3]
 local k = tonumber(ARGV[7])
 local chain = KEYS[3]
-local added = #ARGV[4] + 100
+local added = #ARGV[4] + #ARGV[11] + #KEYS[1] + 64
 if plen > 0 then
   local n = redis.call('LLEN', KEYS[2])
   if n < plen then return redis.error_reply('OCXLOST the parent chain is gone') end
@@ -89,8 +102,8 @@ redis.call('RPUSH', chain, ARGV[2])
 added = added + 72
 local keep = tonumber(pxat) + tonumber(ARGV[10])
 for i = 1, k do
-  if redis.call('SET', KEYS[6 + i], ARGV[10 + i], 'NX', 'PXAT', keep) then
-    added = added + #ARGV[10 + i] + #KEYS[6 + i]
+  if redis.call('SET', KEYS[6 + i], ARGV[11 + i], 'NX', 'PXAT', keep) then
+    added = added + #ARGV[11 + i] + #KEYS[6 + i]
   else
     redis.call('PEXPIREAT', KEYS[6 + i], keep, 'GT')
   end
@@ -109,7 +122,7 @@ if expires < tonumber(pxat) then
   end
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4])
+redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4], 'resp', ARGV[11])
 redis.call('PEXPIREAT', KEYS[1], pxat)
 for i = 7 + k, #KEYS do
   redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
@@ -188,34 +201,46 @@ def commit_call(
     keys: Keys, record: SharedRecord, parent: Record | None, now_ms: int, budget: int
 ) -> tuple[list[str], list[Any]]:
     """COMMIT's keys and arguments for `record` (its own segment new on top of `parent`'s
-    chain): the own segment's and the response's values, the item index, the budget."""
+    chain): the own segment's value, the response object, the item index, the budget."""
     own, response = record.segments[-1], record.response
     assert own.data is not None and response.data is not None
-    values = [encode_segment(own, own.data)]
-    segment_keys = [keys.segment(own.key)]
-    if response.key != own.key:
-        values.append(encode_segment(response, response.data))
-        segment_keys.append(keys.segment(response.key))
     new_chain = keys.chain(secrets.token_hex(8))
     parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
     plen = parent.length if isinstance(parent, SharedRecord) else 0
     script_keys = [keys.record(record.id), parent_chain, new_chain]
-    script_keys += [*budget_keys(keys.prefix), *segment_keys]
+    script_keys += [*budget_keys(keys.prefix), keys.segment(own.key)]
     script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
     args: list[Any] = [plen, own.key, int(record.expires_at * 1000), record_meta(record)]
     slack = int((record.expires_at - record.created_at) * 100)  # a tenth of the TTL, in ms
-    args += [record.id, keys.segment(""), len(values), now_ms, budget, slack, *values]
+    args += [record.id, keys.segment(""), 1, now_ms, budget, slack, pack(response.data)]
+    args.append(encode_segment(own, own.data))
     return script_keys, args
 
 
 _compressor = zstandard.ZstdCompressor(level=3)
 _decompressor = zstandard.ZstdDecompressor()
+_RAW, _ZSTD = b"r", b"z"
+
+
+def pack(data: bytes) -> bytes:
+    """`data` zstd-compressed when that makes it smaller (small items often do not)."""
+    compressed = _compressor.compress(data)
+    return _ZSTD + compressed if len(compressed) < len(data) else _RAW + data
+
+
+def unpack(value: bytes) -> bytes:
+    kind, body = value[:1], value[1:]
+    if kind == _RAW:
+        return body
+    if kind == _ZSTD:
+        return bytes(_decompressor.decompress(body))
+    raise ValueError(f"unknown packing {kind!r}")
 
 
 def encode_segment(segment: Segment, data: bytes) -> bytes:
-    """A segment's value: version, metadata (items, call ids, item spans), zstd bytes."""
+    """A segment's value: version, metadata (items, call ids, item spans), packed bytes."""
     meta = orjson.dumps([segment.n_items, sorted(segment.call_ids), list(segment.item_ids)])
-    return b"".join((_HEAD.pack(_VERSION, len(meta)), meta, _compressor.compress(data)))
+    return b"".join((_HEAD.pack(_VERSION, len(meta)), meta, pack(data)))
 
 
 def decode_segment(digest: str, value: bytes) -> Segment:
@@ -225,7 +250,7 @@ def decode_segment(digest: str, value: bytes) -> Segment:
         if version != _VERSION:
             raise ValueError(f"unknown segment version {version}")
         n_items, call_ids, spans = orjson.loads(value[_HEAD.size : _HEAD.size + size])
-        data = _decompressor.decompress(value[_HEAD.size + size :])
+        data = unpack(value[_HEAD.size + size :])
     except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError, TypeError) as exc:
         raise ValueError(f"segment {digest[:12]} unreadable: {exc}") from None
     if hashlib.sha256(data).hexdigest() != digest:
@@ -242,15 +267,12 @@ def decode_segment(digest: str, value: bytes) -> Segment:
 
 
 def record_meta(record: Record) -> bytes:
-    response = record.response
     return orjson.dumps(
         {
             "t": record.created_at,
             "e": record.expires_at,
             "n": record.n_items,
             "l": len(record.segments),
-            "r": response.key,
-            "rs": response.size,
             "o": record.output_at,
             "b": record.backend,
             "a": record.affinity_key,
@@ -262,9 +284,9 @@ def record_meta(record: Record) -> bytes:
 def decode_record(
     record_id: str, scope: str, m: dict[str, Any], segments: tuple[Segment, ...], chain: str
 ) -> SharedRecord:
-    """A record from its meta (JSON, decoded) and its segments; the response object
-    (`response`) is named by digest, its bytes fetched when asked for."""
-    response = Segment.restore(m["r"], m["rs"], 0, frozenset(), durable=True)
+    """A record from its meta (JSON, decoded) and its segments; the response object is in
+    the record's hash, read when asked for (`response` holds no bytes)."""
+    response = Segment.restore("", 0, 0, frozenset(), durable=True)
     output_at = m["o"]
     return SharedRecord(
         id=record_id,

@@ -128,17 +128,21 @@ async def test_begin_takes_cached_segments_and_fetches_only_missing_ones(
     a, b = await make_store(), await make_store()
     await chain_of(a, None, ["r1", "r2", "r3"])
     cache = b.metrics.shared_cache
-    await b.begin("scope-a", "r3")
-    assert sample(cache, result="miss") == 3
-    assert sample(cache, result="hit") == 0
-    await b.begin("scope-a", "r3")  # all cached now: no fetch
-    assert sample(cache, result="hit") == 3
-    assert sum(b.metrics.shared_seconds.labels("fetch").counts) == 1
+
+    def fetches() -> int:
+        return sum(b.metrics.shared_seconds.labels("fetch").counts)
+
+    await b.begin("scope-a", "r3")  # cold: BEGIN sent the newest two, one MGET for r1's
+    assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (3, 0, 1)
+    await b.begin("scope-a", "r3")  # all cached now
+    assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (3, 3, 1)
     parent = await a.begin("scope-a", "r3")
     await chain_of(a, parent, ["r4"])
-    await b.begin("scope-a", "r4")  # one new segment: fetched alone
-    assert sample(cache, result="miss") == 4
-    assert sample(cache, result="hit") == 6
+    await b.begin("scope-a", "r4")  # one new segment, sent along with BEGIN: no MGET
+    assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (4, 6, 1)
+    b.cache = type(b.cache)(b.cache.max_bytes)  # forgotten: one MGET for the two oldest
+    await b.begin("scope-a", "r4")
+    assert fetches() == 2
 
 
 async def test_a_response_object_round_trips_with_its_output_cut_out(
@@ -255,7 +259,7 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
         ttls = {k: await client.pttl(k) for k in keys}
     finally:
         await client.aclose()
-    assert len(keys) == 2 + 1 + 4  # records, one chain, two segments + two responses
+    assert len(keys) == 2 + 1 + 2  # records (with their response objects), a chain, 2 segments
     assert all(0 < ttl <= 110_000 for ttl in ttls.values())  # a tenth of slack
     assert all(ttl <= 100_000 for key, ttl in ttls.items() if b":r:" in key)
     # A child living longer keeps its whole chain alive as long (never shortening a TTL).
