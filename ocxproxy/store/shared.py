@@ -78,6 +78,7 @@ class SharedStore(Store):
         wait_replicas: int = 0,
         start_timeout: float = START_TIMEOUT,
     ) -> None:
+        self._up = True  # the server answers (as far as this replica knows)
         super().__init__(
             max_resident_bytes=max_resident_bytes,
             max_entries=max_entries,
@@ -121,6 +122,15 @@ class SharedStore(Store):
 
     def __repr__(self) -> str:
         return f"<SharedStore {self.url!r} {self.cache!r}>"
+
+    @property
+    def available(self) -> bool:
+        """The server answers; False from a failed round trip until one succeeds."""
+        return self._up
+
+    @available.setter
+    def available(self, value: bool) -> None:
+        self._up = value
 
     # -- lifecycle -----------------------------------------------------------------------
 
