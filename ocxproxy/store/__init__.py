@@ -10,7 +10,8 @@ packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding 
 index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py the stats
 and gauges.
 The shared tier (--shared-store, shared.py: SharedStore, a Store on Valkey/Redis; its
-layout and scripts in shared_layout.py, its start-up checks in shared_checks.py) is
+layout and scripts in shared_layout.py, its connection and round trips in
+shared_server.py, its start-up checks in shared_checks.py) is
 imported only when asked for: its client is an extra (ocxproxy[shared]).
 Public surface: Store, StoreStats, default_state_dir, open_store.
 """

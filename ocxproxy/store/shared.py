@@ -19,19 +19,14 @@ anything is forwarded; `available` says so until a probe (every second) succeeds
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
 from ocxproxy.errors import (
     FailureReason,
@@ -45,19 +40,15 @@ from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.shared_checks import SharedStoreRefused, connect
 from ocxproxy.store.shared_layout import Keys, SharedRecord
+from ocxproxy.store.shared_server import Server
 
 __all__ = ["SharedStore"]
 
 log = logging.getLogger("ocxproxy.store.shared")
 
-PROBE_EVERY = 1.0  # seconds between probes while the server is unreachable
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
-UNAVAILABLE = (
-    "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
-)
 
 
 class SharedStore(Store):
@@ -78,7 +69,8 @@ class SharedStore(Store):
         wait_replicas: int = 0,
         start_timeout: float = START_TIMEOUT,
     ) -> None:
-        self._up = True  # the server answers (as far as this replica knows)
+        metrics = metrics or Metrics()
+        self.server = Server(url, metrics, wait_replicas=wait_replicas)
         super().__init__(
             max_resident_bytes=max_resident_bytes,
             max_entries=max_entries,
@@ -91,14 +83,9 @@ class SharedStore(Store):
         self.prefix = prefix
         self.max_bytes = max_bytes
         self.shared_bytes = 0  # the server's count, as the last commit here saw it
-        self.wait_replicas = wait_replicas
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
-        self._redis: aioredis.Redis | None = None
-        self._shas: dict[str, str] = {}
-        self._wait: tuple[Any, ...] = ()  # the command that waits for replicas, if asked
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
-        self._probe: asyncio.Task[None] | None = None
         m = self.metrics
         m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
         m.store_available.set_function(lambda: 1.0 if self.available else 0.0)
@@ -126,103 +113,25 @@ class SharedStore(Store):
     @property
     def available(self) -> bool:
         """The server answers; False from a failed round trip until one succeeds."""
-        return self._up
+        return self.server.available
 
     @available.setter
-    def available(self, value: bool) -> None:
-        self._up = value
+    def available(self, value: bool) -> None:  # (the single-node Store sets it)
+        pass
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Connect, check the server's configuration against the durability profile
         (SharedStoreRefused when it does not fit) and load the scripts."""
-        if self._redis is not None:
-            return
         await super().start()
-        client, self._wait = await connect(
-            self.url, self.durability, self.wait_replicas, self.start_timeout
-        )
-        try:
-            await self._load(client)
-        except (RedisError, OSError) as exc:
-            await client.aclose()
-            raise SharedStoreRefused(f"shared store {self.url}: {exc}") from None
-        self._redis = client
-        self.available = True
-        self._probe = spawn(self._watch(), name="shared-store-probe")
-        log.info("shared store %s ready (%s)", self.url, self.durability)
+        await self.server.start(self.durability, self.start_timeout)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            await cancel_and_wait(self._probe)
-            self._probe = None
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
+        await self.server.close()
         await super().close()
 
     abandon = close  # nothing is queued: a crash and a close leave the server alike
-
-    async def _watch(self) -> None:
-        """While the server is unreachable, a PING every second; the first answer makes
-        the store available again (no restart needed)."""
-        while True:
-            await asyncio.sleep(PROBE_EVERY)
-            if self.available:
-                continue
-            with contextlib.suppress(StorageUnavailable):
-                await self._call("ping", lambda r: r.ping())
-
-    # -- round trips ---------------------------------------------------------------------
-
-    async def _call(self, op: str, run: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-        """One round trip, timed and counted; a server that cannot answer is
-        StorageUnavailable, and the store is unavailable until one answers."""
-        client = self._redis
-        if client is None:
-            raise StorageUnavailable(UNAVAILABLE)
-        started = time.perf_counter()
-        try:
-            try:
-                result = await run(client)
-            except RedisConnectionError:
-                # Idle connections from before a server restart fail on first use: drop
-                # them all and try once more (every operation may run twice: COMMIT
-                # recognizes a record it already wrote).
-                await client.connection_pool.disconnect(inuse_connections=False)
-                result = await run(client)
-        except ResponseError as exc:
-            if str(exc).startswith(layout.LOST):
-                raise StoreFailure(FailureReason.MISSING, "chain") from None
-            self._down(op, exc)
-            raise StorageUnavailable(UNAVAILABLE) from None
-        except (RedisError, OSError) as exc:
-            self._down(op, exc)
-            raise StorageUnavailable(UNAVAILABLE) from None
-        self.metrics.shared_seconds.labels(op).observe(time.perf_counter() - started)
-        if not self.available:
-            log.warning("shared store answers again: available")
-            self.available = True
-        return result
-
-    def _down(self, op: str, exc: Exception) -> None:
-        self.metrics.shared_seconds.labels(op).observe(0.0)
-        if self.available:
-            log.warning("shared store %s failed (%s): unavailable", op, exc)
-        self.available = False
-
-    async def _script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """A read-only script (begin, item)."""
-
-        async def run(client: aioredis.Redis) -> Any:
-            try:
-                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
-            except NoScriptError:  # the server restarted without them (not persisted)
-                await self._load(client)
-                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
-
-        return await self._call(name, run)
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -243,7 +152,7 @@ class SharedStore(Store):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = Keys(self.prefix, scope)
         args = (layout.TAIL, keys.segment(""))
-        found = await self._script("begin", (keys.record(response_id),), args)
+        found = await self.server.script("begin", (keys.record(response_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         meta, chain, digests, tail = found
@@ -256,7 +165,7 @@ class SharedStore(Store):
             return self.find_item(scope, item_id, unstored=unstored)
         keys = Keys(self.prefix, scope)
         args = (keys.record(""), keys.segment(""))
-        found = await self._script("item", (keys.item(item_id),), args)
+        found = await self.server.script("item", (keys.item(item_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         meta, chain, digests, tail, record_id = found
@@ -300,7 +209,7 @@ class SharedStore(Store):
             got = self._decode({d: sent[d] for d in missing if sent.get(d) is not None})
             rest = [d for d in missing if d not in got]
             if rest:
-                values = await self._call("fetch", lambda r: r.mget(map(keys.segment, rest)))
+                values = await self.server.call("fetch", lambda r: r.mget(map(keys.segment, rest)))
                 got.update(self._decode(dict(zip(rest, values, strict=True))))
             found = [s if s is not None else got[d] for d, s in zip(digests, found, strict=True)]
         cache.touch_all([s for s in found if s is not None])
@@ -336,7 +245,7 @@ class SharedStore(Store):
         skeleton = record.response.data
         if skeleton is None:  # kept in the record (hash field `resp`), read when asked for
             key = Keys(self.prefix, record.scope).record(record.id)
-            value = await self._call("get", lambda r: r.hget(key, "resp"))
+            value = await self.server.call("get", lambda r: r.hget(key, "resp"))
             if value is None:
                 raise StoreFailure(FailureReason.UNKNOWN)  # deleted meanwhile
             skeleton = layout.unpack(value)
@@ -421,9 +330,8 @@ class SharedStore(Store):
             int(self.clock() * 1000),
             self.max_bytes,
         )
-        chain, total, evicted, expired = await self._write(
-            "commit",
-            lambda: ("EVALSHA", self._shas["commit"], len(script_keys), *script_keys, *args),
+        chain, total, evicted, expired = await self.server.write(
+            "commit", lambda: self.server.commit_command(script_keys, args)
         )
         self.shared_bytes = total
         if evicted:
@@ -432,38 +340,6 @@ class SharedStore(Store):
             self.metrics.store_evictions.labels(reason="shared_expired").inc(expired)
         return str(chain.decode())
 
-    async def _write(self, op: str, command: Callable[[], tuple[Any, ...]]) -> Any:
-        """One write, and with --shared-wait-replicas the WAIT/WAITAOF for it on the same
-        connection, pipelined: one round trip. Too few replicas acknowledging is a failed
-        write (it may have happened on the primary; it is not acknowledged)."""
-
-        async def run(client: aioredis.Redis) -> Any:
-            for attempt in (1, 2):
-                try:
-                    if not self._wait:
-                        return await client.execute_command(*command())  # type: ignore[no-untyped-call]
-                    async with client.pipeline(transaction=False) as pipe:
-                        pipe.execute_command(*command())
-                        pipe.execute_command(*self._wait)
-                        result, acked = await pipe.execute()
-                    acked = acked[-1] if isinstance(acked, list) else acked
-                    if acked < self.wait_replicas:
-                        raise StoreFailure(
-                            FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged"
-                        )
-                    return result
-                except NoScriptError:  # the server restarted, or was flushed
-                    if attempt == 2:
-                        raise
-                    await self._load(client)
-            return None
-
-        return await self._call(op, run)
-
-    async def _load(self, client: aioredis.Redis) -> None:
-        for name, source in _SOURCES.items():
-            self._shas[name] = await client.script_load(source)
-
     async def remove(self, scope: str, response_id: str) -> bool:
         """Forget a response (kept here, else on the server); True when there was one."""
         if self.delete(scope, response_id):
@@ -471,13 +347,10 @@ class SharedStore(Store):
         if response_id.startswith(KEPT_PREFIXES):
             return False
         key = Keys(self.prefix, scope).record(response_id)
-        return bool(await self._write("delete", lambda: ("DEL", key)))
+        return bool(await self.server.write("delete", lambda: ("DEL", key)))
 
     def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:
         raise NotSupported(
             "Conversations and Idempotency-Key are not yet supported with a shared store "
             "(--shared-store)."
         )
-
-
-_SOURCES = {"begin": layout.BEGIN, "item": layout.ITEM, "commit": layout.COMMIT}
