@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 _SPAN = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
@@ -57,6 +57,7 @@ class ItemIds:
 
 
 NO_ITEMS = ItemIds()
+NO_CALLS: frozenset[str] = frozenset()  # shared: an empty frozenset is 216 bytes each
 
 
 class Segment:
@@ -114,7 +115,7 @@ class Segment:
         self.data = None
         self.size = size
         self.n_items = n_items
-        self.call_ids = call_ids
+        self.call_ids = call_ids or NO_CALLS
         self.durable = durable  # may this reach disk (no store:false content)?
         self.sid = 0  # the journal's short name for it (0: not yet named)
         self.pack = -1  # journal file holding its bytes, durably
@@ -135,6 +136,35 @@ class Segment:
         return f"<Segment {self.key[:12]} {self.size}B {where} refs={self.refs}>"
 
 
+class Chain:
+    """A record's segments as links: its own (last) segment on top of the chain it
+    continues, which its parent and every sibling share. A record costs one link, not a
+    tuple as long as its history (and the cyclic GC one object with two references)."""
+
+    __slots__ = ("prev", "segment")
+
+    def __init__(self, prev: Chain | None, segment: Segment) -> None:
+        self.prev = prev
+        self.segment = segment
+
+    def segments(self) -> tuple[Segment, ...]:
+        """Oldest first."""
+        out: list[Segment] = []
+        link: Chain | None = self
+        while link is not None:
+            out.append(link.segment)
+            link = link.prev
+        out.reverse()
+        return tuple(out)
+
+
+def chain_of(segments: Iterable[Segment], base: Chain | None = None) -> Chain | None:
+    """`segments` (oldest first) as links on top of `base`."""
+    for segment in segments:
+        base = Chain(base, segment)
+    return base
+
+
 @dataclass(slots=True)
 class Record:
     """One remembered response: its scope, lifetime, and the chain of segments behind it."""
@@ -144,7 +174,7 @@ class Record:
     created_at: float
     expires_at: float
     durable: bool  # store:true (may be written to disk)
-    segments: tuple[Segment, ...]
+    chain: Chain | None  # its segments, the last its own (None: none)
     response: Segment  # the response object as JSON, for GET /v1/responses/{id}
     backend: str | None = None
     affinity_key: str | None = None
@@ -155,9 +185,24 @@ class Record:
     output_at: tuple[int, int] | None = None
     stored: bool = True  # the client asked for store:true (GET and input_items serve it)
 
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The chain's segments, oldest first (a walk of its links)."""
+        return () if self.chain is None else self.chain.segments()
+
+    @property
+    def own(self) -> Segment | None:
+        """The segment this record's turn added (the chain's last)."""
+        return None if self.chain is None else self.chain.segment
+
     def has_call_id(self, call_id: str) -> bool:
         # Newest first: a tool output almost always answers the last turn's call.
-        return any(call_id in seg.call_ids for seg in reversed(self.segments))
+        link = self.chain
+        while link is not None:
+            if call_id in link.segment.call_ids:
+                return True
+            link = link.prev
+        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,8 +78,11 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
     """A record as a row: its chain and response by segment sid. With `parent` (a record
     whose chain is this one's but the last segment, named by an earlier row) the chain is
     ["^", parent, last sid]: a row's size does not grow with the chain's depth."""
-    segments = record.segments
-    chain = ["^", parent, segments[-1].sid] if parent else [s.sid for s in segments]
+    own = record.own
+    if parent and own is not None:
+        chain: list[Any] = ["^", parent, own.sid]
+    else:
+        chain = [s.sid for s in record.segments]
     return [
         record.id,
         record.scope,

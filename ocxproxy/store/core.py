@@ -23,7 +23,7 @@ import platformdirs
 from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
 from ocxproxy.store.codec import Loaded
 from ocxproxy.store.disk import Committer, Offload
 from ocxproxy.store.durable import Durable
@@ -285,21 +285,21 @@ class Store:
             Segment(turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids)
         )
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = self.table.intern(Segment(skeleton, 0, frozenset(), durable=False))
+        response = self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
         if parent is None:
-            chain: tuple[Segment, ...] = (own,)
+            chain = Chain(None, own)
         elif self._records.get(parent.id) is parent:
-            chain = (*parent.segments, own)
+            chain = Chain(parent.chain, own)
         else:  # dropped meanwhile, or another store's record: take its segments in
             adopt = self.table.adopt
-            chain = (*(adopt(s, durable) for s in parent.segments), own)
+            chain = Chain(chain_of(adopt(s, durable) for s in parent.segments), own)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
             created_at=now,
             expires_at=now + self.ttl,
             durable=durable,
-            segments=chain,
+            chain=chain,
             response=response,
             backend=turn.backend,
             affinity_key=turn.affinity_key,
@@ -307,7 +307,7 @@ class Store:
             output_at=output_at,
             stored=turn.stored,
         )
-        self.table.hold((*chain, response), durable=durable)
+        self.table.hold((*chain.segments(), response), durable=durable)
         self.index.add(record)
         if durable and self._committer is not None:
             self._journal_put(record, parent)
@@ -348,7 +348,7 @@ class Store:
         durable = durable and self._committer is not None
         pinned = expires_at >= NEVER
         # A chain is never empty (a row needs a chain): one empty segment.
-        chain = chain or (Segment(b"", 0, frozenset(), durable=False),)
+        chain = chain or (Segment(b"", 0, NO_CALLS, durable=False),)
         old = self._records.get(record_id)
         shared = self.index.shared(record_id, chain, durable)
         fresh = chain[shared:]
@@ -356,15 +356,17 @@ class Store:
         if pinned and not force and not self._fits(record_id, size, durable=durable):
             raise StoreFailure(FailureReason.FULL, record_id)
         take = self.table.take
-        segments = tuple(chain[:shared]) + tuple(take(s, durable) for s in fresh)
-        response = self.table.intern(Segment(meta, 0, frozenset(), durable=False))
+        taken = [take(s, durable) for s in fresh]
+        links = chain_of(taken, old.chain if shared and old else None)
+        segments = (*(old.segments if shared and old else ()), *taken)
+        response = self.table.intern(Segment(meta, 0, NO_CALLS, durable=False))
         record = Record(
             id=record_id,
             scope=scope,
             created_at=created_at,
             expires_at=expires_at,
             durable=durable,
-            segments=segments,
+            chain=links,
             response=response,
             backend=backend,
             affinity_key=affinity_key,

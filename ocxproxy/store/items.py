@@ -38,7 +38,7 @@ class ItemIndex:
         )
 
     def add(self, record: Record) -> None:
-        ids = record.segments[-1].item_ids.ids if record.segments else ()
+        ids = own.item_ids.ids if (own := record.own) is not None else ()
         if not ids:
             return
         table = self._scopes.setdefault(record.scope, {})
@@ -52,7 +52,7 @@ class ItemIndex:
                 table[item_id] = {id(held): held, id(record): record}
 
     def remove(self, record: Record) -> None:
-        ids = record.segments[-1].item_ids.ids if record.segments else ()
+        ids = own.item_ids.ids if (own := record.own) is not None else ()
         table = self._scopes.get(record.scope) if ids else None
         if table is None:
             return

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import Chain, Record, Segment
 from ocxproxy.store.codec import Loaded
 from ocxproxy.store.keydir import Keydir
 
@@ -36,24 +36,27 @@ def rebuild(
         return None if value is None else strings.setdefault(value, value)
 
     # A row's chain is a list of sids, or (its parent's row, its own last sid): each
-    # chain is built once from its parent's (a C-level copy), and references are
-    # counted per row times the live records under it, not per chain element.
-    memo: dict[int, tuple[Segment, ...]] = {}
+    # row's chain is one link on its parent's (shared, as in the live store), and
+    # references are counted per row times the live records under it, not per element.
+    memo: dict[int, Chain | None] = {}
     order: list[list[Any]] = []  # rows whose chain was built, parents first
 
-    def chain_of(row: list[Any]) -> tuple[Segment, ...]:
+    def chain_of(row: list[Any]) -> Chain | None:
         stack: list[list[Any]] = []
-        while (base := memo.get(id(row))) is None:
+        while id(row) not in memo:
             link = row[4]
             if isinstance(link, tuple):
                 stack.append(row)
                 row = link[0]
                 continue
-            base = memo[id(row)] = tuple(map(find, link))  # None, a gone sid: raises
+            built = None
+            for sid in link:  # None (a gone parent) or a gone sid: raises
+                built = Chain(built, find(sid))
+            memo[id(row)] = built
             order.append(row)
-            break
+        base = memo[id(row)]
         for row in reversed(stack):
-            base = memo[id(row)] = (*base, find(row[4][1]))
+            base = memo[id(row)] = Chain(base, find(row[4][1]))
             order.append(row)
         return base
 
@@ -70,7 +73,7 @@ def rebuild(
         if expires <= now:
             continue
         try:
-            segs = chain_of(row)
+            chain = chain_of(row)
             response = find(resp_sid)
         except (KeyError, TypeError):  # a segment (or, None, a parent) that is gone
             missing.append(rid)
@@ -83,7 +86,7 @@ def rebuild(
             created_at=created,
             expires_at=expires,
             durable=True,
-            segments=segs,
+            chain=chain,
             response=response,
             backend=intern(backend),
             affinity_key=intern(affinity),
@@ -98,12 +101,12 @@ def rebuild(
             live[id(link[0])] += live[id(row)]
     for row in order:
         n = live[id(row)]
-        if n:
-            segs = memo[id(row)]
+        link = memo[id(row)]
+        if n and link is not None:
             if isinstance(row[4], tuple):
-                held[segs[-1]] += n  # the rest is counted at its parent's row
+                held[link.segment] += n  # the rest is counted at its parent's row
             else:
-                for seg in segs:
+                for seg in link.segments():
                     held[seg] += n
     for seg, n in held.items():  # every restored record is durable
         seg.refs = seg.durable_refs = n

@@ -41,21 +41,22 @@ async def encode_checkpoint(
         n_segs += len(rows)
         chunks.append(codec.encode_chunk(codec.SEGS, rows))
         await asyncio.sleep(0)
-    emitted: dict[int, Record] = {}  # id(last segment) -> a record whose row is out
+    emitted: dict[int, Record] = {}  # id(chain link) -> the record whose row is out
     for start in range(0, len(records), CHUNK):
         rows = []
         for r in records[start : start + CHUNK]:
-            segs = r.segments
-            parent = emitted.get(id(segs[-2])) if len(segs) > 1 else None
-            if parent is not None and parent.segments == segs[:-1]:
-                if segs[-1].pack < 0 or r.response.pack < 0:
+            link = r.chain
+            prev = link.prev if link is not None else None
+            parent = emitted.get(id(prev)) if prev is not None else None
+            if link is not None and parent is not None:  # the chain is its parent's + one
+                if link.segment.pack < 0 or r.response.pack < 0:
                     continue
                 rows.append(codec.record_row(r, parent.id))
             else:
-                if r.response.pack < 0 or not all(s.pack >= 0 for s in segs):
+                if r.response.pack < 0 or not all(s.pack >= 0 for s in r.segments):
                     continue  # evicted bytes: it would be dropped at load
                 rows.append(codec.record_row(r))
-            emitted[id(segs[-1])] = r
+            emitted[id(link)] = r
         n_recs += len(rows)
         chunks.append(codec.encode_chunk(codec.RECS, rows))
         await asyncio.sleep(0)

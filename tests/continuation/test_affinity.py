@@ -16,7 +16,7 @@ LATER = {"role": "user", "content": "later"}
 
 def parent(affinity_key: str | None) -> Record:
     response = Segment(b"{}", 0, frozenset(), durable=True)
-    return Record("resp_p", "scope", 0.0, 1e9, True, (), response, affinity_key=affinity_key)
+    return Record("resp_p", "scope", 0.0, 1e9, True, None, response, affinity_key=affinity_key)
 
 
 @pytest.mark.parametrize(

@@ -17,14 +17,14 @@ from ocxproxy.continuation.expand import (
     tail_as_sent,
 )
 from ocxproxy.errors import InvalidRequest
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import Record, Segment, chain_of
 
 USER = {"role": "user", "content": "hi"}
 
 
 def record_with(*segments: Segment) -> Record:
     response = Segment(b"{}", 0, frozenset(), durable=True)
-    return Record("resp_1", "scope", 0.0, 1e9, True, segments, response)
+    return Record("resp_1", "scope", 0.0, 1e9, True, chain_of(segments), response)
 
 
 def segment(items: list[Any]) -> Segment:
