@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config
 from ocxproxy.http import conversations, health, passthrough, responses, websocket
@@ -149,6 +150,7 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
     listener = await listen(build_app(config), config.host, config.port)
+    settler = spawn(heap.keep_settled(), name="heap-settler")
     try:
         print(f"ocxproxy listening on {listener.url}/v1", flush=True)
         stop = asyncio.Event()
@@ -160,6 +162,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("shutting down")
     finally:
+        await cancel_and_wait(settler)
         await listener.close()
 
 
