@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from benchkit import PYTHON, Child, start_child, table, verdict
+from benchkit import PYTHON, Child, start_child, state_args, table, verdict
 
 from ocxproxy.upstream.local import (
     CACHE_RAM_MIB,
@@ -160,7 +160,8 @@ async def affinity_counts(http: aiohttp.ClientSession, root: str) -> dict[str, f
 
 
 def start_proxy(upstreams: list[str], routing: str) -> Child:
-    argv = [PYTHON, "-m", "ocxproxy", "serve", "--port", "0", "--zdr", "--log-level", "warning"]
+    argv = [PYTHON, "-m", "ocxproxy", "serve", "--port", "0", "--log-level", "warning"]
+    argv += state_args()
     for url in upstreams:
         argv += ["--upstream", url]
     argv += ["--routing", routing]

@@ -11,9 +11,10 @@ a turn costs: parsing, expansion, routing, the HTTP/1.1 on both sides, recording
 
 For each history size (~8k and ~128k tokens) and JSON/SSE it reports µs per turn (one
 thread: wall ≈ CPU), the median and the fastest of --rounds rounds (on a shared VM the
-fastest is the steadier figure for comparing two versions). The store is memory-only (`--zdr`), as
-in the other benchmarks; `--durable` gives it a state dir, whose writer threads (zstd,
-fsync per file, snapshots) then compete for the GIL. `--profile` adds cProfile's top
+fastest is the steadier figure for comparing two versions). Unlike the other benchmarks
+the store is memory-only (`--zdr`) by default: a durable turn waits for its journal
+commit's fsync, which would count I/O as the turn's time; `--durable` gives it a state
+dir (the committer's thread then shares the GIL). `--profile` adds cProfile's top
 functions for the 8k JSON case.
 
     python scripts/bench/bench_hotpath.py            # ~20 s
@@ -153,7 +154,7 @@ async def measure(args: argparse.Namespace) -> None:
         config = Config(
             upstream=("http://backend.invalid:80",),
             state_dir=Path(state_dir),
-            zdr=not args.durable,  # as the other benchmarks run the proxy
+            zdr=not args.durable,  # CPU only: no wait for fsync (see above)
             health_interval=0,
         )
         proxy = build_app(config)[PROXY]

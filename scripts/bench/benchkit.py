@@ -13,9 +13,11 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -109,20 +111,30 @@ def start_backend(*, raw: bool = False) -> Child:
     )
 
 
-PROXY_ARGS = ("--port", "0", "--zdr", "--max-resident-bytes", "1GiB", "--log-level", "warning")
+PROXY_ARGS = ("--port", "0", "--log-level", "warning")
+
+
+def state_args() -> list[str]:
+    """The default durable configuration: a fresh state dir, removed when the bench exits."""
+    state = tempfile.mkdtemp(prefix="ocxproxy_bench_")
+    atexit.register(shutil.rmtree, state, ignore_errors=True)
+    return ["--state-dir", state]
 
 
 def start_proxy(upstream: str, *extra: str) -> Child:
-    """`python -m ocxproxy serve` as the brief runs it (uvloop is picked automatically)."""
-    argv = [PYTHON, "-m", "ocxproxy", "serve", "--upstream", upstream, *PROXY_ARGS, *extra]
-    return start_child("proxy", argv, r"ocxproxy listening on (http://\S+?)/v1")
+    """`python -m ocxproxy serve` on the default durable configuration (a fresh state dir;
+    pass "--zdr" in `extra` for memory-only), uvloop picked automatically."""
+    store = [] if "--zdr" in extra else state_args()
+    argv = [PYTHON, "-m", "ocxproxy", "serve", "--upstream", upstream, *PROXY_ARGS, *store]
+    return start_child("proxy", [*argv, *extra], r"ocxproxy listening on (http://\S+?)/v1")
 
 
 def start_profiled(upstream: str, name: str, *, ablate: str = "", out: Path | None = None) -> Child:
     """ocxproxy under scripts/bench/profiled_proxy.py: cProfile on SIGUSR1/SIGUSR2, ablations."""
     argv = [PYTHON, str(BENCH / "profiled_proxy.py"), "serve", "--upstream", upstream]
     env = {"OCXPROXY_BENCH_ABLATE": ablate, "OCXPROXY_PROFILE_OUT": str(out or "/dev/null")}
-    return start_child(name, [*argv, *PROXY_ARGS], r"listening on (http://\S+?)/v1", env=env)
+    argv += [*PROXY_ARGS, *state_args()]
+    return start_child(name, argv, r"listening on (http://\S+?)/v1", env=env)
 
 
 @contextlib.contextmanager
