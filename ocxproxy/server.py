@@ -85,6 +85,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Load the snapshot before serving (readyz says so); flush it on shutdown."""
     proxy = app[PROXY]
     await proxy.store.start()
+    heap.trim()  # what loading the index used and freed
     proxy.ready = True
     sweeper = spawn(_sweep(proxy.store), name="store-sweeper")
     try:

@@ -113,8 +113,14 @@ class Durable:
         intact chain), then start the committer and the maintainer. False: the dir is
         unusable and the store runs memory-only."""
         started = time.monotonic()
-        opened: tuple[Journal, Loaded] | None = await self.offload(self._open, self.root)
+        gc.disable()  # reading builds the objects the index keeps (see below)
+        try:
+            opened: tuple[Journal, Loaded] | None = await self.offload(self._open, self.root)
+        except BaseException:
+            gc.enable()
+            raise
         if opened is None:
+            gc.enable()
             return False
         j, loaded = opened
         self.journal = j
