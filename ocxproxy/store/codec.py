@@ -29,7 +29,7 @@ import orjson
 import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import NO_ITEMS, ItemIds, Record, Segment
+from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment
 
 SEG, PUT, DEL, NOP = 1, 2, 3, 4
 HEAD, SEGS, RECS, END = 11, 12, 13, 14
@@ -98,21 +98,21 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
     ]
 
 
-_NO_IDS: frozenset[str] = frozenset()
-
-
 def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
     """A segment row (and where its bytes are) as a Segment whose bytes are not loaded."""
     sid, key, size, n_items, ids, items = row
     if not (isinstance(sid, int) and isinstance(key, str) and len(key) == 64):
         raise ValueError("bad segment row")
     size = int(size)
-    spans = [(str(i), int(start), int(end)) for i, start, end in items] if items else ()
-    if any(not 0 <= start <= end <= size for _, start, end in spans):
-        raise ValueError("item span outside its segment")
+    item_ids = NO_ITEMS
+    if items:
+        spans = [(str(i), int(start), int(end)) for i, start, end in items]
+        if any(not 0 <= start <= end <= size for _, start, end in spans):
+            raise ValueError("item span outside its segment")
+        item_ids = ItemIds(spans)
     segment = Segment.restore(
-        key, size, int(n_items), frozenset(ids) if ids else _NO_IDS, durable=True,
-        data=None if size else b"", item_ids=ItemIds(spans) if spans else NO_ITEMS,
+        key, size, int(n_items), frozenset(ids) if ids else NO_CALLS, durable=True,
+        data=None if size else b"", item_ids=item_ids,
     )  # fmt: skip
     segment.sid, segment.pack, segment.offset, segment.length = sid, pack, offset, length
     return segment
@@ -239,10 +239,10 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
             loaded.next_sid = int(doc["next_sid"])
             seen_head = True
         elif kind == SEGS and seen_head:
+            n, segments = SEGMENT_FIELDS, loaded.segments
             for row in doc:
-                n = SEGMENT_FIELDS
                 info = parse_segment(row[:n], int(row[n]), int(row[n + 1]), int(row[n + 2]))
-                loaded.segments[info.sid] = info
+                segments[info.sid] = info
             counts[0] += len(doc)
         elif kind == RECS and seen_head:
             for row in doc:

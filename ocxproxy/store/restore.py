@@ -20,7 +20,7 @@ def rebuild(
     those whose chain needs a segment that is gone. Their segments are added to
     `segments` (by key; their refcounts set) and located in `keydir`; segments no live
     record needs are taken out of both."""
-    strings: dict[str, str] = {}
+    strings: dict[str | None, str | None] = {}
     by_sid: dict[int, Segment] = {}
     for sid, seg in loaded.segments.items():
         if seg.pack not in loaded.sizes:
@@ -31,9 +31,6 @@ def rebuild(
             keydir.locate(seg, seg.pack, seg.offset, seg.length)
         by_sid[sid] = known or seg
     find = by_sid.__getitem__
-
-    def intern(value: str | None) -> str | None:
-        return None if value is None else strings.setdefault(value, value)
 
     # A row's chain is a list of sids, or (its parent's row, its own last sid): each
     # row's chain is one link on its parent's (shared, as in the live store), and
@@ -64,10 +61,11 @@ def rebuild(
     records: list[Record] = []
     live: Counter[int] = Counter()  # id(row) -> live records at or under it
     held: Counter[Segment] = Counter()
+    same = strings.setdefault  # one copy of each scope, backend and key (None too)
     for row in loaded.records.values():
         try:
-            rid, scope, created, expires, _, resp_sid = row[:6]
-            output_at, backend, affinity, n_items, stored = row[6:11]
+            rid, scope, created, expires, _, resp_sid, output_at, backend, affinity = row[:9]
+            n_items, stored = row[9:11]
         except ValueError:
             continue
         if expires <= now:
@@ -80,20 +78,11 @@ def rebuild(
             continue
         live[id(row)] += 1
         held[response] += 1
-        record = Record(
-            id=rid,
-            scope=intern(scope),  # type: ignore[arg-type]
-            created_at=created,
-            expires_at=expires,
-            durable=True,
-            chain=chain,
-            response=response,
-            backend=intern(backend),
-            affinity_key=intern(affinity),
-            n_items=n_items,
-            output_at=(output_at[0], output_at[1]) if output_at else None,
-            stored=stored,
-        )
+        record = Record(  # positional (100,000s of them): Record's field order
+            rid, same(scope, scope), created, expires, True, chain, response,  # type: ignore[arg-type]
+            same(backend, backend), same(affinity, affinity), n_items,
+            (output_at[0], output_at[1]) if output_at else None, stored,
+        )  # fmt: skip
         records.append(record)
     for row in reversed(order):  # children after parents: sum them up the tree
         link = row[4]
