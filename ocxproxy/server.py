@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import weakref
 from collections.abc import AsyncIterator
 
@@ -26,6 +27,7 @@ log = logging.getLogger("ocxproxy")
 
 SWEEP_INTERVAL = 60.0
 SHUTDOWN_GRACE = 10.0
+SWITCH_INTERVAL = 0.001  # seconds (sys.setswitchinterval)
 
 
 def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Application:
@@ -168,6 +170,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
 
 
 def run(config: Config) -> None:
+    # A thread that wants the GIL (the store's committer, back from its fsync with turns
+    # waiting on it) gets it after at most this long while the event loop is busy; the
+    # default 5 ms lengthened every durable turn under load.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         import uvloop
     except ImportError:
