@@ -11,7 +11,7 @@ from ocxproxy.store import codec
 
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
 CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
-CHUNK = 2000  # records or segments encoded between yields to the event loop
+CHUNK = 500  # records or segments encoded between yields to the event loop
 COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
 COMPACT_BATCH = 1000  # segments moved per commit (the loop runs between)
 COMPACT_BYTES = 32 * 1024**2  # most bytes one checkpoint's compaction moves
