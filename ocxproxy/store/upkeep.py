@@ -4,7 +4,7 @@ checkpoint's encoding, in chunks between which the event loop runs."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ocxproxy.model import Record, Segment
 from ocxproxy.store import codec
@@ -25,11 +25,14 @@ async def encode_checkpoint(
     next_sid: int,
     segments: Sequence[Segment],
     records: Sequence[Record],
+    uncommitted: Collection[str] = (),
 ) -> tuple[list[bytes], int]:
-    """The checkpoint of `segments` and `records` (durable, committed) at journal
-    `position`, as chunks to write, and how many records it names. A record is named by
-    its parent's row when that row is out already; a segment whose bytes the journal does
-    not hold is left out, and so is every record that needs one."""
+    """The checkpoint of `segments` and `records` (the durable ones, but those whose ids are
+    `uncommitted`) at journal `position`, as chunks to write, and how many records it
+    names. A record is named by its parent's row when that row is out already; a segment
+    whose bytes the journal does not hold is left out, and so is every record that needs
+    one. The caller captures plain copies (no filtering: 100,000 records at once would
+    stall the loop); they are filtered here, chunk by chunk."""
     chunks: list[bytes] = [codec.encode_head(position, written_at, next_sid)]
     n_segs = n_recs = 0
     for start in range(0, len(segments), CHUNK):
@@ -45,6 +48,8 @@ async def encode_checkpoint(
     for start in range(0, len(records), CHUNK):
         rows = []
         for r in records[start : start + CHUNK]:
+            if not r.durable or r.id in uncommitted:
+                continue
             link = r.chain
             prev = link.prev if link is not None else None
             parent = emitted.get(id(prev)) if prev is not None else None
