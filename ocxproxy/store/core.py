@@ -465,9 +465,9 @@ class Store:
             if record.durable and not queued(record.id) and record.id not in pinned:
                 self._drop(record, FailureReason.EVICTED, "disk_bytes")
 
-    def committed_records(self) -> list[Record]:
+    def checkpoint_view(self) -> tuple[list[Record], set[str]]:
         assert self.ledger is not None
-        return self.ledger.committed(self._records.values())
+        return list(self._records.values()), self.ledger.uncommitted()
 
     # -- introspection -------------------------------------------------------------------
 

@@ -61,8 +61,9 @@ class Owner(Protocol):
     def evict_for_disk(self, target: float) -> None:
         """Drop the oldest durable records until live segments take `target` bytes."""
 
-    def committed_records(self) -> list[Record]:
-        """The durable records whose PUT is committed: what a checkpoint names."""
+    def checkpoint_view(self) -> tuple[list[Record], set[str]]:
+        """Every record, and the ids whose PUT is not committed yet: a checkpoint names the
+        durable ones but those (filtered while encoding, not all at once here)."""
 
 
 class Durable:
@@ -329,7 +330,7 @@ class Durable:
         async with committer.io:
             position = await self.offload(j.rotate)
             capture = self.table.captured(position[0])
-            records = self.owner.committed_records()
+            records, uncommitted = self.owner.checkpoint_view()
             segments = list(self.table.by_key.values())
             next_sid = self.table.sid + 1
             dirty_before = self.dirty_at
@@ -337,7 +338,7 @@ class Durable:
             self.dirty_at = None if not committer.pending() else time.monotonic()
             self.since_checkpoint = 0
         chunks, n_recs = await encode_checkpoint(
-            position, self.clock(), next_sid, segments, records
+            position, self.clock(), next_sid, segments, records, uncommitted
         )
         try:
             size = await self.offload(j.write_checkpoint, chunks)

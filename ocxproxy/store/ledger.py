@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -71,10 +71,9 @@ class Ledger:
         """A PUT of this id is queued or being written."""
         return record_id in self._uncommitted
 
-    def committed(self, records: Iterable[Record]) -> list[Record]:
-        """The durable ones among `records` whose PUT is committed."""
-        uncommitted = self._uncommitted
-        return [r for r in records if r.durable and r.id not in uncommitted]
+    def uncommitted(self) -> set[str]:
+        """The ids of the records whose PUT is queued or being written."""
+        return set(self._uncommitted)
 
     def pending(self, record: Record) -> bool:
         """`record`'s PUT is queued or being written."""
