@@ -53,7 +53,13 @@ class Ledger:
         whose row precedes it in the journal, which names it."""
         committer = self.committer
         assert committer is not None
-        self.table.queue_missing((*record.segments, record.response))
+        link = record.chain
+        if parent is not None and link is not None:
+            # The chain is the named parent's plus one, and a live durable record's
+            # segments are in the journal or queued already: only this turn's can be new.
+            self.table.queue_missing((link.segment, record.response))
+        else:
+            self.table.queue_missing((*record.segments, record.response))
         row = codec.record_row(record, parent)
         future = committer.submit(PUT, orjson.dumps(row), record)
         self._uncommitted[record.id] = (record, future)
