@@ -184,11 +184,17 @@ class Record:
     # the output items are stored once. Store.response_bytes() puts them back.
     output_at: tuple[int, int] | None = None
     stored: bool = True  # the client asked for store:true (GET and input_items serve it)
+    # The chain's segments, built: kept by the newest record of a chain being continued
+    # (the store moves it from parent to child), so a turn costs no walk of its links.
+    built: tuple[Segment, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def segments(self) -> tuple[Segment, ...]:
-        """The chain's segments, oldest first (a walk of its links)."""
-        return () if self.chain is None else self.chain.segments()
+        """The chain's segments, oldest first."""
+        built = self.built
+        if built is None:
+            built = self.built = () if self.chain is None else self.chain.segments()
+        return built
 
     @property
     def own(self) -> Segment | None:

@@ -287,12 +287,14 @@ class Store:
         skeleton, output_at = split_output(turn.response, turn.items)
         response = self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
         if parent is None:
+            segments: tuple[Segment, ...] = (own,)
             chain = Chain(None, own)
         elif self._records.get(parent.id) is parent:
-            chain = Chain(parent.chain, own)
+            chain, segments = Chain(parent.chain, own), (*parent.segments, own)
+            parent.built = None  # the newest record of the chain keeps it built
         else:  # dropped meanwhile, or another store's record: take its segments in
-            adopt = self.table.adopt
-            chain = Chain(chain_of(adopt(s, durable) for s in parent.segments), own)
+            segments = (*(self.table.adopt(s, durable) for s in parent.segments), own)
+            chain = Chain(chain_of(segments[:-1]), own)
         record = Record(
             id=turn.response_id,
             scope=turn.scope,
@@ -306,8 +308,9 @@ class Store:
             n_items=(parent.n_items if parent else 0) + turn.n_items,
             output_at=output_at,
             stored=turn.stored,
+            built=segments,
         )
-        self.table.hold((*chain.segments(), response), durable=durable)
+        self.table.hold((*segments, response), durable=durable)
         self.index.add(record)
         if durable and self._committer is not None:
             self._journal_put(record, parent)
@@ -372,6 +375,7 @@ class Store:
             affinity_key=affinity_key,
             n_items=(old.n_items if shared and old else 0) + sum(s.n_items for s in fresh),
             stored=False,
+            built=segments,
         )
         self.table.hold((*segments[shared:], response), durable=durable)  # before old goes
         journaled = durable and self._committer is not None
