@@ -174,7 +174,7 @@ class Record:
     created_at: float
     expires_at: float
     durable: bool  # store:true (may be written to disk)
-    chain: Chain | None  # its segments, the last its own (None: none)
+    links: Chain | None  # its chain's segments, the last its own (None: none)
     response: Segment  # the response object as JSON, for GET /v1/responses/{id}
     backend: str | None = None
     affinity_key: str | None = None
@@ -193,17 +193,17 @@ class Record:
         """The chain's segments, oldest first."""
         built = self.built
         if built is None:
-            built = self.built = () if self.chain is None else self.chain.segments()
+            built = self.built = () if self.links is None else self.links.segments()
         return built
 
     @property
     def own(self) -> Segment | None:
         """The segment this record's turn added (the chain's last)."""
-        return None if self.chain is None else self.chain.segment
+        return None if self.links is None else self.links.segment
 
     def has_call_id(self, call_id: str) -> bool:
         # Newest first: a tool output almost always answers the last turn's call.
-        link = self.chain
+        link = self.links
         while link is not None:
             if call_id in link.segment.call_ids:
                 return True

@@ -290,7 +290,7 @@ class Store:
             segments: tuple[Segment, ...] = (own,)
             chain = Chain(None, own)
         elif self._records.get(parent.id) is parent:
-            chain, segments = Chain(parent.chain, own), (*parent.segments, own)
+            chain, segments = Chain(parent.links, own), (*parent.segments, own)
             parent.built = None  # the newest record of the chain keeps it built
         else:  # dropped meanwhile, or another store's record: take its segments in
             segments = (*(self.table.adopt(s, durable) for s in parent.segments), own)
@@ -301,7 +301,7 @@ class Store:
             created_at=now,
             expires_at=now + self.ttl,
             durable=durable,
-            chain=chain,
+            links=chain,
             response=response,
             backend=turn.backend,
             affinity_key=turn.affinity_key,
@@ -360,7 +360,7 @@ class Store:
             raise StoreFailure(FailureReason.FULL, record_id)
         take = self.table.take
         taken = [take(s, durable) for s in fresh]
-        links = chain_of(taken, old.chain if shared and old else None)
+        links = chain_of(taken, old.links if shared and old else None)
         segments = (*(old.segments if shared and old else ()), *taken)
         response = self.table.intern(Segment(meta, 0, NO_CALLS, durable=False))
         record = Record(
@@ -369,7 +369,7 @@ class Store:
             created_at=created_at,
             expires_at=expires_at,
             durable=durable,
-            chain=links,
+            links=links,
             response=response,
             backend=backend,
             affinity_key=affinity_key,

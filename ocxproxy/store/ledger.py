@@ -53,7 +53,7 @@ class Ledger:
         whose row precedes it in the journal, which names it."""
         committer = self.committer
         assert committer is not None
-        link = record.chain
+        link = record.links
         if parent is not None and link is not None:
             # The chain is the named parent's plus one, and a live durable record's
             # segments are in the journal or queued already: only this turn's can be new.

@@ -50,7 +50,7 @@ async def encode_checkpoint(
         for r in records[start : start + CHUNK]:
             if not r.durable or r.id in uncommitted:
                 continue
-            link = r.chain
+            link = r.links
             prev = link.prev if link is not None else None
             parent = emitted.get(id(prev)) if prev is not None else None
             if link is not None and parent is not None:  # the chain is its parent's + one
