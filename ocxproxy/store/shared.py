@@ -35,7 +35,7 @@ from ocxproxy.errors import (
     StoreFailure,
 )
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.model import Record, Segment, Turn, chain_of
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
@@ -288,7 +288,8 @@ class SharedStore(Store):
             created_at=now,
             expires_at=now + self.ttl,
             durable=True,
-            segments=segments,
+            links=chain_of(segments),
+            built=segments,
             response=response,
             backend=turn.backend,
             affinity_key=turn.affinity_key,

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 import zstandard
 
-from ocxproxy.model import ItemIds, Record, Segment
+from ocxproxy.model import ItemIds, Record, Segment, chain_of
 
 _HEAD = struct.Struct("<BI")  # version, length of the metadata JSON
 _VERSION = 1
@@ -294,7 +294,8 @@ def decode_record(
         created_at=m["t"],
         expires_at=m["e"],
         durable=True,
-        segments=segments,
+        links=chain_of(segments),
+        built=segments,
         response=response,
         backend=m["b"],
         affinity_key=m["a"],
