@@ -5,9 +5,12 @@
 - `valkey_server`: the same, Valkey only (for the slow tests that need not run twice).
 - `make_kv_server`: a factory for other settings, `await make_kv_server("redis",
   appendfsync="everysec", maxmemory_policy="allkeys-lru", unix_socket=True)`.
+- `make_replicas`: `await make_replicas(server.url, 3, "--durability", "ack")`, three started
+  `ocxproxy serve` processes on that store in front of the fake backend (tests/shared/replicas.py).
 
-Every server is killed by pid at teardown. A kind whose binary is not installed is skipped,
-except under CI=true (.ci/run installs both), where a skip would hide a broken install."""
+Every server and replica is killed by pid at teardown. A kind whose binary is not installed
+is skipped, except under CI=true (.ci/run installs both), where a skip would hide a broken
+install."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.backend import FakeBackend
+from tests.shared.replicas import Replicas
 from tests.shared.servers import KINDS, Kind, KvServer, binary
 
 MakeKvServer = Callable[..., Awaitable[KvServer]]
@@ -54,3 +59,24 @@ async def kv_server(request: pytest.FixtureRequest, make_kv_server: MakeKvServer
 @pytest.fixture
 async def valkey_server(make_kv_server: MakeKvServer) -> KvServer:
     return await make_kv_server("valkey")
+
+
+MakeReplicas = Callable[..., Awaitable[Replicas]]
+
+
+@pytest.fixture
+async def make_replicas(tmp_path: Path, backend: FakeBackend) -> AsyncIterator[MakeReplicas]:
+    """`await make_replicas(store_url, n=3, *extra_serve_args)`: n started `ocxproxy serve`
+    replicas on that shared store in front of the fake backend; all killed at teardown."""
+    made: list[Replicas] = []
+
+    async def make(store_url: str, n: int = 3, *extra: str, **kwargs: Any) -> Replicas:
+        replicas = Replicas(
+            backend.url, store_url, tmp_path / f"replicas-{len(made)}", n, *extra, **kwargs
+        )
+        made.append(replicas)
+        return await replicas.start()
+
+    yield make
+    for replicas in made:
+        await replicas.close()
