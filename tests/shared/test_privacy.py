@@ -1,0 +1,92 @@
+"""store:false content never reaches the shared store (CONTRACT.md C5): after store:false
+turns through three replicas (JSON and SSE, on their own and off a stored parent), every
+key's value (read by type, zstd frames expanded) and every byte of the server's AOF are
+scanned for the marker; the stored turns' marker is found there, so the scan can see.
+Keys carry the prefix and a scope hash, never the credential."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+
+import aiohttp
+import redis.asyncio as redis
+import zstandard
+
+from tests.serve import respond
+from tests.shared.conftest import MakeKvServer, MakeReplicas
+from tests.shared.test_replicas import KEY_A, KEY_B, auth, turn
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def expanded(blob: bytes) -> bytes:
+    """`blob` followed by the content of every zstd frame found anywhere in it (values are
+    stored compressed, and the AOF holds them inside RESP commands)."""
+    out = [blob]
+    at = blob.find(ZSTD_MAGIC)
+    while at >= 0:
+        with contextlib.suppress(zstandard.ZstdError):  # not a frame after all
+            out.append(zstandard.ZstdDecompressor().decompressobj().decompress(blob[at:]))
+        at = blob.find(ZSTD_MAGIC, at + 1)
+    return b"".join(out)
+
+
+async def value_bytes(client: redis.Redis, key: bytes) -> bytes:
+    kind = (await client.type(key)).decode()
+    if kind == "string":
+        return bytes(await client.get(key) or b"")
+    if kind == "list":
+        return b"\0".join(await client.lrange(key, 0, -1))
+    if kind == "hash":
+        pairs = await client.hgetall(key)
+        return b"\0".join(k + b"\0" + v for k, v in pairs.items())
+    if kind == "set":
+        return b"\0".join(await client.smembers(key))
+    if kind == "zset":
+        return b"\0".join(m for m, _ in await client.zrange(key, 0, -1, withscores=True))
+    if kind == "stream":
+        entries = await client.xrange(key)
+        return b"\0".join(k + b"\0" + v for _, f in entries for k, v in f.items())
+    raise AssertionError(f"{key!r}: a value of type {kind} the scan cannot read")
+
+
+async def test_store_false_never_reaches_the_shared_store(
+    make_kv_server: MakeKvServer, make_replicas: MakeReplicas, http: aiohttp.ClientSession
+) -> None:
+    # no RDB preamble in the AOF: its strings could be LZF-compressed past the scan
+    server = await make_kv_server("valkey", extra={"aof-use-rdb-preamble": "no"})
+    replicas = await make_replicas(server.url)
+    secret, public = f"SECRET-{uuid.uuid4().hex}", f"PUBLIC-{uuid.uuid4().hex}"
+    kept, _ = await turn(http, replicas[0], f"{public} one")
+    for i, serve in enumerate(replicas.slots):
+        for stream in (False, True):
+            alone = {"model": "m", "input": f"{secret} {i}", "store": False, "stream": stream}
+            off_parent = {**alone, "previous_response_id": kept}
+            for body in (alone, off_parent):
+                status, error, response = await respond(http, serve.url, body, auth())
+                assert status == 200 and error is None and response, error
+                assert secret in str(response)  # the backend did answer with it
+    kept, _ = await turn(http, replicas[1], f"{public} two", kept)
+    await turn(http, replicas[2], f"{public} three", key=KEY_B)
+
+    values = []
+    prefixes = set()
+    async with redis.Redis.from_url(server.url) as client:
+        keys = [key async for key in client.scan_iter(count=1000)]
+        assert keys
+        for key in keys:
+            assert key.startswith(b"ocx:"), key
+            prefixes.add(key.split(b":")[1])
+            assert KEY_A.encode() not in key and KEY_B.encode() not in key
+            values.append(key + b"\0" + await value_bytes(client, key))
+    everything = expanded(b"\n".join(values))
+    assert public.encode() in everything  # the scan does see stored content
+    assert secret.encode() not in everything
+    assert KEY_A.encode() not in everything and KEY_B.encode() not in everything
+    assert len(prefixes) >= 2  # two credentials, two scope hashes
+
+    aof = expanded(server.aof_bytes())
+    assert public.encode() in aof
+    assert secret.encode() not in aof
+    assert KEY_A.encode() not in aof and KEY_B.encode() not in aof
