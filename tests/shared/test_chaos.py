@@ -109,6 +109,9 @@ async def test_no_acknowledged_turn_is_lost_under_kill_9(
     backend: FakeBackend,
     http: aiohttp.ClientSession,
 ) -> None:
+    # Each answer takes a while (per SSE event too), so kills land on turns in flight:
+    # between begin and commit, and in the middle of streams.
+    backend.delay = 0.03
     replicas = await make_replicas(valkey_server.url, 3, "--durability", "ack")
     chains = [Chain() for _ in range(WORKERS)]
     log: list[str] = []
@@ -132,8 +135,9 @@ async def test_no_acknowledged_turn_is_lost_under_kill_9(
     failures = sum((c.failures for c in chains), Counter[str]())
     report = f"{len(acked)} acknowledged, failures {dict(failures)}, {log}"
     assert all(len(c.acked) >= 10 for c in chains), report
-    assert failures["connection dropped"] + failures["sse cut"] > 0, report  # kills did hit
-    assert any(k.startswith("503") for k in failures), report  # and the store outage did
+    dropped = failures["connection dropped"] + failures["sse cut"]
+    assert dropped > 0, report  # kills did hit turns in flight
+    assert sum(failures.values()) > dropped, report  # and the store outage was answered
     violations = [v for c in chains for v in c.violations]
     assert not violations, (violations[:10], report)
 
