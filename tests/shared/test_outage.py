@@ -50,6 +50,8 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
     replicas = await make_replicas(valkey_server.url)
     pids = [s.pid for s in replicas.slots]
     head, _ = await turn(http, replicas[0], "before the outage")
+    async with http.get(f"{replicas[0].url}/v1/responses/{head}", headers=auth()) as r:
+        item_id = (await r.json())["output"][0]["id"]
     for serve in replicas.slots:
         assert (await ready(http, serve))[0] == 200
         assert await metric(http, serve, "ocxproxy_shared_store_available") == 1
@@ -66,6 +68,10 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
             assert error["code"] == "storage_unavailable", error
         async with http.get(f"{serve.url}/v1/responses/{head}", headers=auth()) as r:
             assert r.status == 503
+            assert (await r.json())["error"]["code"] == "storage_unavailable"
+        body = {"model": "m", "input": [{"type": "item_reference", "id": item_id}]}
+        async with http.post(serve.url + "/v1/responses", json=body, headers=auth()) as r:
+            assert r.status == 503, await r.text()  # an item reference needs the store too
             assert (await r.json())["error"]["code"] == "storage_unavailable"
     assert len(backend.responses_seen) == calls  # refused before the backend was called
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 import pytest
+import redis.asyncio as redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes.backend import FakeBackend
@@ -107,7 +108,7 @@ async def test_ten_turns_alternate_over_three_replicas(
     assert hits > 0 and 0 < misses <= 3 * 10, (hits, misses)
 
 
-async def test_get_delete_and_input_items_from_any_replica(
+async def test_get_delete_input_items_and_item_references_from_any_replica(
     valkey_server: KvServer,
     make_replicas: MakeReplicas,
     backend: FakeBackend,
@@ -127,6 +128,19 @@ async def test_get_delete_and_input_items_from_any_replica(
             assert r.status == 200
             items = (await r.json())["data"]
         assert [i["content"][0]["text"] for i in items] == ["one", "echo#1: one", "two"]
+
+    # An item of r2's output, referenced by id on another replica, is the stored item.
+    item_id = doc["output"][0]["id"]
+    body = {
+        "model": "m",
+        "input": [{"role": "user", "content": "quote"}, {"type": "item_reference", "id": item_id}],
+    }
+    status, error, response = await respond(http, a.url, body, auth())
+    assert response is not None, (status, error)
+    forwarded = backend.responses_seen[-1].json["input"]
+    assert forwarded[1]["id"] == item_id and forwarded[1]["content"][0]["text"] == text2
+    status, error = await error_of(http, c, "POST", "/v1/responses", KEY_B, json=body)
+    assert status == 400, (status, error)  # another credential cannot reference it
 
     async with http.delete(f"{c.url}/v1/responses/{r2}", headers=auth()) as r:
         assert r.status == 200 and (await r.json())["deleted"] is True
@@ -197,3 +211,32 @@ async def test_siblings_off_one_parent_on_two_replicas_at_once(
     assert rights[-1] == ["root", "mid", "right", "after right", "after right", "after right"]
     assert_append_only([s.body for s in backend.responses_seen[calls:][0::2]])
     assert_append_only([s.body for s in backend.responses_seen[calls:][1::2]])
+
+
+async def test_ttl_expires_a_chain_on_every_replica_and_in_the_store(
+    valkey_server: KvServer,
+    make_replicas: MakeReplicas,
+    backend: FakeBackend,
+    http: aiohttp.ClientSession,
+) -> None:
+    """--ttl applies to the shared tier: once it has passed, no replica finds the turns and
+    the server holds none of their keys (it expires them itself)."""
+    a, b, c = (await make_replicas(valkey_server.url, 3, "--ttl", "2s")).slots
+    r1, _ = await turn(http, a, "one")
+    r2, text = await turn(http, b, "two", r1)
+    assert text == "echo#3: two"
+    async with redis.Redis.from_url(valkey_server.url) as client:
+        assert [key async for key in client.scan_iter()]
+        await asyncio.sleep(2.5)
+        calls = len(backend.responses_seen)
+        for serve in (a, b, c):
+            for rid in (r1, r2):
+                body = {"model": "m", "input": "x", "previous_response_id": rid}
+                status, error = await error_of(http, serve, "POST", "/v1/responses", json=body)
+                assert status == 400 and error["code"] == "previous_response_not_found", error
+                status, _ = await error_of(http, serve, "GET", f"/v1/responses/{rid}")
+                assert status == 404
+        assert len(backend.responses_seen) == calls
+        keys = [key async for key in client.scan_iter() if await client.exists(key)]
+    # what is left is the byte budget's bookkeeping (its own pseudo-scope, no content)
+    assert [key for key in keys if not key.startswith(b"ocx:_:")] == []
