@@ -452,3 +452,20 @@ async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
             await store.close()
     finally:
         await client.aclose()
+
+
+async def test_a_unix_socket_url_serves_like_tcp(
+    make_kv_server: Callable[..., Awaitable[KvServer]],
+) -> None:
+    server = await make_kv_server("valkey", unix_socket=True)
+    assert server.url.startswith("unix://")
+    a = SharedStore(server.url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
+    b = SharedStore(server.tcp_url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
+    await a.start()
+    await b.start()
+    try:
+        await chain_of(a, None, ["r1", "r2"])
+        assert len((await b.begin("scope-a", "r2")).segments) == 2
+    finally:
+        await a.close()
+        await b.close()
