@@ -28,27 +28,27 @@ from ocxproxy.store.codec import Loaded
 from ocxproxy.store.disk import Committer, Offload
 from ocxproxy.store.durable import Durable
 from ocxproxy.store.journal import Journal
+from ocxproxy.store.kept import KEPT_PREFIXES, KeptRecords
 from ocxproxy.store.ledger import Ledger
 from ocxproxy.store.output import split_output
 from ocxproxy.store.records import NEVER, Records
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.segments import SegmentTable
 from ocxproxy.store.stats import StoreStats, register_gauges, stats_of
-from ocxproxy.store.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, DISK_KEEP
+from ocxproxy.store.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES
 
-__all__ = ["NEVER", "Store", "StoreStats", "default_state_dir"]
+__all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 
 log = logging.getLogger("ocxproxy.store")
 
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
-KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response
 
 
 def default_state_dir() -> Path:
     return platformdirs.user_state_path("ocxproxy")
 
 
-class Store:
+class Store(KeptRecords):
     """Records by id, their shared segments, and where segment bytes are.
 
     `put`, `lookup`, `delete` and `sweep` are synchronous and never touch disk; `history`
@@ -327,85 +327,6 @@ class Store:
             return False
         self._drop(record, None, None)
         return True
-
-    def keep(
-        self,
-        record_id: str,
-        scope: str,
-        chain: Sequence[Segment],
-        meta: bytes,
-        *,
-        created_at: float,
-        expires_at: float = NEVER,
-        durable: bool = True,
-        backend: str | None = None,
-        affinity_key: str | None = None,
-        force: bool = False,
-    ) -> Record:
-        """Write (or rewrite) a record that is not a response: `chain` reuses the segments
-        of records already held (the same objects) and interns new ones; `meta` is kept as
-        its response segment. Journaled like `put` (`await commit(record)` before
-        acknowledging). With `expires_at=NEVER` it is pinned: no count or byte cap drops
-        it, and StoreFailure(FULL) refuses a write that would need that, unless `force`
-        (a turn already answered: taken even past the caps)."""
-        durable = durable and self._committer is not None
-        pinned = expires_at >= NEVER
-        # A chain is never empty (a row needs a chain): one empty segment.
-        chain = chain or (Segment(b"", 0, NO_CALLS, durable=False),)
-        old = self._records.get(record_id)
-        shared = self.index.shared(record_id, chain, durable)
-        fresh = chain[shared:]
-        size = self.index.pinned_size(record_id, chain, shared, len(meta))
-        if pinned and not force and not self._fits(record_id, size, durable=durable):
-            raise StoreFailure(FailureReason.FULL, record_id)
-        take = self.table.take
-        taken = [take(s, durable) for s in fresh]
-        links = chain_of(taken, old.links if shared and old else None)
-        segments = (*(old.segments if shared and old else ()), *taken)
-        response = self.table.intern(Segment(meta, 0, NO_CALLS, durable=False))
-        record = Record(
-            id=record_id,
-            scope=scope,
-            created_at=created_at,
-            expires_at=expires_at,
-            durable=durable,
-            links=links,
-            response=response,
-            backend=backend,
-            affinity_key=affinity_key,
-            n_items=(old.n_items if shared and old else 0) + sum(s.n_items for s in fresh),
-            stored=False,
-            built=segments,
-        )
-        self.table.hold((*segments[shared:], response), durable=durable)  # before old goes
-        journaled = durable and self._committer is not None
-        if old is not None and self.ledger is not None and self.ledger.pending(old):
-            # Its PUT is still queued: a DEL after it, then this record's whole row.
-            self._drop(old, None, None, shared=shared)
-            if journaled:
-                self._journal_put(record, None)
-        elif old is not None:
-            if journaled:  # a PUT of the same id supersedes the old row; name it if it is
-                parent = old if shared and shared == len(segments) - 1 else None
-                self._journal_put(record, parent)
-            self._drop(old, None, None, journaled=False, shared=shared)
-        elif journaled:
-            self._journal_put(record, None)
-        self.index.add(record, size if pinned else None)
-        self._enforce_bounds()
-        return record
-
-    def room_for(self, record_id: str, extra: int) -> bool:
-        """Can the pinned record `record_id` (or a new one) grow by `extra` bytes with no
-        cap having to drop pinned records?"""
-        return self._fits(record_id, self.index.pinned.get(record_id, 0) + extra, durable=True)
-
-    def _fits(self, record_id: str, size: int, *, durable: bool) -> bool:
-        """Pinned bytes count against the share of the disk cap the store keeps when
-        durable, else against the memory cap; their number against the entry cap."""
-        on_disk = durable and self._committer is not None
-        cap = self.max_disk_bytes * DISK_KEEP if on_disk else self.resident.max_bytes
-        return self.index.fits(record_id, size, cap, self.max_entries)
 
     def sweep(self) -> int:
         """Drop expired records; returns how many (not journaled: replay drops them too)."""
