@@ -2,8 +2,8 @@
 
 Owns memory and disk state; never imports aiohttp, ocxproxy.http or ocxproxy.upstream.
 Every way a lookup can fail is a StoreFailure with a FailureReason. Store (core.py) does
-every change and owns the records (records.py; kept.py its
-KeptRecords part, the records it keeps for conversations and Idempotency-Keys); segments.py's SegmentTable alone changes
+every change and owns the records (records.py; kept.py its KeptRecords part, the records
+it keeps for conversations and Idempotency-Keys); segments.py's SegmentTable alone changes
 segments (resident.py the memory tier, keydir.py where their bytes are); ledger.py queues
 a durable record's journal entries and applies each commit's outcome; durable.py owns the
 files, the committer (disk.py) and the checkpoint. journal.py holds the files (journal,
