@@ -6,8 +6,10 @@ all of it: ~0.5 s with the event loop stopped at 100,000 records, and CPython ru
 whenever the objects that survived grew by a quarter. So `serve` settles the heap every
 few seconds: a full collection of what is not frozen yet (only what was allocated since
 the last settle, a few ms), then `gc.freeze()`, which takes the survivors out of every
-later collection. The price: a reference cycle among objects frozen while alive is never
-collected; the proxy's long-lived objects are freed by reference counting.
+later collection. The price: a reference cycle among objects frozen while alive (a
+WebSocket connection's tasks, an exception's traceback) is not collected when it dies, so
+every `FULL_EVERY` settles the frozen heap is thawed and collected whole: one full pass
+(~0.5 s at 100,000 records) every ten minutes bounds what such cycles can hold.
 
 `trim()` hands the memory freed at the top of malloc's heaps back to the system (after
 start-up's load, ~18 MiB at 100,000 records, and every half minute: checkpoint buffers).
@@ -22,6 +24,7 @@ import gc
 
 SETTLE_EVERY = 1.0  # seconds between settles
 TRIM_EVERY = 30  # settles between trims (a trim walks malloc's free lists: a few ms)
+FULL_EVERY = 600  # settles between full collections of the frozen heap too
 
 
 def _malloc_trim() -> object:
@@ -39,8 +42,10 @@ def trim() -> None:
         _TRIM(0)
 
 
-def settle() -> None:
-    """Collect what is not frozen, then freeze the survivors."""
+def settle(*, full: bool = False) -> None:
+    """Collect what is not frozen (everything when `full`), then freeze the survivors."""
+    if full:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
 
@@ -49,7 +54,7 @@ async def keep_settled(every: float = SETTLE_EVERY) -> None:
     n = 0
     while True:
         await asyncio.sleep(every)
-        settle()
         n += 1
+        settle(full=n % FULL_EVERY == 0)
         if n % TRIM_EVERY == 0:
             trim()

@@ -33,3 +33,15 @@ def test_settle_collects_cyclic_garbage_then_freezes_the_survivors(unfrozen: Non
     assert gone() is None  # collected first, not frozen with the rest
     assert gc.get_freeze_count() > before
     assert not any(obj is kept for obj in gc.get_objects())  # out of every collection
+
+
+def test_a_full_settle_collects_a_cycle_that_died_after_it_was_frozen(unfrozen: None) -> None:
+    late = Node()
+    late.other = late  # alive at the first settle: frozen with the rest
+    gone = weakref.ref(late)
+    heap.settle()
+    del late
+    heap.settle()
+    assert gone() is not None  # an ordinary settle never looks at frozen objects
+    heap.settle(full=True)
+    assert gone() is None
