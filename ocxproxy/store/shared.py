@@ -35,7 +35,7 @@ from ocxproxy.errors import (
     StoreFailure,
 )
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment, Turn, chain_of
+from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
@@ -280,7 +280,7 @@ class SharedStore(Store):
         now = self.clock()
         own = Segment(turn.items, turn.n_items, turn.call_ids, durable=True, item_ids=turn.item_ids)
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = Segment.restore("", len(skeleton), 0, frozenset(), durable=True, data=skeleton)
+        response = Segment.restore("", len(skeleton), 0, NO_CALLS, durable=True, data=skeleton)
         segments = (own,) if parent is None else (*parent.segments, own)
         record = SharedRecord(
             id=turn.response_id,
@@ -288,7 +288,7 @@ class SharedStore(Store):
             created_at=now,
             expires_at=now + self.ttl,
             durable=True,
-            links=chain_of(segments),
+            links=Chain(parent.links if parent else None, own),
             built=segments,
             response=response,
             backend=turn.backend,
