@@ -86,14 +86,18 @@ class InFlight:
         if running is not None:
             if running != body_fingerprint:
                 raise mismatch()
-            raise Conflict(
-                "A request with this Idempotency-Key is still in progress; retry later.",
-                param="Idempotency-Key",
-            )
+            raise in_progress()
         self._running[record_id] = body_fingerprint
 
     def end(self, record_id: str) -> None:
         self._running.pop(record_id, None)
+
+
+def in_progress() -> Conflict:
+    return Conflict(
+        "A request with this Idempotency-Key is still in progress; retry later.",
+        param="Idempotency-Key",
+    )
 
 
 def mismatch() -> Unprocessable:

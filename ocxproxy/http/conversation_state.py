@@ -5,7 +5,10 @@ the items (segments, bytes as forwarded), its response segment the `Meta` (creat
 metadata, item ids). Every write replaces the record; segments are shared, so appending a
 turn adds one segment and deleting an item rewrites only the segment that holds it.
 Used by the routes (http/conversations.py) and, through `ConversationTurn`, by the create
-turn (http/exchange.py).
+turn (http/exchange.py). With a shared store, the conversation, its lease and its writes
+are on the server instead (store/shared_conversations.py): each write names the version
+it was computed from, so one made after its lease lapsed and the conversation changed is
+refused (409 `conversation_changed`), and a turn's append releases its lease with it.
 """
 
 from __future__ import annotations
@@ -39,9 +42,15 @@ from ocxproxy.errors import (
     StoreFailure,
     StoreFull,
 )
-from ocxproxy.http.context import Proxy
-from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.model import Record, Segment
 from ocxproxy.store import Store
+from ocxproxy.store.shared_conversations import (
+    ConversationRecord,
+    SharedConversations,
+    conversation_record,
+    encode_entry,
+    shared_conversations,
+)
 
 log = logging.getLogger("ocxproxy.responses")
 
@@ -67,7 +76,13 @@ async def load(store: Store, scope: str, conversation_id: str) -> Conversation:
     """The caller's conversation, or NotFound (another credential's is unknown too)."""
     if not is_conversation_id(conversation_id):
         raise _not_found(conversation_id)
+    shared = shared_conversations(store)
     try:
+        if shared is not None:
+            found = await shared.load(scope, conversation_id)
+            if found is None:
+                raise _not_found(conversation_id)
+            return Conversation(found, _meta(found))
         record = store.record(scope, conversation_id)
         meta = Meta.decode(await store.response_bytes(record))
     except StoreFailure as failure:
@@ -75,6 +90,17 @@ async def load(store: Store, scope: str, conversation_id: str) -> Conversation:
             raise _not_found(conversation_id) from None
         raise unreadable(failure) from None
     return Conversation(record, meta)
+
+
+def _meta(record: ConversationRecord) -> Meta:
+    doc = orjson.loads(record.head)
+    return Meta(doc["created_at"], doc["metadata"], record.ids)
+
+
+def head_of(meta: Meta, backend: str | None) -> bytes:
+    return orjson.dumps(
+        {"created_at": meta.created_at, "metadata": meta.metadata, "backend": backend}
+    )
 
 
 def _not_found(conversation_id: str) -> NotFound:
@@ -103,14 +129,22 @@ def new_segment(items: list[Any]) -> Segment:
     )
 
 
-def create(store: Store, scope: str, items: list[Any], metadata: dict[str, str]) -> Conversation:
+async def create(
+    store: Store, scope: str, items: list[Any], metadata: dict[str, str]
+) -> Conversation:
+    """A new conversation, durable when returned."""
     conversation_id = new_conversation_id()
     meta = Meta(int(time.time()), metadata)
     chain: tuple[Segment, ...] = ()
     if items:
         chain = (new_segment(items),)
         meta.ids.append(assign_ids(items, set()))
-    return _write(store, conversation_id, scope, chain, meta, backend=None)
+    shared = shared_conversations(store)
+    if shared is not None:
+        first = (chain[0], meta.ids[0]) if chain else None
+        record = await shared.create(scope, conversation_id, head_of(meta, None), first)
+        return Conversation(record, meta)
+    return await _durable(store, _write(store, conversation_id, scope, chain, meta, backend=None))
 
 
 def append(
@@ -124,25 +158,51 @@ def append(
 ) -> Conversation:
     """The conversation with one more segment (its `items`, parsed, for their ids);
     `force` for a turn already answered (taken even past the store's caps)."""
-    meta = Meta(
-        conversation.meta.created_at,
-        conversation.meta.metadata,
-        [*conversation.meta.ids, assign_ids(items, conversation.meta.all_ids())],
-    )
+    meta = appended(conversation, items)
     chain = (*conversation.segments, segment)
     return _write(
         store, conversation.id, conversation.record.scope, chain, meta, backend=backend, force=force
     )
 
 
-def set_metadata(
+def appended(conversation: Conversation, items: list[Any]) -> Meta:
+    old = conversation.meta
+    return Meta(old.created_at, old.metadata, [*old.ids, assign_ids(items, old.all_ids())])
+
+
+async def add_items(store: Store, conversation: Conversation, items: list[Any]) -> Conversation:
+    """The items appended (one segment), durable when returned."""
+    segment = new_segment(items)
+    shared = shared_conversations(store)
+    if shared is None:
+        return await _durable(store, append(store, conversation, segment, items))
+    meta = appended(conversation, items)
+    entries = [*entries_of(conversation), (segment, meta.ids[-1])]
+    entry = encode_entry(segment, meta.ids[-1])
+    return await _write_shared(shared, conversation, meta, entries, "append", entry)
+
+
+async def set_metadata(
     store: Store, conversation: Conversation, metadata: dict[str, str]
 ) -> Conversation:
     meta = Meta(conversation.meta.created_at, metadata, conversation.meta.ids)
     record = conversation.record
-    return _write(
-        store, record.id, record.scope, conversation.segments, meta, backend=record.backend
+    shared = shared_conversations(store)
+    if shared is not None:
+        return await _write_shared(shared, conversation, meta, entries_of(conversation), "meta")
+    return await _durable(
+        store,
+        _write(store, record.id, record.scope, conversation.segments, meta, backend=record.backend),
     )
+
+
+async def delete(store: Store, conversation: Conversation) -> None:
+    shared = shared_conversations(store)
+    if shared is not None:
+        await _write_shared(shared, conversation, conversation.meta, [], "delete")
+        return
+    store.delete(conversation.record.scope, conversation.id, kept=True)
+    await _commit(store, None)
 
 
 async def delete_item(store: Store, conversation: Conversation, item_id: str) -> Conversation:
@@ -171,7 +231,69 @@ async def delete_item(store: Store, conversation: Conversation, item_id: str) ->
     else:
         del chain[seg_index], ids[seg_index]
     meta = Meta(conversation.meta.created_at, conversation.meta.metadata, ids)
-    return _write(store, record.id, record.scope, tuple(chain), meta, backend=record.backend)
+    shared = shared_conversations(store)
+    if shared is not None:
+        entry = encode_entry(chain[seg_index], ids[seg_index]) if spans else b""
+        entries = list(zip(chain, ids, strict=True))
+        return await _write_shared(shared, conversation, meta, entries, "replace", seg_index, entry)
+    written = _write(store, record.id, record.scope, tuple(chain), meta, backend=record.backend)
+    return await _durable(store, written)
+
+
+def entries_of(conversation: Conversation) -> list[tuple[Segment, list[str]]]:
+    return list(zip(conversation.segments, conversation.meta.ids, strict=True))
+
+
+async def _write_shared(
+    shared: SharedConversations,
+    conversation: Conversation,
+    meta: Meta,
+    entries: list[tuple[Segment, list[str]]],
+    op: str,
+    *args: Any,
+) -> Conversation:
+    """A write on the server, computed from `conversation` as read: refused (409) when
+    it changed since (its lock lapsed and another writer got in)."""
+    record = conversation.record
+    assert isinstance(record, ConversationRecord)
+    head = head_of(meta, record.backend)
+    version = await shared.write(record, op, *args, head=head)
+    if not version:
+        raise changed()
+    return Conversation(conversation_record(record.id, record.scope, head, version, entries), meta)
+
+
+async def _durable(store: Store, conversation: Conversation) -> Conversation:
+    """Ack mode: a write is durable before it is answered."""
+    await _commit(store, conversation.record)
+    return conversation
+
+
+async def _commit(store: Store, record: Record | None) -> None:
+    """(None: everything queued, a deletion.)"""
+    try:
+        await store.commit(record)
+    except StoreFailure:
+        raise StorageUnavailable(
+            "The conversation could not be stored: the proxy's storage is unavailable. Retry later."
+        ) from None
+
+
+def store_full() -> StoreFull:
+    return StoreFull(
+        "The store is full: taking this write would drop conversation items. "
+        "Delete conversations or raise --max-disk-bytes / --max-entries."
+    )
+
+
+def changed() -> Conflict:
+    return Conflict(
+        "The conversation changed while this response was generated (its lock ran "
+        "out and another request wrote to it); the response was not added to it. "
+        "Retry the request.",
+        param="conversation",
+        code="conversation_changed",
+    )
 
 
 async def items(store: Store, conversation: Conversation) -> list[tuple[str, Any]]:
@@ -185,6 +307,8 @@ async def items(store: Store, conversation: Conversation) -> list[tuple[str, Any
 
 
 async def _read(store: Store, segments: tuple[Segment, ...]) -> list[bytes]:
+    if shared_conversations(store) is not None:  # read whole with the conversation
+        return [s.data or b"" for s in segments]
     try:
         return await store.segment_bytes(segments)
     except StoreFailure as failure:
@@ -214,94 +338,6 @@ def _write(
         )
     except StoreFailure as failure:
         if failure.reason == FailureReason.FULL:
-            raise _full() from None
+            raise store_full() from None
         raise unreadable(failure) from None
     return Conversation(record, meta)
-
-
-def check_room(store: Store, conversation: Conversation, extra: int) -> None:
-    """StoreFull unless the conversation can grow by `extra` bytes (a turn's own items,
-    checked before it runs) without a cap having to drop conversation items."""
-    if not store.room_for(conversation.id, extra):
-        raise _full()
-
-
-def _full() -> StoreFull:
-    return StoreFull(
-        "The store is full: taking this write would drop conversation items. "
-        "Delete conversations or raise --max-disk-bytes / --max-entries."
-    )
-
-
-@dataclass(slots=True)
-class ConversationTurn:
-    """A create turn's hold on its conversation: the lock, from before anything is
-    forwarded until the turn ends, and the append of the answered turn."""
-
-    proxy: Proxy
-    lease: Lease | None
-    conversation: Conversation
-
-    def renew(self) -> None:
-        if self.lease is not None:
-            self.proxy.leases.renew(self.lease)
-
-    def release(self) -> None:
-        """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
-        if self.lease is not None:
-            self.proxy.leases.release(self.lease)
-            self.lease = None
-
-    def append(self, scope: str, turn: Turn, items: list[Any], backend: str | None) -> Record:
-        """The conversation's new record, with the turn's items appended (as one segment,
-        the bytes the turn's record holds too): even past the store's caps (their room was
-        checked before the turn, for its own items). A conversation another writer changed
-        meanwhile (its lease ran out) is a 409 Conflict; a write the store refused, 503."""
-        conversation, store = self.conversation, self.proxy.store
-        try:
-            current = store.record(scope, conversation.id)
-        except StoreFailure:
-            current = None
-        if current is not conversation.record:  # deleted, or written by a lease-breaker
-            log.warning("conversation %s changed during a turn; not appended", conversation.id)
-            raise Conflict(
-                "The conversation changed while this response was generated (its lock ran "
-                "out and another request wrote to it); the response was not added to it. "
-                "Retry the request.",
-                param="conversation",
-                code="conversation_changed",
-            )
-        segment = Segment(
-            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
-        )
-        try:
-            self.conversation = append(
-                store, conversation, segment, items, backend=backend, force=True
-            )
-        except OcxError as error:
-            log.error("conversation %s: turn not appended: %s", conversation.id, error)
-            raise StorageUnavailable(
-                "The response could not be added to its conversation: the proxy's storage "
-                "failed. Nothing was saved; retry later."
-            ) from None
-        return self.conversation.record
-
-
-async def open_turn(
-    proxy: Proxy, scope: str, conversation_id: str, *, locked: bool = True
-) -> tuple[ConversationTurn, list[bytes]]:
-    """A create turn on a conversation: its lock (400 conversation_locked while another
-    turn or write holds it) and its items' bytes, spliced in front of the input like a
-    chain's. Without `locked`, a read (a sibling of create, which appends nothing)."""
-    lease = lock(proxy.leases, conversation_id) if locked else None
-    try:
-        conversation = await load(proxy.store, scope, conversation_id)
-        try:
-            history = await proxy.store.history(conversation.record)
-        except StoreFailure as failure:
-            raise unreadable(failure) from None
-    except BaseException:
-        if lease is not None:
-            proxy.leases.release(lease)
-        raise
-    return ConversationTurn(proxy, lease, conversation), history

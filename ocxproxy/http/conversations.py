@@ -7,8 +7,7 @@ it does, so no write can interleave with a turn: a second writer gets 400
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import orjson
@@ -27,10 +26,11 @@ from ocxproxy.continuation.listing import (
     page,
     parse_list_query,
 )
-from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.errors import InvalidRequest, NotFound
 from ocxproxy.http import conversation_state as state
 from ocxproxy.http.body import read_body
 from ocxproxy.http.context import Proxy, proxy_of, scope_of
+from ocxproxy.http.conversation_turn import locked
 
 
 def _json(obj: Any) -> web.Response:
@@ -64,8 +64,7 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
     body = await _body(request, proxy)
     items = check_items(body.get("items"), required=False)
     metadata = check_metadata(body.get("metadata"))
-    conversation = state.create(proxy.store, scope_of(request.headers), items, metadata)
-    await _durable(proxy, conversation)
+    conversation = await state.create(proxy.store, scope_of(request.headers), items, metadata)
     return _json(_view(conversation))
 
 
@@ -80,19 +79,17 @@ async def update_conversation(request: web.Request) -> web.StreamResponse:
     if "metadata" not in body:
         raise InvalidRequest("Missing required parameter: 'metadata'.", param="metadata")
     metadata = check_metadata(body["metadata"])
-    with _locked(proxy, request.match_info["conversation_id"]):
+    async with _locked(request):
         _, _, conversation = await _load(request)
-        conversation = state.set_metadata(proxy.store, conversation, metadata)
-        await _durable(proxy, conversation)
+        conversation = await state.set_metadata(proxy.store, conversation, metadata)
     return _json(_view(conversation))
 
 
 async def delete_conversation(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    with _locked(proxy, request.match_info["conversation_id"]):
-        _, scope, conversation = await _load(request)
-        proxy.store.delete(scope, conversation.id, kept=True)
-        await _durable(proxy, None)
+    async with _locked(request):
+        _, _, conversation = await _load(request)
+        await state.delete(proxy.store, conversation)
     return _json(deleted_object(conversation.id))
 
 
@@ -103,10 +100,9 @@ async def create_items(request: web.Request) -> web.StreamResponse:
     items = check_items(body.get("items"), required=True)
     if not items:
         raise InvalidRequest("Invalid 'items': expected at least one item.", param="items")
-    with _locked(proxy, request.match_info["conversation_id"]):
+    async with _locked(request):
         _, _, conversation = await _load(request)
-        conversation = state.append(proxy.store, conversation, state.new_segment(items), items)
-        await _durable(proxy, conversation)
+        conversation = await state.add_items(proxy.store, conversation, items)
     ids = conversation.meta.ids[-1]
     data = [item_view(item, item_id, include) for item_id, item in zip(ids, items, strict=True)]
     query = ListQuery(None, len(data), "asc", include)
@@ -135,33 +131,19 @@ async def get_item(request: web.Request) -> web.StreamResponse:
 
 async def delete_item(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    with _locked(proxy, request.match_info["conversation_id"]):
+    async with _locked(request):
         _, _, conversation = await _load(request)
         conversation = await state.delete_item(
             proxy.store, conversation, request.match_info["item_id"]
         )
-        await _durable(proxy, conversation)
     return _json(_view(conversation))
 
 
-async def _durable(proxy: Proxy, conversation: state.Conversation | None) -> None:
-    """Ack mode: a write is durable before it is answered (None: everything queued)."""
-    try:
-        await proxy.store.commit(conversation.record if conversation is not None else None)
-    except StoreFailure:
-        raise StorageUnavailable(
-            "The conversation could not be stored: the proxy's storage is unavailable. Retry later."
-        ) from None
-
-
-@contextmanager
-def _locked(proxy: Proxy, conversation_id: str) -> Iterator[None]:
+def _locked(request: web.Request) -> AbstractAsyncContextManager[None]:
     """The conversation's lock around an items or metadata write (400 while taken)."""
-    lease = state.lock(proxy.leases, conversation_id)
-    try:
-        yield
-    finally:
-        proxy.leases.release(lease)
+    return locked(
+        proxy_of(request), scope_of(request.headers), request.match_info["conversation_id"]
+    )
 
 
 def add_routes(router: web.UrlDispatcher) -> None:

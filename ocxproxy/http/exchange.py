@@ -42,7 +42,7 @@ from ocxproxy.errors import (
 )
 from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
-from ocxproxy.http.conversation_state import ConversationTurn, check_room, open_turn
+from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
 from ocxproxy.metrics import Timing
@@ -135,6 +135,13 @@ class Exchange:
             changed = error.code == "conversation_changed"
             return "conversation_changed" if changed else "conversation_failed"
         return None
+
+    def renew(self) -> None:
+        """As bytes arrive: the conversation's lock, the Idempotency-Key in flight."""
+        if self.conversation is not None:
+            self.conversation.renew()
+        if self.idempotency_key is not None:
+            idempotency.renew(self.proxy, self.idempotency_key)
 
     def release(self) -> None:
         """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
@@ -312,7 +319,7 @@ async def create(
     Idempotency-Key, a retry is answered from the first run (http/idempotency.py)."""
     scope = scope_of(headers)
     request = parse_request(raw)
-    key = idempotency.key_of(headers, scope, raw)
+    key = idempotency.key_of(headers, scope, raw, stored=request.store)
     done = await idempotency.begin(proxy, key) if key is not None else None
     try:
         if done is not None:  # answered before: the same response again
@@ -404,8 +411,7 @@ async def stream_events(
     while True:
         with timing.waiting():
             chunk = await read_chunk(upstream)
-        if exchange.conversation is not None:
-            exchange.conversation.renew()
+        exchange.renew()
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
         terminal = -1  # where in the batch the terminal event of a remembered turn is

@@ -7,21 +7,35 @@ A completed key is a record the store keeps (`Store.keep`, id derived from crede
 key) holding the body's fingerprint and the response: it persists like the turn it
 answers (store:true), or stays in memory (store:false). Keys in flight are process memory.
 Only a response the proxy would remember is kept: a retry of a failed request runs again.
+With a shared store, a store:true request's key lives on the server instead
+(store/shared_conversations.py), so every replica answers alike: in flight, a key with a
+TTL (renewed while the response streams, so a killed replica's lapses); completed, the
+entry, written with the turn. A store:false one stays in its replica (its fingerprint is
+a digest of content that must not leave the process).
 """
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from multidict import CIMultiDict
 
-from ocxproxy.continuation.locks import fingerprint, idempotency_record_id, mismatch
+from ocxproxy.aio import spawn
+from ocxproxy.continuation.locks import fingerprint, idempotency_record_id, in_progress, mismatch
 from ocxproxy.errors import InvalidRequest, StoreFailure
 from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.model import Record
+from ocxproxy.store.shared_conversations import (
+    SharedConversations,
+    quietly,
+    shared_conversations,
+    staged_write,
+)
 from ocxproxy.upstream.sse import encode_event
 
 HEADER = "Idempotency-Key"
@@ -29,25 +43,37 @@ TTL = 24 * 3600.0
 MAX_KEY = 255
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Key:
     record_id: str
     fingerprint: str
     scope: str
+    stored: bool = True  # store:true: on the shared store, when there is one
+    # On the shared store: this request's in-flight marker, while it holds the key.
+    marker: str = field(default_factory=lambda: secrets.token_hex(8))
+    held: bool = False
+    renewed: float = 0.0
 
 
-def key_of(headers: Mapping[str, str], scope: str, raw: bytes) -> Key | None:
+def key_of(headers: Mapping[str, str], scope: str, raw: bytes, *, stored: bool) -> Key | None:
     value = headers.get(HEADER)
     if value is None:
         return None
     if not value or len(value) > MAX_KEY:
         raise InvalidRequest(f"Invalid '{HEADER}': 1 to {MAX_KEY} characters.", param=HEADER)
-    return Key(idempotency_record_id(scope, value), fingerprint(raw), scope)
+    return Key(idempotency_record_id(scope, value), fingerprint(raw), scope, stored)
+
+
+def _shared(proxy: Proxy, key: Key) -> SharedConversations | None:
+    return shared_conversations(proxy.store) if key.stored else None
 
 
 async def begin(proxy: Proxy, key: Key) -> dict[str, Any] | None:
     """The key is in flight until `end` (a retry meanwhile: 409, or 422 for another
     body); the response a completed request with this key got, to answer again."""
+    shared = _shared(proxy, key)
+    if shared is not None:
+        return await _begin_shared(proxy, shared, key)
     proxy.in_flight.begin(key.record_id, key.fingerprint)
     try:
         return await _stored(proxy, key)
@@ -56,32 +82,87 @@ async def begin(proxy: Proxy, key: Key) -> dict[str, Any] | None:
         raise
 
 
+async def _begin_shared(
+    proxy: Proxy, shared: SharedConversations, key: Key
+) -> dict[str, Any] | None:
+    """The same rules on the server, in one round trip: completed (replayed, or 422),
+    in flight elsewhere (409, or 422), or now in flight for this request."""
+    marker = f"{key.fingerprint}:{key.marker}"
+    state, value = await shared.idempotency_begin(
+        key.scope, key.record_id, marker, proxy.leases.duration
+    )
+    if state == 0:
+        key.held, key.renewed = True, time.monotonic()
+        return None
+    if state == 1:
+        return _response_of(value, key)
+    other = value.decode().partition(":")[0]
+    if other and other != key.fingerprint:
+        raise mismatch()
+    raise in_progress()
+
+
+def renew(proxy: Proxy, key: Key) -> None:
+    """While the response streams: the shared in-flight key stays (at most every third
+    of its TTL, in the background)."""
+    shared = _shared(proxy, key)
+    ttl = proxy.leases.duration
+    now = time.monotonic()
+    if shared is None or not key.held or now - key.renewed < ttl / 3:
+        return
+    key.renewed = now
+    marker = f"{key.fingerprint}:{key.marker}"
+    spawn(quietly(shared.idempotency_hold(key.scope, key.record_id, marker, ttl)), name="idem")
+
+
 def end(proxy: Proxy, key: Key) -> None:
     """Idempotent: when the response is remembered, and again when the request ends."""
-    proxy.in_flight.end(key.record_id)
+    shared = _shared(proxy, key)
+    if shared is None:
+        proxy.in_flight.end(key.record_id)
+    elif key.held:
+        key.held = False
+        marker = f"{key.fingerprint}:{key.marker}"
+        spawn(quietly(shared.idempotency_hold(key.scope, key.record_id, marker, None)), name="idem")
 
 
 async def _stored(proxy: Proxy, key: Key) -> dict[str, Any] | None:
     """The response a completed request with this key got; 422 for another body."""
     try:
         record = proxy.store.record(key.scope, key.record_id)
-        entry = orjson.loads(await proxy.store.response_bytes(record))
+        return _response_of(await proxy.store.response_bytes(record), key)
     except StoreFailure:
         return None
-    if entry["fingerprint"] != key.fingerprint:
+
+
+def _response_of(entry: bytes, key: Key) -> dict[str, Any]:
+    """A completed key's response; 422 when it was completed for another body."""
+    found = orjson.loads(entry)
+    if found["fingerprint"] != key.fingerprint:
         raise mismatch()
-    response: dict[str, Any] = entry["response"]
+    response: dict[str, Any] = found["response"]
     return response
 
 
 def complete(proxy: Proxy, key: Key, response: Any | None, *, durable: bool) -> Record | None:
     """The request has its response: a retry from now on gets it (when it is one the
     proxy remembers, else None: a retry runs again). The completed key's record, to
-    commit before the answer is acknowledged."""
-    end(proxy, key)
+    commit before the answer is acknowledged (on a shared store, a staged write that
+    also lets the in-flight key go)."""
+    shared = _shared(proxy, key)
+    if shared is None or response is None or not durable:
+        end(proxy, key)
     if response is None:
         return None
     entry = orjson.dumps({"fingerprint": key.fingerprint, "response": response})
+    if shared is not None and durable:
+        marker = f"{key.fingerprint}:{key.marker}"
+
+        async def write() -> None:
+            await shared.idempotency_done(key.scope, key.record_id, marker, entry, TTL)
+            key.held = False
+
+        return staged_write(key.record_id, key.scope, write)
     now = proxy.store.clock()
     try:
         return proxy.store.keep(

@@ -28,18 +28,15 @@ from typing import Any
 import orjson
 
 from ocxproxy.config import Config
-from ocxproxy.errors import (
-    FailureReason,
-    NotSupported,
-    StorageUnavailable,
-    StoreFailure,
-)
+from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
+from ocxproxy.store.shared_conversations import ConversationRecord, SharedConversations, SharedWrite
+from ocxproxy.store.shared_conversations import flatten as flatten_conversation
 from ocxproxy.store.shared_layout import Keys, SharedRecord
 from ocxproxy.store.shared_server import Server
 
@@ -85,6 +82,7 @@ class SharedStore(Store):
         self.shared_bytes = 0  # the server's count, as the last commit here saw it
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
+        self.conversations = SharedConversations(self.server, prefix)  # and leases, keys
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
@@ -134,14 +132,6 @@ class SharedStore(Store):
     abandon = close  # nothing is queued: a crash and a close leave the server alike
 
     # -- lookups -------------------------------------------------------------------------
-
-    def record(self, scope: str, record_id: str) -> Record:
-        if record_id.startswith(KEPT_PREFIXES):
-            raise NotSupported(
-                "Conversations and Idempotency-Key are not yet supported with a shared "
-                "store (--shared-store)."
-            )
-        return super().record(scope, record_id)
 
     async def begin(self, scope: str, response_id: str) -> Record:
         """The caller's record (a turn kept in this process, else the server's), with
@@ -273,7 +263,10 @@ class SharedStore(Store):
 
     def put(self, turn: Turn, parent: Record | None) -> Record:
         """A durable turn on a durable (shared) parent is built here and written by
-        `commit`; any other stays in this process's memory (never on the server)."""
+        `commit`; any other stays in this process's memory (never on the server). A turn
+        on a shared conversation is stored as its whole input (shared_conversations.py)."""
+        if isinstance(parent, ConversationRecord):
+            turn, parent = flatten_conversation(turn, parent), None
         shared_parent = parent is None or isinstance(parent, SharedRecord)
         if not turn.durable or not shared_parent:
             return super().put(turn, parent)
@@ -306,6 +299,9 @@ class SharedStore(Store):
     async def commit(self, record: Record | None = None) -> None:
         """Write a record `put` built, atomically (one round trip); StoreFailure when it
         could not be written: the turn must not be acknowledged."""
+        if isinstance(record, SharedWrite) and record.pending is not None:
+            await record.pending()  # a conversation's append, an Idempotency-Key
+            return
         staged = self._staged.get(record.id) if record is not None else None
         if staged is None or staged[0] is not record:
             await super().commit(record)
@@ -351,7 +347,8 @@ class SharedStore(Store):
         return bool(await self.server.write("delete", lambda: ("DEL", key)))
 
     def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:
-        raise NotSupported(
-            "Conversations and Idempotency-Key are not yet supported with a shared store "
-            "(--shared-store)."
-        )
+        """Only what stays in this process (a store:false Idempotency-Key's response):
+        shared conversations and keys are `self.conversations`'."""
+        if kw.get("durable", True):
+            raise StoreFailure(FailureReason.WRITE_FAILED, "kept records are not shared")
+        return super().keep(record_id, scope, *args, **kw)

@@ -1,0 +1,411 @@
+"""Conversations, their lease and Idempotency-Keys on the shared Valkey/Redis server
+(--shared-store), so that every replica serves them alike.
+
+Keys, under the caller's scope hash (CONTRACT.md C5), beside shared_layout.py's:
+
+    {prefix}{scope}:conv:{id}          hash: `head` (created_at, metadata, backend), `ver`
+    {prefix}{scope}:conv:{id}:items    list: one entry per append (a segment and its items'
+                                       ids), in the order the server took the appends
+    {prefix}{scope}:lock:{id}          the conversation's lease: a token, with a TTL
+    {prefix}{scope}:idem:{id}          a completed Idempotency-Key: fingerprint and response
+    {prefix}{scope}:idemrun:{id}       an Idempotency-Key in flight: fingerprint and token
+
+Every write to a conversation names the version it was computed from, and the script
+refuses it when the conversation moved on (another writer, after this one's lease lapsed)
+or is gone: that write is `conversation_changed`, nothing of it kept. A turn's append and
+the release of its lease are one script. Leases and in-flight keys expire, so a replica
+killed mid-turn holds nothing for longer than its lease. Conversations have no TTL and do
+not count in the byte budget (like the single-node store, which pins them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import zstandard
+
+from ocxproxy.aio import spawn
+from ocxproxy.errors import FailureReason, OcxError, StoreFailure
+from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, Turn, chain_of
+
+if TYPE_CHECKING:
+    from ocxproxy.store.shared_server import Server
+
+# KEYS: head, items. A hit: {head, version, entries}; a miss: nil.
+LOAD = """
+local h = redis.call('HMGET', KEYS[1], 'head', 'ver')
+if not h[1] then return false end
+return {h[1], h[2], redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+
+# KEYS: head, items. ARGV: head, then the first entry (if any). 0 when the id is taken.
+CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'head', ARGV[1], 'ver', 1)
+if #ARGV > 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+# KEYS: head, items, lease. ARGV: the version the write was computed from, the lease
+# token to release with it ('' none), op, head ('' unchanged), then the op's arguments:
+#   append  entry                     a segment appended (a turn, or items added)
+#   replace index, entry ('' drop)    a segment rewritten (an item deleted)
+#   meta                              the head alone
+#   delete                            the whole conversation
+# The new version; 0 when the conversation changed (or is gone): nothing written.
+WRITE = """
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
+local ver = redis.call('HGET', KEYS[1], 'ver')
+if ver ~= ARGV[1] then return 0 end
+local op = ARGV[3]
+if op == 'delete' then
+  redis.call('DEL', KEYS[1], KEYS[2])
+elseif op == 'append' then
+  redis.call('RPUSH', KEYS[2], ARGV[5])
+elseif op == 'replace' then
+  local at = tonumber(ARGV[5])
+  if ARGV[6] == '' then
+    redis.call('LSET', KEYS[2], at, '')
+    redis.call('LREM', KEYS[2], 1, '')
+  else
+    redis.call('LSET', KEYS[2], at, ARGV[6])
+  end
+end
+if ARGV[4] ~= '' and op ~= 'delete' then redis.call('HSET', KEYS[1], 'head', ARGV[4]) end
+if op == 'delete' then return tonumber(ver) + 1 end
+return redis.call('HINCRBY', KEYS[1], 'ver', 1)
+"""
+
+# KEYS: a lease or in-flight key. ARGV: its token, and a TTL (ms) to renew it by ('' to
+# release it). 1 while the token holds it.
+HOLD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+
+# KEYS: completed key, in-flight key. ARGV: this request's marker, TTL (ms).
+# {1, entry}: completed; {0}: now in flight for this request; {2, marker}: another runs.
+IDEM_BEGIN = """
+local done = redis.call('GET', KEYS[1])
+if done then return {1, done} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0} end
+return {2, redis.call('GET', KEYS[2]) or ''}
+"""
+
+# KEYS: completed key, in-flight key. ARGV: the entry, its TTL (ms), this request's marker.
+IDEM_DONE = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+_SCRIPTS = {
+    "conversation_load": LOAD,
+    "conversation_create": CREATE,
+    "conversation_write": WRITE,
+    "lease": HOLD,
+    "idempotency_begin": IDEM_BEGIN,
+    "idempotency_done": IDEM_DONE,
+}
+
+_HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON
+_VERSION = 1
+_compressor = zstandard.ZstdCompressor(level=3)
+_decompressor = zstandard.ZstdDecompressor()
+
+
+def _pack(data: bytes) -> bytes:
+    compressed = _compressor.compress(data)
+    return b"z" + compressed if len(compressed) < len(data) else b"r" + data
+
+
+def _unpack(value: bytes) -> bytes:
+    if value[:1] == b"z":
+        return bytes(_decompressor.decompress(value[1:]))
+    if value[:1] == b"r":
+        return value[1:]
+    raise ValueError("unknown packing")
+
+
+def encode_entry(segment: Segment, ids: Sequence[str]) -> bytes:
+    """One append: the segment (bytes as forwarded, its metadata) and its items' ids."""
+    assert segment.data is not None
+    meta = orjson.dumps(
+        [list(ids), segment.n_items, sorted(segment.call_ids), list(segment.item_ids)]
+    )
+    return b"".join((_HEAD.pack(_VERSION, len(meta)), meta, _pack(segment.data)))
+
+
+def decode_entry(value: bytes) -> tuple[Segment, list[str]]:
+    try:
+        version, size = _HEAD.unpack_from(value)
+        if version != _VERSION:
+            raise ValueError(f"unknown entry version {version}")
+        ids, n_items, call_ids, spans = orjson.loads(value[_HEAD.size : _HEAD.size + size])
+        data = _unpack(value[_HEAD.size + size :])
+    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError, ValueError, TypeError):
+        raise StoreFailure(FailureReason.CORRUPT, "conversation entry") from None
+    segment = Segment(
+        data,
+        n_items,
+        frozenset(call_ids) or NO_CALLS,
+        durable=True,
+        item_ids=ItemIds([tuple(span) for span in spans]),
+    )
+    return segment, ids
+
+
+@dataclass(slots=True)
+class SharedWrite(Record):
+    """A write a turn staged (its conversation's append, its Idempotency-Key), run by
+    `SharedStore.commit` before the turn is acknowledged."""
+
+    pending: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(slots=True)
+class ConversationRecord(SharedWrite):
+    """A conversation as read from (or written to) the server: its segments, the ids of
+    each one's items, its head and the version a write must name."""
+
+    head: bytes = b"{}"
+    version: int = 0
+    ids: list[list[str]] = field(default_factory=list)
+
+
+def shared_conversations(store: object) -> SharedConversations | None:
+    """The store's shared conversations (a SharedStore's), or None (single-node)."""
+    found = getattr(store, "conversations", None)
+    return found if isinstance(found, SharedConversations) else None
+
+
+def conversation_record(
+    conversation_id: str,
+    scope: str,
+    head: bytes,
+    version: int,
+    entries: Sequence[tuple[Segment, list[str]]],
+) -> ConversationRecord:
+    segments = tuple(segment for segment, _ in entries)
+    doc = orjson.loads(head)
+    return ConversationRecord(
+        id=conversation_id,
+        scope=scope,
+        created_at=float(doc["created_at"]),
+        expires_at=float("inf"),
+        durable=True,
+        links=chain_of(segments),
+        built=segments,
+        response=Segment(head, 0, NO_CALLS, durable=True),
+        backend=doc.get("backend"),
+        n_items=sum(segment.n_items for segment in segments),
+        head=head,
+        version=version,
+        ids=[list(ids) for _, ids in entries],
+    )
+
+
+def flatten(turn: Turn, parent: Record) -> Turn:
+    """A turn on a conversation as a turn of its own: its segment the conversation's items
+    followed by its own (the bytes the backend was sent, in order), so the response is
+    retrievable and continuable from any replica without the conversation."""
+    datas = [s.data for s in parent.segments if s.data]
+    if not datas:
+        return turn
+    offset = sum(len(d) + 1 for d in datas)
+    spans = [(i, s + at, e + at) for seg, at in _offsets(parent) for i, s, e in seg.item_ids]
+    spans += [(i, s + offset, e + offset) for i, s, e in turn.item_ids]
+    call_ids = frozenset().union(*(s.call_ids for s in parent.segments), turn.call_ids)
+    return Turn(
+        response_id=turn.response_id,
+        scope=turn.scope,
+        durable=turn.durable,
+        items=b",".join((*datas, turn.items)),
+        n_items=parent.n_items + turn.n_items,
+        call_ids=call_ids or NO_CALLS,
+        response=turn.response,
+        item_ids=ItemIds(spans),
+        backend=turn.backend,
+        affinity_key=turn.affinity_key,
+        stored=turn.stored,
+    )
+
+
+def _offsets(record: Record) -> list[tuple[Segment, int]]:
+    out, at = [], 0
+    for segment in record.segments:
+        if segment.data:
+            out.append((segment, at))
+            at += len(segment.data) + 1
+    return out
+
+
+class SharedConversations:
+    """The round trips for conversations, leases and Idempotency-Keys (one each)."""
+
+    def __init__(self, server: Server, prefix: str) -> None:
+        self.server = server
+        self.prefix = prefix
+        self._shas: dict[str, str] = {}
+
+    def _base(self, scope: str) -> str:
+        return f"{self.prefix}{scope}:"
+
+    def _keys(self, scope: str, conversation_id: str) -> list[str]:
+        base = self._base(scope)
+        head = f"{base}conv:{conversation_id}"
+        return [head, head + ":items", f"{base}lock:{conversation_id}"]
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One script, by EVALSHA (loaded again when the server lost it)."""
+
+        from redis.exceptions import NoScriptError  # (the extra's; this runs only with it)
+
+        async def run(client: Any) -> Any:
+            sha = self._shas.get(name)
+            if sha is not None:
+                try:
+                    return await client.evalsha(sha, len(keys), *keys, *args)
+                except NoScriptError:  # the server restarted without it (not persisted)
+                    pass
+            self._shas[name] = await client.script_load(_SCRIPTS[name])
+            return await client.evalsha(self._shas[name], len(keys), *keys, *args)
+
+        return await self.server.call(name, run)
+
+    # -- conversations -------------------------------------------------------------------
+
+    async def load(self, scope: str, conversation_id: str) -> ConversationRecord | None:
+        found = await self._run("conversation_load", self._keys(scope, conversation_id)[:2], ())
+        if found is None:
+            return None
+        head, version, values = found
+        entries = [decode_entry(value) for value in values]
+        return conversation_record(conversation_id, scope, head, int(version), entries)
+
+    async def create(
+        self, scope: str, conversation_id: str, head: bytes, first: tuple[Segment, list[str]] | None
+    ) -> ConversationRecord:
+        args = [head] if first is None else [head, encode_entry(*first)]
+        keys = self._keys(scope, conversation_id)[:2]
+        if not await self._run("conversation_create", keys, args):
+            raise StoreFailure(FailureReason.WRITE_FAILED, "conversation id taken")
+        return conversation_record(conversation_id, scope, head, 1, [first] if first else [])
+
+    async def write(
+        self,
+        record: ConversationRecord,
+        op: str,
+        *args: Any,
+        head: bytes = b"",
+        lease: str = "",
+    ) -> int:
+        """A write computed from `record` (op and its arguments as WRITE takes them),
+        releasing `lease` with it; the new version, or 0 when the conversation changed."""
+        keys = self._keys(record.scope, record.id)
+        return int(
+            await self._run("conversation_write", keys, (record.version, lease, op, head, *args))
+        )
+
+    # -- the lease -----------------------------------------------------------------------
+
+    async def acquire(self, scope: str, conversation_id: str, ttl: float) -> str | None:
+        """A token holding the conversation's lease for `ttl` seconds, or None while
+        another holder's is live."""
+        token = secrets.token_hex(12)
+        key = self._keys(scope, conversation_id)[2]
+        ms = max(1, int(ttl * 1000))
+        taken = await self.server.call("lease", lambda r: r.set(key, token, nx=True, px=ms))
+        return token if taken else None
+
+    async def renew(self, scope: str, conversation_id: str, token: str, ttl: float) -> bool:
+        key = self._keys(scope, conversation_id)[2]
+        return bool(await self._run("lease", [key], [token, max(1, int(ttl * 1000))]))
+
+    async def release(self, scope: str, conversation_id: str, token: str) -> None:
+        await self._run("lease", [self._keys(scope, conversation_id)[2]], [token, ""])
+
+    # -- Idempotency-Keys ----------------------------------------------------------------
+
+    def _idem_keys(self, scope: str, record_id: str) -> list[str]:
+        base = self._base(scope)
+        return [f"{base}idem:{record_id}", f"{base}idemrun:{record_id}"]
+
+    async def idempotency_begin(
+        self, scope: str, record_id: str, marker: str, ttl: float
+    ) -> tuple[int, bytes]:
+        """(1, the completed entry) | (0, b"") now in flight | (2, the other's marker)."""
+        keys = self._idem_keys(scope, record_id)
+        found = await self._run("idempotency_begin", keys, [marker, max(1, int(ttl * 1000))])
+        state = int(found[0])
+        value = bytes(found[1]) if len(found) > 1 else b""
+        return state, _unpack(value) if state == 1 else value
+
+    async def idempotency_done(
+        self, scope: str, record_id: str, marker: str, entry: bytes, ttl: float
+    ) -> None:
+        keys = self._idem_keys(scope, record_id)
+        await self._run("idempotency_done", keys, [_pack(entry), int(ttl * 1000), marker])
+
+    async def idempotency_hold(
+        self, scope: str, record_id: str, marker: str, ttl: float | None
+    ) -> None:
+        """Renew the in-flight key for `ttl` seconds (None: let it go)."""
+        key = self._idem_keys(scope, record_id)[1]
+        await self._run("lease", [key], [marker, "" if ttl is None else int(ttl * 1000)])
+
+
+def staged_write(record_id: str, scope: str, write: Callable[[], Awaitable[None]]) -> SharedWrite:
+    """A write for `SharedStore.commit` to run (it holds no segments of its own)."""
+    return SharedWrite(
+        id=record_id,
+        scope=scope,
+        created_at=0.0,
+        expires_at=float("inf"),
+        durable=True,
+        links=None,
+        response=Segment(b"", 0, NO_CALLS, durable=True),
+        pending=write,
+    )
+
+
+@dataclass(slots=True)
+class SharedLease:
+    """A conversation's lease on the shared store: renewed in the background (at most
+    every third of its duration), released by compare-and-delete (a lapsed one taken by
+    another holder stays theirs). When a renewal or release fails, it lapses by itself."""
+
+    shared: SharedConversations
+    scope: str
+    conversation_id: str
+    token: str | None
+    duration: float
+    renewed: float = 0.0
+
+    def renew(self) -> None:
+        now = time.monotonic()
+        if self.token is None or now - self.renewed < self.duration / 3:
+            return
+        self.renewed = now
+        call = self.shared.renew(self.scope, self.conversation_id, self.token, self.duration)
+        spawn(quietly(call), name="conversation-lease")
+
+    def release(self) -> None:
+        token, self.token = self.token, None
+        if token is not None:
+            call = self.shared.release(self.scope, self.conversation_id, token)
+            spawn(quietly(call), name="conversation-lease")
+
+
+async def quietly(call: Awaitable[Any]) -> None:
+    """A renewal or release in the background: when it fails, the key lapses by itself."""
+    with contextlib.suppress(OcxError, StoreFailure):
+        await call

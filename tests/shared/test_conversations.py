@@ -1,0 +1,290 @@
+"""Conversations, their lock and Idempotency-Keys across replicas on one shared store: the
+openai SDK (and plain HTTP) against proxies in this process and real `serve` replicas
+(tests/shared/replicas.py), on a real Valkey / redis-server. A conversation's items are in
+the order of appends whichever replica wrote them; two turns on one conversation never
+run at once; a lease held by a replica killed mid-turn lapses; a turn whose lease lapsed
+while the conversation changed is a 409 that keeps nothing; a completed Idempotency-Key is
+replayed by every replica (docs/BEHAVIOR.md, "Conversations, locking, idempotency")."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from ocxproxy.aio import spawn
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.http.helpers import assert_append_only, sse_payloads
+from tests.shared.conftest import MakeReplicas
+from tests.shared.servers import KvServer
+from tests.shared.test_replicas import KEY_A, KEY_B, auth
+
+Json = dict[str, Any]
+
+
+def user(text: str) -> Json:
+    return {"type": "message", "role": "user", "content": text}
+
+
+async def replicas(
+    make_proxy: MakeProxy, backend: FakeBackend, url: str, n: int = 3, **kw: Any
+) -> list[ProxyHandle]:
+    return [await make_proxy(backend.url, shared_store=url, state_dir=None, **kw) for _ in range(n)]
+
+
+async def texts(client: openai.AsyncOpenAI, conversation_id: str) -> list[str]:
+    """The conversation's items as their text, oldest first (user input or output text)."""
+    page = await client.conversations.items.list(conversation_id, order="asc", limit=100)
+    out = []
+    for item in page.data:
+        content = item.model_dump()["content"]
+        out.append(content if isinstance(content, str) else content[0]["text"])
+    return out
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: Json, headers: dict[str, str]
+) -> tuple[int, Json, dict[str, str]]:
+    async with http.post(url + "/responses", json=body, headers=headers) as resp:
+        return resp.status, orjson.loads(await resp.read()), dict(resp.headers)
+
+
+async def test_a_conversation_across_three_replicas_keeps_its_items_in_append_order(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer
+) -> None:
+    proxies = await replicas(make_proxy, backend, kv_server.url)
+    clients = [p.client() for p in proxies]
+    conv = await clients[0].conversations.create(items=[user("hello")], metadata={"k": "v"})
+    expected = ["hello"]
+    for n in range(6):
+        client = clients[n % 3]
+        word = f"turn {n}"
+        if n % 2:
+            stream = await client.responses.create(
+                model="m", input=word, conversation=conv.id, stream=True
+            )
+            events = [event async for event in stream]
+            assert events[-1].type == "response.completed"
+            response = events[-1].response
+        else:
+            response = await client.responses.create(model="m", input=word, conversation=conv.id)
+        assert response.conversation is not None and response.conversation.id == conv.id
+        expected += [word, response.output_text]
+        # at once, from the next replica: the turn is there, in order
+        assert await texts(clients[(n + 1) % 3], conv.id) == expected
+    seen = backend.responses_seen
+    assert_append_only([s.body for s in seen])
+    assert len(seen[-1].json["input"]) == len(expected) - 1
+    # a turn's response is stored too: retrievable and continuable from another replica
+    follow = await clients[1].responses.create(
+        model="m", input="after", previous_response_id=response.id
+    )
+    before, after = seen[-1].body, backend.responses_seen[-1].body
+    tail = after[after.index(b'"input":[') :]
+    assert tail.startswith(before[before.index(b'"input":[') : -2])  # byte-stable history
+    assert len(backend.responses_seen[-1].json["input"]) == len(expected) + 1
+    assert (await clients[2].responses.retrieve(follow.id)).output_text == follow.output_text
+    assert (await clients[0].responses.retrieve(response.id)).output_text == expected[-1]
+
+    # the routes, each from another replica
+    got = await clients[1].conversations.retrieve(conv.id)
+    assert got.metadata == {"k": "v"}
+    await clients[2].conversations.update(conv.id, metadata={"k": "w"})
+    assert (await clients[0].conversations.retrieve(conv.id)).metadata == {"k": "w"}
+    added = await clients[0].conversations.items.create(conv.id, items=[user("x"), user("y")])
+    expected += ["x", "y"]
+    assert await texts(clients[1], conv.id) == expected
+    first = (await clients[2].conversations.items.list(conv.id, order="asc")).data[0]
+    await clients[1].conversations.items.delete(first.id, conversation_id=conv.id)
+    await clients[0].conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    expected = [t for t in expected if t not in ("hello", "x")]
+    assert await texts(clients[2], conv.id) == expected
+    turn = await clients[2].responses.create(model="m", input="last", conversation=conv.id)
+    assert len(backend.responses_seen[-1].json["input"]) == len(expected) + 1
+    assert await texts(clients[0], conv.id) == [*expected, "last", turn.output_text]
+    # another credential's replica does not know it
+    other = proxies[1].client(api_key="sk-other")
+    with pytest.raises(openai.NotFoundError):
+        await other.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.create(model="m", input="x", conversation=conv.id)
+    await clients[1].conversations.delete(conv.id)
+    for client in clients:
+        with pytest.raises(openai.NotFoundError):
+            await client.conversations.retrieve(conv.id)
+
+
+async def test_two_turns_on_one_conversation_on_two_replicas_never_run_at_once(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer
+) -> None:
+    """Turns from three replicas at once, each retried while the conversation is locked
+    (400 conversation_locked, as on one replica): the backend saw one at a time, each with
+    every earlier turn's items before its own."""
+    backend.delay = 0.05
+    proxies = await replicas(make_proxy, backend, valkey_server.url)
+    clients = [p.client() for p in proxies]
+    conv = await clients[0].conversations.create()
+    locked = 0
+
+    async def run(n: int) -> str:
+        nonlocal locked
+        while True:
+            try:
+                await clients[n % 3].responses.create(
+                    model="m", input=f"w{n}", conversation=conv.id
+                )
+                return f"w{n}"
+            except openai.BadRequestError as exc:
+                assert exc.code == "conversation_locked"
+                locked += 1
+                await asyncio.sleep(0.01)
+
+    words = await asyncio.gather(*(run(n) for n in range(6)))
+    assert locked > 0  # they did collide
+    seen = [s.json["input"] for s in backend.responses_seen]
+    assert [len(items) for items in seen] == [1, 3, 5, 7, 9, 11]  # one at a time
+    assert_append_only([s.body for s in backend.responses_seen])
+    items = await texts(clients[1], conv.id)
+    assert sorted(items[::2]) == sorted(words)
+    order = [i["content"] for i in seen[-1] if i.get("role") == "user"]
+    assert items[::2] == order  # the conversation's order is the order the turns ran
+
+
+async def test_a_turn_whose_lease_lapsed_while_the_conversation_changed_is_a_409(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer
+) -> None:
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=1.0)
+    ca, cb = a.client(), b.client()
+    conv = await ca.conversations.create()
+    backend.drip_next(0.75, parts=3)  # 1.5 s in all, never silent for a read timeout
+    turn = spawn(ca.responses.create(model="m", input="slow", conversation=conv.id), name="t")
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    with pytest.raises(openai.BadRequestError) as caught:  # while the lease holds
+        await cb.conversations.items.create(conv.id, items=[user("too soon")])
+    assert caught.value.code == "conversation_locked"
+    await asyncio.sleep(1.1)  # the turn's lease has run out
+    await cb.conversations.items.create(conv.id, items=[user("meanwhile")])
+    with pytest.raises(openai.ConflictError) as changed:
+        await turn
+    assert changed.value.code == "conversation_changed"
+    assert await texts(ca, conv.id) == ["meanwhile"]
+    assert a.metric("ocxproxy_turns_not_recorded_total", reason="conversation_changed") == 1
+    again = await cb.responses.create(model="m", input="again", conversation=conv.id)
+    assert await texts(ca, conv.id) == ["meanwhile", "again", again.output_text]
+
+
+async def test_a_store_failure_on_a_conversation_is_a_503_never_a_200(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    """The server dies while a turn runs: its append fails, and the client is told so
+    (SSE: an error event in place of response.completed; JSON: 503); nothing is kept."""
+    (a,) = await replicas(make_proxy, backend, valkey_server.url, n=1, read_timeout=1.0)
+    client = a.client(api_key=KEY_A)
+    conv = await client.conversations.create(items=[user("hello")])
+    for n, stream in enumerate((True, False)):
+        backend.stall_next(0.5)
+        body = {"model": "m", "input": "lost", "conversation": conv.id, "stream": stream}
+
+        async def send(body: Json = body) -> tuple[int, bytes]:
+            async with http.post(f"{a.base_url}/responses", json=body, headers=auth()) as resp:
+                return resp.status, await resp.read()
+
+        answer = spawn(send(), name="turn")
+        await backend.wait_for(lambda n=n: len(backend.responses_seen) == n + 1)  # type: ignore[misc]
+        valkey_server.kill9()
+        status, data = await answer
+        if stream:
+            payloads = sse_payloads(data)
+            assert payloads[-1]["type"] == "error"
+            assert payloads[-1]["code"] == "storage_unavailable"
+            assert not any(p["type"] == "response.completed" for p in payloads)
+        else:
+            assert status == 503
+            assert orjson.loads(data)["error"]["code"] == "storage_unavailable"
+        await valkey_server.astart()
+        await asyncio.sleep(1.1)  # its lease's release failed too: it lapses
+    assert a.metric("ocxproxy_turns_not_recorded_total", reason="conversation_failed") == 2
+    assert await texts(client, conv.id) == ["hello"]
+    then = await client.responses.create(model="m", input="then", conversation=conv.id)
+    assert await texts(client, conv.id) == ["hello", "then", then.output_text]
+
+
+async def test_an_idempotency_key_is_answered_alike_by_every_replica(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    a, b, c = await replicas(make_proxy, backend, kv_server.url)
+    keyed = {**auth(), "Idempotency-Key": "key-1"}
+    body = {"model": "m", "input": "once"}
+    backend.stall_next(1.0)
+    first = spawn(post(http, a.base_url, body, keyed), name="first")
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    status, error, _ = await post(http, b.base_url, body, keyed)  # in flight on a
+    assert status == 409 and error["error"]["param"] == "Idempotency-Key"
+    status, error, _ = await post(http, c.base_url, {**body, "input": "other"}, keyed)
+    assert status == 422
+    status, answer, _ = await first
+    assert status == 200
+    for replica in (b, c):
+        status, again, headers = await post(http, replica.base_url, body, keyed)
+        assert status == 200 and again == answer
+        assert headers.get("Idempotent-Replayed") == "true"
+    streamed = {**body, "stream": True}
+    sse_keyed = {**keyed, "Idempotency-Key": "key-2"}
+    replies = []
+    for replica in (a, c):
+        async with http.post(
+            f"{replica.base_url}/responses", json=streamed, headers=sse_keyed
+        ) as resp:
+            replies.append(sse_payloads(await resp.read())[-1])
+    assert [r["type"] for r in replies] == ["response.completed"] * 2
+    assert replies[0]["response"] == replies[1]["response"]
+    status, _, _ = await post(http, b.base_url, {**body, "input": "other"}, keyed)
+    assert status == 422
+    # per credential: another's same key runs
+    status, theirs, _ = await post(
+        http, b.base_url, body, {**auth(KEY_B), "Idempotency-Key": "key-1"}
+    )
+    assert status == 200 and theirs["id"] != answer["id"]
+    assert len(backend.responses_seen) == 3
+
+
+async def test_a_killed_replica_leaves_no_lock_and_no_key_in_flight_for_ever(
+    valkey_server: KvServer, make_replicas: MakeReplicas, backend: FakeBackend,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    """A replica kill -9'd mid-turn: its lease and in-flight key lapse (--read-timeout), and
+    the next turn, and a retry of the key, run on another replica."""
+    replicas = await make_replicas(valkey_server.url, 2, "--read-timeout", "2")
+    a, b = replicas[0], replicas[1]
+    client_a, client_b = a.client(api_key=KEY_A), b.client(api_key=KEY_A)
+    conv = await client_a.conversations.create(items=[user("hello")])
+    backend.stall_next(30)
+    keyed = {**auth(), "Idempotency-Key": "killed"}
+    body = {"model": "m", "input": "lost", "conversation": conv.id}
+    doomed = spawn(post(http, a.url + "/v1", body, keyed), name="doomed")
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    await replicas.kill9(0)
+    with pytest.raises(aiohttp.ClientError):
+        await doomed
+    status, error, _ = await post(http, b.url + "/v1", body, keyed)
+    assert status == 409  # the key is still in flight (a's)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client_b.responses.create(model="m", input="next", conversation=conv.id)
+    assert caught.value.code == "conversation_locked"
+    await asyncio.sleep(2.2)  # the lease and the key lapse
+    status, answer, _ = await post(http, b.url + "/v1", body, keyed)
+    assert status == 200, answer
+    assert await texts(client_b, conv.id) == [
+        "hello",
+        "lost",
+        answer["output"][0]["content"][0]["text"],
+    ]
+    await client_a.close()
+    await client_b.close()
