@@ -13,7 +13,6 @@
     ├── RateLimited               429 rate_limit_exceeded
     ├── StorageUnavailable        503 storage_unavailable (a turn could not be made durable,
     │                             or the shared store cannot be reached)
-    ├── NotSupported              501 not yet supported with a shared store
     └── UpstreamError             502/504 backend unreachable, timed out or broke off
 
 Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
@@ -156,14 +155,6 @@ class StorageUnavailable(OcxError):
     status = 503
     type = "server_error"
     code = "storage_unavailable"
-
-
-class NotSupported(OcxError):
-    """A feature this deployment cannot serve correctly (rather than serve it wrongly)."""
-
-    status = 501
-    type = "invalid_request_error"
-    code = "unsupported_with_shared_store"
 
 
 class FailureReason(enum.StrEnum):

@@ -1,14 +1,14 @@
-"""Conversations on the Store: read one, create, append, rewrite, and its lock.
+"""Conversations on the Store: read one, create, append, rewrite, delete.
 
 A conversation is a record the store keeps until deleted (`Store.keep`): its chain holds
 the items (segments, bytes as forwarded), its response segment the `Meta` (created_at,
 metadata, item ids). Every write replaces the record; segments are shared, so appending a
 turn adds one segment and deleting an item rewrites only the segment that holds it.
-Used by the routes (http/conversations.py) and, through `ConversationTurn`, by the create
-turn (http/exchange.py). With a shared store, the conversation, its lease and its writes
-are on the server instead (store/shared_conversations.py): each write names the version
-it was computed from, so one made after its lease lapsed and the conversation changed is
-refused (409 `conversation_changed`), and a turn's append releases its lease with it.
+Used by the routes (http/conversations.py) and by a create turn's `ConversationTurn`
+(http/conversation_turn.py). With a shared store, the conversation and its writes are on
+the server instead (store/shared_conversations.py): each write names the version it was
+computed from, so one made after its lock lapsed and the conversation changed is refused
+(409 `conversation_changed`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """store:false content never reaches the shared store (CONTRACT.md C5): after store:false
-turns through three replicas (JSON and SSE, on their own and off a stored parent), every
+turns through three replicas (JSON and SSE, on their own, off a stored parent, on a stored
+conversation, and with an Idempotency-Key), every
 key's value (read by type, zstd frames expanded) and every byte of the server's AOF are
 scanned for the marker; the stored turns' marker is found there, so the scan can see.
 Keys carry the prefix and a scope hash, never the credential."""
@@ -59,16 +60,29 @@ async def test_store_false_never_reaches_the_shared_store(
     replicas = await make_replicas(server.url)
     secret, public = f"SECRET-{uuid.uuid4().hex}", f"PUBLIC-{uuid.uuid4().hex}"
     kept, _ = await turn(http, replicas[0], f"{public} one")
+    conversation = {"items": [{"role": "user", "content": f"{public} conv"}]}
+    async with http.post(
+        replicas[1].url + "/v1/conversations", json=conversation, headers=auth()
+    ) as r:
+        conv = (await r.json())["id"]
     for i, serve in enumerate(replicas.slots):
         for stream in (False, True):
             alone = {"model": "m", "input": f"{secret} {i}", "store": False, "stream": stream}
             off_parent = {**alone, "previous_response_id": kept}
-            for body in (alone, off_parent):
-                status, error, response = await respond(http, serve.url, body, auth())
+            in_conversation = {**alone, "conversation": conv}  # read, never appended
+            keyed = {**auth(), "Idempotency-Key": f"{secret}-{i}-{stream}"}
+            for body, headers in (
+                (alone, auth()), (off_parent, auth()), (in_conversation, auth()), (alone, keyed)
+            ):  # fmt: skip
+                status, error, response = await respond(http, serve.url, body, headers)
                 assert status == 200 and error is None and response, error
                 assert secret in str(response)  # the backend did answer with it
     kept, _ = await turn(http, replicas[1], f"{public} two", kept)
     await turn(http, replicas[2], f"{public} three", key=KEY_B)
+    await turn(http, replicas[0], f"{public} four", conversation=conv)
+    async with http.get(f"{replicas[2].url}/v1/conversations/{conv}/items", headers=auth()) as r:
+        items = str(await r.json())
+    assert f"{public} four" in items and secret not in items
 
     values = []
     prefixes = set()

@@ -1,7 +1,7 @@
 """Proxies on one shared store (in this process, each its own app and port) in front of
 the fake backend, driven by the openai SDK and plain HTTP: chains across replicas (JSON,
 SSE, the stream helper), stored responses, fail-closed answers, commit failures,
-conversations refused, metrics and readiness."""
+conversations failing closed, metrics and readiness."""
 
 from __future__ import annotations
 
@@ -181,25 +181,40 @@ async def test_a_failed_commit_is_an_error_event_never_a_completion(
         await client.aclose()
 
 
-async def test_conversations_and_idempotency_keys_are_refused_with_a_shared_store(
+async def test_conversations_and_idempotency_keys_fail_closed_while_the_store_is_down(
     make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
 ) -> None:
+    """They need the shared store: 503 with Retry-After and no backend call, never a
+    conversation or key kept in one replica; a store:false keyed turn keeps flowing (its
+    key stays in the replica)."""
     (a,) = await replicas(make_proxy, backend, kv_server.url, n=1)
     headers = {"Authorization": "Bearer sk-test-a"}
     async with http.post(f"{a.base_url}/conversations", json={}, headers=headers) as resp:
-        assert resp.status == 501
-        assert (await resp.json())["error"]["code"] == "unsupported_with_shared_store"
-    async with http.get(f"{a.base_url}/conversations/conv_123", headers=headers) as resp:
-        assert resp.status == 501
-    body = {"model": "m", "input": "x", "conversation": "conv_123"}
-    async with http.post(f"{a.base_url}/responses", json=body, headers=headers) as resp:
-        assert resp.status == 501
+        conv = (await resp.json())["id"]
+    kv_server.kill9()
     keyed = {**headers, "Idempotency-Key": "k1"}
-    async with http.post(
-        f"{a.base_url}/responses", json={"model": "m", "input": "x"}, headers=keyed
-    ) as resp:
-        assert resp.status == 501
+    calls = [
+        ("POST", "/conversations", {}, headers),
+        ("GET", f"/conversations/{conv}", None, headers),
+        ("GET", f"/conversations/{conv}/items", None, headers),
+        ("POST", "/responses", {"model": "m", "input": "x", "conversation": conv}, headers),
+        ("POST", "/responses", {"model": "m", "input": "x"}, keyed),
+    ]
+    for method, path, body, sent in calls:
+        async with http.request(method, a.base_url + path, json=body, headers=sent) as resp:
+            assert resp.status == 503, (method, path)
+            assert resp.headers["Retry-After"] == "1"
+            assert (await resp.json())["error"]["code"] == "storage_unavailable"
     assert backend.responses_seen == []
+    body = {"model": "m", "input": "x", "store": False}
+    async with http.post(f"{a.base_url}/responses", json=body, headers=keyed) as resp:
+        assert resp.status == 200
+    async with http.post(f"{a.base_url}/responses", json=body, headers=keyed) as resp:
+        assert resp.status == 200 and resp.headers["Idempotent-Replayed"] == "true"
+    assert len(backend.responses_seen) == 1
+    await kv_server.astart()
+    async with http.get(f"{a.base_url}/conversations/{conv}", headers=headers) as resp:
+        assert resp.status == 200
 
 
 def test_zdr_refuses_a_shared_store() -> None:

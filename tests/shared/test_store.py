@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from ocxproxy.errors import FailureReason, NotSupported, StorageUnavailable, StoreFailure
+from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
 from ocxproxy.store.shared import SharedStore
@@ -317,12 +317,21 @@ async def test_a_corrupt_segment_fails_its_digest(
     assert caught.value.reason == FailureReason.CORRUPT
 
 
-async def test_conversation_records_are_refused_clearly(make_store: MakeStore) -> None:
-    a = await make_store()
-    with pytest.raises(NotSupported):
-        a.record("scope-a", "conv_123")
-    with pytest.raises(NotSupported):
+async def test_kept_records_stay_in_the_process_and_never_reach_the_server(
+    make_store: MakeStore,
+) -> None:
+    """`keep` serves only a store:false Idempotency-Key's response (memory); shared
+    conversations and keys have their own keys (shared_conversations.py)."""
+    a, b = await make_store(), await make_store()
+    with pytest.raises(StoreFailure) as refused:
         a.keep("conv_1", "scope-a", (), b"{}", created_at=0.0)
+    assert refused.value.reason == FailureReason.WRITE_FAILED
+    kept = a.keep("idem_1", "scope-a", (), b"{}", created_at=0.0, durable=False)
+    assert a.record("scope-a", "idem_1") is kept
+    with pytest.raises(StoreFailure):
+        b.record("scope-a", "idem_1")
+    with pytest.raises(StoreFailure):
+        await b.begin("scope-a", "idem_1")
 
 
 async def test_a_server_down_fails_closed_and_recovers_without_restart(
