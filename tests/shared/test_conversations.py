@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
 from tests.conftest import MakeProxy, ProxyHandle
@@ -27,7 +28,7 @@ from tests.shared.test_replicas import KEY_A, KEY_B, auth
 Json = dict[str, Any]
 
 
-def user(text: str) -> Json:
+def user(text: str) -> Any:  # (the SDK types each list of items its own way)
     return {"type": "message", "role": "user", "content": text}
 
 
@@ -215,6 +216,59 @@ async def test_a_store_failure_on_a_conversation_is_a_503_never_a_200(
     assert await texts(client, conv.id) == ["hello", "then", then.output_text]
 
 
+async def test_an_append_the_server_refuses_is_a_503_and_keeps_nothing(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    """Only the append fails (its list is made a string meanwhile, so RPUSH is WRONGTYPE):
+    the turn is not acknowledged, and neither its response nor its key is kept."""
+    (a,) = await replicas(make_proxy, backend, valkey_server.url, n=1)
+    client = a.client(api_key=KEY_A)
+    conv = await client.conversations.create(items=[user("hello")])
+    kv = aioredis.Redis.from_url(valkey_server.url)
+    try:
+        (items,) = [k async for k in kv.scan_iter(match=f"ocx:*:conv:{conv.id}:items")]
+        saved = await kv.lrange(items, 0, -1)
+        for n, stream in enumerate((False, True)):
+            backend.stall_next(0.3)
+            keyed = {**auth(), "Idempotency-Key": f"refused-{n}"}
+            body = {"model": "m", "input": "lost", "conversation": conv.id, "stream": stream}
+            seen = len(backend.responses_seen)
+            turn = spawn(post_raw(http, a.base_url, body, keyed), name="turn")
+            await backend.wait_for(lambda seen=seen: len(backend.responses_seen) > seen)  # type: ignore[misc]
+            await kv.delete(items)
+            await kv.set(items, b"not a list")
+            status, data = await turn
+            if stream:
+                assert sse_payloads(data)[-1]["code"] == "storage_unavailable"
+            else:
+                assert status == 503
+            await kv.delete(items)
+            await kv.rpush(items, *saved)
+            await asyncio.sleep(1.1)  # the probe finds the server answering again
+            status, _, _ = await post(http, a.base_url, {**body, "stream": False}, keyed)
+            assert status == 200  # the key was not kept: the retry runs
+            await client.conversations.items.delete(
+                (await client.conversations.items.list(conv.id)).data[0].id,
+                conversation_id=conv.id,
+            )
+            await client.conversations.items.delete(
+                (await client.conversations.items.list(conv.id)).data[0].id,
+                conversation_id=conv.id,
+            )
+    finally:
+        await kv.aclose()
+    assert await texts(client, conv.id) == ["hello"]
+    assert a.metric("ocxproxy_turns_not_recorded_total", reason="conversation_failed") == 2
+
+
+async def post_raw(
+    http: aiohttp.ClientSession, url: str, body: Json, headers: dict[str, str]
+) -> tuple[int, bytes]:
+    async with http.post(url + "/responses", json=body, headers=headers) as resp:
+        return resp.status, await resp.read()
+
+
 async def test_an_idempotency_key_is_answered_alike_by_every_replica(
     make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer,
     http: aiohttp.ClientSession,
@@ -273,7 +327,7 @@ async def test_a_killed_replica_leaves_no_lock_and_no_key_in_flight_for_ever(
     await replicas.kill9(0)
     with pytest.raises(aiohttp.ClientError):
         await doomed
-    status, error, _ = await post(http, b.url + "/v1", body, keyed)
+    status, _, _ = await post(http, b.url + "/v1", body, keyed)
     assert status == 409  # the key is still in flight (a's)
     with pytest.raises(openai.BadRequestError) as caught:
         await client_b.responses.create(model="m", input="next", conversation=conv.id)
@@ -288,3 +342,30 @@ async def test_a_killed_replica_leaves_no_lock_and_no_key_in_flight_for_ever(
     ]
     await client_a.close()
     await client_b.close()
+
+
+async def test_a_conversation_round_robin_over_three_serve_replicas(
+    kv_server: KvServer, make_replicas: MakeReplicas, backend: FakeBackend
+) -> None:
+    """The black box: three `ocxproxy serve` processes, the openai SDK round robin."""
+    replicas = await make_replicas(kv_server.url)
+    clients: list[openai.AsyncOpenAI] = []
+
+    def next_client() -> openai.AsyncOpenAI:
+        clients.append(replicas.next().client(api_key=KEY_A))
+        return clients[-1]
+
+    try:
+        conv = await next_client().conversations.create(items=[user("hi")])
+        expected = ["hi"]
+        for n in range(6):
+            response = await next_client().responses.create(
+                model="m", input=f"t{n}", conversation=conv.id
+            )
+            expected += [f"t{n}", response.output_text]
+            assert response.output_text == f"echo#{len(expected) - 1}: t{n}"
+            assert await texts(next_client(), conv.id) == expected
+        assert_append_only([s.body for s in backend.responses_seen])
+    finally:
+        for client in clients:
+            await client.close()

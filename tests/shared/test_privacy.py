@@ -8,6 +8,8 @@ Keys carry the prefix and a scope hash, never the credential."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import uuid
 
 import aiohttp
@@ -65,12 +67,15 @@ async def test_store_false_never_reaches_the_shared_store(
         replicas[1].url + "/v1/conversations", json=conversation, headers=auth()
     ) as r:
         conv = (await r.json())["id"]
+    digests: list[bytes] = []
     for i, serve in enumerate(replicas.slots):
         for stream in (False, True):
             alone = {"model": "m", "input": f"{secret} {i}", "store": False, "stream": stream}
             off_parent = {**alone, "previous_response_id": kept}
             in_conversation = {**alone, "conversation": conv}  # read, never appended
             keyed = {**auth(), "Idempotency-Key": f"{secret}-{i}-{stream}"}
+            # its fingerprint (aiohttp sends json.dumps) must not leave the process either
+            digests.append(hashlib.sha256(json.dumps(alone).encode()).hexdigest().encode())
             for body, headers in (
                 (alone, auth()), (off_parent, auth()), (in_conversation, auth()), (alone, keyed)
             ):  # fmt: skip
@@ -97,10 +102,12 @@ async def test_store_false_never_reaches_the_shared_store(
     everything = expanded(b"\n".join(values))
     assert public.encode() in everything  # the scan does see stored content
     assert secret.encode() not in everything
+    assert not any(digest in everything for digest in digests)
     assert KEY_A.encode() not in everything and KEY_B.encode() not in everything
     assert len(prefixes) >= 2  # two credentials, two scope hashes
 
     aof = expanded(server.aof_bytes())
     assert public.encode() in aof
     assert secret.encode() not in aof
+    assert not any(digest in aof for digest in digests)
     assert KEY_A.encode() not in aof and KEY_B.encode() not in aof
