@@ -199,7 +199,7 @@ class SharedStore(Store):
             got = self._decode({d: sent[d] for d in missing if sent.get(d) is not None})
             rest = [d for d in missing if d not in got]
             if rest:
-                values = await self.server.call("fetch", lambda r: r.mget(map(keys.segment, rest)))
+                values = await self.server.command("fetch", "MGET", *map(keys.segment, rest))
                 got.update(self._decode(dict(zip(rest, values, strict=True))))
             found = [s if s is not None else got[d] for d, s in zip(digests, found, strict=True)]
         cache.touch_all([s for s in found if s is not None])
@@ -235,7 +235,7 @@ class SharedStore(Store):
         skeleton = record.response.data
         if skeleton is None:  # kept in the record (hash field `resp`), read when asked for
             key = Keys(self.prefix, record.scope).record(record.id)
-            value = await self.server.call("get", lambda r: r.hget(key, "resp"))
+            value = await self.server.command("get", "HGET", key, "resp")
             if value is None:
                 raise StoreFailure(FailureReason.UNKNOWN)  # deleted meanwhile
             skeleton = layout.unpack(value)

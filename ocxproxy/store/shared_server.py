@@ -1,12 +1,16 @@
 """The shared tier's connection to its Valkey/Redis server: every round trip, timed per
 operation; the scripts (loaded again when the server lost them); WAIT/WAITAOF pipelined
 with a write; and availability: any Redis or OS error is StorageUnavailable (503) and the
-server is unavailable until a round trip, or the probe's PING every second, succeeds."""
+server is unavailable until a round trip, or the probe's PING every second, succeeds.
+
+A turn's round trips (scripts, MGET, writes) go over one lean pipelined connection
+(shared_wire.py); redis-py checks the server at start and runs `call`s."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -14,13 +18,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.shared_checks import SharedStoreRefused, connect
+from ocxproxy.store.shared_wire import ReplyError, Wire, open_wire, pack
 
 log = logging.getLogger("ocxproxy.store.shared")
 
@@ -29,6 +34,8 @@ UNAVAILABLE = (
     "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
 )
 _SOURCES = {"begin": layout.BEGIN, "item": layout.ITEM, "commit": layout.COMMIT}
+# A script's SHA1 is its name on the server: known here, whether or not it is loaded there.
+_SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in _SOURCES.items()}
 
 
 class Server:
@@ -38,9 +45,11 @@ class Server:
         self.wait_replicas = wait_replicas
         self.available = True
         self._redis: aioredis.Redis | None = None
-        self._shas: dict[str, str] = {}
-        self._wait: tuple[Any, ...] = ()  # the command that waits for replicas, if asked
+        self._wire: Wire | None = None
+        self._opening = asyncio.Lock()
+        self._wait = b""  # the command that waits for replicas, packed, if asked
         self._probe: asyncio.Task[None] | None = None
+        self._timers: dict[str, Any] = {}
 
     async def start(self, durability: str, patience: float) -> None:
         """Connect, check the server against the durability profile (SharedStoreRefused
@@ -48,12 +57,14 @@ class Server:
         scripts, and start the probe."""
         if self._redis is not None:
             return
-        client, self._wait = await connect(self.url, durability, self.wait_replicas, patience)
+        client, wait = await connect(self.url, durability, self.wait_replicas, patience)
         try:
-            await self._load(client)
-        except (RedisError, OSError) as exc:
+            self._wire = await open_wire(client)
+            await self._load(self._wire)
+        except (RedisError, ReplyError, OSError) as exc:
             await client.aclose()
             raise SharedStoreRefused(f"shared store {self.url}: {exc}") from None
+        self._wait = pack(*wait) if wait else b""
         self._redis = client
         self.available = True
         self._probe = spawn(self._watch(), name="shared-store-probe")
@@ -63,23 +74,128 @@ class Server:
         if self._probe is not None:
             await cancel_and_wait(self._probe)
             self._probe = None
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None
 
     async def _watch(self) -> None:
-        """While the server is unreachable, a PING every second; the first answer makes
-        the store available again (no restart needed)."""
+        """Every second: cut a connection the server stopped answering on; while the
+        server is unreachable, a PING, whose first answer makes the store available
+        again (no restart needed)."""
         while True:
             await asyncio.sleep(PROBE_EVERY)
-            if self.available:
-                continue
-            with contextlib.suppress(StorageUnavailable):
-                await self.call("ping", lambda r: r.ping())
+            wire = self._wire
+            if wire is not None and wire.stalled(time.monotonic()):
+                wire.close(TimeoutError("shared store stopped answering"))
+            if not self.available:  # (a PING the server leaves unanswered is cut above)
+                with contextlib.suppress(StorageUnavailable, TimeoutError):
+                    await asyncio.wait_for(self.command("ping", "PING"), PROBE_EVERY)
+
+    # -- the lean connection: a turn's round trips ---------------------------------------
+
+    async def _connection(self) -> Wire:
+        async with self._opening:  # one opening at a time; the others wait and share it
+            wire = self._wire
+            if wire is None or wire.lost is not None:
+                if self._redis is None:
+                    raise ConnectionError("shared store closed")
+                wire = self._wire = await open_wire(self._redis)
+            return wire
+
+    async def _exchange(self, packed: bytes, answers: int) -> list[Any]:
+        wire = self._wire
+        if wire is None or wire.lost is not None:
+            wire = await self._connection()
+        futures = wire.send(packed, answers)
+        if answers == 1:
+            return [await futures[0]]
+        return list(await asyncio.gather(*futures))  # (each failure retrieved)
+
+    async def round_trip(self, op: str, packed: bytes, answers: int = 1) -> list[Any]:
+        """Packed commands, one round trip, timed; their answers (ReplyError values
+        included). A server that cannot answer is StorageUnavailable, and the store is
+        unavailable until one answers."""
+        if self._redis is None:
+            raise StorageUnavailable(UNAVAILABLE)
+        started = time.perf_counter()
+        try:
+            try:
+                replies = await self._exchange(packed, answers)
+            except ConnectionError:
+                # A connection from before a server restart fails on first use: once more
+                # on a new one (every operation may run twice: COMMIT recognizes a record
+                # it already wrote).
+                replies = await self._exchange(packed, answers)
+        except (OSError, ReplyError) as exc:  # ReplyError: AUTH/SELECT refused
+            self._down(op, exc)
+            raise StorageUnavailable(UNAVAILABLE) from None
+        self._observe(op, time.perf_counter() - started)
+        return replies
+
+    async def command(self, op: str, *args: bytes | str | int) -> Any:
+        """One command's answer (MGET, HGET, DEL, PING ...)."""
+        (reply,) = await self.round_trip(op, pack(*args))
+        return self._checked(op, reply)
+
+    def _checked(self, op: str, reply: Any) -> Any:
+        if isinstance(reply, ReplyError):
+            if str(reply).startswith(layout.LOST):
+                raise StoreFailure(FailureReason.MISSING, "chain")
+            self._down(op, reply)
+            raise StorageUnavailable(UNAVAILABLE)
+        return reply
+
+    async def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """A read-only script (begin, item)."""
+        packed = pack("EVALSHA", _SHAS[name], len(keys), *keys, *args)
+        (reply,) = await self.round_trip(name, packed)
+        if _lost_scripts(reply):  # the server restarted without them (not persisted)
+            await self._reload(name)
+            (reply,) = await self.round_trip(name, packed)
+        return self._checked(name, reply)
+
+    async def write(self, op: str, command: Callable[[], tuple[Any, ...]]) -> Any:
+        """One write, and with --shared-wait-replicas the WAIT/WAITAOF for it on the same
+        connection, pipelined: one round trip. Too few replicas acknowledging is a failed
+        write (it may have happened on the primary; it is not acknowledged)."""
+        packed = pack(*command()) + self._wait
+        answers = 2 if self._wait else 1
+        replies = await self.round_trip(op, packed, answers)
+        if _lost_scripts(replies[0]):  # the server restarted, or was flushed
+            await self._reload(op)
+            replies = await self.round_trip(op, packed, answers)
+        result = self._checked(op, replies[0])
+        if self._wait:
+            acked = self._checked(op, replies[1])
+            acked = acked[-1] if isinstance(acked, list) else acked
+            if acked < self.wait_replicas:
+                raise StoreFailure(FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged")
+        return result
+
+    def commit_command(self, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+        return ("EVALSHA", _SHAS["commit"], len(keys), *keys, *args)
+
+    async def _reload(self, op: str) -> None:
+        try:
+            await self._load(await self._connection())
+        except (OSError, ReplyError) as exc:
+            self._down(op, exc)
+            raise StorageUnavailable(UNAVAILABLE) from None
+
+    @staticmethod
+    async def _load(wire: Wire) -> None:
+        for name, source in _SOURCES.items():
+            if (await wire.ask("SCRIPT", "LOAD", source)).decode() != _SHAS[name]:
+                raise ReplyError(f"script {name} loaded under another SHA1")
+
+    # -- redis-py, for the rest ------------------------------------------------------------
 
     async def call(self, op: str, run: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-        """One round trip, timed and counted; a server that cannot answer is
-        StorageUnavailable, and the store is unavailable until one answers."""
+        """One round trip through redis-py, timed and counted; a server that cannot
+        answer is StorageUnavailable, and the store is unavailable until one answers."""
         client = self._redis
         if client is None:
             raise StorageUnavailable(UNAVAILABLE)
@@ -89,8 +205,7 @@ class Server:
                 result = await run(client)
             except RedisConnectionError:
                 # Idle connections from before a server restart fail on first use: drop
-                # them all and try once more (every operation may run twice: COMMIT
-                # recognizes a record it already wrote).
+                # them all and try once more.
                 await client.connection_pool.disconnect(inuse_connections=False)
                 result = await run(client)
         except ResponseError as exc:
@@ -101,11 +216,19 @@ class Server:
         except (RedisError, OSError) as exc:
             self._down(op, exc)
             raise StorageUnavailable(UNAVAILABLE) from None
-        self.metrics.shared_seconds.labels(op).observe(time.perf_counter() - started)
+        self._observe(op, time.perf_counter() - started)
+        return result
+
+    # -- availability and timing -----------------------------------------------------------
+
+    def _observe(self, op: str, seconds: float) -> None:
+        timer = self._timers.get(op)
+        if timer is None:
+            timer = self._timers[op] = self.metrics.shared_seconds.labels(op)
+        timer.observe(seconds)
         if not self.available:
             log.warning("shared store answers again: available")
             self.available = True
-        return result
 
     def _down(self, op: str, exc: Exception) -> None:
         self.metrics.shared_seconds.labels(op).observe(0.0)
@@ -113,49 +236,6 @@ class Server:
             log.warning("shared store %s failed (%s): unavailable", op, exc)
         self.available = False
 
-    async def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """A read-only script (begin, item)."""
 
-        async def run(client: aioredis.Redis) -> Any:
-            try:
-                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
-            except NoScriptError:  # the server restarted without them (not persisted)
-                await self._load(client)
-                return await client.evalsha(self._shas[name], len(keys), *keys, *args)
-
-        return await self.call(name, run)
-
-    async def write(self, op: str, command: Callable[[], tuple[Any, ...]]) -> Any:
-        """One write, and with --shared-wait-replicas the WAIT/WAITAOF for it on the same
-        connection, pipelined: one round trip. Too few replicas acknowledging is a failed
-        write (it may have happened on the primary; it is not acknowledged)."""
-
-        async def run(client: aioredis.Redis) -> Any:
-            for attempt in (1, 2):
-                try:
-                    if not self._wait:
-                        return await client.execute_command(*command())  # type: ignore[no-untyped-call]
-                    async with client.pipeline(transaction=False) as pipe:
-                        pipe.execute_command(*command())
-                        pipe.execute_command(*self._wait)
-                        result, acked = await pipe.execute()
-                    acked = acked[-1] if isinstance(acked, list) else acked
-                    if acked < self.wait_replicas:
-                        raise StoreFailure(
-                            FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged"
-                        )
-                    return result
-                except NoScriptError:  # the server restarted, or was flushed
-                    if attempt == 2:
-                        raise
-                    await self._load(client)
-            return None
-
-        return await self.call(op, run)
-
-    def commit_command(self, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
-        return ("EVALSHA", self._shas["commit"], len(keys), *keys, *args)
-
-    async def _load(self, client: aioredis.Redis) -> None:
-        for name, source in _SOURCES.items():
-            self._shas[name] = await client.script_load(source)
+def _lost_scripts(reply: Any) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")

@@ -1,0 +1,129 @@
+"""The shared tier's hot commands on one lean connection (RESP2, parsed by hiredis).
+
+redis-py spends more CPU per command than the rest of a turn's store work (argument
+encoding, pool checkout, a timeout context and retry wrapper per call), so every round
+trip of a turn goes here instead: one connection per server, commands packed once as
+bytes and written at once, concurrent commands pipelined on it, answers matched to their
+callers in order as they arrive. The connection is opened from redis-py's own reading of
+the URL (host/port, unix socket, TLS context, user, password, db), so it accepts the
+same URLs as the start-up checks, which keep redis-py.
+
+Failures are OSError (the caller's StorageUnavailable): a refused or lost connection
+fails every command waiting on it, and the next command opens a new one. An error reply
+comes back as a ReplyError value, not raised. A server that leaves a command unanswered
+for STALL seconds is cut off by `check`, which the store's probe calls every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import hiredis
+import redis.asyncio as aioredis
+
+CONNECT_TIMEOUT = 2.0
+STALL = 5.0  # seconds without an answer while commands wait: the connection is cut
+
+
+class ReplyError(Exception):
+    """An error reply (-ERR ..., -NOSCRIPT ..., a script's error)."""
+
+
+def pack(*args: bytes | str | int) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        value = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(value), value))
+    return b"".join(out)
+
+
+class Wire(asyncio.Protocol):
+    """One connection: `send` writes packed commands, each answered by a future in order."""
+
+    def __init__(self) -> None:
+        self._parser = hiredis.Reader(replyError=ReplyError)
+        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self._transport: Any = None  # asyncio's or uvloop's transport
+        self.lost: Exception | None = None
+        self.progress = 0.0  # when it last answered, or was sent to while idle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        parser, waiting = self._parser, self._waiting
+        parser.feed(data)
+        try:
+            while (reply := parser.gets()) is not False:
+                future = waiting.popleft()
+                if not future.done():  # its caller may have been cancelled
+                    future.set_result(reply)
+        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or an unasked answer
+            self.close(ConnectionError(f"shared store sent an unreadable answer: {exc}"))
+        self.progress = time.monotonic()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ConnectionError(f"shared store connection lost: {exc or 'closed'}"))
+
+    def _fail(self, exc: Exception) -> None:
+        if self.lost is None:
+            self.lost = exc
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(self.lost)
+
+    def send(self, packed: bytes, answers: int = 1) -> list[asyncio.Future[Any]]:
+        """Write `packed` (one or more commands); a future per answer it takes."""
+        if self.lost is not None or self._transport is None:
+            raise ConnectionError(f"shared store connection lost: {self.lost}")
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(answers)]
+        if not self._waiting:
+            self.progress = time.monotonic()
+        self._waiting.extend(futures)
+        self._transport.write(packed)
+        return futures
+
+    async def ask(self, *args: bytes | str | int) -> Any:
+        """One command's answer (a ReplyError raised)."""
+        (future,) = self.send(pack(*args))
+        reply = await future
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
+
+    def stalled(self, now: float) -> bool:
+        return bool(self._waiting) and now - self.progress > STALL
+
+    def close(self, exc: Exception | None = None) -> None:
+        self._fail(exc or ConnectionError("shared store connection closed"))
+        if self._transport is not None:
+            self._transport.abort()
+
+
+async def open_wire(client: aioredis.Redis) -> Wire:
+    """A connection to the server `client` was made for, authenticated, on its db."""
+    pool = client.connection_pool
+    conn: Any = pool.connection_class(**pool.connection_kwargs)  # not connected: settings
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(CONNECT_TIMEOUT):
+        if getattr(conn, "path", None):  # unix://
+            _, wire = await loop.create_unix_connection(Wire, conn.path)
+        else:
+            ssl_context = conn.ssl_context.get() if hasattr(conn, "ssl_context") else None
+            _, wire = await loop.create_connection(Wire, conn.host, conn.port, ssl=ssl_context)
+        try:
+            if conn.password:
+                user = [conn.username] if conn.username else []
+                await wire.ask("AUTH", *user, conn.password)
+            if conn.db:
+                await wire.ask("SELECT", conn.db)
+        except BaseException:
+            wire.close()
+            raise
+    return wire
