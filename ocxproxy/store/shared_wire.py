@@ -50,6 +50,7 @@ class Wire(asyncio.Protocol):
         self._transport: Any = None  # asyncio's or uvloop's transport
         self.lost: Exception | None = None
         self.progress = 0.0  # when it last answered, or was sent to while idle
+        self._corked: list[bytes] = []  # sent during this turn of the event loop, not written
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -86,8 +87,17 @@ class Wire(asyncio.Protocol):
         if not self._waiting:
             self.progress = time.monotonic()
         self._waiting.extend(futures)
-        self._transport.write(packed)
+        if not self._corked:  # the first this turn of the loop: written once the loop moves on
+            self._corked = []
+            loop.call_soon(self._flush)
+        self._corked.append(packed)
         return futures
+
+    def _flush(self) -> None:
+        """One write (one syscall) for every command sent in the same turn of the loop."""
+        corked, self._corked = self._corked, []
+        if self.lost is None:
+            self._transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
 
     async def ask(self, *args: bytes | str | int) -> Any:
         """One command's answer (a ReplyError raised)."""
