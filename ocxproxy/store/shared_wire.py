@@ -3,15 +3,18 @@
 redis-py spends more CPU per command than the rest of a turn's store work (argument
 encoding, pool checkout, a timeout context and retry wrapper per call), so every round
 trip of a turn goes here instead: one connection per server, commands packed once as
-bytes and written at once, concurrent commands pipelined on it, answers matched to their
-callers in order as they arrive. The connection is opened from redis-py's own reading of
-the URL (host/port, unix socket, TLS context, user, password, db), so it accepts the
-same URLs as the start-up checks, which keep redis-py.
+bytes, concurrent commands pipelined on it, answers matched to their callers in order as
+they arrive. A command on an idle connection is written at once; while answers are
+pending, the commands of one turn of the event loop go out in one write (under load,
+turns on a replica share a syscall, and the server reads and answers them together).
+The connection is opened from redis-py's own reading of the URL (host/port, unix socket,
+TLS context, user, password, db), so it accepts the same URLs as the start-up checks,
+which keep redis-py.
 
 Failures are OSError (the caller's StorageUnavailable): a refused or lost connection
 fails every command waiting on it, and the next command opens a new one. An error reply
 comes back as a ReplyError value, not raised. A server that leaves a command unanswered
-for STALL seconds is cut off by `check`, which the store's probe calls every second.
+for STALL seconds is cut off by the store's probe (`stalled`, asked every second).
 """
 
 from __future__ import annotations
@@ -84,13 +87,15 @@ class Wire(asyncio.Protocol):
             raise ConnectionError(f"shared store connection lost: {self.lost}")
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in range(answers)]
-        if not self._waiting:
+        if self._corked:
+            self._corked.append(packed)
+        elif not self._waiting:  # an idle connection: written at once (no one to wait for)
             self.progress = time.monotonic()
-        self._waiting.extend(futures)
-        if not self._corked:  # the first this turn of the loop: written once the loop moves on
-            self._corked = []
+            self._transport.write(packed)
+        else:  # answers pending: the commands of this turn of the loop go out in one write
+            self._corked = [packed]
             loop.call_soon(self._flush)
-        self._corked.append(packed)
+        self._waiting.extend(futures)
         return futures
 
     def _flush(self) -> None:
