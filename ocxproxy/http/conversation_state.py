@@ -94,7 +94,7 @@ async def load(store: Store, scope: str, conversation_id: str) -> Conversation:
 
 def _meta(record: ConversationRecord) -> Meta:
     doc = orjson.loads(record.head)
-    return Meta(doc["created_at"], doc["metadata"], record.ids)
+    return Meta(doc["created_at"], doc["metadata"], [list(ids) for ids in record.ids])
 
 
 def head_of(meta: Meta, backend: str | None) -> bytes:

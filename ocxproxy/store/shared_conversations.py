@@ -24,6 +24,7 @@ import contextlib
 import secrets
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,11 +39,15 @@ from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, Turn, chain_of
 if TYPE_CHECKING:
     from ocxproxy.store.shared_server import Server
 
-# KEYS: head, items. A hit: {head, version, entries}; a miss: nil.
+# KEYS: head, items. ARGV: the version and entry count this replica holds (0 0: none).
+# A hit: {head, version, from, the entries from index `from`}: from 0 unless only appends
+# happened since the version held (`base`: the last rewrite's version); a miss: nil.
 LOAD = """
-local h = redis.call('HMGET', KEYS[1], 'head', 'ver')
+local h = redis.call('HMGET', KEYS[1], 'head', 'ver', 'base')
 if not h[1] then return false end
-return {h[1], h[2], redis.call('LRANGE', KEYS[2], 0, -1)}
+local from = 0
+if tonumber(h[3] or '1') <= tonumber(ARGV[1]) then from = tonumber(ARGV[2]) end
+return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1)}
 """
 
 # KEYS: head, items. ARGV: head, then the first entry (if any). 0 when the id is taken.
@@ -80,7 +85,9 @@ elseif op == 'replace' then
 end
 if ARGV[4] ~= '' and op ~= 'delete' then redis.call('HSET', KEYS[1], 'head', ARGV[4]) end
 if op == 'delete' then return tonumber(ver) + 1 end
-return redis.call('HINCRBY', KEYS[1], 'ver', 1)
+local new = redis.call('HINCRBY', KEYS[1], 'ver', 1)
+if op == 'replace' then redis.call('HSET', KEYS[1], 'base', new) end
+return new
 """
 
 # KEYS: a lease or in-flight key. ARGV: its token, and a TTL (ms) to renew it by ('' to
@@ -116,6 +123,7 @@ _SCRIPTS = {
     "idempotency_done": IDEM_DONE,
 }
 
+_CACHED_BYTES = 64 * 1024 * 1024  # conversations' items a replica keeps between turns
 _HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON
 _VERSION = 1
 _compressor = zstandard.ZstdCompressor(level=3)
@@ -255,6 +263,10 @@ class SharedConversations:
         self.server = server
         self.prefix = prefix
         self._shas: dict[str, str] = {}
+        # The conversations read last (LRU, by bytes): a load then fetches only the entries
+        # appended since (entries are rewritten only by a deleted item, which `base` says).
+        self._cache: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
+        self._cached_bytes = 0
 
     def _base(self, scope: str) -> str:
         return f"{self.prefix}{scope}:"
@@ -284,12 +296,35 @@ class SharedConversations:
     # -- conversations -------------------------------------------------------------------
 
     async def load(self, scope: str, conversation_id: str) -> ConversationRecord | None:
-        found = await self._run("conversation_load", self._keys(scope, conversation_id)[:2], ())
+        """The conversation (one round trip), or None; only entries this replica has not
+        read before are sent."""
+        held = self._forget(scope, conversation_id)
+        args = (held.version, len(held.ids)) if held is not None else (0, 0)
+        keys = self._keys(scope, conversation_id)[:2]
+        found = await self._run("conversation_load", keys, args)
         if found is None:
             return None
-        head, version, values = found
-        entries = [decode_entry(value) for value in values]
-        return conversation_record(conversation_id, scope, head, int(version), entries)
+        head, version, start, values = found
+        entries = []
+        if int(start) and held is not None:
+            entries = list(zip(held.segments, held.ids, strict=True))[: int(start)]
+        entries += [decode_entry(value) for value in values]
+        record = conversation_record(conversation_id, scope, head, int(version), entries)
+        self._remember(record)
+        return record
+
+    def _forget(self, scope: str, conversation_id: str) -> ConversationRecord | None:
+        held = self._cache.pop((scope, conversation_id), None)
+        if held is not None:
+            self._cached_bytes -= sum(s.size for s in held.segments)
+        return held
+
+    def _remember(self, record: ConversationRecord) -> None:
+        self._cache[record.scope, record.id] = record
+        self._cached_bytes += sum(s.size for s in record.segments)
+        while self._cached_bytes > _CACHED_BYTES and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= sum(s.size for s in dropped.segments)
 
     async def create(
         self, scope: str, conversation_id: str, head: bytes, first: tuple[Segment, list[str]] | None

@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.store import shared_conversations
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -369,3 +370,31 @@ async def test_a_conversation_round_robin_over_three_serve_replicas(
     finally:
         for client in clients:
             await client.close()
+
+
+async def test_a_replica_reads_only_the_entries_appended_since_its_last_read(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A turn's load sends the entries this replica has not read (the previous turn's
+    append), not the whole conversation; a deleted item (a rewrite) sends it all again."""
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
+    decoded = 0
+    decode = shared_conversations.decode_entry
+
+    def counting(value: bytes) -> Any:
+        nonlocal decoded
+        decoded += 1
+        return decode(value)
+
+    monkeypatch.setattr(shared_conversations, "decode_entry", counting)
+    client = a.client()
+    conv = await client.conversations.create(items=[user("hello")])
+    for n in range(8):
+        await client.responses.create(model="m", input=f"t{n}", conversation=conv.id)
+    assert decoded == 8  # the first load reads "hello", each later one the turn before
+    first = (await b.client().conversations.items.list(conv.id, order="asc")).data[0]
+    await b.client().conversations.items.delete(first.id, conversation_id=conv.id)
+    decoded = 0
+    assert len(await texts(client, conv.id)) == 16
+    assert decoded == 8  # rewritten since: every entry again
