@@ -136,13 +136,6 @@ class Exchange:
             return "conversation_changed" if changed else "conversation_failed"
         return None
 
-    def renew(self) -> None:
-        """As bytes arrive: the conversation's lock, the Idempotency-Key in flight."""
-        if self.conversation is not None:
-            self.conversation.renew()
-        if self.idempotency_key is not None:
-            idempotency.renew(self.proxy, self.idempotency_key)
-
     def release(self) -> None:
         """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
         if self.conversation is not None:
@@ -411,7 +404,8 @@ async def stream_events(
     while True:
         with timing.waiting():
             chunk = await read_chunk(upstream)
-        exchange.renew()
+        if exchange.conversation is not None:
+            exchange.conversation.renew()
         events = splitter.feed(chunk) if chunk else splitter.flush()
         batch: list[Event] = []
         terminal = -1  # where in the batch the terminal event of a remembered turn is

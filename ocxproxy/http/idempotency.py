@@ -9,15 +9,15 @@ answers (store:true), or stays in memory (store:false). Keys in flight are proce
 Only a response the proxy would remember is kept: a retry of a failed request runs again.
 With a shared store, a store:true request's key lives on the server instead
 (store/shared_conversations.py), so every replica answers alike: in flight, a key with a
-TTL (renewed while the response streams, so a killed replica's lapses); completed, the
+TTL (renewed while the request runs, so a killed replica's lapses); completed, the
 entry, written with the turn. A store:false one stays in its replica (its fingerprint is
 a digest of content that must not leave the process).
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +51,7 @@ class Key:
     stored: bool = True  # store:true: on the shared store, when there is one
     # On the shared store: this request's in-flight marker, while it holds the key.
     marker: str = field(default_factory=lambda: secrets.token_hex(8))
-    held: bool = False
-    renewed: float = 0.0
+    holder: asyncio.Task[None] | None = None  # renews the key while this request runs
 
 
 def key_of(headers: Mapping[str, str], scope: str, raw: bytes, *, stored: bool) -> Key | None:
@@ -92,7 +91,7 @@ async def _begin_shared(
         key.scope, key.record_id, marker, proxy.leases.duration
     )
     if state == 0:
-        key.held, key.renewed = True, time.monotonic()
+        key.holder = spawn(_hold(shared, key, proxy.leases.duration), name="idempotency-key")
         return None
     if state == 1:
         return _response_of(value, key)
@@ -102,17 +101,13 @@ async def _begin_shared(
     raise in_progress()
 
 
-def renew(proxy: Proxy, key: Key) -> None:
-    """While the response streams: the shared in-flight key stays (at most every third
-    of its TTL, in the background)."""
-    shared = _shared(proxy, key)
-    ttl = proxy.leases.duration
-    now = time.monotonic()
-    if shared is None or not key.held or now - key.renewed < ttl / 3:
-        return
-    key.renewed = now
+async def _hold(shared: SharedConversations, key: Key, ttl: float) -> None:
+    """While the request runs, its in-flight key stays (renewed every third of its TTL):
+    a replica that dies stops renewing, and the key lapses."""
     marker = f"{key.fingerprint}:{key.marker}"
-    spawn(quietly(shared.idempotency_hold(key.scope, key.record_id, marker, ttl)), name="idem")
+    while True:
+        await asyncio.sleep(ttl / 3)
+        await quietly(shared.idempotency_hold(key.scope, key.record_id, marker, ttl))
 
 
 def end(proxy: Proxy, key: Key) -> None:
@@ -120,8 +115,9 @@ def end(proxy: Proxy, key: Key) -> None:
     shared = _shared(proxy, key)
     if shared is None:
         proxy.in_flight.end(key.record_id)
-    elif key.held:
-        key.held = False
+    elif key.holder is not None:
+        key.holder.cancel()
+        key.holder = None
         marker = f"{key.fingerprint}:{key.marker}"
         spawn(quietly(shared.idempotency_hold(key.scope, key.record_id, marker, None)), name="idem")
 
@@ -160,7 +156,9 @@ def complete(proxy: Proxy, key: Key, response: Any | None, *, durable: bool) -> 
 
         async def write() -> None:
             await shared.idempotency_done(key.scope, key.record_id, marker, entry, TTL)
-            key.held = False
+            if key.holder is not None:
+                key.holder.cancel()
+                key.holder = None
 
         return staged_write(key.record_id, key.scope, write)
     now = proxy.store.clock()

@@ -310,6 +310,28 @@ async def test_an_idempotency_key_is_answered_alike_by_every_replica(
     assert len(backend.responses_seen) == 3
 
 
+async def test_a_key_stays_in_flight_while_its_request_runs_past_the_ttl(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    """The in-flight key's TTL is --read-timeout, renewed while the request runs: a retry
+    on another replica after that TTL, while the first still runs, is still a 409."""
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=1.0)
+    keyed = {**auth(), "Idempotency-Key": "slow"}
+    body = {"model": "m", "input": "slow"}
+    backend.drip_next(0.6, parts=4)  # 1.8 s in all, never silent for a read timeout
+    first = spawn(post(http, a.base_url, body, keyed), name="first")
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    await asyncio.sleep(1.3)
+    status, _, _ = await post(http, b.base_url, body, keyed)
+    assert status == 409
+    status, answer, _ = await first
+    assert status == 200
+    status, again, _ = await post(http, b.base_url, body, keyed)
+    assert status == 200 and again == answer
+    assert len(backend.responses_seen) == 1
+
+
 async def test_a_killed_replica_leaves_no_lock_and_no_key_in_flight_for_ever(
     valkey_server: KvServer, make_replicas: MakeReplicas, backend: FakeBackend,
     http: aiohttp.ClientSession,
