@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +33,12 @@ from ocxproxy.store import Store
 from ocxproxy.store.shared_conversations import (
     ConversationRecord,
     SharedConversations,
-    SharedLease,
     conversation_record,
     encode_entry,
     shared_conversations,
     staged_write,
 )
+from ocxproxy.store.shared_leases import SharedLease
 
 log = logging.getLogger("ocxproxy.responses")
 
@@ -57,11 +56,10 @@ async def _acquire(proxy: Proxy, scope: str, conversation_id: str) -> Lease | Sh
     shared = shared_conversations(proxy.store)
     if shared is None:
         return lock(proxy.leases, conversation_id)
-    duration = proxy.leases.duration
-    token = await shared.acquire(scope, conversation_id, duration)
-    if token is None:
+    lease = await SharedLease.acquire(shared, scope, conversation_id, proxy.leases.duration)
+    if lease is None:
         raise ConversationLocked()
-    return SharedLease(shared, scope, conversation_id, token, duration, time.monotonic())
+    return lease
 
 
 def _let_go(proxy: Proxy, lease: Lease | SharedLease) -> None:
@@ -158,7 +156,7 @@ class ConversationTurn:
             finally:
                 self.appending = False
             if lease is not None:
-                lease.token = None  # released by the script
+                lease.stop()  # its token was released by the script
             if not version:
                 log.warning("conversation %s changed during a turn; not appended", record.id)
                 metrics.turns_not_recorded.labels(reason="conversation_changed").inc()

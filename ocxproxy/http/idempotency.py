@@ -32,10 +32,10 @@ from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.model import Record
 from ocxproxy.store.shared_conversations import (
     SharedConversations,
-    quietly,
     shared_conversations,
     staged_write,
 )
+from ocxproxy.store.shared_leases import HEARTBEAT, quietly
 from ocxproxy.upstream.sse import encode_event
 
 HEADER = "Idempotency-Key"
@@ -87,11 +87,10 @@ async def _begin_shared(
     """The same rules on the server, in one round trip: completed (replayed, or 422),
     in flight elsewhere (409, or 422), or now in flight for this request."""
     marker = f"{key.fingerprint}:{key.marker}"
-    state, value = await shared.idempotency_begin(
-        key.scope, key.record_id, marker, proxy.leases.duration
-    )
+    ttl = min(HEARTBEAT, proxy.leases.duration)
+    state, value = await shared.idempotency_begin(key.scope, key.record_id, marker, ttl)
     if state == 0:
-        key.holder = spawn(_hold(shared, key, proxy.leases.duration), name="idempotency-key")
+        key.holder = spawn(_hold(shared, key, ttl), name="idempotency-key")
         return None
     if state == 1:
         return _response_of(value, key)

@@ -20,10 +20,8 @@ not count in the byte budget (like the single-node store, which pins them).
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import struct
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import zstandard
 
-from ocxproxy.aio import spawn
-from ocxproxy.errors import FailureReason, OcxError, StoreFailure
+from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, Turn, chain_of
 
 if TYPE_CHECKING:
@@ -410,37 +407,3 @@ def staged_write(record_id: str, scope: str, write: Callable[[], Awaitable[None]
         response=Segment(b"", 0, NO_CALLS, durable=True),
         pending=write,
     )
-
-
-@dataclass(slots=True)
-class SharedLease:
-    """A conversation's lease on the shared store: renewed in the background (at most
-    every third of its duration), released by compare-and-delete (a lapsed one taken by
-    another holder stays theirs). When a renewal or release fails, it lapses by itself."""
-
-    shared: SharedConversations
-    scope: str
-    conversation_id: str
-    token: str | None
-    duration: float
-    renewed: float = 0.0
-
-    def renew(self) -> None:
-        now = time.monotonic()
-        if self.token is None or now - self.renewed < self.duration / 3:
-            return
-        self.renewed = now
-        call = self.shared.renew(self.scope, self.conversation_id, self.token, self.duration)
-        spawn(quietly(call), name="conversation-lease")
-
-    def release(self) -> None:
-        token, self.token = self.token, None
-        if token is not None:
-            call = self.shared.release(self.scope, self.conversation_id, token)
-            spawn(quietly(call), name="conversation-lease")
-
-
-async def quietly(call: Awaitable[Any]) -> None:
-    """A renewal or release in the background: when it fails, the key lapses by itself."""
-    with contextlib.suppress(OcxError, StoreFailure):
-        await call
