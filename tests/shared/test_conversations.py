@@ -158,6 +158,34 @@ async def test_two_turns_on_one_conversation_on_two_replicas_never_run_at_once(
     assert items[::2] == order  # the conversation's order is the order the turns ran
 
 
+async def test_a_streaming_turn_keeps_its_lease_past_its_ttl_while_the_backend_progresses(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer
+) -> None:
+    """The lease's TTL on the server is --read-timeout here (1 s); a stream that takes
+    longer but is never silent that long keeps it: the other replica is still locked out."""
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=1.0)
+    conv = await a.client().conversations.create()
+    backend.delay = 0.4  # between events: the stream takes ~3 s
+    stream = await a.client().responses.create(
+        model="m", input="long", conversation=conv.id, stream=True
+    )
+    events = spawn(_drain(stream), name="stream")
+    await asyncio.sleep(2.2)
+    assert not events.done()
+    with pytest.raises(openai.BadRequestError) as caught:
+        await b.client().responses.create(model="m", input="cut in", conversation=conv.id)
+    assert caught.value.code == "conversation_locked"
+    assert (await events)[-1] == "response.completed"
+    backend.delay = 0
+    late = await b.client().responses.create(model="m", input="after", conversation=conv.id)
+    assert (await texts(a.client(), conv.id))[2:] == ["after", late.output_text]
+    assert len(backend.responses_seen) == 2
+
+
+async def _drain(stream: Any) -> list[str]:
+    return [event.type async for event in stream]
+
+
 async def test_a_turn_whose_lease_lapsed_while_the_conversation_changed_is_a_409(
     make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer
 ) -> None:
