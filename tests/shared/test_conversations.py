@@ -451,3 +451,38 @@ async def test_a_replica_reads_only_the_entries_appended_since_its_last_read(
     decoded = 0
     assert len(await texts(client, conv.id)) == 16
     assert decoded == 8  # rewritten since: every entry again
+
+
+async def test_websocket_turns_on_a_shared_conversation(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    http: aiohttp.ClientSession,
+) -> None:  # fmt: skip
+    """Over WebSocket on one replica: a store:true turn is appended (listed by the other
+    at once), a store:false one reads the conversation but is not appended, and the
+    lock is let go after each (the other replica's turn runs)."""
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
+    client_b = b.client(api_key=KEY_A)
+    conv = await client_b.conversations.create(items=[user("hello")])
+    async with http.ws_connect(a.base_url + "/responses", headers=auth()) as ws:
+
+        async def turn(**fields: Any) -> Json:
+            await ws.send_str(orjson.dumps({"type": "response.create", **fields}).decode())
+            while True:
+                event: Json = orjson.loads((await ws.receive()).data)
+                if event["type"] in ("response.completed", "error"):
+                    return event
+
+        kept = await turn(model="m", input="kept", conversation=conv.id)
+        assert kept["type"] == "response.completed"
+        assert kept["response"]["conversation"] == {"id": conv.id}
+        assert await texts(client_b, conv.id) == ["hello", "kept", output_of(kept)]
+        unstored = await turn(model="m", input="unstored", conversation=conv.id, store=False)
+        assert output_of(unstored) == "echo#4: unstored"  # it did read the conversation
+        after = await client_b.responses.create(model="m", input="b", conversation=conv.id)
+    assert await texts(client_b, conv.id) == [
+        "hello", "kept", output_of(kept), "b", after.output_text
+    ]  # fmt: skip
+
+
+def output_of(event: Json) -> str:
+    return str(event["response"]["output"][0]["content"][0]["text"])
