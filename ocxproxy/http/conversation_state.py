@@ -97,10 +97,10 @@ def _meta(record: ConversationRecord) -> Meta:
     return Meta(doc["created_at"], doc["metadata"], [list(ids) for ids in record.ids])
 
 
-def head_of(meta: Meta, backend: str | None) -> bytes:
-    return orjson.dumps(
-        {"created_at": meta.created_at, "metadata": meta.metadata, "backend": backend}
-    )
+def head_of(conversation_id: str, meta: Meta, backend: str | None) -> bytes:
+    """A shared conversation's head: what the single-node store keeps in its record."""
+    head = {"created_at": meta.created_at, "metadata": meta.metadata, "backend": backend}
+    return orjson.dumps({**head, "affinity": ROOT_KEY + conversation_id})
 
 
 def _not_found(conversation_id: str) -> NotFound:
@@ -142,7 +142,9 @@ async def create(
     shared = shared_conversations(store)
     if shared is not None:
         first = (chain[0], meta.ids[0]) if chain else None
-        record = await shared.create(scope, conversation_id, head_of(meta, None), first)
+        record = await shared.create(
+            scope, conversation_id, head_of(conversation_id, meta, None), first
+        )
         return Conversation(record, meta)
     return await _durable(store, _write(store, conversation_id, scope, chain, meta, backend=None))
 
@@ -256,7 +258,7 @@ async def _write_shared(
     it changed since (its lock lapsed and another writer got in)."""
     record = conversation.record
     assert isinstance(record, ConversationRecord)
-    head = head_of(meta, record.backend)
+    head = head_of(record.id, meta, record.backend)
     version = await shared.write(record, op, *args, head=head)
     if not version:
         raise changed()

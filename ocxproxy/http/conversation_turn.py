@@ -76,7 +76,10 @@ async def locked(proxy: Proxy, scope: str, conversation_id: str) -> AsyncIterato
     try:
         yield
     finally:
-        _let_go(proxy, lease)
+        if isinstance(lease, SharedLease):
+            await lease.let_go()
+        else:
+            proxy.leases.release(lease)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,16 @@ class ConversationTurn:
         if self.lease is not None and not self.appending:
             _let_go(self.proxy, self.lease)
             self.lease = None
+
+    def let_go(self) -> list[Record]:
+        """`release` when the turn has its response: a shared lease's release as a write
+        `commit` runs before the answer (none when the append releases it)."""
+        lease = self.lease
+        if not isinstance(lease, SharedLease) or self.appending:
+            self.release()
+            return []
+        record = self.conversation.record  # (`release` still lets it go if this never runs)
+        return [staged_write(record.id, record.scope, lease.let_go)]
 
     def append(self, scope: str, turn: Turn, items: list[Any], backend: str | None) -> Record:
         """The conversation's new record, with the turn's items appended (as one segment,
@@ -139,7 +152,7 @@ class ConversationTurn:
         record = conversation.record
         assert isinstance(record, ConversationRecord)
         meta = appended(conversation, items)
-        head = head_of(meta, backend)
+        head = head_of(record.id, meta, backend)
         entry = encode_entry(segment, meta.ids[-1])
         lease = self.lease if isinstance(self.lease, SharedLease) else None
         metrics = self.proxy.metrics

@@ -104,7 +104,7 @@ class Exchange:
         if self.conversation is not None:
             if reason is None and self.request.store:  # store:false content never on disk
                 reason = self._append(response)
-            self.conversation.release()
+            self.kept += self.conversation.let_go()  # before the client sees the end
         if self.idempotency_key is not None:
             done = response if reason is None else None
             entry = idempotency.complete(

@@ -47,16 +47,24 @@ if tonumber(h[3] or '1') <= tonumber(ARGV[1]) then from = tonumber(ARGV[2]) end
 return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1)}
 """
 
+# Every script may run twice (Server.call tries again on a fresh connection after a
+# connection error, when the first may have run): each recognizes its own earlier run.
+
 # KEYS: head, items. ARGV: head, then the first entry (if any). 0 when the id is taken.
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local head = redis.call('HGET', KEYS[1], 'head')
+if head then
+  if head == ARGV[1] then return 1 end
+  return 0
+end
 redis.call('HSET', KEYS[1], 'head', ARGV[1], 'ver', 1)
 if #ARGV > 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
 return 1
 """
 
 # KEYS: head, items, lease. ARGV: the version the write was computed from, the lease
-# token to release with it ('' none), op, head ('' unchanged), then the op's arguments:
+# token to release with it ('' none), op, head ('' unchanged), this write's id, then the
+# op's arguments:
 #   append  entry                     a segment appended (a turn, or items added)
 #   replace index, entry ('' drop)    a segment rewritten (an item deleted)
 #   meta                              the head alone
@@ -64,27 +72,41 @@ return 1
 # The new version; 0 when the conversation changed (or is gone): nothing written.
 WRITE = """
 if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
-local ver = redis.call('HGET', KEYS[1], 'ver')
-if ver ~= ARGV[1] then return 0 end
-local op = ARGV[3]
+local h = redis.call('HMGET', KEYS[1], 'ver', 'last')
+local ver, op = h[1], ARGV[3]
+if ver ~= ARGV[1] then
+  if h[2] == ARGV[5] then return tonumber(ver) end  -- run twice: written the first time
+  if op == 'delete' and not ver then return -1 end  -- gone, by this write or another
+  return 0
+end
 if op == 'delete' then
   redis.call('DEL', KEYS[1], KEYS[2])
+  return -1
 elseif op == 'append' then
-  redis.call('RPUSH', KEYS[2], ARGV[5])
+  redis.call('RPUSH', KEYS[2], ARGV[6])
 elseif op == 'replace' then
-  local at = tonumber(ARGV[5])
-  if ARGV[6] == '' then
+  local at = tonumber(ARGV[6])
+  if ARGV[7] == '' then
     redis.call('LSET', KEYS[2], at, '')
     redis.call('LREM', KEYS[2], 1, '')
   else
-    redis.call('LSET', KEYS[2], at, ARGV[6])
+    redis.call('LSET', KEYS[2], at, ARGV[7])
   end
 end
-if ARGV[4] ~= '' and op ~= 'delete' then redis.call('HSET', KEYS[1], 'head', ARGV[4]) end
-if op == 'delete' then return tonumber(ver) + 1 end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'head', ARGV[4]) end
+redis.call('HSET', KEYS[1], 'last', ARGV[5])
 local new = redis.call('HINCRBY', KEYS[1], 'ver', 1)
 if op == 'replace' then redis.call('HSET', KEYS[1], 'base', new) end
 return new
+"""
+
+# KEYS: a lease. ARGV: a new token, its TTL (ms). 1 when the token holds it now.
+ACQUIRE = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return 1 end
+if held then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 # KEYS: a lease or in-flight key. ARGV: its token, and a TTL (ms) to renew it by ('' to
@@ -100,8 +122,10 @@ return 1
 IDEM_BEGIN = """
 local done = redis.call('GET', KEYS[1])
 if done then return {1, done} end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0} end
-return {2, redis.call('GET', KEYS[2]) or ''}
+local running = redis.call('GET', KEYS[2])
+if running and running ~= ARGV[1] then return {2, running} end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return {0}
 """
 
 # KEYS: completed key, in-flight key. ARGV: the entry, its TTL (ms), this request's marker.
@@ -115,6 +139,7 @@ _SCRIPTS = {
     "conversation_load": LOAD,
     "conversation_create": CREATE,
     "conversation_write": WRITE,
+    "lease_acquire": ACQUIRE,
     "lease": HOLD,
     "idempotency_begin": IDEM_BEGIN,
     "idempotency_done": IDEM_DONE,
@@ -211,6 +236,7 @@ def conversation_record(
         built=segments,
         response=Segment(head, 0, NO_CALLS, durable=True),
         backend=doc.get("backend"),
+        affinity_key=doc.get("affinity"),
         n_items=sum(segment.n_items for segment in segments),
         head=head,
         version=version,
@@ -341,11 +367,12 @@ class SharedConversations:
         lease: str = "",
     ) -> int:
         """A write computed from `record` (op and its arguments as WRITE takes them),
-        releasing `lease` with it; the new version, or 0 when the conversation changed."""
+        releasing `lease` with it; the new version (-1: deleted), or 0 when the
+        conversation changed."""
         keys = self._keys(record.scope, record.id)
-        return int(
-            await self._run("conversation_write", keys, (record.version, lease, op, head, *args))
-        )
+        write_id = secrets.token_hex(8)
+        args = (record.version, lease, op, head, write_id, *args)
+        return int(await self._run("conversation_write", keys, args))
 
     # -- the lease -----------------------------------------------------------------------
 
@@ -354,8 +381,7 @@ class SharedConversations:
         another holder's is live."""
         token = secrets.token_hex(12)
         key = self._keys(scope, conversation_id)[2]
-        ms = max(1, int(ttl * 1000))
-        taken = await self.server.call("lease", lambda r: r.set(key, token, nx=True, px=ms))
+        taken = await self._run("lease_acquire", [key], [token, max(1, int(ttl * 1000))])
         return token if taken else None
 
     async def renew(self, scope: str, conversation_id: str, token: str, ttl: float) -> bool:

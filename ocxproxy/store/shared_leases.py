@@ -71,11 +71,16 @@ class SharedLease:
             self.beat = None
 
     def release(self) -> None:
+        """In the background (from code that cannot wait)."""
+        if self.token is not None:
+            spawn(self.let_go(), name="conversation-lease")
+
+    async def let_go(self) -> None:
+        """Before the answer: the next request, on any replica, finds it free."""
         token = self.token
         self.stop()
         if token is not None:
-            call = self.shared.release(self.scope, self.conversation_id, token)
-            spawn(quietly(call), name="conversation-lease")
+            await quietly(self.shared.release(self.scope, self.conversation_id, token))
 
 
 async def quietly(call: Awaitable[Any]) -> None:

@@ -19,7 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.model import Segment
 from ocxproxy.store import shared_conversations
+from ocxproxy.store.shared import SharedStore
+from ocxproxy.store.shared_conversations import encode_entry
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -161,16 +164,16 @@ async def test_two_turns_on_one_conversation_on_two_replicas_never_run_at_once(
 async def test_a_streaming_turn_keeps_its_lease_past_its_ttl_while_the_backend_progresses(
     make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer
 ) -> None:
-    """The lease's TTL on the server is --read-timeout here (1 s); a stream that takes
+    """The lease's TTL on the server is --read-timeout here (2 s); a stream that takes
     longer but is never silent that long keeps it: the other replica is still locked out."""
-    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=1.0)
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=2.0)
     conv = await a.client().conversations.create()
-    backend.delay = 0.4  # between events: the stream takes ~3 s
+    backend.delay = 0.5  # between events: the stream takes ~5 s
     stream = await a.client().responses.create(
         model="m", input="long", conversation=conv.id, stream=True
     )
     events = spawn(_drain(stream), name="stream")
-    await asyncio.sleep(2.2)
+    await asyncio.sleep(3.0)
     assert not events.done()
     with pytest.raises(openai.BadRequestError) as caught:
         await b.client().responses.create(model="m", input="cut in", conversation=conv.id)
@@ -486,3 +489,66 @@ async def test_websocket_turns_on_a_shared_conversation(
 
 def output_of(event: Json) -> str:
     return str(event["response"]["output"][0]["content"][0]["text"])
+
+
+async def test_every_script_recognizes_its_own_earlier_run(
+    valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Server.call runs an operation again on a fresh connection after a connection
+    error, when the first run may have happened: here every one runs twice, and each
+    answers as if it ran once (no 409 for the writer's own append, no lock or key held
+    against itself, the item appended once)."""
+    store = SharedStore(valkey_server.url, max_resident_bytes=1 << 20, max_entries=100, ttl=60)
+    await store.start()
+    try:
+        real = store.server.call
+
+        async def twice(op: str, run: Any) -> Any:
+            await real(op, run)
+            return await real(op, run)
+
+        monkeypatch.setattr(store.server, "call", twice)
+        shared = store.conversations
+        head = b'{"created_at": 1, "metadata": {}, "backend": null}'
+        record = await shared.create("scope", "conv_1", head, None)
+        token = await shared.acquire("scope", "conv_1", 5.0)
+        assert token is not None
+        entry = encode_entry(
+            Segment(b'{"role":"user","content":"x"}', 1, frozenset(), durable=True), ["msg_1"]
+        )
+        version = await shared.write(record, "append", entry, head=head, lease=token)
+        assert version == 2
+        loaded = await shared.load("scope", "conv_1")
+        assert loaded is not None and loaded.ids == [["msg_1"]]
+        assert await shared.acquire("scope", "conv_1", 5.0) is not None  # released with it
+        assert await shared.write(loaded, "delete") == -1
+        assert await shared.load("scope", "conv_1") is None
+        state, _ = await shared.idempotency_begin("scope", "idem_1", "fp:marker", 5.0)
+        assert state == 0
+    finally:
+        await store.close()
+
+
+async def test_the_lock_is_free_when_the_answer_arrives(
+    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """With a slow release (0.3 s), the next write or turn on another replica, sent the
+    moment the previous answer arrived, still finds the conversation free: a route's
+    write and a turn that appends nothing (store:false) release before they answer."""
+    release = shared_conversations.SharedConversations.release
+
+    async def slow(self: Any, *args: Any) -> None:
+        await asyncio.sleep(0.3)
+        await release(self, *args)
+
+    monkeypatch.setattr(shared_conversations.SharedConversations, "release", slow)
+    a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
+    ca, cb = a.client(), b.client()
+    conv = await ca.conversations.create()
+    await ca.conversations.items.create(conv.id, items=[user("one")])
+    await cb.conversations.items.create(conv.id, items=[user("two")])
+    await ca.conversations.update(conv.id, metadata={"k": "v"})
+    await cb.responses.create(model="m", input="unstored", conversation=conv.id, store=False)
+    await ca.responses.create(model="m", input="kept", conversation=conv.id)
+    assert (await texts(cb, conv.id))[:3] == ["one", "two", "kept"]
