@@ -31,6 +31,7 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
+from ocxproxy.store import shared_conversations
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
@@ -38,11 +39,13 @@ from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared_conversations import ConversationRecord, SharedConversations, SharedWrite
 from ocxproxy.store.shared_conversations import flatten as flatten_conversation
 from ocxproxy.store.shared_layout import Keys, SharedRecord
-from ocxproxy.store.shared_server import Server
+from ocxproxy.store.shared_server import Server, register_scripts
 
 __all__ = ["SharedStore"]
 
 log = logging.getLogger("ocxproxy.store.shared")
+
+register_scripts(shared_conversations.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000

@@ -20,6 +20,7 @@ not count in the byte budget (like the single-node store, which pins them).
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import struct
 from collections import OrderedDict
@@ -47,7 +48,7 @@ if tonumber(h[3] or '1') <= tonumber(ARGV[1]) then from = tonumber(ARGV[2]) end
 return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1)}
 """
 
-# Every script may run twice (Server.call tries again on a fresh connection after a
+# Every script may run twice (Server.round_trip tries again on a fresh connection after a
 # connection error, when the first may have run): each recognizes its own earlier run.
 
 # KEYS: head, items. ARGV: head, then the first entry (if any). 0 when the id is taken.
@@ -135,7 +136,7 @@ if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
 return 1
 """
 
-_SCRIPTS = {
+SCRIPTS = {
     "conversation_load": LOAD,
     "conversation_create": CREATE,
     "conversation_write": WRITE,
@@ -144,6 +145,8 @@ _SCRIPTS = {
     "idempotency_begin": IDEM_BEGIN,
     "idempotency_done": IDEM_DONE,
 }
+SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
+_WRITES = {"conversation_create", "conversation_write", "idempotency_done"}
 
 _CACHED_BYTES = 64 * 1024 * 1024  # conversations' items a replica keeps between turns
 _HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON
@@ -285,7 +288,6 @@ class SharedConversations:
     def __init__(self, server: Server, prefix: str) -> None:
         self.server = server
         self.prefix = prefix
-        self._shas: dict[str, str] = {}
         # The conversations read last (LRU, by bytes): a load then fetches only the entries
         # appended since (entries are rewritten only by a deleted item, which `base` says).
         self._cache: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
@@ -300,21 +302,12 @@ class SharedConversations:
         return [head, head + ":items", f"{base}lock:{conversation_id}"]
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """One script, by EVALSHA (loaded again when the server lost it)."""
-
-        from redis.exceptions import NoScriptError  # (the extra's; this runs only with it)
-
-        async def run(client: Any) -> Any:
-            sha = self._shas.get(name)
-            if sha is not None:
-                try:
-                    return await client.evalsha(sha, len(keys), *keys, *args)
-                except NoScriptError:  # the server restarted without it (not persisted)
-                    pass
-            self._shas[name] = await client.script_load(_SCRIPTS[name])
-            return await client.evalsha(self._shas[name], len(keys), *keys, *args)
-
-        return await self.server.call(name, run)
+        """One script (registered with the server's own: shared_server.register_scripts);
+        a write of conversation state waits for replicas like a turn's commit."""
+        if name in _WRITES:
+            sha = SHAS[name]
+            return await self.server.write(name, lambda: ("EVALSHA", sha, len(keys), *keys, *args))
+        return await self.server.script(name, keys, args)
 
     # -- conversations -------------------------------------------------------------------
 

@@ -38,6 +38,13 @@ _SOURCES = {"begin": layout.BEGIN, "item": layout.ITEM, "commit": layout.COMMIT}
 _SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in _SOURCES.items()}
 
 
+def register_scripts(sources: dict[str, str]) -> None:
+    """Scripts other modules of the shared tier run by name with `script` or `write`
+    (shared_conversations.py's), loaded with these."""
+    _SOURCES.update(sources)
+    _SHAS.update({name: hashlib.sha1(s.encode()).hexdigest() for name, s in sources.items()})
+
+
 class Server:
     def __init__(self, url: str, metrics: Metrics, *, wait_replicas: int = 0) -> None:
         self.url = url

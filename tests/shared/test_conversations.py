@@ -494,20 +494,20 @@ def output_of(event: Json) -> str:
 async def test_every_script_recognizes_its_own_earlier_run(
     valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Server.call runs an operation again on a fresh connection after a connection
+    """Server.round_trip runs an operation again on a fresh connection after a connection
     error, when the first run may have happened: here every one runs twice, and each
     answers as if it ran once (no 409 for the writer's own append, no lock or key held
     against itself, the item appended once)."""
     store = SharedStore(valkey_server.url, max_resident_bytes=1 << 20, max_entries=100, ttl=60)
     await store.start()
     try:
-        real = store.server.call
+        real = store.server.round_trip
 
-        async def twice(op: str, run: Any) -> Any:
-            await real(op, run)
-            return await real(op, run)
+        async def twice(op: str, packed: bytes, answers: int = 1) -> Any:
+            await real(op, packed, answers)
+            return await real(op, packed, answers)
 
-        monkeypatch.setattr(store.server, "call", twice)
+        monkeypatch.setattr(store.server, "round_trip", twice)
         shared = store.conversations
         head = b'{"created_at": 1, "metadata": {}, "backend": null}'
         record = await shared.create("scope", "conv_1", head, None)
