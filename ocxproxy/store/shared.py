@@ -25,8 +25,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import orjson
-
 from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
@@ -144,12 +142,12 @@ class SharedStore(Store):
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = Keys(self.prefix, scope)
-        args = (layout.TAIL, keys.segment(""))
+        args = (layout.TAIL, keys.base)
         found = await self.server.script("begin", (keys.record(response_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
-        meta, chain, digests, tail = found
-        return await self._build(keys, response_id, meta, chain, digests, tail)
+        value, digests, tail = found
+        return await self._build(keys, response_id, value, digests, tail)
 
     async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest record whose own segment holds the item (kept here, else the
@@ -157,12 +155,11 @@ class SharedStore(Store):
         with contextlib.suppress(StoreFailure):
             return self.find_item(scope, item_id, unstored=unstored)
         keys = Keys(self.prefix, scope)
-        args = (keys.record(""), keys.segment(""))
-        found = await self.server.script("item", (keys.item(item_id),), args)
+        found = await self.server.script("item", (keys.item(item_id),), (keys.base,))
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
-        meta, chain, digests, tail, record_id = found
-        record = await self._build(keys, record_id.decode(), meta, chain, digests[-1:], tail)
+        value, digests, tail, record_id = found
+        record = await self._build(keys, record_id.decode(), value, digests[-1:], tail)
         if record.segments[-1].item_ids.span(item_id) is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         return record
@@ -171,20 +168,24 @@ class SharedStore(Store):
         self,
         keys: Keys,
         record_id: str,
-        meta: bytes,
-        chain: bytes,
+        value: bytes,
         digests: list[bytes],
         tail: list[bytes | None],
     ) -> SharedRecord:
-        m = orjson.loads(meta)
-        if m["e"] <= self.clock():
+        try:
+            head = layout.read_head(record_id, value)
+        except ValueError as exc:
+            self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
+            log.warning("shared store: %s", exc)
+            raise StoreFailure(FailureReason.CORRUPT, record_id) from None
+        if head.expires_at <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
-        names = [d.decode() for d in digests]
-        if len(names) != m["l"] and len(names) != 1:  # its chain was evicted for the budget
+        names = [d.hex() for d in digests]
+        if len(names) != head.length and len(names) != 1:  # its chain was evicted (budget)
             raise StoreFailure(FailureReason.EVICTED, "chain")
         segments = await self._gather(keys, names, tail)
-        return layout.decode_record(record_id, keys.scope, m, segments, chain.decode())
+        return layout.decode_record(keys, record_id, head, segments)
 
     async def _gather(
         self, keys: Keys, digests: list[str], tail: list[bytes | None]
@@ -236,12 +237,7 @@ class SharedStore(Store):
         if not isinstance(record, SharedRecord):
             return await super().response_bytes(record)
         skeleton = record.response.data
-        if skeleton is None:  # kept in the record (hash field `resp`), read when asked for
-            key = Keys(self.prefix, record.scope).record(record.id)
-            value = await self.server.command("get", "HGET", key, "resp")
-            if value is None:
-                raise StoreFailure(FailureReason.UNKNOWN)  # deleted meanwhile
-            skeleton = layout.unpack(value)
+        assert skeleton is not None  # in the record's value, as BEGIN returned it
         if record.output_at is None:
             return skeleton
         own = record.segments[-1].data
@@ -322,7 +318,7 @@ class SharedStore(Store):
         self.metrics.shared_commits.labels("ok").inc()
         self._cache(shared.segments[-1])
 
-    async def _commit(self, record: SharedRecord, parent: Record | None) -> str:
+    async def _commit(self, record: SharedRecord, parent: Record | None) -> bytes:
         script_keys, args = layout.commit_call(
             Keys(self.prefix, record.scope),
             record,
@@ -338,7 +334,7 @@ class SharedStore(Store):
             self.metrics.store_evictions.labels(reason="shared_bytes").inc(evicted)
         if expired:
             self.metrics.store_evictions.labels(reason="shared_expired").inc(expired)
-        return str(chain.decode())
+        return bytes(chain)
 
     async def remove(self, scope: str, response_id: str) -> bool:
         """Forget a response (kept here, else on the server); True when there was one."""

@@ -1,16 +1,23 @@
 """The shared tier's layout on Valkey/Redis: key names, the encoding of segments and
 records, and the server-side scripts (Lua, run by EVALSHA: Redis 7.0 and Valkey alike).
 
-Every key starts with the prefix and the caller's scope hash (CONTRACT.md C5), so one
-credential's keys never answer another's and a scan per scope is one pattern:
+Key names are binary: the prefix, the layout's tag (LAYOUT: data of another layout is
+never read, its keys are other names), the caller's scope (CONTRACT.md C5: its length,
+then the scope hash's 16 bytes, or the text of a scope that is no hash such as
+`anonymous`), so one credential's keys never answer another's; then a kind and a name:
 
-    {prefix}{scope}:s:{sha256}   a segment: its metadata and zstd bytes, written once
-    {prefix}{scope}:c:{token}    a chain: the list of its segments' digests, oldest first
-    {prefix}{scope}:r:{id}       a record (hash): chain key, chain length, meta (JSON)
-    {prefix}{scope}:i:{item id}  the id of the newest record whose own segment holds it
-    {prefix}_:chains, _:bytes, _:total   the byte budget's bookkeeping (no content)
+    s + sha256 (32 bytes)   a segment: its metadata and items, written once
+    c + token (8 bytes)     a chain: the list of its segments' digests (32 bytes each)
+    r + response id         a record: `{length}:{chain token}` then its meta and the
+                            response object (without its id, which is the key's)
+    i + item id             the id of the newest record whose own segment holds it
+    {prefix}{LAYOUT}\\0 + chains, bytes, total   the byte budget's bookkeeping (no content)
 
-A record reads the first `len` digests of its chain. A turn on a parent whose chain has
+Values are zstd frames with the dictionary in shared_dictionary.py (the structure every
+turn repeats: a turn of a few hundred bytes compresses to a third), raw when that is not
+smaller; a segment's digest is over its raw items, so it is checked after decompressing.
+
+A record reads the first `length` digests of its chain. A turn on a parent whose chain has
 grown since (a sibling was appended) forks: a new chain with the parent's digests and its
 own, so no record's history ever changes. Every key has a TTL; a commit extends the
 chain's and its segments' TTL to its own record's expiry (never shortening one), so a
@@ -34,54 +41,64 @@ from typing import Any
 import orjson
 import zstandard
 
-from ocxproxy.model import ItemIds, Record, Segment, chain_of
+from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
+from ocxproxy.store import shared_dictionary
 
-_HEAD = struct.Struct("<BI")  # version, length of the metadata JSON
-_VERSION = 1
+# A new layout, or a new dictionary, is a new tag: keys written under another are not read.
+LAYOUT = b"\x02"
+DICTIONARY_SHA256 = "9d345df9c26f62c57c3ebe023aa3d6e87a86dcccc4e3ce4e2c0a399f1e91842d"
 
 TAIL = 2  # the newest segments' values BEGIN sends along: what another replica just added
 
 # KEYS[1] the record; ARGV: how many of the newest segments' values to send along, the
-# segment key prefix. A hit: {meta, chain key, digests, values of the newest}; a miss: nil.
+# scope's key base. A hit: {record, digests, values of the newest}; a miss: nil.
 BEGIN = """
-local r = redis.call('HMGET', KEYS[1], 'chain', 'len', 'meta')
-if not r[3] then return false end
-local digests = redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+local at = string.find(v, ':', 1, true)
+local chain = ARGV[2] .. 'c' .. string.sub(v, at + 1, at + 8)
+local digests = redis.call('LRANGE', chain, 0, tonumber(string.sub(v, 1, at - 1)) - 1)
 local tail = {}
 for i = math.max(1, #digests - tonumber(ARGV[1]) + 1), #digests do
-  tail[#tail + 1] = redis.call('GET', ARGV[2] .. digests[i]) or false
+  tail[#tail + 1] = redis.call('GET', ARGV[2] .. 's' .. digests[i]) or false
 end
-return {r[3], r[1], digests, tail}
+return {v, digests, tail}
 """
 
-# KEYS[1] the item index key; ARGV: the record and segment key prefixes of its scope.
-# A hit: BEGIN's answer (the own segment's value alone), and the record's id.
+# KEYS[1] the item index key; ARGV: the scope's key base. A hit: BEGIN's answer (the own
+# segment's value alone), and the record's id.
 ITEM = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
-local r = redis.call('HMGET', ARGV[1] .. id, 'chain', 'len', 'meta')
-if not r[3] then return false end
-local digests = redis.call('LRANGE', r[1], 0, tonumber(r[2]) - 1)
+local v = redis.call('GET', ARGV[1] .. 'r' .. id)
+if not v then return false end
+local at = string.find(v, ':', 1, true)
+local chain = ARGV[1] .. 'c' .. string.sub(v, at + 1, at + 8)
+local digests = redis.call('LRANGE', chain, 0, tonumber(string.sub(v, 1, at - 1)) - 1)
 local own = digests[#digests]
-local value = own and redis.call('GET', ARGV[2] .. own) or false
-return {r[3], r[1], digests, {value}, id}
+local value = own and redis.call('GET', ARGV[1] .. 's' .. own) or false
+return {v, digests, {value}, id}
 """
 
 # KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
 #       per chain, total), k segments, then item index keys.
-# ARGV: parent length (0: none), own digest, expiry (ms since epoch), meta, record id,
-#       segment key prefix, k, now (ms), byte budget, slack (ms), the response object
-#       (packed), then k segment values.
+# ARGV: parent length (0: none), own digest, expiry (ms since epoch), the record's body,
+#       record id, the scope's key base, k, now (ms), byte budget, slack (ms), then k
+#       segment values.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
-if redis.call('HGET', KEYS[1], 'meta') == ARGV[4] then  -- run twice: already written
-  return {redis.call('HGET', KEYS[1], 'chain'), tonumber(redis.call('GET', KEYS[6]) or 0), 0, 0}
-end
 local plen = tonumber(ARGV[1])
+local old = redis.call('GET', KEYS[1])
+if old and string.sub(old, string.find(old, ':', 1, true) + 9) == ARGV[4] then
+  -- run twice: already written
+  local at = string.find(old, ':', 1, true)
+  local chain = ARGV[6] .. 'c' .. string.sub(old, at + 1, at + 8)
+  return {chain, tonumber(redis.call('GET', KEYS[6]) or 0), 0, 0}
+end
 local pxat = ARGV[3]
 local k = tonumber(ARGV[7])
 local chain = KEYS[3]
-local added = #ARGV[4] + #ARGV[11] + #KEYS[1] + 64
+local added = #ARGV[4] + #KEYS[1] + 16
 if plen > 0 then
   local n = redis.call('LLEN', KEYS[2])
   if n < plen then return redis.error_reply('OCXLOST the parent chain is gone') end
@@ -93,17 +110,17 @@ if plen > 0 then
       local part = redis.call('LRANGE', KEYS[2], i, math.min(i + 999, plen - 1))
       redis.call('RPUSH', chain, unpack(part))
     end
-    added = added + 72 * plen
+    added = added + 40 * plen
   end
 else
   redis.call('DEL', chain)
 end
 redis.call('RPUSH', chain, ARGV[2])
-added = added + 72
+added = added + 40
 local keep = tonumber(pxat) + tonumber(ARGV[10])
 for i = 1, k do
-  if redis.call('SET', KEYS[6 + i], ARGV[11 + i], 'NX', 'PXAT', keep) then
-    added = added + #ARGV[11 + i] + #KEYS[6 + i]
+  if redis.call('SET', KEYS[6 + i], ARGV[10 + i], 'NX', 'PXAT', keep) then
+    added = added + #ARGV[10 + i] + #KEYS[6 + i]
   else
     redis.call('PEXPIREAT', KEYS[6 + i], keep, 'GT')
   end
@@ -113,7 +130,7 @@ end
 local expires = redis.call('PEXPIRETIME', chain)
 if expires < tonumber(pxat) then
   for _, d in ipairs(redis.call('LRANGE', chain, 0, -1)) do
-    redis.call('PEXPIREAT', ARGV[6] .. d, keep, 'GT')
+    redis.call('PEXPIREAT', ARGV[6] .. 's' .. d, keep, 'GT')
   end
   if expires < 0 then
     redis.call('PEXPIREAT', chain, keep)
@@ -121,9 +138,7 @@ if expires < tonumber(pxat) then
     redis.call('PEXPIREAT', chain, keep, 'GT')
   end
 end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'chain', chain, 'len', plen + 1, 'meta', ARGV[4], 'resp', ARGV[11])
-redis.call('PEXPIREAT', KEYS[1], pxat)
+redis.call('SET', KEYS[1], (plen + 1) .. ':' .. string.sub(chain, -8) .. ARGV[4], 'PXAT', pxat)
 for i = 7 + k, #KEYS do
   redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
 end
@@ -144,7 +159,7 @@ local budget = tonumber(ARGV[9])
 while budget > 0 and total > budget do
   local oldest = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
   if not oldest or oldest == chain then break end
-  local segments = string.match(oldest, '^(.*):c:[^:]*$') .. ':s:'
+  local segments = string.sub(oldest, 1, -10) .. 's'  -- its scope's base: 'c' and a token off
   for _, d in ipairs(redis.call('LRANGE', oldest, 0, -1)) do
     redis.call('DEL', segments .. d)
   end
@@ -160,98 +175,128 @@ return {chain, total, evicted, expired}
 LOST = "OCXLOST"  # the commit script's error when the parent's chain expired meanwhile
 
 
-@dataclass(frozen=True, slots=True)
 class Keys:
     """Key names of one scope."""
 
-    prefix: str
-    scope: str
+    __slots__ = ("base", "prefix", "scope")
 
-    @property
-    def base(self) -> str:
-        return f"{self.prefix}{self.scope}:"
+    def __init__(self, prefix: str, scope: str) -> None:
+        self.prefix, self.scope = prefix, scope
+        self.base = prefix.encode() + LAYOUT + scope_tag(scope)
 
-    def record(self, record_id: str) -> str:
-        return f"{self.base}r:{record_id}"
+    def record(self, record_id: str) -> bytes:
+        return self.base + b"r" + record_id.encode()
 
-    def chain(self, token: str) -> str:
-        return f"{self.base}c:{token}"
+    def chain(self, token: bytes) -> bytes:
+        return self.base + b"c" + token
 
-    def segment(self, digest: str) -> str:
-        return f"{self.base}s:{digest}"
+    def segment(self, digest: str) -> bytes:
+        return self.base + b"s" + bytes.fromhex(digest)
 
-    def item(self, item_id: str) -> str:
-        return f"{self.base}i:{item_id}"
+    def item(self, item_id: str) -> bytes:
+        return self.base + b"i" + item_id.encode()
 
 
-def budget_keys(prefix: str) -> tuple[str, str, str]:
-    """The byte budget's keys: a reserved scope `_` (a scope is a hash or `anonymous`)."""
-    return f"{prefix}_:chains", f"{prefix}_:bytes", f"{prefix}_:total"
+def scope_tag(scope: str) -> bytes:
+    """A scope in key names: its length, then its bytes (a hex hash's raw bytes)."""
+    try:
+        raw = bytes.fromhex(scope)
+        if raw.hex() != scope:
+            raw = scope.encode()
+    except ValueError:
+        raw = scope.encode()
+    return bytes((len(raw),)) + raw
+
+
+def budget_keys(prefix: str) -> tuple[bytes, bytes, bytes]:
+    """The byte budget's keys: a reserved scope of length 0."""
+    base = prefix.encode() + LAYOUT + b"\0"
+    return base + b"chains", base + b"bytes", base + b"total"
 
 
 @dataclass(slots=True)
 class SharedRecord(Record):
     """A record of the shared tier: also where its history is (chain key, length)."""
 
-    chain: str = ""
+    chain: bytes = b""
     length: int = 0
 
 
 def commit_call(
     keys: Keys, record: SharedRecord, parent: Record | None, now_ms: int, budget: int
-) -> tuple[list[str], list[Any]]:
+) -> tuple[list[bytes], list[Any]]:
     """COMMIT's keys and arguments for `record` (its own segment new on top of `parent`'s
-    chain): the own segment's value, the response object, the item index, the budget."""
-    own, response = record.segments[-1], record.response
-    assert own.data is not None and response.data is not None
-    new_chain = keys.chain(secrets.token_hex(8))
+    chain): the own segment's value, the record's body, the item index, the budget."""
+    own = record.segments[-1]
+    assert own.data is not None
+    new_chain = keys.chain(secrets.token_bytes(8))
     parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
     plen = parent.length if isinstance(parent, SharedRecord) else 0
     script_keys = [keys.record(record.id), parent_chain, new_chain]
     script_keys += [*budget_keys(keys.prefix), keys.segment(own.key)]
     script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
-    args: list[Any] = [plen, own.key, int(record.expires_at * 1000), record_meta(record)]
+    digest = bytes.fromhex(own.key)
+    args: list[Any] = [plen, digest, round(record.expires_at * 1000), record_body(record)]
     slack = int((record.expires_at - record.created_at) * 100)  # a tenth of the TTL, in ms
-    args += [record.id, keys.segment(""), 1, now_ms, budget, slack, pack(response.data)]
+    args += [record.id, keys.base, 1, now_ms, budget, slack]
     args.append(encode_segment(own, own.data))
     return script_keys, args
 
 
-_compressor = zstandard.ZstdCompressor(level=3)
-_decompressor = zstandard.ZstdDecompressor()
-_RAW, _ZSTD = b"r", b"z"
+_dictionary = zstandard.ZstdCompressionDict(shared_dictionary.DICTIONARY)
+# Small values (a usual turn) at level 6: a fifth smaller than at 3 for ~5 µs more; large
+# ones at 3, where level 6 would cost more time than the dictionary saves bytes.
+_SMALL = 4096
+_compressors = {
+    level: zstandard.ZstdCompressor(
+        level=level, dict_data=_dictionary, write_checksum=False, write_dict_id=False
+    )
+    for level in (3, 6)
+}
+_decompressor = zstandard.ZstdDecompressor(dict_data=_dictionary)
+_RAW, _ZSTD = b"r", b"d"  # raw, or zstd with the dictionary
+_LENGTH = struct.Struct("<I")
 
 
-def pack(data: bytes) -> bytes:
-    """`data` zstd-compressed when that makes it smaller (small items often do not)."""
-    compressed = _compressor.compress(data)
-    return _ZSTD + compressed if len(compressed) < len(data) else _RAW + data
+def payload(meta: bytes, data: bytes) -> bytes:
+    """What a value holds before compression: `meta` (JSON) and `data`."""
+    return b"".join((_LENGTH.pack(len(meta)), meta, data))
 
 
-def unpack(value: bytes) -> bytes:
+def frame(meta: bytes, data: bytes) -> bytes:
+    """A value: its payload, zstd-compressed with the dictionary when that makes it
+    smaller (large or incompressible items may not be)."""
+    raw = payload(meta, data)
+    compressed = _compressors[6 if len(raw) <= _SMALL else 3].compress(raw)
+    return _ZSTD + compressed if len(compressed) < len(raw) else _RAW + raw
+
+
+def unframe(value: bytes) -> tuple[Any, bytes]:
+    """A value's meta (decoded) and data; ValueError when it is not a value of this layout."""
     kind, body = value[:1], value[1:]
-    if kind == _RAW:
-        return body
-    if kind == _ZSTD:
-        return bytes(_decompressor.decompress(body))
-    raise ValueError(f"unknown packing {kind!r}")
+    try:
+        if kind == _ZSTD:
+            body = _decompressor.decompress(body)
+        elif kind != _RAW:
+            raise ValueError(f"unknown encoding {kind!r}")
+        (size,) = _LENGTH.unpack_from(body)
+        meta = orjson.loads(body[_LENGTH.size : _LENGTH.size + size])
+    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError) as exc:
+        raise ValueError(str(exc)) from None
+    return meta, bytes(body[_LENGTH.size + size :])
 
 
 def encode_segment(segment: Segment, data: bytes) -> bytes:
-    """A segment's value: version, metadata (items, call ids, item spans), packed bytes."""
+    """A segment's value: its metadata (items, call ids, item spans) and its items."""
     meta = orjson.dumps([segment.n_items, sorted(segment.call_ids), list(segment.item_ids)])
-    return b"".join((_HEAD.pack(_VERSION, len(meta)), meta, pack(data)))
+    return frame(meta, data)
 
 
 def decode_segment(digest: str, value: bytes) -> Segment:
     """The segment stored under `digest`; ValueError when it is not what it claims."""
     try:
-        version, size = _HEAD.unpack_from(value)
-        if version != _VERSION:
-            raise ValueError(f"unknown segment version {version}")
-        n_items, call_ids, spans = orjson.loads(value[_HEAD.size : _HEAD.size + size])
-        data = unpack(value[_HEAD.size + size :])
-    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError, TypeError) as exc:
+        (n_items, call_ids, spans), data = unframe(value)
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"segment {digest[:12]} unreadable: {exc}") from None
     if hashlib.sha256(data).hexdigest() != digest:
         raise ValueError(f"segment {digest[:12]} failed its digest")
@@ -266,42 +311,77 @@ def decode_segment(digest: str, value: bytes) -> Segment:
     )
 
 
-def record_meta(record: Record) -> bytes:
-    return orjson.dumps(
-        {
-            "t": record.created_at,
-            "e": record.expires_at,
-            "n": record.n_items,
-            "l": len(record.segments),
-            "o": record.output_at,
-            "b": record.backend,
-            "a": record.affinity_key,
-            "s": record.stored,
-        }
-    )
+def record_body(record: Record) -> bytes:
+    """A record's value after `{length}:{chain token}`: its meta and the response object,
+    its id cut out (the key has it) and put back where the meta says."""
+    skeleton = record.response.data
+    assert skeleton is not None
+    rid = record.id.encode()
+    at = skeleton.find(b'"id":"' + rid + b'"')
+    if at >= 0:
+        at += 6
+        skeleton = skeleton[:at] + skeleton[at + len(rid) :]
+    meta = [
+        round(record.created_at * 1000),
+        record.expires_at,  # exactly: a replica's clock decides (the server's is in ms)
+        record.n_items,
+        record.output_at,
+        record.backend,
+        record.affinity_key,
+        record.stored,
+        at,
+    ]
+    return frame(orjson.dumps(meta), skeleton)
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A record's value as BEGIN returns it: where its history is, and its body."""
+
+    length: int
+    chain: bytes  # the chain's token
+    meta: list[Any]
+    skeleton: bytes
+
+    @property
+    def expires_at(self) -> float:
+        return float(self.meta[1])
+
+
+def read_head(record_id: str, value: bytes) -> Head:
+    """A record's value parsed; ValueError when it is not a record of this layout."""
+    at = value.find(b":")
+    try:
+        length = int(value[:at])
+        meta, skeleton = unframe(value[at + 9 :])
+        if meta[7] >= 0:
+            skeleton = b"".join((skeleton[: meta[7]], record_id.encode(), skeleton[meta[7] :]))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ValueError(f"record {record_id} unreadable: {exc}") from None
+    return Head(length, value[at + 1 : at + 9], meta, skeleton)
 
 
 def decode_record(
-    record_id: str, scope: str, m: dict[str, Any], segments: tuple[Segment, ...], chain: str
+    keys: Keys, record_id: str, head: Head, segments: tuple[Segment, ...]
 ) -> SharedRecord:
-    """A record from its meta (JSON, decoded) and its segments; the response object is in
-    the record's hash, read when asked for (`response` holds no bytes)."""
-    response = Segment.restore("", 0, 0, frozenset(), durable=True)
-    output_at = m["o"]
+    """A record from its parsed value and its segments."""
+    created, expires, n_items, output_at, backend, affinity_key, stored, _ = head.meta
+    skeleton = head.skeleton
+    response = Segment.restore("", len(skeleton), 0, NO_CALLS, durable=True, data=skeleton)
     return SharedRecord(
         id=record_id,
-        scope=scope,
-        created_at=m["t"],
-        expires_at=m["e"],
+        scope=keys.scope,
+        created_at=created / 1000,
+        expires_at=expires,
         durable=True,
         links=chain_of(segments),
         built=segments,
         response=response,
-        backend=m["b"],
-        affinity_key=m["a"],
-        n_items=m["n"],
+        backend=backend,
+        affinity_key=affinity_key,
+        n_items=n_items,
         output_at=tuple(output_at) if output_at is not None else None,
-        stored=m["s"],
-        chain=chain,
+        stored=stored,
+        chain=keys.chain(head.chain),
         length=len(segments),
     )

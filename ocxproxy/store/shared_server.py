@@ -155,7 +155,7 @@ class Server:
             raise StorageUnavailable(UNAVAILABLE)
         return reply
 
-    async def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def script(self, name: str, keys: Sequence[bytes | str], args: Sequence[Any]) -> Any:
         """A read-only script (begin, item)."""
         packed = pack("EVALSHA", _SHAS[name], len(keys), *keys, *args)
         (reply,) = await self.round_trip(name, packed)
@@ -182,7 +182,7 @@ class Server:
                 raise StoreFailure(FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged")
         return result
 
-    def commit_command(self, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+    def commit_command(self, keys: Sequence[bytes | str], args: Sequence[Any]) -> tuple[Any, ...]:
         return ("EVALSHA", _SHAS["commit"], len(keys), *keys, *args)
 
     async def _reload(self, op: str) -> None:

@@ -60,6 +60,7 @@ from benchkit import (
 from loopback import RawClient
 
 sys.path.insert(0, str(ROOT))
+from ocxproxy.store import shared_layout as layout
 from tests.shared.servers import KvServer
 
 TARGET_BYTES = 32 * 1024  # ~8k tokens
@@ -265,6 +266,15 @@ def value_bytes(kv: Any, key: bytes) -> int:
     raise RuntimeError(f"{key!r}: type {kind}")
 
 
+def kind_of(key: bytes, prefix: bytes = b"ocx:") -> str:
+    """A key's kind in the layout (shared_layout.py): after the prefix, the layout's tag
+    and the scope (its length, then its bytes), one letter; the budget's keys are `other`."""
+    at = len(prefix) + len(layout.LAYOUT)
+    if not key.startswith(prefix + layout.LAYOUT) or key[at] == 0:
+        return "other"
+    return chr(key[at + 1 + key[at]])
+
+
 async def chain_bytes(proxy: Child, server: KvServer, turns: int) -> bool:
     import redis  # the shared extra's client, a dev dependency too
 
@@ -289,8 +299,7 @@ async def chain_bytes(proxy: Child, server: KvServer, turns: int) -> bool:
     keys = list(kv.scan_iter(count=1000))
     kinds: dict[str, list[int]] = {}  # the key's kind (after prefix and scope): n, key B, value B
     for k in keys:
-        parts = k.split(b":")
-        entry = kinds.setdefault(parts[2].decode() if len(parts) > 3 else "other", [0, 0, 0])
+        entry = kinds.setdefault(kind_of(k), [0, 0, 0])
         entry[0] += 1
         entry[1] += len(k)
         entry[2] += value_bytes(kv, k)

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from ocxproxy.store.shared_layout import budget_keys
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
 from tests.serve import Serve, output_text, respond
@@ -239,4 +240,4 @@ async def test_ttl_expires_a_chain_on_every_replica_and_in_the_store(
         assert len(backend.responses_seen) == calls
         keys = [key async for key in client.scan_iter() if await client.exists(key)]
     # what is left is the byte budget's bookkeeping (its own pseudo-scope, no content)
-    assert [key for key in keys if not key.startswith(b"ocx:_:")] == []
+    assert [key for key in keys if key not in budget_keys("ocx:")] == []

@@ -19,6 +19,7 @@ from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
 from ocxproxy.store.shared import SharedStore
 from ocxproxy.store.shared_checks import SharedStoreRefused
+from ocxproxy.store.shared_layout import LAYOUT, Keys, budget_keys
 from tests.shared.servers import KvServer
 from tests.store.helpers import Clock, sample
 
@@ -91,6 +92,9 @@ async def chain_of(store: SharedStore, parent: Record | None, ids: list[str]) ->
         parent = record
     assert parent is not None
     return parent
+
+
+SCOPE_A = Keys("ocx:", "scope-a")  # the key names of the scope most tests use
 
 
 async def raw_client(server: KvServer) -> aioredis.Redis:
@@ -225,7 +229,7 @@ async def test_a_store_false_turn_never_reaches_the_server(
         values = [await client.dump(k) or b"" for k in keys]
     finally:
         await client.aclose()
-    assert keys and all(k.startswith((b"ocx:scope-a:", b"ocx:_:")) for k in keys)
+    assert keys and all(k.startswith(SCOPE_A.base) or k in budget_keys("ocx:") for k in keys)
     assert not any(b"MARKER" in k or b"msg_x" in k for k in keys)
     assert not any(b"MARKER" in v for v in values)  # zstd frames: check decompressed too
     b = await make_store()
@@ -255,21 +259,21 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
     await chain_of(a, None, ["r1", "r2"])
     client = await raw_client(kv_server)
     try:
-        keys = [k async for k in client.scan_iter(match="ocx:scope-a:*")]
+        keys = [k async for k in client.scan_iter(match=SCOPE_A.base + b"*")]
         ttls = {k: await client.pttl(k) for k in keys}
     finally:
         await client.aclose()
     assert len(keys) == 2 + 1 + 2  # records (with their response objects), a chain, 2 segments
     assert all(0 < ttl <= 110_000 for ttl in ttls.values())  # a tenth of slack
-    assert all(ttl <= 100_000 for key, ttl in ttls.items() if b":r:" in key)
+    assert all(ttl <= 100_000 for key, ttl in ttls.items() if key.startswith(SCOPE_A.base + b"r"))
     # A child living longer keeps its whole chain alive as long (never shortening a TTL).
     longer = await make_store(ttl=1000.0)
     await chain_of(longer, await longer.begin("scope-a", "r2"), ["r3"])
     first = hashlib.sha256(turn("r1", "user says r1").items).hexdigest()
     client = await raw_client(kv_server)
     try:
-        assert await client.pttl(f"ocx:scope-a:s:{first}") > 110_000
-        assert 0 < await client.pttl("ocx:scope-a:r:r1") <= 100_000
+        assert await client.pttl(SCOPE_A.segment(first)) > 110_000
+        assert 0 < await client.pttl(SCOPE_A.record("r1")) <= 100_000
     finally:
         await client.aclose()
 
@@ -277,22 +281,22 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
 async def test_past_the_byte_budget_the_oldest_chains_go_whole(
     make_store: MakeStore, kv_server: KvServer
 ) -> None:
-    a = await make_store(max_bytes=4000)
-    b = await make_store(max_bytes=4000)
-    for n in range(12):  # separate chains, ~700 bytes each
+    a = await make_store(max_bytes=2000)
+    b = await make_store(max_bytes=2000)
+    for n in range(12):  # separate chains, a few hundred bytes each
         await chain_of(a if n % 2 else b, None, [f"c{n}-1", f"c{n}-2"])
     evicted = sample(a.metrics.store_evictions, reason="shared_bytes") + sample(
         b.metrics.store_evictions, reason="shared_bytes"
     )
     assert evicted >= 6
-    assert max(a.shared_bytes, b.shared_bytes) <= 4000
+    assert max(a.shared_bytes, b.shared_bytes) <= 2000
     with pytest.raises(StoreFailure) as caught:
         await a.begin("scope-a", "c0-2")
     assert caught.value.reason == FailureReason.EVICTED
     assert (await a.begin("scope-a", "c11-2")).n_items == 4  # the newest stay
     client = await raw_client(kv_server)
     try:  # the evicted chains' segments are gone from the server, not just unreachable
-        segments = [k async for k in client.scan_iter(match="ocx:scope-a:s:*")]
+        segments = [k async for k in client.scan_iter(match=SCOPE_A.base + b"s*")]
     finally:
         await client.aclose()
     assert len(segments) < 12 * 4
@@ -307,7 +311,7 @@ async def test_a_corrupt_segment_fails_its_digest(
     digest = hashlib.sha256(t.items).hexdigest()
     client = await raw_client(kv_server)
     try:
-        key = f"ocx:scope-a:s:{digest}"
+        key = SCOPE_A.segment(digest)
         value = await client.get(key)
         await client.set(key, value[:-3] + b"xyz", keepttl=True)
     finally:
@@ -478,3 +482,74 @@ async def test_a_unix_socket_url_serves_like_tcp(
     finally:
         await a.close()
         await b.close()
+
+
+def response_turn(response: dict[str, Any], output: dict[str, Any], rid: str) -> Turn:
+    """A turn whose response object is `response` with `output` as its one item."""
+    items = orjson.dumps({"role": "user", "content": "hi"}) + b"," + orjson.dumps(output)
+    return Turn(
+        response_id=rid,
+        scope="scope-a",
+        durable=True,
+        items=items,
+        n_items=2,
+        call_ids=frozenset(),
+        response=orjson.dumps({**response, "output": [output]}),
+        item_ids=ItemIds([]),
+        backend="http://b1",
+    )
+
+
+async def test_a_response_replays_byte_identically_from_another_replica(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    """The response object is stored compressed with the dictionary and without its id
+    (the key has it): another replica gives back the very bytes, wherever the id was."""
+    a, b = await make_store(), await make_store()
+    output = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "ok", "annotations": []}]}  # fmt: skip
+    full = {"previous_response_id": "resp_0", "id": "resp_1", "object": "response",
+            "created_at": 1700000000, "status": "completed", "model": "gpt-5", "error": None,
+            "instructions": "Say resp_1.", "tools": [], "metadata": {"id": "resp_1"},
+            "usage": {"input_tokens": 12, "output_tokens": 1, "total_tokens": 13}}  # fmt: skip
+    no_id = {"object": "response", "id": "resp_2x", "status": "completed"}
+    # the second's id is not in its object: stored as it is
+    turns = [response_turn(full, output, "resp_1"), response_turn(no_id, output, "resp_2")]
+    for t in turns:
+        await a.commit(a.put(t, None))
+    for t in turns:
+        record = await b.begin("scope-a", t.response_id)
+        assert await b.response_bytes(record) == t.response
+    client = await raw_client(kv_server)
+    try:
+        value = await client.get(SCOPE_A.record("resp_1"))
+    finally:
+        await client.aclose()
+    assert len(value) < len(turns[0].response) * 0.8  # compressed, output and id cut out
+
+
+async def test_data_under_another_layout_is_not_read(
+    make_store: MakeStore, kv_server: KvServer
+) -> None:
+    """Keys of another layout are other names: a replica never reads them (no misread
+    value, no crash), whether the old layout's (`ocx:{scope}:r:{id}`, a hash) or this
+    layout's values under another tag."""
+    a = await make_store()
+    await chain_of(a, None, ["r1"])
+    client = await raw_client(kv_server)
+    try:
+        await client.hset(
+            "ocx:scope-a:r:r2",
+            mapping={"chain": "ocx:scope-a:c:00", "len": "1", "meta": "{}", "resp": "r{}"},
+        )
+        await client.rpush("ocx:scope-a:c:00", "ab" * 32)
+        for key in [k async for k in client.scan_iter(match=SCOPE_A.base + b"*")]:
+            other = key.replace(b"ocx:" + LAYOUT, b"ocx:\x01", 1)
+            await client.rename(key, other)
+    finally:
+        await client.aclose()
+    b = await make_store()
+    for rid in ("r1", "r2"):
+        with pytest.raises(StoreFailure) as caught:
+            await b.begin("scope-a", rid)
+        assert caught.value.reason == FailureReason.UNKNOWN
