@@ -4,7 +4,8 @@ records, and the server-side scripts (Lua, run by EVALSHA: Redis 7.0 and Valkey 
 Key names are binary: the prefix, the layout's tag (LAYOUT: data of another layout is
 never read, its keys are other names), the caller's scope (CONTRACT.md C5: its length,
 then the scope hash's 16 bytes, or the text of a scope that is no hash such as
-`anonymous`), so one credential's keys never answer another's; then a kind and a name:
+`anonymous`, its length's high bit set), so one credential's keys never answer
+another's; then a kind and a name:
 
     s + sha256 (32 bytes)   a segment: its metadata and items, written once
     c + token (8 bytes)     a chain: the list of its segments' digests (32 bytes each)
@@ -13,7 +14,8 @@ then the scope hash's 16 bytes, or the text of a scope that is no hash such as
     i + item id             the id of the newest record whose own segment holds it
     {prefix}{LAYOUT}\\0 + chains, bytes, total   the byte budget's bookkeeping (no content)
 
-Values are zstd frames with the dictionary in shared_dictionary.py (the structure every
+Values are zstd frames (without the magic number: the byte before says what follows)
+with the dictionary in shared_dictionary.py (the structure every
 turn repeats: a turn of a few hundred bytes compresses to a third), raw when that is not
 smaller; a segment's digest is over its raw items, so it is checked after decompressing.
 
@@ -198,14 +200,17 @@ class Keys:
 
 
 def scope_tag(scope: str) -> bytes:
-    """A scope in key names: its length, then its bytes (a hex hash's raw bytes)."""
+    """A scope in key names: its length, then its bytes: a hex hash's raw bytes, or the
+    text of any other scope (`anonymous`), its length's high bit set so that no hash's
+    bytes can spell it."""
     try:
         raw = bytes.fromhex(scope)
-        if raw.hex() != scope:
-            raw = scope.encode()
+        if raw.hex() == scope:
+            return bytes((len(raw),)) + raw
     except ValueError:
-        raw = scope.encode()
-    return bytes((len(raw),)) + raw
+        pass
+    raw = scope.encode()
+    return bytes((0x80 | len(raw),)) + raw
 
 
 def budget_keys(prefix: str) -> tuple[bytes, bytes, bytes]:
@@ -247,13 +252,17 @@ _dictionary = zstandard.ZstdCompressionDict(shared_dictionary.DICTIONARY)
 # Small values (a usual turn) at level 6: a fifth smaller than at 3 for ~5 µs more; large
 # ones at 3, where level 6 would cost more time than the dictionary saves bytes.
 _SMALL = 4096
+_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS  # the encoding byte before it says zstd
 _compressors = {
     level: zstandard.ZstdCompressor(
-        level=level, dict_data=_dictionary, write_checksum=False, write_dict_id=False
+        dict_data=_dictionary,
+        compression_params=zstandard.ZstdCompressionParameters.from_level(
+            level, format=_FORMAT, write_checksum=0, write_dict_id=0
+        ),
     )
     for level in (3, 6)
 }
-_decompressor = zstandard.ZstdDecompressor(dict_data=_dictionary)
+_decompressor = zstandard.ZstdDecompressor(dict_data=_dictionary, format=_FORMAT)
 _RAW, _ZSTD = b"r", b"d"  # raw, or zstd with the dictionary
 _LENGTH = struct.Struct("<I")
 

@@ -268,11 +268,12 @@ def value_bytes(kv: Any, key: bytes) -> int:
 
 def kind_of(key: bytes, prefix: bytes = b"ocx:") -> str:
     """A key's kind in the layout (shared_layout.py): after the prefix, the layout's tag
-    and the scope (its length, then its bytes), one letter; the budget's keys are `other`."""
+    and the scope (its length, the high bit set for text; then its bytes), one letter;
+    the budget's keys are `other`."""
     at = len(prefix) + len(layout.LAYOUT)
     if not key.startswith(prefix + layout.LAYOUT) or key[at] == 0:
         return "other"
-    return chr(key[at + 1 + key[at]])
+    return chr(key[at + 1 + (key[at] & 0x7F)])
 
 
 async def chain_bytes(proxy: Child, server: KvServer, turns: int) -> bool:

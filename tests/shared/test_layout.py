@@ -29,10 +29,12 @@ def test_key_names_carry_the_layout_tag_and_the_scope_in_raw_bytes() -> None:
     digest = hashlib.sha256(b"x").hexdigest()
     assert keys.segment(digest) == keys.base + b"s" + hashlib.sha256(b"x").digest()
     assert keys.record("resp_1") == keys.base + b"rresp_1"
-    assert Keys("ocx:", "anonymous").base == b"ocx:" + LAYOUT + b"\x09anonymous"
-    # Text that is no canonical hex hash stays text; every scope's names are its own.
-    bases = {Keys("ocx:", s).base for s in (SCOPE, SCOPE.upper(), "anonymous", "ab", "AB")}
-    assert len(bases) == 5
+    assert Keys("ocx:", "anonymous").base == b"ocx:" + LAYOUT + b"\x89anonymous"
+    # Text that is no canonical hex hash stays text, marked so: no hash's bytes spell it.
+    spelled = b"abcdefghijklmnop".hex()  # a hash whose bytes spell a 16-letter text
+    scopes = (SCOPE, SCOPE.upper(), "anonymous", "ab", "AB", spelled, "abcdefghijklmnop")
+    bases = {Keys("ocx:", s).base for s in scopes}
+    assert len(bases) == len(scopes)
     assert all(not k.startswith(b"ocx:" + LAYOUT + b"\0") for k in bases)  # the budget's
 
 

@@ -22,28 +22,29 @@ from tests.serve import respond
 from tests.shared.conftest import MakeKvServer, MakeReplicas
 from tests.shared.test_replicas import KEY_A, KEY_B, auth, turn
 
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
 
 def expanded(blob: bytes) -> bytes:
-    """`blob` followed by the content of every zstd frame found anywhere in it (values are
-    stored compressed with the layout's dictionary, and the AOF holds them inside RESP
-    commands)."""
+    """`blob` followed by the content of every value found anywhere in it: values are
+    zstd frames with the layout's dictionary and without the magic number, after the
+    encoding byte `d`, and the AOF holds them inside RESP commands. A frame is tried
+    after every `d`; most are not one."""
     out = [blob]
     dictionary = zstandard.ZstdCompressionDict(shared_dictionary.DICTIONARY)
-    at = blob.find(ZSTD_MAGIC)
+    decompressor = zstandard.ZstdDecompressor(dictionary, format=zstandard.FORMAT_ZSTD1_MAGICLESS)
+    view = memoryview(blob)
+    at = blob.find(b"d")
     while at >= 0:
         with contextlib.suppress(zstandard.ZstdError):  # not a frame after all
-            decompressor = zstandard.ZstdDecompressor(dict_data=dictionary)
-            out.append(decompressor.decompressobj().decompress(blob[at:]))
-        at = blob.find(ZSTD_MAGIC, at + 1)
+            out.append(decompressor.decompressobj().decompress(view[at + 1 :]))
+        at = blob.find(b"d", at + 1)
     return b"".join(out)
 
 
 def scope_of(key: bytes) -> bytes:
-    """The scope part of a key name (shared_layout.py: prefix, layout tag, scope length)."""
+    """The scope part of a key name (shared_layout.py: prefix, layout tag, the scope's
+    length with the high bit set for text, the scope)."""
     at = len(b"ocx:") + len(LAYOUT)
-    return key[at : at + 1 + key[at]]
+    return key[at : at + 1 + (key[at] & 0x7F)]
 
 
 async def value_bytes(client: redis.Redis, key: bytes) -> bytes:
