@@ -34,6 +34,10 @@ class ResidentTier:
     def get(self, key: str) -> Segment | None:
         return self._lru.get(key)
 
+    def get_all(self, keys: Sequence[str]) -> list[Segment | None]:
+        """get() of each key (one C-level pass: a chain's worth per continuation)."""
+        return list(map(self._lru.get, keys))
+
     def admit(self, segment: Segment) -> None:
         if segment.key in self._lru:
             self._lru.move_to_end(segment.key)
