@@ -71,6 +71,7 @@ class Store(KeptRecords):
         offload: Offload = asyncio.to_thread,
         checkpoint_bytes: int = CHECKPOINT_BYTES,
         checkpoint_age: float = CHECKPOINT_AGE,
+        fsync_child: bool = False,
     ) -> None:
         if durability not in ("ack", "relaxed"):
             raise ValueError(f"unknown durability {durability!r} (ack or relaxed)")
@@ -105,6 +106,7 @@ class Store(KeptRecords):
                 max_disk_bytes=max_disk_bytes,
                 checkpoint_bytes=max(4096, min(checkpoint_bytes, max_disk_bytes // 8)),
                 checkpoint_age=checkpoint_age,
+                fsync_child=fsync_child,
             )
         self._committer: Committer | None = None
         register_gauges(self)
@@ -122,6 +124,7 @@ class Store(KeptRecords):
             max_disk_bytes=config.max_disk_bytes,
             durability=config.durability,
             snapshot_delay=config.snapshot_delay,
+            fsync_child=True,
         )
 
     def __repr__(self) -> str:

@@ -2,10 +2,15 @@
 
 The store decides (synchronously, on the event loop) what must become durable and submits
 journal entries here; the committer writes every entry queued since its last write with
-one write and one fsync, in a thread, then hands the outcome (where each entry landed, or
-the error) back to the store, which applies it, and only then wakes the turns waiting for
-it. Turns arriving while a write is in flight share the next one. This module never
-reads or changes the store's index or segments: it sees opaque `subjects`.
+one write and one fdatasync, then hands the outcome (where each entry landed, or the
+error) back to the store, which applies it, and only then wakes the turns waiting for it.
+Turns arriving while a write is in flight share the next one. This module never reads or
+changes the store's index or segments: it sees opaque `subjects`.
+
+How a commit is written: with the fsync helper (syncer.py), a small commit that fits the
+journal file's allocated room is encoded and written into the page cache on the loop, and
+the helper process fdatasyncs it; anything else (a large commit, a file to grow or to
+open, no helper) is encoded, written and synced in a thread.
 
 The one asyncio.Lock `io` orders every mutation of the journal files: appends, rotation
 for a checkpoint, and removal of files.
@@ -22,11 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.journal import Journal
+from ocxproxy.store.journal import Journal, encode
+from ocxproxy.store.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
 
 Offload = Callable[..., Awaitable[Any]]
+
+INLINE_BYTES = 64 * 1024  # segment bytes a commit may have to be encoded on the loop
 
 
 @dataclass(slots=True)
@@ -50,8 +58,10 @@ class Committer:
         offload: Offload,
         apply: Callable[[Outcome], None],
         window: float = 0.0,
+        child: FsyncChild | None = None,
     ) -> None:
         self.journal = journal
+        self.child = child  # the fsync helper, while it works
         self.offload = offload
         self.apply = apply
         self.window = window  # relaxed durability: gather this long before each write
@@ -72,6 +82,8 @@ class Committer:
 
     def start(self) -> None:
         if self._task is None:
+            if self.child is not None:
+                self.child.attach(self._loop)
             self._task = spawn(self._run(), name="store-committer")
 
     async def stop(self, *, drain: bool) -> None:
@@ -123,18 +135,19 @@ class Committer:
             if not self._jobs:
                 return
             outcome = Outcome(self._jobs, self._subjects)
-            future = self._future
+            future, raw = self._future, self.queued_bytes
             self._jobs, self._subjects, self._future = [], [], None
             self.queued_bytes, self.oldest = 0, None
             self._inflight = future
+            journal = self.journal
+            pack, before = journal.active, journal.size
             try:
-                places, pack, size, written = await self.offload(self._append, outcome.jobs)
+                outcome.places = await self._commit(outcome.jobs, raw)
             except OSError as exc:
                 outcome.error = exc
             else:
-                outcome.places, outcome.pack, outcome.size, outcome.written = (
-                    places, pack, size, written,
-                )  # fmt: skip
+                outcome.pack, outcome.size = journal.active, journal.size
+                outcome.written = journal.size - (before if journal.active == pack else 0)
             try:
                 self.apply(outcome)
             except Exception:  # never leave a waiting turn hanging
@@ -144,12 +157,28 @@ class Committer:
             if future is not None and not future.done():
                 future.set_result(outcome.error)
 
-    def _append(self, jobs: list[tuple[int, Any]]) -> tuple[list[Any], int, int, int]:
-        journal = self.journal
-        pack, before = journal.active, journal.size
-        places = journal.append(jobs)
-        written = journal.size - (before if journal.active == pack else 0)
-        return places, journal.active, journal.size, written
+    async def _commit(self, jobs: list[tuple[int, Any]], raw: int) -> list[Any]:
+        """Write and sync one commit; per job, where a SEG's blob landed."""
+        journal, child = self.journal, self.child
+        if child is None or raw > INLINE_BYTES:
+            places: list[Any] = await self.offload(journal.append, jobs)
+            return places
+        data, relative = encode(jobs)
+        if len(data) > journal.room():
+            places = await self.offload(journal.write, data, relative)
+            return places
+        before = journal.size
+        try:
+            places = journal.write_unsynced(data, relative)
+            try:
+                await child.sync(journal.fd, journal.active)
+            except ChildGone:
+                self.child = None
+                await self.offload(journal.sync)
+        except OSError:
+            await self.offload(journal.cut_back, before)
+            raise
+        return places
 
     async def run_locked(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """Run a blocking journal mutation (rotate, remove) between commits."""

@@ -36,6 +36,7 @@ from ocxproxy.store.codec import NOP, Loaded
 from ocxproxy.store.disk import Committer, Offload, Outcome
 from ocxproxy.store.journal import Journal
 from ocxproxy.store.segments import SegmentTable
+from ocxproxy.store.syncer import FsyncChild
 from ocxproxy.store.upkeep import (
     COMPACT_BATCH,
     COMPACT_BELOW,
@@ -81,6 +82,7 @@ class Durable:
         max_disk_bytes: int,
         checkpoint_bytes: int,
         checkpoint_age: float,
+        fsync_child: bool = False,
     ) -> None:
         self.root = root
         self.owner = owner
@@ -93,6 +95,8 @@ class Durable:
         self.max_disk_bytes = max_disk_bytes
         self.checkpoint_bytes = checkpoint_bytes
         self.checkpoint_age = checkpoint_age
+        self.fsync_child = fsync_child  # sync commits in a helper process (syncer.py)
+        self.child: FsyncChild | None = None
         self.journal: Journal | None = None
         self.committer: Committer | None = None
         self._lock: files.DirLock | None = None
@@ -151,7 +155,11 @@ class Durable:
         await self.offload(self._sweep_files, j, stale)
         await self.offload(j.open_next)
         self.table.sized(j.active, 0)
-        self.committer = Committer(j, offload=self.offload, apply=self._applied, window=self.window)
+        if self.fsync_child:
+            self.child = await self.offload(FsyncChild.spawn)
+        self.committer = Committer(
+            j, offload=self.offload, apply=self._applied, window=self.window, child=self.child
+        )
         self.committer.start()
         self._maintainer = spawn(self._maintain(), name="store-maintainer")
         keydir = self.table.keydir
@@ -213,6 +221,10 @@ class Durable:
         if self.committer is not None:
             await self.committer.stop(drain=drain)
             self.committer = None
+        if self.child is not None:
+            child, self.child = self.child, None
+            child.close()
+            await self.offload(child.wait)
         if self.journal is not None:
             self.journal.close()
         if self._lock is not None:

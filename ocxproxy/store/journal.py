@@ -160,37 +160,24 @@ class Journal:
                 os.close(fd)
             self._readers.clear()
 
-    # -- the write side (the committer's thread) -------------------------------------------
+    # -- the write side (the committer's) -----------------------------------------------
 
     def append(self, jobs: Sequence[tuple[int, Any]]) -> list[Any]:
-        """Write the entries of one commit with one write and one fdatasync.
+        """encode() and write() one commit (blocking: the committer's thread)."""
+        return self.write(*encode(jobs))
 
-        A job is (SEG, (row, data or None, blob or None)), (PUT, bytes), (DEL, bytes) or
-        (NOP, b""). Returns, per job, (pack, offset, length) of a SEG's blob, else None.
-        On OSError nothing of the commit counts: the file is cut back to where it was (or,
-        when that fails too, abandoned for a new one).
+    def write(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
+        """Write one commit's encoded entries with one write and one fdatasync (blocking).
+
+        `relative` is encode()'s; returns, per job, (pack, offset, length) of a SEG's blob,
+        else None. On OSError nothing of the commit counts: the file is cut back to where
+        it was (or, when that fails too, abandoned for a new one).
         """
         if self._fd is None or self.size >= FILE_BYTES:
             self._open(self.active + 1)
-        chunks: list[bytes] = []
-        places: list[Any] = []
-        at = self.size
-        for kind, job in jobs:
-            if kind == SEG:
-                row, data, blob = job
-                if blob is None:
-                    blob = compressor().compress(data)
-                meta = orjson.dumps(row)
-                payload = b"".join((META.pack(len(meta)), meta, blob))
-                places.append((self.active, at + FRAME.size + 2 + len(meta), len(blob)))
-            else:
-                payload = job
-                places.append(None)
-            entry = frame(kind, payload)
-            chunks.append(entry)
-            at += len(entry)
-        fd = self._fd
+        fd, before = self._fd, self.size
         assert fd is not None
+        at = before + len(data)
         try:
             # Writing into room allocated beforehand changes no file size, so fdatasync
             # need not commit the filesystem's metadata: a fraction of fsync's time.
@@ -198,22 +185,58 @@ class Journal:
             if grown:
                 room = max(PREALLOCATE, at - self.allocated)
                 os.posix_fallocate(fd, self.allocated, room)
-            files.write_at(fd, b"".join(chunks), self.size)
+            files.write_at(fd, data, before)
             if grown:
                 os.fsync(fd)
                 self.allocated += room
             else:
                 os.fdatasync(fd)
         except OSError:
-            try:  # nothing of a failed commit may be read back as entries
-                os.ftruncate(fd, self.size)
-                self.allocated = self.size
-            except OSError:
-                self._fd = None  # the next commit opens a new file
-                os.close(fd)
+            self.cut_back(before)
             raise
         self.size = at
-        return places
+        return self._placed(before, relative)
+
+    def room(self) -> int:
+        """Bytes `write_unsynced` takes now: the active file's allocated room, unless the
+        file is closed or full (a write that does not fit goes through `write`)."""
+        if self._fd is None or self.size >= FILE_BYTES:
+            return 0
+        return self.allocated - self.size
+
+    def write_unsynced(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
+        """Write one commit into the allocated room (the page cache: no wait for the disk),
+        not yet durable: `fd` must be fdatasynced before it counts, and on any error the
+        caller cuts it back (`cut_back`). As `write`, the places of its SEG blobs."""
+        assert self._fd is not None and len(data) <= self.room()
+        before = self.size
+        files.write_at(self._fd, data, before)
+        self.size = before + len(data)
+        return self._placed(before, relative)
+
+    @property
+    def fd(self) -> int:
+        assert self._fd is not None
+        return self._fd
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def cut_back(self, size: int) -> None:
+        """A commit from `size` on failed: nothing of it may be read back as entries."""
+        fd = self._fd
+        self.size = size
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, size)
+            self.allocated = size
+        except OSError:
+            self._fd = None  # the next commit opens a new file
+            os.close(fd)
+
+    def _placed(self, base: int, relative: Sequence[Any]) -> list[Any]:
+        return [(self.active, base + p[0], p[1]) if p else None for p in relative]
 
     def rotate(self) -> tuple[int, int]:
         """Close the active file; the next append starts a new one. The position after
@@ -292,3 +315,30 @@ class Journal:
             except (OSError, StoreFailure):
                 out.append(None)
         return out
+
+
+def encode(jobs: Sequence[tuple[int, Any]]) -> tuple[bytes, list[Any]]:
+    """Frame one commit's entries, compressing a SEG's data when it has no blob yet.
+
+    A job is (SEG, (row, data or None, blob or None)), (PUT, bytes), (DEL, bytes) or
+    (NOP, b""). Returns the bytes and, per job, (offset in them, length) of a SEG's blob,
+    else None.
+    """
+    chunks: list[bytes] = []
+    places: list[Any] = []
+    at = 0
+    for kind, job in jobs:
+        if kind == SEG:
+            row, data, blob = job
+            if blob is None:
+                blob = compressor().compress(data)
+            meta = orjson.dumps(row)
+            payload = b"".join((META.pack(len(meta)), meta, blob))
+            places.append((at + FRAME.size + 2 + len(meta), len(blob)))
+        else:
+            payload = job
+            places.append(None)
+        entry = frame(kind, payload)
+        chunks.append(entry)
+        at += len(entry)
+    return b"".join(chunks), places

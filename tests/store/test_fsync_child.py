@@ -1,0 +1,186 @@
+"""The journal's fsync helper process (store/syncer.py, store/fsync_child.py): commits are
+synced by it, its errors fail the commit, the store falls back to a thread when it dies,
+and it never outlives the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ocxproxy.errors import StoreFailure
+from ocxproxy.store import Store, files
+from ocxproxy.store.syncer import ChildGone, FsyncChild
+from tests.conftest import MakeProxy
+from tests.fakes.backend import FakeBackend
+from tests.serve import Serve
+from tests.store.helpers import durable_ids, make_store, make_turn
+
+
+async def started(tmp_path: Path) -> Store:
+    store = make_store(tmp_path, fsync_child=True)
+    await store.start()
+    return store
+
+
+def child_of(store: Store) -> FsyncChild:
+    assert store.disk is not None and store.disk.child is not None
+    return store.disk.child
+
+
+async def chain(store: Store, prefix: str, n: int) -> None:
+    parent = None
+    for i in range(n):
+        parent = store.put(make_turn(f"{prefix}{i}", f"{prefix} turn {i}"), parent)
+        await store.commit(parent)
+
+
+def in_process_sync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "in-process fsync called")
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+
+
+async def test_commits_are_synced_by_the_helper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await started(tmp_path)
+    await chain(store, "warm", 1)  # the journal file has its room allocated
+    in_process_sync_fails(monkeypatch)  # only the helper can sync now
+    await chain(store, "c", 5)
+    assert durable_ids(tmp_path) == ["warm0", "c0", "c1", "c2", "c3", "c4"]
+    monkeypatch.undo()
+    child = child_of(store)
+    await store.close()
+    assert child.gone and child.proc.returncode == 0  # told to exit, and it did
+    assert store.check() == []
+
+
+async def test_the_helper_reports_a_failed_sync(tmp_path: Path) -> None:
+    child = await asyncio.to_thread(FsyncChild.spawn)
+    assert child is not None
+    child.attach(asyncio.get_running_loop())
+    read, write = os.pipe()
+    try:
+        with pytest.raises(OSError) as info:
+            await child.sync(write, 1)  # fdatasync of a pipe
+        assert info.value.errno == errno.EINVAL
+        fd = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT)
+        try:
+            await child.sync(fd, 2)  # the next file: the helper keeps working
+        finally:
+            os.close(fd)
+    finally:
+        os.close(read)
+        os.close(write)
+        child.close()
+        await asyncio.to_thread(child.wait)
+    with pytest.raises(ChildGone):
+        child.sync(0, 3)
+
+
+async def test_a_failed_write_is_cut_back_and_the_store_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await started(tmp_path)
+    await chain(store, "ok", 2)
+
+    def no_space(fd: int, data: bytes, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "write_at", no_space)
+    record = store.put(make_turn("lost0", "lost"), None)
+    with pytest.raises(StoreFailure):
+        await store.commit(record)
+    assert not store.available
+    monkeypatch.undo()
+    await chain(store, "after", 2)
+    assert store.available
+    await store.close()
+    assert durable_ids(tmp_path) == ["ok0", "ok1", "after0", "after1"]
+
+
+async def test_a_dead_helper_falls_back_to_a_thread(tmp_path: Path) -> None:
+    store = await started(tmp_path)
+    await chain(store, "a", 2)
+    child = child_of(store)
+    child.proc.kill()
+    await asyncio.to_thread(child.proc.wait)
+    await chain(store, "b", 3)  # the first commit meets the dead helper, then a thread syncs
+    assert child.gone
+    assert store.disk is not None and store.disk.committer is not None
+    assert store.disk.committer.child is None
+    assert durable_ids(tmp_path) == ["a0", "a1", "b0", "b1", "b2"]
+    await store.close()
+
+
+def helpers_of(pid: int) -> list[int]:
+    """The fsync helpers `pid` started (its children running fsync_child.py)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"fsync_child.py" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def exited(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited; its new parent reaps it
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+async def test_the_helper_never_outlives_the_proxy(
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve], how: signal.Signals
+) -> None:
+    proxy = Serve(backend.url, tmp_path / "state")
+    processes.append(proxy)
+    await proxy.start()
+    client = proxy.client()
+    await client.responses.create(model="m", input="one")
+    await client.close()
+    assert proxy.proc is not None
+    (helper,) = helpers_of(proxy.proc.pid)
+    await proxy.stop(how)
+    assert await asyncio.to_thread(exited, helper, 10.0)
+
+
+async def test_the_proxy_group_signal_does_not_stop_the_helper_early(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    """A SIGINT to the whole process group (Ctrl-C in a terminal) reaches the helper too: it
+    ignores it, so the proxy's graceful stop still syncs through it."""
+    handle = await make_proxy(backend.url)
+    client = handle.client()
+    await client.responses.create(model="m", input="before")
+    child = child_of(handle.proxy.store)
+    os.kill(child.proc.pid, signal.SIGINT)
+    os.kill(child.proc.pid, signal.SIGTERM)
+    await asyncio.sleep(0.2)
+    assert child.proc.poll() is None
+    r = await client.responses.create(model="m", input="after")
+    assert not child.gone
+    state_dir = handle.proxy.config.state_dir
+    assert state_dir is not None and r.id in durable_ids(state_dir)
