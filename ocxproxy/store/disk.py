@@ -9,11 +9,17 @@ changes the store's index or segments: it sees opaque `subjects`.
 
 How a commit is written: with the fsync helper (syncer.py), a small commit that fits the
 journal file's allocated room is encoded and written into the page cache on the loop, and
-the helper process fdatasyncs it; anything else (a large commit, a file to grow or to
-open, no helper) is encoded, written and synced in a thread.
+the helper process fdatasyncs it while the next commits are written (up to MAX_FLIGHTS in
+flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one at a time took
+~4 ms under load). Outcomes are still applied in the order the commits were written, each
+after every earlier one: a commit's fdatasync returning also covers the earlier commits'
+bytes (written before it started), and when one fails, every later one in flight fails
+with it and the file is cut back to where the failed one began. Anything else (a large
+commit, a file to grow or to open, no helper) waits until no commit is in flight, then is
+encoded, written and synced in a thread.
 
-The one asyncio.Lock `io` orders every mutation of the journal files: appends, rotation
-for a checkpoint, and removal of files.
+The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
+checkpoint, and removal of files (`quiet()`: with no commit in flight).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +42,7 @@ log = logging.getLogger("ocxproxy.store")
 Offload = Callable[..., Awaitable[Any]]
 
 INLINE_BYTES = 64 * 1024  # segment bytes a commit may have to be encoded on the loop
+MAX_FLIGHTS = 4  # commits at the fsync helper at once
 
 
 @dataclass(slots=True)
@@ -48,6 +56,17 @@ class Outcome:
     size: int = 0
     written: int = 0  # bytes appended
     error: OSError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Flight:
+    """A commit written into the page cache and handed to the fsync helper."""
+
+    outcome: Outcome
+    future: asyncio.Future[OSError | None]  # the turns'
+    before: int  # where its bytes begin in the active file
+    synced: asyncio.Future[None]  # the helper's answer
+    applied: asyncio.Future[None]  # its outcome is applied (the next flight waits for it)
 
 
 class Committer:
@@ -76,6 +95,10 @@ class Committer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._flights: deque[Flight] = deque()  # oldest first
+        self._landers: set[asyncio.Task[None]] = set()
+        self._broken: OSError | None = None  # a flight failed: the later ones fail with it
+        self._cut_to = 0  # and then the file is cut back to where it began
 
     def __repr__(self) -> str:
         return f"<Committer queued={len(self._jobs)} {self.queued_bytes}B>"
@@ -94,8 +117,12 @@ class Committer:
             return
         if not drain:
             self._task.cancel()
+            for lander in self._landers:
+                lander.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        if self._landers:
+            await asyncio.gather(*self._landers, return_exceptions=True)
         self._task = None
 
     def submit(self, kind: int, job: Any, subject: Any, size: int = 0) -> asyncio.Future[Any]:
@@ -117,6 +144,7 @@ class Committer:
         while True:
             if not self._jobs:
                 if self._stopping:
+                    await self._quiesce()
                     return
                 self._wake.clear()
                 await self._wake.wait()
@@ -127,60 +155,133 @@ class Committer:
                         while not self._stopping:
                             self._wake.clear()
                             await self._wake.wait()
-            await self.write()
+            await self._start()
 
     async def write(self) -> None:
-        """Commit everything queued now (one write + one fsync)."""
+        """Commit everything queued now; returns once it is durable (or failed)."""
+        future = await self._start()
+        if future is not None:
+            await asyncio.shield(future)
+
+    async def _start(self) -> asyncio.Future[OSError | None] | None:
+        """Write everything queued now: through the helper (in flight when this returns)
+        or in a thread (done when this returns). The future its turns wait on."""
         async with self.io:
+            while self._broken is not None or len(self._flights) >= MAX_FLIGHTS:
+                await asyncio.shield(self._flights[0].applied)
             if not self._jobs:
-                return
+                return None
             outcome = Outcome(self._jobs, self._subjects)
             future, raw = self._future, self.queued_bytes
+            assert future is not None
             self._jobs, self._subjects, self._future = [], [], None
             self.queued_bytes, self.oldest = 0, None
             self._inflight = future
-            journal = self.journal
+            journal, child = self.journal, self.child
+            encoded = None
+            if child is not None and raw <= INLINE_BYTES:
+                encoded = encode(outcome.jobs)
+                if len(encoded[0]) <= journal.room():
+                    self._fly(child, outcome, future, *encoded)
+                    return future
+            await self._quiesce()
             pack, before = journal.active, journal.size
             try:
-                outcome.places = await self._commit(outcome.jobs, raw)
+                if encoded is not None:
+                    outcome.places = await self.offload(journal.write, *encoded)
+                else:
+                    outcome.places = await self.offload(journal.append, outcome.jobs)
             except OSError as exc:
                 outcome.error = exc
             else:
                 outcome.pack, outcome.size = journal.active, journal.size
                 outcome.written = journal.size - (before if journal.active == pack else 0)
-            try:
-                self.apply(outcome)
-            except Exception:  # never leave a waiting turn hanging
-                log.exception("applying a journal commit failed")
-            if self._inflight is future:
-                self._inflight = None
-            if future is not None and not future.done():
-                future.set_result(outcome.error)
+            self._finish(outcome, future)
+            return future
 
-    async def _commit(self, jobs: list[tuple[int, Any]], raw: int) -> list[Any]:
-        """Write and sync one commit; per job, where a SEG's blob landed."""
-        journal, child = self.journal, self.child
-        if child is None or raw > INLINE_BYTES:
-            places: list[Any] = await self.offload(journal.append, jobs)
-            return places
-        data, relative = encode(jobs)
-        if len(data) > journal.room():
-            places = await self.offload(journal.write, data, relative)
-            return places
+    def _fly(
+        self,
+        child: FsyncChild,
+        outcome: Outcome,
+        future: asyncio.Future[OSError | None],
+        data: bytes,
+        relative: list[Any],
+    ) -> None:
+        """Write a commit into the page cache and hand it to the helper; a lander task
+        applies its outcome once it and every earlier flight are done."""
+        journal = self.journal
         before = journal.size
+        synced: asyncio.Future[None]
         try:
-            places = journal.write_unsynced(data, relative)
+            outcome.places = journal.write_unsynced(data, relative)
+            synced = child.sync(journal.fd, journal.active)
+        except (OSError, ChildGone) as exc:
+            synced = self._loop.create_future()
+            synced.set_exception(exc)
+        outcome.pack, outcome.size = journal.active, journal.size
+        outcome.written = journal.size - before
+        previous = self._flights[-1].applied if self._flights else None
+        flight = Flight(outcome, future, before, synced, self._loop.create_future())
+        self._flights.append(flight)
+        lander = spawn(self._land(flight, previous), name="store-commit")
+        self._landers.add(lander)
+        lander.add_done_callback(self._landers.discard)
+
+    async def _land(self, flight: Flight, previous: asyncio.Future[None] | None) -> None:
+        error: OSError | None = None
+        try:
+            await flight.synced
+        except ChildGone:  # the helper died: sync in a thread (syncing again is harmless)
+            self.child = None
             try:
-                await child.sync(journal.fd, journal.active)
-            except ChildGone:
-                self.child = None
-                await self.offload(journal.sync)
-        except OSError:
-            await self.offload(journal.cut_back, before)
-            raise
-        return places
+                await self.offload(self.journal.sync)
+            except OSError as exc:
+                error = exc
+        except OSError as exc:
+            error = exc
+        if previous is not None:
+            await previous
+        if self._broken is not None:  # its bytes follow a failed commit's: cut back too
+            error = error or self._broken
+        elif error is not None:
+            self._broken, self._cut_to = error, flight.before
+        outcome = flight.outcome
+        if error is not None:
+            outcome.error, outcome.places = error, None
+        assert self._flights[0] is flight
+        try:
+            if self._broken is not None and len(self._flights) == 1:
+                await self.offload(self.journal.cut_back, self._cut_to)
+        finally:
+            self._flights.popleft()
+            if not self._flights:
+                self._broken = None
+            self._finish(outcome, flight.future)
+            flight.applied.set_result(None)
+
+    def _finish(self, outcome: Outcome, future: asyncio.Future[OSError | None]) -> None:
+        try:
+            self.apply(outcome)
+        except Exception:  # never leave a waiting turn hanging
+            log.exception("applying a journal commit failed")
+        if self._inflight is future:
+            self._inflight = None
+        if not future.done():
+            future.set_result(outcome.error)
+
+    async def _quiesce(self) -> None:
+        """Until every commit in flight is applied."""
+        while self._flights:
+            await asyncio.shield(self._flights[-1].applied)
+
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """Hold the journal files still: no commit is written or in flight meanwhile."""
+        async with self.io:
+            await self._quiesce()
+            yield
 
     async def run_locked(self, fn: Callable[..., Any], /, *args: Any) -> Any:
         """Run a blocking journal mutation (rotate, remove) between commits."""
-        async with self.io:
+        async with self.quiet():
             return await self.offload(fn, *args)

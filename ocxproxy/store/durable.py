@@ -339,7 +339,7 @@ class Durable:
             keep = self.max_disk_bytes * DISK_KEEP
             self.owner.evict_for_disk(max(keep - self.checkpoint_size, keep / 2))
         await self._compact()
-        async with committer.io:
+        async with committer.quiet():
             position = await self.offload(j.rotate)
             capture = self.table.captured(position[0])
             records, uncommitted = self.owner.checkpoint_view()

@@ -6,7 +6,9 @@ through a thread pays that two or three times; measured with the journal on tmpf
 fsync itself is free), 16 closed-loop clients under load: 2.5-3.8 ms a commit in a thread,
 ~1 ms through the helper, and 0.02 context switches a turn instead of 1.4-1.7. The helper
 has its own GIL: the loop writes the commit into the page cache itself (a small memcpy),
-sends one byte, and reads the answer when the socket is readable.
+sends a two-byte request (b"s" and an id), and reads the answer (the id and 0 or the
+errno) when the socket is readable. Several syncs may be in flight; each has its own
+thread in the helper.
 
 `FsyncChild.spawn` starts the helper (blocking: run it in a thread); None when it cannot
 be started, and the committer syncs in a thread as before. When the helper dies, every
@@ -23,7 +25,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 
 log = logging.getLogger("ocxproxy.store")
@@ -44,7 +45,9 @@ class FsyncChild:
         self.gone = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sent: int | None = None  # the key of the file the helper syncs now
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._waiting: dict[int, asyncio.Future[None]] = {}  # by request id
+        self._next = 0
+        self._answers = b""
 
     def __repr__(self) -> str:
         return f"<FsyncChild pid={self.proc.pid} waiting={len(self._waiting)}>"
@@ -85,36 +88,44 @@ class FsyncChild:
         loop.add_reader(self.sock.fileno(), self._readable)
 
     def sync(self, fd: int, key: int) -> asyncio.Future[None]:
-        """fdatasync of `fd` (the file `key` names: fd numbers are reused) by the helper.
-        The future raises the OSError the helper met, or ChildGone."""
+        """fdatasync of `fd` (the file `key` names: fd numbers are reused) by the helper,
+        concurrently with the others in flight (at most 255). The future raises the
+        OSError the helper met, or ChildGone."""
         if self.gone or self._loop is None:
             raise ChildGone
+        request = self._next
+        self._next = (request + 1) % 256
+        message = bytes((ord("s"), request))
         try:
             if key != self._sent:
-                socket.send_fds(self.sock, [b"s"], [fd])
+                socket.send_fds(self.sock, [message], [fd])
                 self._sent = key
             else:
-                self.sock.send(b"s")
-        except OSError:  # (one byte in flight at a time: a full buffer means it is stuck)
+                self.sock.send(message)
+        except OSError:  # (a few bytes in flight: a full buffer means it is stuck)
             self._lost()
             raise ChildGone from None
         future = self._loop.create_future()
-        self._waiting.append(future)
+        self._waiting[request] = future
         return future
 
     def _readable(self) -> None:
         try:
-            answers = self.sock.recv(4096)
+            data = self.sock.recv(4096)
         except BlockingIOError:
             return
         except OSError:
-            answers = b""
-        if not answers:
+            data = b""
+        if not data:
             self._lost()
             return
-        for code in answers:
-            future = self._waiting.popleft()
-            if future.done():  # its commit was cancelled (a stop without drain)
+        answers = self._answers + data
+        cut = len(answers) - len(answers) % 2
+        self._answers = answers[cut:]
+        for at in range(0, cut, 2):
+            future = self._waiting.pop(answers[at], None)
+            code = answers[at + 1]
+            if future is None or future.done():  # its commit was cancelled (a stop)
                 continue
             if code:
                 future.set_exception(OSError(code, os.strerror(code)))
@@ -126,8 +137,11 @@ class FsyncChild:
             return
         log.warning("journal fsync helper (pid %d) is gone: syncing in a thread", self.proc.pid)
         self._close_socket()
-        while self._waiting:
-            future = self._waiting.popleft()
+        self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
             if not future.done():
                 future.set_exception(ChildGone())
 
@@ -141,10 +155,7 @@ class FsyncChild:
         """Tell the helper to exit (it reads the end of the socket); `wait` for it after."""
         if not self.gone:
             self._close_socket()
-        while self._waiting:
-            future = self._waiting.popleft()
-            if not future.done():
-                future.set_exception(ChildGone())
+        self._fail_waiting()
 
     def wait(self) -> None:
         """Blocking: until the helper has exited (killed when it does not)."""

@@ -19,7 +19,7 @@ from ocxproxy.store.syncer import ChildGone, FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.serve import Serve
-from tests.store.helpers import durable_ids, make_store, make_turn
+from tests.store.helpers import durable_ids, inline, make_store, make_turn
 
 
 async def started(tmp_path: Path) -> Store:
@@ -184,3 +184,79 @@ async def test_the_proxy_group_signal_does_not_stop_the_helper_early(
     assert not child.gone
     state_dir = handle.proxy.config.state_dir
     assert state_dir is not None and r.id in durable_ids(state_dir)
+
+
+class HeldSyncs:
+    """A stand-in for the helper whose answers the test gives, in any order."""
+
+    def __init__(self) -> None:
+        self.asked: list[asyncio.Future[None]] = []
+
+    def sync(self, fd: int, key: int) -> asyncio.Future[None]:
+        future = asyncio.get_running_loop().create_future()
+        self.asked.append(future)
+        return future
+
+
+async def in_flight(store: Store, syncs: HeldSyncs, n: int) -> None:
+    for _ in range(200):
+        if len(syncs.asked) >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{len(syncs.asked)} commits in flight, not {n}")
+
+
+async def with_held_syncs(tmp_path: Path) -> tuple[Store, HeldSyncs]:
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    await chain(store, "warm", 1)  # room allocated: the next commits go through the helper
+    syncs = HeldSyncs()
+    assert store.disk is not None and store.disk.committer is not None
+    store.disk.committer.child = syncs  # type: ignore[assignment]
+    return store, syncs
+
+
+async def test_commits_in_flight_are_answered_in_order(tmp_path: Path) -> None:
+    store, syncs = await with_held_syncs(tmp_path)
+    first = store.put(make_turn("a0", "first"), None)
+    waits_first = asyncio.ensure_future(store.commit(first))
+    await in_flight(store, syncs, 1)
+    second = store.put(make_turn("b0", "second"), None)  # written while the first is synced
+    waits_second = asyncio.ensure_future(store.commit(second))
+    await in_flight(store, syncs, 2)
+    syncs.asked[1].set_result(None)  # the later sync returns first
+    await asyncio.sleep(0.05)
+    assert not waits_second.done() and not waits_first.done()
+    syncs.asked[0].set_result(None)
+    await asyncio.wait_for(asyncio.gather(waits_first, waits_second), 5)
+    assert durable_ids(tmp_path) == ["warm0", "a0", "b0"]
+    await store.close()
+    assert store.check() == []
+
+
+async def test_a_failed_sync_fails_every_later_commit_in_flight(tmp_path: Path) -> None:
+    store, syncs = await with_held_syncs(tmp_path)
+    waits = []
+    for i, name in enumerate(("a0", "b0", "c0")):
+        record = store.put(make_turn(name, name), None)
+        waits.append(asyncio.ensure_future(store.commit(record)))
+        await in_flight(store, syncs, i + 1)
+    syncs.asked[2].set_result(None)
+    syncs.asked[1].set_result(None)
+    syncs.asked[0].set_exception(OSError(errno.EIO, "Input/output error"))
+    for wait in waits:  # the later two were synced, but their bytes follow the failed one's
+        with pytest.raises(StoreFailure):
+            await asyncio.wait_for(wait, 5)
+    assert durable_ids(tmp_path) == ["warm0"]  # cut back to where the failed commit began
+    assert not store.available
+    # The cut took the file's room too: the next commit grows it, in a thread.
+    await chain(store, "d", 1)
+    assert store.available
+    record = store.put(make_turn("e0", "after"), None)  # and this one is the helper's again
+    waits_after = asyncio.ensure_future(store.commit(record))
+    await in_flight(store, syncs, 4)
+    syncs.asked[3].set_result(None)
+    await asyncio.wait_for(waits_after, 5)
+    assert durable_ids(tmp_path) == ["warm0", "d0", "e0"]
+    await store.close()
+    assert store.check() == []
