@@ -17,6 +17,7 @@ from redis.exceptions import ResponseError
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
+from ocxproxy.store import shared_checks
 from ocxproxy.store.shared import SharedStore
 from ocxproxy.store.shared_checks import SharedStoreRefused
 from ocxproxy.store.shared_layout import LAYOUT, Keys, budget_keys
@@ -432,8 +433,14 @@ async def test_a_commit_run_twice_writes_once(make_store: MakeStore, kv_server: 
 
 
 async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
-    make_kv_server: Callable[..., Awaitable[KvServer]], kv_server: KvServer
+    make_kv_server: Callable[..., Awaitable[KvServer]],
+    kv_server: KvServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # On a loaded 2-core box a replica's fsync can outlast the 1 s default, so the timeout
+    # here must mean "no replica" (provoked by stopping it); 3 s stays under the wire's 5 s
+    # stall cut-off, which would count the commit as unavailable instead.
+    monkeypatch.setattr(shared_checks, "WAIT_TIMEOUT_MS", 3000)
     client = await raw_client(kv_server)
     await client.config_set("repl-diskless-sync-delay", 0)  # sync the replica at once
     replica = await make_kv_server(
