@@ -176,9 +176,7 @@ class SharedStore(Store):
         try:
             head = layout.read_head(record_id, value)
         except ValueError as exc:
-            self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
-            log.warning("shared store: %s", exc)
-            raise StoreFailure(FailureReason.CORRUPT, record_id) from None
+            raise self._corrupt(exc, record_id) from None
         if head.expires_at <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
@@ -221,12 +219,16 @@ class SharedStore(Store):
             try:
                 segment = layout.decode_segment(digest, value)
             except ValueError as exc:
-                self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
-                log.warning("shared store: %s", exc)
-                raise StoreFailure(FailureReason.CORRUPT, digest) from None
+                raise self._corrupt(exc, digest) from None
             got[digest] = segment
             self._cache(segment)
         return got
+
+    def _corrupt(self, exc: ValueError, name: str) -> StoreFailure:
+        """A value that does not decode (or whose digest does not match): counted, logged."""
+        self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
+        log.warning("shared store: %s", exc)
+        return StoreFailure(FailureReason.CORRUPT, name)
 
     def _cache(self, segment: Segment) -> None:
         self.cache.admit(segment)
