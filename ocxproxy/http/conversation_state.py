@@ -72,14 +72,17 @@ class Conversation:
         return () if len(segments) == 1 and not segments[0].size else segments
 
 
-async def load(store: Store, scope: str, conversation_id: str) -> Conversation:
-    """The caller's conversation, or NotFound (another credential's is unknown too)."""
+async def load(
+    store: Store, scope: str, conversation_id: str, token: str = "", ttl: float = 0.0
+) -> Conversation:
+    """The caller's conversation, or NotFound (another credential's is unknown too); on a
+    shared store, with its lease taken by `token` in the same round trip."""
     if not is_conversation_id(conversation_id):
         raise _not_found(conversation_id)
     shared = shared_conversations(store)
     try:
         if shared is not None:
-            found = await shared.load(scope, conversation_id)
+            found = await shared.load(scope, conversation_id, token, ttl)
             if found is None:
                 raise _not_found(conversation_id)
             return Conversation(found, _meta(found))

@@ -35,10 +35,11 @@ from ocxproxy.store.shared_conversations import (
     SharedConversations,
     conversation_record,
     encode_entry,
+    new_token,
     shared_conversations,
     staged_write,
 )
-from ocxproxy.store.shared_leases import SharedLease
+from ocxproxy.store.shared_leases import SharedLease, ttl_of
 
 log = logging.getLogger("ocxproxy.responses")
 
@@ -195,6 +196,13 @@ async def open_turn(
     """A create turn on a conversation: its lock (400 conversation_locked while another
     turn or write holds it) and its items' bytes, spliced in front of the input like a
     chain's. Without `locked`, a read (a sibling of create, which appends nothing)."""
+    shared = shared_conversations(proxy.store)
+    if shared is not None and locked:  # the lease and the items: one round trip
+        token, duration = new_token(), proxy.leases.duration
+        found = await load(proxy.store, scope, conversation_id, token, ttl_of(duration))
+        held = SharedLease.held(shared, scope, conversation_id, token, duration)
+        history = [s.data for s in found.segments if s.data]
+        return ConversationTurn(proxy, held, found), history
     lease = await _acquire(proxy, scope, conversation_id) if locked else None
     try:
         conversation = await load(proxy.store, scope, conversation_id)

@@ -35,7 +35,7 @@ from ocxproxy.store.shared_conversations import (
     shared_conversations,
     staged_write,
 )
-from ocxproxy.store.shared_leases import HEARTBEAT, quietly
+from ocxproxy.store.shared_leases import quietly, ttl_of
 from ocxproxy.upstream.sse import encode_event
 
 HEADER = "Idempotency-Key"
@@ -87,7 +87,7 @@ async def _begin_shared(
     """The same rules on the server, in one round trip: completed (replayed, or 422),
     in flight elsewhere (409, or 422), or now in flight for this request."""
     marker = f"{key.fingerprint}:{key.marker}"
-    ttl = min(HEARTBEAT, proxy.leases.duration)
+    ttl = ttl_of(proxy.leases.duration)
     state, value = await shared.idempotency_begin(key.scope, key.record_id, marker, ttl)
     if state == 0:
         key.holder = spawn(_hold(shared, key, ttl), name="idempotency-key")

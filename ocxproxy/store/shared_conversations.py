@@ -31,18 +31,32 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import zstandard
 
-from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.errors import ConversationLocked, FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, Turn, chain_of
 
 if TYPE_CHECKING:
     from ocxproxy.store.shared_server import Server
 
-# KEYS: head, items. ARGV: the version and entry count this replica holds (0 0: none).
+# KEYS: head, items, lease. ARGV: the version and entry count this replica holds (0 0:
+# none), and a token to take the lease with for a TTL (ms) ('' '': a read without it).
 # A hit: {head, version, from, the entries from index `from`}: from 0 unless only appends
-# happened since the version held (`base`: the last rewrite's version); a miss: nil.
+# happened since the version held (`base`: the last rewrite's version); a miss: nil (no
+# lease taken); 0 while another token holds the lease.
 LOAD = """
+local taken = false
+if ARGV[3] ~= '' then
+  local held = redis.call('GET', KEYS[3])
+  if held and held ~= ARGV[3] then return 0 end
+  if not held then
+    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+    taken = true
+  end
+end
 local h = redis.call('HMGET', KEYS[1], 'head', 'ver', 'base')
-if not h[1] then return false end
+if not h[1] then
+  if taken then redis.call('DEL', KEYS[3]) end
+  return false
+end
 local from = 0
 if tonumber(h[3] or '1') <= tonumber(ARGV[1]) then from = tonumber(ARGV[2]) end
 return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1)}
@@ -214,6 +228,10 @@ class ConversationRecord(SharedWrite):
     ids: list[list[str]] = field(default_factory=list)
 
 
+def new_token() -> str:
+    return secrets.token_hex(12)
+
+
 def shared_conversations(store: object) -> SharedConversations | None:
     """The store's shared conversations (a SharedStore's), or None (single-node)."""
     found = getattr(store, "conversations", None)
@@ -311,13 +329,18 @@ class SharedConversations:
 
     # -- conversations -------------------------------------------------------------------
 
-    async def load(self, scope: str, conversation_id: str) -> ConversationRecord | None:
+    async def load(
+        self, scope: str, conversation_id: str, token: str = "", ttl: float = 0.0
+    ) -> ConversationRecord | None:
         """The conversation (one round trip), or None; only entries this replica has not
-        read before are sent."""
+        read before are sent. With a `token`, its lease is taken for `ttl` seconds in the
+        same round trip (ConversationLocked while another holds it)."""
         held = self._forget(scope, conversation_id)
-        args = (held.version, len(held.ids)) if held is not None else (0, 0)
-        keys = self._keys(scope, conversation_id)[:2]
-        found = await self._run("conversation_load", keys, args)
+        args: list[int | str] = [held.version, len(held.ids)] if held else [0, 0]
+        args += [token, max(1, int(ttl * 1000))] if token else ["", ""]
+        found = await self._run("conversation_load", self._keys(scope, conversation_id), args)
+        if found == 0:
+            raise ConversationLocked()
         if found is None:
             return None
         head, version, start, values = found
@@ -372,7 +395,7 @@ class SharedConversations:
     async def acquire(self, scope: str, conversation_id: str, ttl: float) -> str | None:
         """A token holding the conversation's lease for `ttl` seconds, or None while
         another holder's is live."""
-        token = secrets.token_hex(12)
+        token = new_token()
         key = self._keys(scope, conversation_id)[2]
         taken = await self._run("lease_acquire", [key], [token, max(1, int(ttl * 1000))])
         return token if taken else None

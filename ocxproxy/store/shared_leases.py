@@ -23,6 +23,11 @@ from ocxproxy.store.shared_conversations import SharedConversations
 HEARTBEAT = 10.0  # seconds: the longest a dead replica holds a lease or an in-flight key
 
 
+def ttl_of(duration: float) -> float:
+    """A lease's (or in-flight key's) TTL on the server."""
+    return min(HEARTBEAT, duration)
+
+
 @dataclass(slots=True)
 class SharedLease:
     """Released by compare-and-delete (a lapsed one taken by another holder stays theirs);
@@ -41,12 +46,17 @@ class SharedLease:
         cls, shared: SharedConversations, scope: str, conversation_id: str, duration: float
     ) -> SharedLease | None:
         """The lease, or None while another holder's is live."""
-        ttl = min(HEARTBEAT, duration)
-        token = await shared.acquire(scope, conversation_id, ttl)
-        if token is None:
-            return None
+        token = await shared.acquire(scope, conversation_id, ttl_of(duration))
+        return None if token is None else cls.held(shared, scope, conversation_id, token, duration)
+
+    @classmethod
+    def held(
+        cls, shared: SharedConversations, scope: str, conversation_id: str, token: str,
+        duration: float,
+    ) -> SharedLease:  # fmt: skip
+        """The lease `token` took (with `ttl_of(duration)`), renewed from now on."""
         lease = cls(shared, scope, conversation_id, token, duration, time.monotonic() + duration)
-        lease.beat = spawn(lease._beat(ttl), name="conversation-lease")
+        lease.beat = spawn(lease._beat(ttl_of(duration)), name="conversation-lease")
         return lease
 
     def renew(self) -> None:
