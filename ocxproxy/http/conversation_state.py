@@ -145,9 +145,12 @@ async def create(
     shared = shared_conversations(store)
     if shared is not None:
         first = (chain[0], meta.ids[0]) if chain else None
-        record = await shared.create(
-            scope, conversation_id, head_of(conversation_id, meta, None), first
-        )
+        try:
+            record = await shared.create(
+                scope, conversation_id, head_of(conversation_id, meta, None), first
+            )
+        except StoreFailure as failure:
+            raise _refused(failure) from None
         return Conversation(record, meta)
     return await _durable(store, _write(store, conversation_id, scope, chain, meta, backend=None))
 
@@ -262,7 +265,10 @@ async def _write_shared(
     record = conversation.record
     assert isinstance(record, ConversationRecord)
     head = head_of(record.id, meta, record.backend)
-    version = await shared.write(record, op, *args, head=head)
+    try:
+        version = await shared.write(record, op, *args, head=head)
+    except StoreFailure as failure:
+        raise _refused(failure) from None
     if not version:
         raise changed()
     return Conversation(conversation_record(record.id, record.scope, head, version, entries), meta)
@@ -284,10 +290,20 @@ async def _commit(store: Store, record: Record | None) -> None:
         ) from None
 
 
+def _refused(failure: StoreFailure) -> OcxError:
+    """A shared write the server refused: 507 when the byte budget could not take it."""
+    if failure.reason == FailureReason.FULL:
+        return store_full()
+    return StorageUnavailable(
+        "The conversation could not be stored: the proxy's storage is unavailable. Retry later."
+    )
+
+
 def store_full() -> StoreFull:
     return StoreFull(
         "The store is full: taking this write would drop conversation items. "
-        "Delete conversations or raise --max-disk-bytes / --max-entries."
+        "Delete conversations or raise --max-disk-bytes / --max-entries "
+        "(--shared-max-bytes with a shared store)."
     )
 
 

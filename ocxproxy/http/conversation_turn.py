@@ -46,9 +46,16 @@ log = logging.getLogger("ocxproxy.responses")
 
 def check_room(store: Store, conversation: Conversation, extra: int) -> None:
     """StoreFull unless the conversation can grow by `extra` bytes (a turn's own items,
-    checked before it runs) without a cap having to drop conversation items (a shared
-    store's conversations count in no cap)."""
-    if shared_conversations(store) is None and not store.room_for(conversation.id, extra):
+    checked before it runs) without a cap having to drop conversation items (on a shared
+    store: the kept bytes as the turn read them, against the byte budget)."""
+    shared = shared_conversations(store)
+    if shared is None:
+        if not store.room_for(conversation.id, extra):
+            raise store_full()
+        return
+    record = conversation.record
+    assert isinstance(record, ConversationRecord)
+    if shared.budget and record.kept + extra > shared.budget:
         raise store_full()
 
 
@@ -127,7 +134,7 @@ class ConversationTurn:
         )
         shared = shared_conversations(store)
         if shared is not None:
-            return self._stage(shared, segment, items, backend)
+            return self._stage(shared, segment, items, backend, turn.response_id)
         try:
             current = store.record(scope, conversation.id)
         except StoreFailure:
@@ -145,10 +152,16 @@ class ConversationTurn:
         return self.conversation.record
 
     def _stage(
-        self, shared: SharedConversations, segment: Segment, items: list[Any], backend: str | None
+        self,
+        shared: SharedConversations,
+        segment: Segment,
+        items: list[Any],
+        backend: str | None,
+        response_id: str,
     ) -> Record:
         """The append as a write `SharedStore.commit` runs: fenced by the version the turn
-        read, and releasing the turn's lease in the same script."""
+        read, releasing the turn's lease in the same script, and naming the turn's response
+        (the next turn's record chains on its)."""
         conversation = self.conversation
         record = conversation.record
         assert isinstance(record, ConversationRecord)
@@ -162,7 +175,9 @@ class ConversationTurn:
         async def write() -> None:
             try:
                 token = lease.token if lease is not None else None
-                version = await shared.write(record, "append", entry, head=head, lease=token or "")
+                version = await shared.write(
+                    record, "append", entry, head=head, lease=token or "", response_id=response_id
+                )
             except (OcxError, StoreFailure) as error:
                 log.error("conversation %s: turn not appended: %s", record.id, error)
                 metrics.turns_not_recorded.labels(reason="conversation_failed").inc()

@@ -29,13 +29,17 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
-from ocxproxy.store import shared_conversations
+from ocxproxy.store import shared_conversation_scripts
 from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.shared_conversations import ConversationRecord, SharedConversations, SharedWrite
-from ocxproxy.store.shared_conversations import flatten as flatten_conversation
+from ocxproxy.store.shared_conversations import (
+    ConversationRecord,
+    SharedConversations,
+    SharedWrite,
+    as_parent,
+)
 from ocxproxy.store.shared_layout import Keys, SharedRecord
 from ocxproxy.store.shared_server import Server, register_scripts
 
@@ -43,7 +47,7 @@ __all__ = ["SharedStore"]
 
 log = logging.getLogger("ocxproxy.store.shared")
 
-register_scripts(shared_conversations.SCRIPTS)
+register_scripts(shared_conversation_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
@@ -83,7 +87,9 @@ class SharedStore(Store):
         self.shared_bytes = 0  # the server's count, as the last commit here saw it
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
-        self.conversations = SharedConversations(self.server, prefix)  # and leases, keys
+        self.conversations = SharedConversations(  # and leases, keys
+            self.server, prefix, ttl=ttl, budget=max_bytes, counted=self._counted
+        )
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
@@ -269,9 +275,9 @@ class SharedStore(Store):
     def put(self, turn: Turn, parent: Record | None) -> Record:
         """A durable turn on a durable (shared) parent is built here and written by
         `commit`; any other stays in this process's memory (never on the server). A turn
-        on a shared conversation is stored as its whole input (shared_conversations.py)."""
+        on a shared conversation chains on the conversation's items (`as_parent`)."""
         if isinstance(parent, ConversationRecord):
-            turn, parent = flatten_conversation(turn, parent), None
+            parent = as_parent(parent, Keys(self.prefix, turn.scope))
         shared_parent = parent is None or isinstance(parent, SharedRecord)
         if not turn.durable or not shared_parent:
             return super().put(turn, parent)
@@ -335,12 +341,16 @@ class SharedStore(Store):
         chain, total, evicted, expired = await self.server.write(
             "commit", lambda: self.server.commit_command(script_keys, args)
         )
+        self._counted(total, expired, evicted)
+        return bytes(chain)
+
+    def _counted(self, total: int, expired: int, evicted: int = 0) -> None:
+        """The server's byte count after a write here, and what it dropped."""
         self.shared_bytes = total
         if evicted:
             self.metrics.store_evictions.labels(reason="shared_bytes").inc(evicted)
         if expired:
             self.metrics.store_evictions.labels(reason="shared_expired").inc(expired)
-        return bytes(chain)
 
     async def remove(self, scope: str, response_id: str) -> bool:
         """Forget a response (kept here, else on the server); True when there was one."""

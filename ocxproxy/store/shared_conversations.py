@@ -3,7 +3,8 @@
 
 Keys, under the caller's scope hash (CONTRACT.md C5), beside shared_layout.py's:
 
-    {prefix}{scope}:conv:{id}          hash: `head` (created_at, metadata, backend), `ver`
+    {prefix}{scope}:conv:{id}          hash: `head` (created_at, metadata, backend), `ver`,
+                                       `resp` (the response id of the last turn appended)
     {prefix}{scope}:conv:{id}:items    list: one entry per append (a segment and its items'
                                        ids), in the order the server took the appends
     {prefix}{scope}:lock:{id}          the conversation's lease: a token, with a TTL
@@ -14,13 +15,17 @@ Every write to a conversation names the version it was computed from, and the sc
 refuses it when the conversation moved on (another writer, after this one's lease lapsed)
 or is gone: that write is `conversation_changed`, nothing of it kept. A turn's append and
 the release of its lease are one script. Leases and in-flight keys expire, so a replica
-killed mid-turn holds nothing for longer than its lease. Conversations have no TTL and do
-not count in the byte budget (like the single-node store, which pins them).
+killed mid-turn holds nothing for longer than its lease. A conversation expires --ttl
+after its last write; it and completed keys count in the byte budget but are never
+evicted by it (shared_conversation_scripts.py, which holds the scripts).
+
+A turn on a conversation is stored as a response whose chain is the conversation's last
+turn's chain plus its own segment (`as_parent`), so a conversation costs its items' bytes
+once in its list and once in its turns' segments, whatever its length.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import struct
 from collections import OrderedDict
@@ -32,135 +37,12 @@ import orjson
 import zstandard
 
 from ocxproxy.errors import ConversationLocked, FailureReason, StoreFailure
-from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, Turn, chain_of
+from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
+from ocxproxy.store.shared_conversation_scripts import SHAS, WRITES, kept_keys
+from ocxproxy.store.shared_layout import Keys, SharedRecord
 
 if TYPE_CHECKING:
     from ocxproxy.store.shared_server import Server
-
-# KEYS: head, items, lease. ARGV: the version and entry count this replica holds (0 0:
-# none), and a token to take the lease with for a TTL (ms) ('' '': a read without it).
-# A hit: {head, version, from, the entries from index `from`}: from 0 unless only appends
-# happened since the version held (`base`: the last rewrite's version); a miss: nil (no
-# lease taken); 0 while another token holds the lease.
-LOAD = """
-local taken = false
-if ARGV[3] ~= '' then
-  local held = redis.call('GET', KEYS[3])
-  if held and held ~= ARGV[3] then return 0 end
-  if not held then
-    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
-    taken = true
-  end
-end
-local h = redis.call('HMGET', KEYS[1], 'head', 'ver', 'base')
-if not h[1] then
-  if taken then redis.call('DEL', KEYS[3]) end
-  return false
-end
-local from = 0
-if tonumber(h[3] or '1') <= tonumber(ARGV[1]) then from = tonumber(ARGV[2]) end
-return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1)}
-"""
-
-# Every script may run twice (Server.round_trip tries again on a fresh connection after a
-# connection error, when the first may have run): each recognizes its own earlier run.
-
-# KEYS: head, items. ARGV: head, then the first entry (if any). 0 when the id is taken.
-CREATE = """
-local head = redis.call('HGET', KEYS[1], 'head')
-if head then
-  if head == ARGV[1] then return 1 end
-  return 0
-end
-redis.call('HSET', KEYS[1], 'head', ARGV[1], 'ver', 1)
-if #ARGV > 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) end
-return 1
-"""
-
-# KEYS: head, items, lease. ARGV: the version the write was computed from, the lease
-# token to release with it ('' none), op, head ('' unchanged), this write's id, then the
-# op's arguments:
-#   append  entry                     a segment appended (a turn, or items added)
-#   replace index, entry ('' drop)    a segment rewritten (an item deleted)
-#   meta                              the head alone
-#   delete                            the whole conversation
-# The new version; 0 when the conversation changed (or is gone): nothing written.
-WRITE = """
-if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[2] then redis.call('DEL', KEYS[3]) end
-local h = redis.call('HMGET', KEYS[1], 'ver', 'last')
-local ver, op = h[1], ARGV[3]
-if ver ~= ARGV[1] then
-  if h[2] == ARGV[5] then return tonumber(ver) end  -- run twice: written the first time
-  if op == 'delete' and not ver then return -1 end  -- gone, by this write or another
-  return 0
-end
-if op == 'delete' then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  return -1
-elseif op == 'append' then
-  redis.call('RPUSH', KEYS[2], ARGV[6])
-elseif op == 'replace' then
-  local at = tonumber(ARGV[6])
-  if ARGV[7] == '' then
-    redis.call('LSET', KEYS[2], at, '')
-    redis.call('LREM', KEYS[2], 1, '')
-  else
-    redis.call('LSET', KEYS[2], at, ARGV[7])
-  end
-end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'head', ARGV[4]) end
-redis.call('HSET', KEYS[1], 'last', ARGV[5])
-local new = redis.call('HINCRBY', KEYS[1], 'ver', 1)
-if op == 'replace' then redis.call('HSET', KEYS[1], 'base', new) end
-return new
-"""
-
-# KEYS: a lease. ARGV: a new token, its TTL (ms). 1 when the token holds it now.
-ACQUIRE = """
-local held = redis.call('GET', KEYS[1])
-if held == ARGV[1] then return 1 end
-if held then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
-"""
-
-# KEYS: a lease or in-flight key. ARGV: its token, and a TTL (ms) to renew it by ('' to
-# release it). 1 while the token holds it.
-HOLD = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 1
-"""
-
-# KEYS: completed key, in-flight key. ARGV: this request's marker, TTL (ms).
-# {1, entry}: completed; {0}: now in flight for this request; {2, marker}: another runs.
-IDEM_BEGIN = """
-local done = redis.call('GET', KEYS[1])
-if done then return {1, done} end
-local running = redis.call('GET', KEYS[2])
-if running and running ~= ARGV[1] then return {2, running} end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-return {0}
-"""
-
-# KEYS: completed key, in-flight key. ARGV: the entry, its TTL (ms), this request's marker.
-IDEM_DONE = """
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
-return 1
-"""
-
-SCRIPTS = {
-    "conversation_load": LOAD,
-    "conversation_create": CREATE,
-    "conversation_write": WRITE,
-    "lease_acquire": ACQUIRE,
-    "lease": HOLD,
-    "idempotency_begin": IDEM_BEGIN,
-    "idempotency_done": IDEM_DONE,
-}
-SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
-_WRITES = {"conversation_create", "conversation_write", "idempotency_done"}
 
 _CACHED_BYTES = 64 * 1024 * 1024  # conversations' items a replica keeps between turns
 _HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON
@@ -226,6 +108,8 @@ class ConversationRecord(SharedWrite):
     head: bytes = b"{}"
     version: int = 0
     ids: list[list[str]] = field(default_factory=list)
+    top: tuple[str, bytes] | None = None  # the last turn's record and chain token (LOAD's)
+    kept: int = 0  # the bytes kept on the server (conversations, keys) when it was read
 
 
 def new_token() -> str:
@@ -244,6 +128,8 @@ def conversation_record(
     head: bytes,
     version: int,
     entries: Sequence[tuple[Segment, list[str]]],
+    top: tuple[str, bytes] | None = None,
+    kept: int = 0,
 ) -> ConversationRecord:
     segments = tuple(segment for segment, _ in entries)
     doc = orjson.loads(head)
@@ -262,50 +148,53 @@ def conversation_record(
         head=head,
         version=version,
         ids=[list(ids) for _, ids in entries],
+        top=top,
+        kept=kept,
     )
 
 
-def flatten(turn: Turn, parent: Record) -> Turn:
-    """A turn on a conversation as a turn of its own: its segment the conversation's items
-    followed by its own (the bytes the backend was sent, in order), so the response is
-    retrievable and continuable from any replica without the conversation."""
-    datas = [s.data for s in parent.segments if s.data]
-    if not datas:
-        return turn
-    offset = sum(len(d) + 1 for d in datas)
-    spans = [(i, s + at, e + at) for seg, at in _offsets(parent) for i, s, e in seg.item_ids]
-    spans += [(i, s + offset, e + offset) for i, s, e in turn.item_ids]
-    call_ids = frozenset().union(*(s.call_ids for s in parent.segments), turn.call_ids)
-    return Turn(
-        response_id=turn.response_id,
-        scope=turn.scope,
-        durable=turn.durable,
-        items=b",".join((*datas, turn.items)),
-        n_items=parent.n_items + turn.n_items,
-        call_ids=call_ids or NO_CALLS,
-        response=turn.response,
-        item_ids=ItemIds(spans),
-        backend=turn.backend,
-        affinity_key=turn.affinity_key,
-        stored=turn.stored,
+def as_parent(conversation: ConversationRecord, keys: Keys) -> SharedRecord:
+    """A turn's parent on a conversation: the conversation's last turn's record when its
+    chain holds exactly the conversation's items (the turn's commit appends one digest),
+    else a record on no chain (the commit writes a chain of every item's segment, the
+    segments the server has already taken as they are). Either way the turn's history is
+    the conversation's segments, the bytes the backend was sent."""
+    top = conversation.top
+    return SharedRecord(
+        id=top[0] if top else conversation.id,
+        scope=conversation.scope,
+        created_at=conversation.created_at,
+        expires_at=conversation.expires_at,
+        durable=True,
+        links=conversation.links,
+        built=conversation.segments,
+        response=conversation.response,
+        backend=conversation.backend,
+        affinity_key=conversation.affinity_key,
+        n_items=conversation.n_items,
+        chain=keys.chain(top[1]) if top else b"",
+        length=len(conversation.segments) if top else 0,
     )
-
-
-def _offsets(record: Record) -> list[tuple[Segment, int]]:
-    out, at = [], 0
-    for segment in record.segments:
-        if segment.data:
-            out.append((segment, at))
-            at += len(segment.data) + 1
-    return out
 
 
 class SharedConversations:
     """The round trips for conversations, leases and Idempotency-Keys (one each)."""
 
-    def __init__(self, server: Server, prefix: str) -> None:
+    def __init__(
+        self,
+        server: Server,
+        prefix: str,
+        *,
+        ttl: float = 30 * 86400.0,
+        budget: int = 0,
+        counted: Callable[[int, int], None] = lambda total, expired: None,
+    ) -> None:
         self.server = server
         self.prefix = prefix
+        self.ttl = ttl  # a conversation's, from its last write
+        self.budget = budget  # --shared-max-bytes (0: none)
+        self._counted = counted  # the server's byte count after a write, and expiries
+        self._kept = kept_keys(prefix)
         # The conversations read last (LRU, by bytes): a load then fetches only the entries
         # appended since (entries are rewritten only by a deleted item, which `base` says).
         self._cache: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
@@ -319,13 +208,25 @@ class SharedConversations:
         head = f"{base}conv:{conversation_id}"
         return [head, head + ":items", f"{base}lock:{conversation_id}"]
 
-    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def _run(self, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
         """One script (registered with the server's own: shared_server.register_scripts);
         a write of conversation state waits for replicas like a turn's commit."""
-        if name in _WRITES:
+        if name in WRITES:
             sha = SHAS[name]
             return await self.server.write(name, lambda: ("EVALSHA", sha, len(keys), *keys, *args))
         return await self.server.script(name, keys, args)
+
+    async def _keep(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], *, ttl: float, force: bool
+    ) -> int:
+        """A write of something kept (counted in the budget, expiring `ttl` seconds after
+        it): its result; StoreFailure(FULL) when the budget could not take it."""
+        budget_args = [max(1, int(ttl * 1000)), self.budget, "1" if force else "0"]
+        result, total, expired = await self._run(name, [*self._kept, *keys], [*budget_args, *args])
+        self._counted(int(total), int(expired))
+        if int(result) == -2:
+            raise StoreFailure(FailureReason.FULL, "the shared store's byte budget")
+        return int(result)
 
     # -- conversations -------------------------------------------------------------------
 
@@ -336,19 +237,24 @@ class SharedConversations:
         read before are sent. With a `token`, its lease is taken for `ttl` seconds in the
         same round trip (ConversationLocked while another holds it)."""
         held = self._forget(scope, conversation_id)
-        args: list[int | str] = [held.version, len(held.ids)] if held else [0, 0]
+        args: list[int | str | bytes] = [held.version, len(held.ids)] if held else [0, 0]
         args += [token, max(1, int(ttl * 1000))] if token else ["", ""]
-        found = await self._run("conversation_load", self._keys(scope, conversation_id), args)
+        args.append(Keys(self.prefix, scope).base)
+        keys: list[str | bytes] = [*self._keys(scope, conversation_id), self._kept[2]]
+        found = await self._run("conversation_load", keys, args)
         if found == 0:
             raise ConversationLocked()
         if found is None:
             return None
-        head, version, start, values = found
+        head, version, start, values, top, kept = found
         entries = []
         if int(start) and held is not None:
             entries = list(zip(held.segments, held.ids, strict=True))[: int(start)]
         entries += [decode_entry(value) for value in values]
-        record = conversation_record(conversation_id, scope, head, int(version), entries)
+        top = (top[0].decode(), bytes(top[1])) if top else None
+        record = conversation_record(
+            conversation_id, scope, head, int(version), entries, top, int(kept)
+        )
         self._remember(record)
         return record
 
@@ -368,9 +274,10 @@ class SharedConversations:
     async def create(
         self, scope: str, conversation_id: str, head: bytes, first: tuple[Segment, list[str]] | None
     ) -> ConversationRecord:
+        """A new conversation; StoreFailure(FULL) when the byte budget cannot take it."""
         args = [head] if first is None else [head, encode_entry(*first)]
         keys = self._keys(scope, conversation_id)[:2]
-        if not await self._run("conversation_create", keys, args):
+        if not await self._keep("conversation_create", keys, args, ttl=self.ttl, force=False):
             raise StoreFailure(FailureReason.WRITE_FAILED, "conversation id taken")
         return conversation_record(conversation_id, scope, head, 1, [first] if first else [])
 
@@ -381,14 +288,18 @@ class SharedConversations:
         *args: Any,
         head: bytes = b"",
         lease: str = "",
+        response_id: str = "",
     ) -> int:
         """A write computed from `record` (op and its arguments as WRITE takes them),
         releasing `lease` with it; the new version (-1: deleted), or 0 when the
-        conversation changed."""
+        conversation changed; StoreFailure(FULL) when the byte budget cannot take it. A
+        turn's append names its `response_id` (the next turn's record chains on its) and
+        is taken even past the budget (its room was checked before the turn)."""
         keys = self._keys(record.scope, record.id)
         write_id = secrets.token_hex(8)
-        args = (record.version, lease, op, head, write_id, *args)
-        return int(await self._run("conversation_write", keys, args))
+        args = (record.version, lease, op, head, write_id, response_id, *args)
+        force = bool(response_id)
+        return await self._keep("conversation_write", keys, args, ttl=self.ttl, force=force)
 
     # -- the lease -----------------------------------------------------------------------
 
@@ -426,8 +337,10 @@ class SharedConversations:
     async def idempotency_done(
         self, scope: str, record_id: str, marker: str, entry: bytes, ttl: float
     ) -> None:
+        """Complete the key (for `ttl` seconds; counted in the budget, taken past it: its
+        turn was answered)."""
         keys = self._idem_keys(scope, record_id)
-        await self._run("idempotency_done", keys, [_pack(entry), int(ttl * 1000), marker])
+        await self._keep("idempotency_done", keys, [_pack(entry), marker], ttl=ttl, force=True)
 
     async def idempotency_hold(
         self, scope: str, record_id: str, marker: str, ttl: float | None

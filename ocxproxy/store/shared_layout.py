@@ -84,7 +84,8 @@ return {v, digests, {value}, id}
 
 # KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
 #       per chain, total), k segments, then item index keys.
-# ARGV: parent length (0: none), own digest, expiry (ms since epoch), the record's body,
+# ARGV: parent length (0: none), the new digests (the own one last), expiry (ms since
+#       epoch), the record's body,
 #       record id, the scope's key base, k, now (ms), byte budget, slack (ms), then k
 #       segment values.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
@@ -117,8 +118,9 @@ if plen > 0 then
 else
   redis.call('DEL', chain)
 end
-redis.call('RPUSH', chain, ARGV[2])
-added = added + 40
+local n = #ARGV[2] / 32
+for i = 1, #ARGV[2], 32 do redis.call('RPUSH', chain, string.sub(ARGV[2], i, i + 31)) end
+added = added + 40 * n
 local keep = tonumber(pxat) + tonumber(ARGV[10])
 for i = 1, k do
   if redis.call('SET', KEYS[6 + i], ARGV[10 + i], 'NX', 'PXAT', keep) then
@@ -140,7 +142,7 @@ if expires < tonumber(pxat) then
     redis.call('PEXPIREAT', chain, keep, 'GT')
   end
 end
-redis.call('SET', KEYS[1], (plen + 1) .. ':' .. string.sub(chain, -8) .. ARGV[4], 'PXAT', pxat)
+redis.call('SET', KEYS[1], (plen + n) .. ':' .. string.sub(chain, -8) .. ARGV[4], 'PXAT', pxat)
 for i = 7 + k, #KEYS do
   redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
 end
@@ -231,20 +233,24 @@ def commit_call(
     keys: Keys, record: SharedRecord, parent: Record | None, now_ms: int, budget: int
 ) -> tuple[list[bytes], list[Any]]:
     """COMMIT's keys and arguments for `record` (its own segment new on top of `parent`'s
-    chain): the own segment's value, the record's body, the item index, the budget."""
+    chain): the new segments' values (the own one; every one of a conversation turn's
+    record on no chain yet), the record's body, the item index, the budget."""
     own = record.segments[-1]
-    assert own.data is not None
     new_chain = keys.chain(secrets.token_bytes(8))
-    parent_chain = parent.chain if isinstance(parent, SharedRecord) else new_chain
-    plen = parent.length if isinstance(parent, SharedRecord) else 0
+    shared = parent if isinstance(parent, SharedRecord) else None
+    plen = shared.length if shared else 0
+    parent_chain = shared.chain if shared and plen else new_chain
+    new = record.segments[plen:]
     script_keys = [keys.record(record.id), parent_chain, new_chain]
-    script_keys += [*budget_keys(keys.prefix), keys.segment(own.key)]
+    script_keys += [*budget_keys(keys.prefix), *(keys.segment(s.key) for s in new)]
     script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
-    digest = bytes.fromhex(own.key)
-    args: list[Any] = [plen, digest, round(record.expires_at * 1000), record_body(record)]
+    digests = b"".join(bytes.fromhex(s.key) for s in new)
+    args: list[Any] = [plen, digests, round(record.expires_at * 1000), record_body(record)]
     slack = int((record.expires_at - record.created_at) * 100)  # a tenth of the TTL, in ms
-    args += [record.id, keys.base, 1, now_ms, budget, slack]
-    args.append(encode_segment(own, own.data))
+    args += [record.id, keys.base, len(new), now_ms, budget, slack]
+    for segment in new:
+        assert segment.data is not None
+        args.append(encode_segment(segment, segment.data))
     return script_keys, args
 
 
