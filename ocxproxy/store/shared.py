@@ -35,6 +35,7 @@ from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared_conversations import (
+    ConversationHead,
     ConversationRecord,
     SharedConversations,
     SharedWrite,
@@ -338,9 +339,16 @@ class SharedStore(Store):
             int(self.clock() * 1000),
             self.max_bytes,
         )
-        chain, total, evicted, expired = await self.server.write(
-            "commit", lambda: self.server.commit_command(script_keys, args)
-        )
+        try:
+            chain, total, evicted, expired = await self.server.write(
+                "commit", lambda: self.server.commit_command(script_keys, args)
+            )
+        except StoreFailure as failure:
+            if failure.reason != FailureReason.MISSING or not isinstance(parent, ConversationHead):
+                raise
+            # the conversation's last turn's chain was evicted while this turn ran: every
+            # segment is in hand, so the record gets a chain of its own
+            return await self._commit(record, None)
         self._counted(total, expired, evicted)
         return bytes(chain)
 

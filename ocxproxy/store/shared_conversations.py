@@ -153,14 +153,20 @@ def conversation_record(
     )
 
 
-def as_parent(conversation: ConversationRecord, keys: Keys) -> SharedRecord:
+@dataclass(slots=True)
+class ConversationHead(SharedRecord):
+    """A conversation's items as a turn's parent (`as_parent`)."""
+
+
+def as_parent(conversation: ConversationRecord, keys: Keys) -> ConversationHead:
     """A turn's parent on a conversation: the conversation's last turn's record when its
     chain holds exactly the conversation's items (the turn's commit appends one digest),
     else a record on no chain (the commit writes a chain of every item's segment, the
-    segments the server has already taken as they are). Either way the turn's history is
-    the conversation's segments, the bytes the backend was sent."""
+    segments the server has already taken as they are; also when that chain is evicted
+    while the turn runs: SharedStore._commit). Either way the turn's history is the
+    conversation's segments, the bytes the backend was sent."""
     top = conversation.top
-    return SharedRecord(
+    return ConversationHead(
         id=top[0] if top else conversation.id,
         scope=conversation.scope,
         created_at=conversation.created_at,

@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
+from ocxproxy.aio import spawn
 from ocxproxy.store.shared import SharedStore
 from ocxproxy.store.shared_conversation_scripts import kept_keys
 from tests.conftest import MakeProxy, ProxyHandle
@@ -184,3 +185,24 @@ async def test_a_turn_after_items_were_added_or_deleted_chains_anew_on_the_same_
     # its record holds exactly what was sent, from any replica
     await a.client().responses.create(model="m", input="on", previous_response_id=after.id)
     assert_append_only([backend.responses_seen[-2].body, backend.responses_seen[-1].body])
+
+
+async def test_a_turn_whose_previous_turns_chain_is_evicted_meanwhile_is_still_stored(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, kv: aioredis.Redis
+) -> None:
+    a, b, c = await replicas(make_proxy, backend, kv_server.url)
+    conv = await a.client().conversations.create(items=[user("one")])
+    await a.client().responses.create(model="m", input="t1", conversation=conv.id)
+    backend.stall_next(1.0)
+    turn = spawn(
+        b.client().responses.create(model="m", input="t2", conversation=conv.id), name="turn"
+    )
+    await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+    # as the byte budget evicts a chain, while the turn runs: its list and its segments
+    await kv.delete(*await keys_of(kv, b"c"), *await keys_of(kv, b"s"))
+    response = await turn
+    sent = backend.responses_seen[-1].body
+    # from a replica that holds no segment: every one is on the server again
+    await c.client().responses.create(model="m", input="on", previous_response_id=response.id)
+    assert_append_only([sent, backend.responses_seen[-1].body])
+    assert len(await keys_of(kv, b"c")) == 1  # the turn's own chain, continued
