@@ -55,15 +55,15 @@ async def keys_of(kv: aioredis.Redis, kind: bytes) -> list[bytes]:
 async def test_a_conversation_expires_ttl_after_its_last_write_and_the_expiry_is_counted(
     make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, kv: aioredis.Redis
 ) -> None:
-    a, b = await replicas(make_proxy, backend, kv_server.url, n=2, ttl=2.0)
+    a, b = await replicas(make_proxy, backend, kv_server.url, n=2, ttl=3.0)
     idle = await a.client().conversations.create(items=[user("idle")])
     used = await a.client().conversations.create(items=[user("used")])
     await a.client().responses.create(model="m", input="a turn", conversation=used.id)
     assert await kept_total(kv) > 0
     for key in await keys_of(kv, b"conv"):
-        assert 0 < await kv.pttl(key) <= 2000  # every conversation key has the TTL
-    await asyncio.sleep(1.2)
-    # a write 1.2 s in: that conversation lives 2 s from now, the idle one does not
+        assert 0 < await kv.pttl(key) <= 3000  # every conversation key has the TTL
+    await asyncio.sleep(2.0)
+    # a write 2 s in: that conversation lives 3 s from now, the idle one does not
     await b.client().conversations.items.create(used.id, items=[user("later")])
     await asyncio.sleep(1.2)
     with pytest.raises(openai.NotFoundError):
@@ -77,7 +77,7 @@ async def test_a_conversation_expires_ttl_after_its_last_write_and_the_expiry_is
     await a.client().conversations.update(used.id, metadata={"k": "v"})
     assert await kept_total(kv) < before
     assert a.metric("ocxproxy_store_evictions_total", reason="shared_expired") == 1
-    await asyncio.sleep(2.2)
+    await asyncio.sleep(3.2)
     with pytest.raises(openai.NotFoundError):
         await b.client().conversations.retrieve(used.id)
     assert await keys_of(kv, b"conv") == []
