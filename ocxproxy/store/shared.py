@@ -85,7 +85,7 @@ class SharedStore(Store):
         self.url = url
         self.prefix = prefix
         self.max_bytes = max_bytes
-        self.shared_bytes = 0  # the server's count, as the last commit here saw it
+        self.shared_bytes = 0  # the server's count, as the last write here saw it
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
         self.conversations = SharedConversations(  # and leases, keys
