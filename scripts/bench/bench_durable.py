@@ -496,6 +496,18 @@ async def throughput(
     return Throughput(label, turns, failures, window, stop)
 
 
+async def throughput_rounds(backend: str, root: Path, args: argparse.Namespace) -> list[Throughput]:
+    # zdr, durable, durable, zdr, ...: load that drifts on a shared box cancels out.
+    tput = []
+    for n in range(args.throughput_rounds):
+        for zdr in (True, False) if n % 2 == 0 else (False, True):
+            state = root / f"throughput-{n}-{zdr}"
+            extra = ("--zdr",) if zdr else ()
+            label = "--zdr" if zdr else "durable"
+            tput.append(await throughput(backend, state, label, args, *extra))
+    return tput
+
+
 # -- report ------------------------------------------------------------------------------------
 
 
@@ -505,6 +517,28 @@ def ms(seconds: float) -> str:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
+    """The throughput table; pooled turns/s (--zdr, durable)."""
+    zdr, durable = pooled(tput, "--zdr"), pooled(tput, "durable")
+    print("\n## Throughput, 16 closed-loop clients, counted until the graceful stop completes")
+    rows = [
+        [
+            t.label,
+            t.turns,
+            t.failures,
+            f"{t.window:.1f}",
+            f"{t.stop:.2f}",
+            f"{t.turns / t.window:,.0f}",
+            f"{t.tps:,.0f}",
+        ]
+        for t in tput
+    ]
+    headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
+    print(table([*headers, "turns/s incl. stop"], rows))
+    print(f"durable ÷ --zdr: {durable / zdr:.2f}x ({durable:,.0f} / {zdr:,.0f} turns/s)")
+    return zdr, durable
 
 
 def report(
@@ -543,22 +577,7 @@ def report(
     tiers = ", ".join(f"{tier} {mib(v)}" for tier, v in sorted(big.counted.items()))
     print(f"ocxproxy_store_bytes at {big.records:,} records: {tiers or 'none'}")
     print(f"state dir allocated (st_blocks x 512): {mib(big.allocated)}")
-    zdr, durable = pooled(tput, "--zdr"), pooled(tput, "durable")
-    print("\n## Throughput, 16 closed-loop clients, counted until the graceful stop completes")
-    rows = [
-        [
-            t.label,
-            t.turns,
-            t.failures,
-            f"{t.window:.1f}",
-            f"{t.stop:.2f}",
-            f"{t.turns / t.window:,.0f}",
-            f"{t.tps:,.0f}",
-        ]
-        for t in tput
-    ]
-    headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
-    print(table([*headers, "turns/s incl. stop"], rows))
+    zdr, durable = report_throughput(tput)
 
     p99_ratio = big.latency.p99 / small.latency.p99
     alloc_ratio = big.allocated / counted if counted else float("inf")
@@ -634,6 +653,10 @@ async def run(args: argparse.Namespace) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="bench_durable_", dir=args.tmp) as tmp:
             root = Path(tmp)
+            if args.only_throughput:
+                tput = await throughput_rounds(backend.url, root, args)
+                report_throughput(tput)
+                return
             small, proxy = await measure_store(
                 backend.url, root / "small", args.small_records, args
             )
@@ -647,14 +670,7 @@ async def run(args: argparse.Namespace) -> None:
             startup = proxy.startup
             loaded = entries(await proxy.metrics())
             proxy.stop()
-            # zdr, durable, durable, zdr, ...: load that drifts on a shared box cancels out.
-            tput = []
-            for n in range(args.throughput_rounds):
-                for zdr in (True, False) if n % 2 == 0 else (False, True):
-                    state = root / f"throughput-{n}-{zdr}"
-                    extra = ("--zdr",) if zdr else ()
-                    label = "--zdr" if zdr else "durable"
-                    tput.append(await throughput(backend.url, state, label, args, *extra))
+            tput = await throughput_rounds(backend.url, root, args)
             report(small, big, kills, startup, loaded, stop, tput, args)
     finally:
         for child in STARTED:
@@ -679,6 +695,9 @@ def main() -> None:
         "--throughput-rounds", type=int, default=2, help="rounds of --zdr and durable (ABBA)"
     )
     parser.add_argument("--seed", type=int, default=None, help="random kill moments")
+    parser.add_argument(
+        "--only-throughput", action="store_true", help="only part 5, the throughput rounds"
+    )
     parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
     args = parser.parse_args()
     if args.seed is None:
