@@ -46,8 +46,11 @@ class ItemIds:
         return self._ids
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        for item_id, (start, end) in zip(self._ids, _SPAN.iter_unpack(self._spans), strict=True):
-            yield item_id, start, end
+        ids = self._ids
+        if len(ids) == 1:  # the usual segment (a generator over a zip costs ~4 µs)
+            start, end = _SPAN.unpack(self._spans)
+            return iter(((ids[0], start, end),))
+        return ((i, s, e) for i, (s, e) in zip(ids, _SPAN.iter_unpack(self._spans), strict=True))
 
     def __len__(self) -> int:
         return len(self._ids)

@@ -67,7 +67,7 @@ def segment_row(segment: Segment) -> list[Any]:
     """A segment's metadata (without its location): journal SEG entries and checkpoint rows
     alike, so a new field is added here and in `parse_segment`, nowhere else."""
     ids = sorted(segment.call_ids) if segment.call_ids else []
-    items = [list(entry) for entry in segment.item_ids] if segment.item_ids else []
+    items = list(segment.item_ids) if segment.item_ids else []  # (id, start, end) tuples
     return [segment.sid, segment.key, segment.size, segment.n_items, ids, items]
 
 

@@ -115,11 +115,14 @@ class SegmentTable:
         """A record takes each segment. A segment may reach disk while, and only while, a
         durable record holds it: store:false content shared by a store:true turn (the
         same bytes, content-addressed) stops being durable when that turn goes."""
-        for segment in segments:
+        if not durable:
+            for segment in segments:
+                segment.refs += 1
+            return
+        for segment in segments:  # (one loop per case: this runs over a whole chain a turn)
             segment.refs += 1
-            if durable:
-                segment.durable_refs += 1
-                segment.durable = True
+            segment.durable_refs += 1
+            segment.durable = True
 
     def release(self, segments: Sequence[Segment], *, durable: bool) -> None:
         """A record lets go of each segment; one no record holds is forgotten."""
