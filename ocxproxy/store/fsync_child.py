@@ -3,9 +3,11 @@
 Run as `python -I -S fsync_child.py FD` with FD one end of a Unix socket pair; standard
 library only, nothing of ocxproxy is imported. It says b"r" once ready, then loops: each
 received file descriptor (SCM_RIGHTS) replaces the file it syncs; each request, b"s" and
-a one-byte id, gets an fdatasync of that file in a thread of its own (the proxy may have
-several commits in flight: concurrent syncs of one file do not wait for each other's
-turn), answered by two bytes, the id and 0 or the errno. It exits when the proxy's end
+a one-byte id, gets an fdatasync of that file, answered by two bytes, the id and 0 or the
+errno. Requests received together share one fdatasync, in the thread that received them
+while another thread waits for the next (the proxy may have several commits in flight:
+concurrent syncs of one file do not wait for each other's turn; no thread hands work to
+another, which cost a wake-up and a GIL hand-over per sync). It exits when the proxy's end
 closes (the proxy stopped or died), never on a signal sent to the proxy's process group:
 the proxy decides when it is done.
 """
@@ -19,45 +21,72 @@ import signal
 import socket
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 THREADS = 8  # syncs at once (the proxy has at most a few commits in flight)
 
 
 def serve(sock: socket.socket) -> None:
-    answer = threading.Lock()
+    receiving = threading.Lock()  # one thread waits in recv at a time
+    answering = threading.Lock()
+    held = [-1, 0]  # the file synced now, and whether the proxy's end closed (under receiving)
+    pending = [b""]  # a partial request (under receiving)
 
-    def sync(request: int, fd: int) -> None:
-        try:
-            os.fdatasync(fd)
-            code = 0
-        except OSError as exc:
-            code = min(exc.errno or errno.EIO, 255)
-        finally:
-            os.close(fd)
-        with answer, contextlib.suppress(OSError):
-            sock.sendall(bytes((request, code)))
-
-    fd = -1
-    pending = b""
-    sock.sendall(b"r")
-    with ThreadPoolExecutor(THREADS) as pool:
-        while True:
-            data, fds, _, _ = socket.recv_fds(sock, 4096, 8)
-            if not data:
-                return
+    def take() -> tuple[bytes, int] | None:
+        """The next requests received (their ids) and a file to sync for them, or None
+        once the proxy's end is closed. Holds `receiving`."""
+        while not held[1]:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 4096, 8)
+            except OSError:
+                data, fds = b"", []
             for new in fds:
-                if fd >= 0:
-                    os.close(fd)
-                fd = new
-            pending += data
-            while len(pending) >= 2:
-                request, pending = pending[1], pending[2:]
+                if held[0] >= 0:
+                    os.close(held[0])
+                held[0] = new
+            if not data:
+                held[1] = 1
+                return None
+            data = pending[0] + data
+            cut = len(data) - len(data) % 2
+            pending[0] = data[cut:]
+            if cut:
                 try:
-                    pool.submit(sync, request, os.dup(fd))  # its own: fd may be replaced
+                    return data[1:cut:2], os.dup(held[0])  # its own: the file may be replaced
                 except OSError as exc:
-                    with answer:
-                        sock.sendall(bytes((request, min(exc.errno or errno.EIO, 255))))
+                    answer(data[1:cut:2], exc)
+        return None
+
+    def answer(requests: bytes, error: OSError | None) -> None:
+        code = 0 if error is None else min(error.errno or errno.EIO, 255)
+        with answering, contextlib.suppress(OSError):
+            sock.sendall(bytes(b for request in requests for b in (request, code)))
+
+    def work() -> None:
+        # Leader and followers: the thread that received requests syncs for them, while
+        # another waits for the next ones; one fdatasync answers every request received
+        # together (each one's bytes were written before it was sent).
+        while True:
+            with receiving:
+                taken = take()
+            if taken is None:
+                return
+            requests, fd = taken
+            error: OSError | None = None
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                error = exc
+            finally:
+                os.close(fd)
+            answer(requests, error)
+
+    sock.sendall(b"r")
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(THREADS - 1)]
+    for thread in threads:
+        thread.start()
+    work()
+    for thread in threads:
+        thread.join()
 
 
 def main() -> None:
