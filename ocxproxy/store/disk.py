@@ -11,10 +11,13 @@ How a commit is written: with the fsync helper (syncer.py), a small commit that 
 journal file's allocated room is encoded and written into the page cache on the loop, and
 the helper process fdatasyncs it while the next commits are written (up to MAX_FLIGHTS in
 flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one at a time took
-~4 ms under load). Outcomes are still applied in the order the commits were written, each
-after every earlier one: a commit's fdatasync returning also covers the earlier commits'
-bytes (written before it started), and when one fails, every later one in flight fails
-with it and the file is cut back to where the failed one began. Anything else (a large
+~4 ms under load); while commits are in flight, the next waits one more pass of the
+event loop, so the turns finishing in it join (turns per commit at 16 closed-loop clients:
+4.4-5.1 before, 5.1-5.9 after: fewer fsyncs a turn). Outcomes are still applied in the
+order the commits were written, each after every earlier one: a commit's fdatasync
+returning also covers the earlier commits' bytes (written before it started), and when
+one fails, every later one in flight fails with it and the file is cut back to where the
+failed one began. Anything else (a large
 commit, a file to grow or to open, no helper) waits until no commit is in flight, then is
 encoded, written and synced in a thread.
 
@@ -149,6 +152,10 @@ class Committer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self._flights and not self._stopping:
+                # Commits are in flight (the disk is busy): the loop runs once more first,
+                # so the turns finishing meanwhile share this commit's fsync.
+                await asyncio.sleep(0)
             if self.window and not self._stopping:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.window):
