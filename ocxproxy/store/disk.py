@@ -17,9 +17,8 @@ event loop, so the turns finishing in it join (turns per commit at 16 closed-loo
 order the commits were written, each after every earlier one: a commit's fdatasync
 returning also covers the earlier commits' bytes (written before it started), and when
 one fails, every later one in flight fails with it and the file is cut back to where the
-failed one began. Anything else (a large
-commit, a file to grow or to open, no helper) waits until no commit is in flight, then is
-encoded, written and synced in a thread.
+failed one began. Anything else (a large commit, a file to grow or to open, no helper)
+waits until no commit is in flight, then is encoded, written and synced in a thread.
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight).
