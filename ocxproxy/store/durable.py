@@ -118,14 +118,18 @@ class Durable:
         intact chain), then start the committer and the maintainer. False: the dir is
         unusable and the store runs memory-only."""
         started = time.monotonic()
+        # The fsync helper starts (~30-60 ms, most of it its interpreter's) meanwhile.
+        helper = asyncio.ensure_future(self.offload(FsyncChild.spawn)) if self.fsync_child else None
         gc.disable()  # reading builds the objects the index keeps (see below)
         try:
             opened: tuple[Journal, Loaded] | None = await self.offload(self._open, self.root)
         except BaseException:
             gc.enable()
+            await self._discard(helper)
             raise
         if opened is None:
             gc.enable()
+            await self._discard(helper)
             return False
         j, loaded = opened
         self.journal = j
@@ -155,8 +159,8 @@ class Durable:
         await self.offload(self._sweep_files, j, stale)
         await self.offload(j.open_next)
         self.table.sized(j.active, 0)
-        if self.fsync_child:
-            self.child = await self.offload(FsyncChild.spawn)
+        if helper is not None:
+            self.child = await helper
         self.committer = Committer(
             j, offload=self.offload, apply=self._applied, window=self.window, child=self.child
         )
@@ -170,6 +174,15 @@ class Durable:
             keydir.live_bytes, len(keydir.sizes), loaded.entries, len(stale),
         )  # fmt: skip
         return True
+
+    async def _discard(self, helper: asyncio.Future[FsyncChild | None] | None) -> None:
+        """The fsync helper started for a load that failed: told to exit, and reaped."""
+        if helper is None:
+            return
+        child = await asyncio.shield(helper)  # (its start cannot be cancelled midway)
+        if child is not None:
+            child.close()
+            await self.offload(child.wait)
 
     def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
         """Blocking: take the dir, read checkpoint and journal."""

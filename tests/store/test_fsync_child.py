@@ -260,3 +260,15 @@ async def test_a_failed_sync_fails_every_later_commit_in_flight(tmp_path: Path) 
     assert durable_ids(tmp_path) == ["warm0", "d0", "e0"]
     await store.close()
     assert store.check() == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+async def test_a_store_whose_dir_is_unusable_leaves_no_helper(tmp_path: Path) -> None:
+    # The helper starts while the dir loads; when the dir turns out locked, it goes.
+    first = await started(tmp_path)
+    second = make_store(tmp_path, fsync_child=True)
+    await second.start()
+    assert not second.durable and second.disk is not None and second.disk.child is None
+    assert helpers_of(os.getpid()) == [child_of(first).proc.pid]  # the first store's only
+    await first.close()
+    await second.close()
