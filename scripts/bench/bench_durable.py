@@ -25,6 +25,7 @@ on it: the load generator shares them with the proxy and the backend, so figures
 
     .venv/bin/python scripts/bench/bench_durable.py              # ~5 min at 100,000 records
     .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
+    .venv/bin/python scripts/bench/bench_durable.py --only-throughput   # part 5 alone
 """
 
 from __future__ import annotations
