@@ -35,3 +35,18 @@ async def test_bench_durable_smoke() -> None:
         line = next((line for line in table.splitlines() if line.startswith(figure)), None)
         assert line is not None, f"no {figure!r} in:\n{table}"
         assert line.rstrip().endswith(("MET", "MISSED")), line
+
+
+async def test_bench_durable_throughput_alone() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
+    argv += ["--only-throughput", "--throughput-rounds", "1", "--throughput-duration", "0.5"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    async with asyncio.timeout(100):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out[-3000:]
+    assert "## Issue 18 figures" not in out  # the other parts did not run
+    rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
+    assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
+    assert "durable ÷ --zdr: " in out, out[-3000:]
