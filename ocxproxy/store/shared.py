@@ -89,7 +89,7 @@ class SharedStore(Store):
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
         self.conversations = SharedConversations(  # and leases, keys
-            self.server, prefix, ttl=ttl, budget=max_bytes, counted=self._counted
+            self.server, prefix, budget=max_bytes, counted=self._counted
         )
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics

@@ -7,9 +7,10 @@ layout's reserved scope (`kept_keys`): what is kept by expiry, each one's bytes,
 total, and the budget's total that the COMMIT script evicts chains by. So past the budget
 a commit evicts response chains, never a conversation; a conversation write that the
 budget could only take by dropping kept bytes is refused instead (as the single-node
-store does). Each write sets the kept keys' TTL (a conversation: --ttl from its last
-write) and first takes the entries whose TTL passed out of the count, by the server's
-clock (TIME), which is the one that expires keys.
+store does). A conversation never expires (as on one node, and as OpenAI keeps them): its
+keys have no TTL, so only DELETE or the budget bound it. A completed Idempotency-Key does
+expire: each write first takes the entries whose TTL passed out of the count, by the
+server's clock (TIME), which is the one that expires keys.
 
 Every script may run twice (Server.round_trip tries again on a fresh connection after a
 connection error, when the first may have run): each recognizes its own earlier run.
@@ -22,12 +23,16 @@ import hashlib
 from ocxproxy.store import shared_layout as layout
 
 # The write scripts' shared part. KEYS[1..4]: kept (by expiry), their bytes, their total,
-# the budget's total. ARGV[1..3]: the TTL (ms) of what the write keeps, the budget (0:
-# none), '1' to write even past it (a turn already answered).
+# the budget's total. ARGV[1..3]: the TTL (ms) of what the write keeps (0: it never
+# expires), the budget (0: none), '1' to write even past it (a turn already answered).
 _KEPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local pxat = now + tonumber(ARGV[1])
+local pxat = false
+if ARGV[1] ~= '0' then pxat = now + tonumber(ARGV[1]) end
+local function keep(key)
+  if pxat then redis.call('PEXPIREAT', key, pxat) else redis.call('PERSIST', key) end
+end
 local function sweep()
   local expired = 0
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, 64)) do
@@ -46,7 +51,11 @@ local function fits(delta)
   return tonumber(redis.call('GET', KEYS[3]) or 0) + delta <= budget
 end
 local function count(member, delta)
-  redis.call('ZADD', KEYS[1], pxat, member)
+  if pxat then
+    redis.call('ZADD', KEYS[1], pxat, member)
+  else
+    redis.call('ZREM', KEYS[1], member)  -- swept by expiry only while it had a TTL
+  end
   redis.call('HINCRBY', KEYS[2], member, delta)
   redis.call('INCRBY', KEYS[3], delta)
   redis.call('INCRBY', KEYS[4], delta)
@@ -117,10 +126,10 @@ local delta = #KEYS[5] + #KEYS[6] + #ARGV[4] + 16
 if ARGV[5] then delta = delta + #ARGV[5] end
 if not fits(delta) then return answer(-2, expired) end
 redis.call('HSET', KEYS[5], 'head', ARGV[4], 'ver', 1)
-redis.call('PEXPIREAT', KEYS[5], pxat)
+keep(KEYS[5])
 if ARGV[5] then
   redis.call('RPUSH', KEYS[6], ARGV[5])
-  redis.call('PEXPIREAT', KEYS[6], pxat)
+  keep(KEYS[6])
 end
 count(KEYS[5], delta)
 return answer(1, expired)
@@ -182,8 +191,8 @@ end
 redis.call('HSET', head, 'last', ARGV[8])
 local new = redis.call('HINCRBY', head, 'ver', 1)
 if op == 'replace' then redis.call('HSET', head, 'base', new) end
-redis.call('PEXPIREAT', head, pxat)
-redis.call('PEXPIREAT', items, pxat)
+keep(head)
+keep(items)
 count(head, delta)
 return answer(new, expired)
 """

@@ -15,9 +15,9 @@ Every write to a conversation names the version it was computed from, and the sc
 refuses it when the conversation moved on (another writer, after this one's lease lapsed)
 or is gone: that write is `conversation_changed`, nothing of it kept. A turn's append and
 the release of its lease are one script. Leases and in-flight keys expire, so a replica
-killed mid-turn holds nothing for longer than its lease. A conversation expires --ttl
-after its last write; it and completed keys count in the byte budget but are never
-evicted by it (shared_conversation_scripts.py, which holds the scripts).
+killed mid-turn holds nothing for longer than its lease. A conversation never expires
+(as on one node); it and completed keys count in the byte budget but are never evicted
+by it (shared_conversation_scripts.py, which holds the scripts).
 
 A turn on a conversation is stored as a response whose chain is the conversation's last
 turn's chain plus its own segment (`as_parent`), so a conversation costs its items' bytes
@@ -200,13 +200,11 @@ class SharedConversations:
         server: Server,
         prefix: str,
         *,
-        ttl: float = 30 * 86400.0,
         budget: int = 0,
         counted: Callable[[int, int], None] = lambda total, expired: None,
     ) -> None:
         self.server = server
         self.prefix = prefix
-        self.ttl = ttl  # a conversation's, from its last write
         self.budget = budget  # --shared-max-bytes (0: none)
         self._counted = counted  # the server's byte count after a write, and expiries
         self._kept = kept_keys(prefix)
@@ -235,8 +233,8 @@ class SharedConversations:
         self, name: str, keys: Sequence[str], args: Sequence[Any], *, ttl: float, force: bool
     ) -> int:
         """A write of something kept (counted in the budget, expiring `ttl` seconds after
-        it): its result; StoreFailure(FULL) when the budget could not take it."""
-        budget_args = [max(1, int(ttl * 1000)), self.budget, "1" if force else "0"]
+        it, never when 0): its result; StoreFailure(FULL) when the budget could not take it."""
+        budget_args = [max(1, int(ttl * 1000)) if ttl else 0, self.budget, "1" if force else "0"]
         result, total, expired = await self._run(name, [*self._kept, *keys], [*budget_args, *args])
         self._counted(int(total), int(expired))
         if int(result) == -2:
@@ -292,7 +290,7 @@ class SharedConversations:
         """A new conversation; StoreFailure(FULL) when the byte budget cannot take it."""
         args = [head] if first is None else [head, encode_entry(*first)]
         keys = self._keys(scope, conversation_id)[:2]
-        if not await self._keep("conversation_create", keys, args, ttl=self.ttl, force=False):
+        if not await self._keep("conversation_create", keys, args, ttl=0, force=False):
             raise StoreFailure(FailureReason.WRITE_FAILED, "conversation id taken")
         return conversation_record(conversation_id, scope, head, 1, [first] if first else [])
 
@@ -314,7 +312,7 @@ class SharedConversations:
         write_id = secrets.token_hex(8)
         args = (record.version, lease, op, head, write_id, response_id, *args)
         force = bool(response_id)
-        return await self._keep("conversation_write", keys, args, ttl=self.ttl, force=force)
+        return await self._keep("conversation_write", keys, args, ttl=0, force=force)
 
     # -- the lease -----------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """Shared conversations' lifetime, bytes and storage on a real Valkey / redis-server
-(docs/BEHAVIOR.md, "With a shared store"): a conversation expires --ttl after its last
-write and its expiry is counted; it and a completed Idempotency-Key count in
---shared-max-bytes; past the budget, response chains are evicted and a conversation write
-that only dropping conversation bytes could make room for is refused with 507; a turn's
-record chains on the conversation's previous turn, so a conversation's bytes grow
-linearly with its length while the backend sees the same append-only bytes."""
+(docs/BEHAVIOR.md, "With a shared store"): a conversation never expires (as on one node),
+a completed Idempotency-Key's expiry is counted; both count in --shared-max-bytes; past
+the budget, response chains are evicted and a conversation write that only dropping
+conversation bytes could make room for is refused with 507; a turn's record chains on the
+conversation's previous turn, so a conversation's bytes grow linearly with its length
+while the backend sees the same append-only bytes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.http import idempotency
 from ocxproxy.store import shared_conversations
 from ocxproxy.store.shared import SharedStore
 from ocxproxy.store.shared_conversation_scripts import kept_keys
@@ -54,35 +55,48 @@ async def keys_of(kv: aioredis.Redis, kind: bytes) -> list[bytes]:
     return [key async for key in kv.scan_iter(count=1000) if key[:6] + key[22:23] == layout + kind]
 
 
-async def test_a_conversation_expires_ttl_after_its_last_write_and_the_expiry_is_counted(
+async def test_a_conversation_outlives_ttl_while_its_turns_responses_expire(
     make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, kv: aioredis.Redis
 ) -> None:
-    a, b = await replicas(make_proxy, backend, kv_server.url, n=2, ttl=3.0)
-    idle = await a.client().conversations.create(items=[user("idle")])
-    used = await a.client().conversations.create(items=[user("used")])
-    await a.client().responses.create(model="m", input="a turn", conversation=used.id)
-    assert await kept_total(kv) > 0
+    a, b = await replicas(make_proxy, backend, kv_server.url, n=2, ttl=2.0)
+    conv = await a.client().conversations.create(items=[user("first")])
+    turn = await a.client().responses.create(model="m", input="a turn", conversation=conv.id)
+    assert await keys_of(kv, b"conv")
     for key in await keys_of(kv, b"conv"):
-        assert 0 < await kv.pttl(key) <= 3000  # every conversation key has the TTL
-    await asyncio.sleep(2.0)
-    # a write 2 s in: that conversation lives 3 s from now, the idle one does not
-    await b.client().conversations.items.create(used.id, items=[user("later")])
-    await asyncio.sleep(1.2)
-    with pytest.raises(openai.NotFoundError):
-        await b.client().conversations.retrieve(idle.id)
-    with pytest.raises(openai.NotFoundError):
-        await a.client().responses.create(model="m", input="x", conversation=idle.id)
-    got = await texts(a.client(), used.id)
-    assert len(got) == 4 and got[:2] == ["used", "a turn"] and got[3] == "later"
-    # the next write takes the expired one out of the count, and counts it
-    before = await kept_total(kv)
-    await a.client().conversations.update(used.id, metadata={"k": "v"})
-    assert await kept_total(kv) < before
-    assert a.metric("ocxproxy_store_evictions_total", reason="shared_expired") == 1
-    await asyncio.sleep(3.2)
-    with pytest.raises(openai.NotFoundError):
-        await b.client().conversations.retrieve(used.id)
-    assert await keys_of(kv, b"conv") == []
+        assert await kv.pttl(key) == -1  # no TTL: a conversation lives until DELETE
+    await asyncio.sleep(2.3)
+    with pytest.raises(openai.BadRequestError) as gone:  # the turn's response is past --ttl
+        await b.client().responses.create(model="m", input="x", previous_response_id=turn.id)
+    assert gone.value.code == "previous_response_not_found"
+    # the conversation is not: a turn after its last turn's chain expired still works
+    await b.client().responses.create(model="m", input="later", conversation=conv.id)
+    got = await texts(a.client(), conv.id)
+    assert got[:2] == ["first", "a turn"] and got[3] == "later" and len(got) == 5
+    sent = backend.seen[-1].body  # the whole history was forwarded
+    assert b"first" in sent and b"a turn" in sent and b"later" in sent
+    for key in await keys_of(kv, b"conv"):
+        assert await kv.pttl(key) == -1
+
+
+async def test_a_completed_keys_expiry_leaves_the_count_and_is_counted(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    kv_server: KvServer,
+    kv: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(idempotency, "TTL", 1.5)
+    a, b = await replicas(make_proxy, backend, kv_server.url, n=2)
+    conv = await a.client().conversations.create(items=[user("kept")])
+    await a.client().responses.create(
+        model="m", input="keyed", extra_headers={"Idempotency-Key": "expiring-key"}
+    )
+    with_key = await kept_total(kv)
+    await asyncio.sleep(1.8)
+    await b.client().conversations.update(conv.id, metadata={"k": "v"})
+    assert await kept_total(kv) < with_key
+    assert b.metric("ocxproxy_store_evictions_total", reason="shared_expired") == 1
+    assert await texts(b.client(), conv.id) == ["kept"]  # the conversation stays
 
 
 async def test_a_conversations_bytes_are_counted_and_leave_the_count_with_it(
