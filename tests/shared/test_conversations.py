@@ -351,7 +351,9 @@ async def test_a_key_stays_in_flight_while_its_request_runs_past_the_ttl(
     a, b = await replicas(make_proxy, backend, valkey_server.url, n=2, read_timeout=1.0)
     keyed = {**auth(), "Idempotency-Key": "slow"}
     body = {"model": "m", "input": "slow"}
-    backend.drip_next(0.6, parts=4)  # 1.8 s in all, never silent for a read timeout
+    # 2.4-3 s in all, never silent for a read timeout: the retry below, 1.3 s in, must
+    # reach b while the first still runs even when a loaded box slows it by a second
+    backend.drip_next(0.6, parts=5)
     first = spawn(post(http, a.base_url, body, keyed), name="first")
     await backend.wait_for(lambda: len(backend.responses_seen) == 1)
     await asyncio.sleep(1.3)
