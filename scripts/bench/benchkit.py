@@ -103,12 +103,13 @@ def start_child(
     return child
 
 
-def start_backend(*, raw: bool = False) -> Child:
-    """scripts/bench/instant_backend.py (aiohttp; `raw`: hand-written HTTP, cheaper)."""
+def start_backend(*, raw: bool = False, unique_item_ids: bool = False) -> Child:
+    """scripts/bench/instant_backend.py (aiohttp; `raw`: hand-written HTTP, cheaper;
+    `unique_item_ids`: a fresh output item id per response, not `msg_x`)."""
     argv = [PYTHON, str(BENCH / "instant_backend.py"), "--port", "0"]
-    return start_child(
-        "backend", [*argv, *(["--raw"] if raw else [])], r"listening on (http://\S+)"
-    )
+    argv += ["--raw"] if raw else []
+    argv += ["--unique-item-ids"] if unique_item_ids else []
+    return start_child("backend", argv, r"listening on (http://\S+)")
 
 
 PROXY_ARGS = ("--port", "0", "--log-level", "warning")

@@ -2,7 +2,10 @@
 
 `POST /v1/responses` reads the body and answers at once with a fixed one-item response
 (`"ok"`) under a fresh id, as JSON or, when the body has `"stream":true`, as a short
-spec-complete SSE stream (every event carries `sequence_number`). `GET /_last` reports
+spec-complete SSE stream (every event carries `sequence_number`). Its output item's id is
+`msg_x` every time (benchmarks that build the forwarded history themselves rely on it), or
+with `--unique-item-ids` a fresh one per response, as real servers send (`msg_` and 32
+random hex digits, vLLM's form). `GET /_last` reports
 the size and SHA-256 of the last body received, so a benchmark can check that what the
 proxy forwarded is byte-identical to the body it sends directly.
 
@@ -26,13 +29,14 @@ from aiohttp import web
 
 OUTPUT_ITEM: dict[str, Any] = {  # the one output item every turn adds
     "type": "message",
-    "id": "msg_x",
+    "id": "msg_x",  # or, --unique-item-ids, a fresh id written over _ITEM_ID
     "role": "assistant",
     "status": "completed",
     "content": [{"type": "output_text", "text": "ok", "annotations": []}],
 }
 _RID = b"__RID__"
 _TOKENS = b"9999999"  # placeholder, same width as the number written over it
+_ITEM_ID = b"msg_x"
 
 
 def _response(status: str, output: list[object]) -> dict[str, object]:
@@ -85,7 +89,8 @@ def _sse_template() -> bytes:
 
 
 class InstantBackend:
-    def __init__(self) -> None:
+    def __init__(self, *, unique_item_ids: bool = False) -> None:
+        self.unique_item_ids = unique_item_ids
         self.count = 0
         self.last = b""
         self.prefix = f"resp_{os.getpid()}_".encode()
@@ -96,7 +101,10 @@ class InstantBackend:
         self.count += 1
         tokens = b"%-7d" % min(len(body) // 4, 9_999_999)  # JSON allows the trailing spaces
         rid = self.prefix + b"%d" % self.count
-        return template.replace(_RID, rid).replace(_TOKENS, tokens)
+        filled = template.replace(_RID, rid).replace(_TOKENS, tokens)
+        if self.unique_item_ids:
+            filled = filled.replace(b'"%s"' % _ITEM_ID, b'"msg_%s"' % os.urandom(16).hex().encode())
+        return filled
 
     def answer(self, body: bytes) -> tuple[bytes, bool]:
         """The answer to one create request, and whether it is an SSE stream."""
@@ -129,28 +137,32 @@ class InstantBackend:
         return web.json_response(info)
 
 
-def build_app() -> web.Application:
-    backend = InstantBackend()
+def build_app(*, unique_item_ids: bool = False) -> web.Application:
+    backend = InstantBackend(unique_item_ids=unique_item_ids)
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/v1/responses", backend.create)
     app.router.add_get("/_last", backend.last_body)
     return app
 
 
-async def serve(port: int, raw: bool) -> None:
+async def serve(port: int, raw: bool, unique_item_ids: bool) -> None:
     if raw:
-        backend = InstantBackend()
+        backend = InstantBackend(unique_item_ids=unique_item_ids)
         await loopback.serve(port, "instant backend (raw) listening on {url}", handler=backend.raw)
     else:
-        await loopback.serve(port, "instant backend listening on {url}", app=build_app())
+        app = build_app(unique_item_ids=unique_item_ids)
+        await loopback.serve(port, "instant backend listening on {url}", app=app)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--raw", action="store_true", help="hand-written HTTP/1.1, no aiohttp")
+    parser.add_argument(
+        "--unique-item-ids", action="store_true", help="a fresh output item id per response"
+    )
     args = parser.parse_args()
-    loopback.run(serve(args.port, args.raw))
+    loopback.run(serve(args.port, args.raw, args.unique_item_ids))
 
 
 if __name__ == "__main__":
