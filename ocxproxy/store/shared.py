@@ -163,7 +163,8 @@ class SharedStore(Store):
         with contextlib.suppress(StoreFailure):
             return self.find_item(scope, item_id, unstored=unstored)
         keys = Keys(self.prefix, scope)
-        found = await self.server.script("item", (keys.item(item_id),), (keys.base,))
+        args = (layout.item_field(item_id), keys.base)
+        found = await self.server.script("item", (keys.buckets(),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         value, digests, tail, record_id = found

@@ -11,7 +11,11 @@ another's; then a kind and a name:
     c + token (8 bytes)     a chain: the list of its segments' digests (32 bytes each)
     r + response id         a record: `{length}:{chain token}` then its meta and the
                             response object (without its id, which is the key's)
-    i + item id             the id of the newest record whose own segment holds it
+    i + end (ms, decimal)   an item index bucket: a hash, 8 bytes of BLAKE2b of an item id
+                            -> the id of the newest record whose own segment holds it,
+                            for records expiring in the bucket's span; the hash expires
+                            at the span's end (one key per span, not per item)
+    d                       the scope's index buckets (a sorted set of ends), newest first
     {prefix}{LAYOUT}\\0 + chains, bytes, total   the byte budget's bookkeeping (no content)
 
 Values are zstd frames (without the magic number: the byte before says what follows)
@@ -27,8 +31,8 @@ segment lives as long as the longest-lived record that needs it (plus a tenth of
 extending them all, O(chain), then happens once per tenth of a TTL, not every turn).
 
 The byte budget counts what each chain's commits added (segments new to the server,
-records, digests); past it, the commit that crossed it evicts the chains extended longest
-ago, whole: their lists and segments (a fork sharing those segments loses them too:
+records, digests, index entries); past it, the commit that crossed it evicts the chains
+extended longest ago, whole: their lists and segments (a fork sharing those segments loses them too:
 its continuations answer `evicted`, like the records that named the chain).
 """
 
@@ -47,7 +51,7 @@ from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
 from ocxproxy.store import shared_dictionary
 
 # A new layout, or a new dictionary, is a new tag: keys written under another are not read.
-LAYOUT = b"\x02"
+LAYOUT = b"\x03"
 DICTIONARY_SHA256 = "9d345df9c26f62c57c3ebe023aa3d6e87a86dcccc4e3ce4e2c0a399f1e91842d"
 
 TAIL = 2  # the newest segments' values BEGIN sends along: what another replica just added
@@ -67,27 +71,32 @@ end
 return {v, digests, tail}
 """
 
-# KEYS[1] the item index key; ARGV: the scope's key base. A hit: BEGIN's answer (the own
-# segment's value alone), and the record's id.
+# KEYS[1] the scope's index buckets; ARGV: the item's field, the scope's key base. A hit:
+# BEGIN's answer (the own segment's value alone), and the record's id.
 ITEM = """
-local id = redis.call('GET', KEYS[1])
+local id
+for _, e in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1, 'REV')) do
+  id = redis.call('HGET', ARGV[2] .. 'i' .. e, ARGV[1])
+  if id then break end
+end
 if not id then return false end
-local v = redis.call('GET', ARGV[1] .. 'r' .. id)
+local v = redis.call('GET', ARGV[2] .. 'r' .. id)
 if not v then return false end
 local at = string.find(v, ':', 1, true)
-local chain = ARGV[1] .. 'c' .. string.sub(v, at + 1, at + 8)
+local chain = ARGV[2] .. 'c' .. string.sub(v, at + 1, at + 8)
 local digests = redis.call('LRANGE', chain, 0, tonumber(string.sub(v, 1, at - 1)) - 1)
 local own = digests[#digests]
-local value = own and redis.call('GET', ARGV[1] .. 's' .. own) or false
+local value = own and redis.call('GET', ARGV[2] .. 's' .. own) or false
 return {v, digests, {value}, id}
 """
 
 # KEYS: record, parent chain, new chain, the budget's three keys (chains by expiry, bytes
-#       per chain, total), k segments, then item index keys.
+#       per chain, total), k segments, then (when the turn has item ids) the index bucket
+#       and the scope's buckets.
 # ARGV: parent length (0: none), the new digests (the own one last), expiry (ms since
-#       epoch), the record's body,
-#       record id, the scope's key base, k, now (ms), byte budget, slack (ms), then k
-#       segment values.
+#       epoch), the record's body, record id, the scope's key base, k, now (ms), byte
+#       budget, slack (ms), k segment values, then the index bucket's end (ms) and the
+#       item ids' fields.
 # Returns {chain key, total bytes, chains evicted, chains expired}.
 COMMIT = """
 local plen = tonumber(ARGV[1])
@@ -143,8 +152,26 @@ if expires < tonumber(pxat) then
   end
 end
 redis.call('SET', KEYS[1], (plen + n) .. ':' .. string.sub(chain, -8) .. ARGV[4], 'PXAT', pxat)
-for i = 7 + k, #KEYS do
-  redis.call('SET', KEYS[i], ARGV[5], 'PXAT', pxat)
+if #ARGV > 11 + k then
+  -- The item index: a field per item in the bucket of records expiring by its end; a
+  -- new bucket gets its TTL and joins the scope's buckets (those past are dropped).
+  local bucket, buckets, fields = KEYS[7 + k], KEYS[8 + k], {}
+  for i = 12 + k, #ARGV do
+    fields[#fields + 1] = ARGV[i]
+    fields[#fields + 1] = ARGV[5]
+    added = added + #ARGV[i] + #ARGV[5]
+  end
+  redis.call('HSET', bucket, unpack(fields))
+  if redis.call('PEXPIRETIME', bucket) < 0 then
+    local ends = ARGV[11 + k]
+    redis.call('PEXPIREAT', bucket, ends)
+    local now = redis.call('TIME')  -- the server's clock, which expires the buckets
+    redis.call('ZREMRANGEBYSCORE', buckets, '-inf', now[1] .. string.format('%03d', now[2] / 1000))
+    redis.call('ZADD', buckets, ends, ends)
+    redis.call('PEXPIREAT', buckets, ends, 'GT')
+    if redis.call('PEXPIRETIME', buckets) < 0 then redis.call('PEXPIREAT', buckets, ends) end
+    added = added + #bucket + #buckets + 2 * #ends
+  end
 end
 -- The budget: bytes per chain, chains by expiry. Expired chains leave the count; past
 -- the budget the chain extended longest ago goes whole, with its segments.
@@ -197,8 +224,26 @@ class Keys:
     def segment(self, digest: str) -> bytes:
         return self.base + b"s" + bytes.fromhex(digest)
 
-    def item(self, item_id: str) -> bytes:
-        return self.base + b"i" + item_id.encode()
+    def bucket(self, ends_ms: int) -> bytes:
+        return self.base + b"i" + str(ends_ms).encode()
+
+    def buckets(self) -> bytes:
+        return self.base + b"d"
+
+
+def item_field(item_id: str) -> bytes:
+    """An item id's field in the index: 8 bytes of its BLAKE2b (the id itself is in the
+    segment, which the lookup checks; two ids alike in 64 bits cost a lookup, no leak:
+    the index is the scope's own)."""
+    return hashlib.blake2b(item_id.encode(), digest_size=8).digest()
+
+
+def bucket_end(expires_ms: int, ttl_ms: int) -> int:
+    """The end of the index bucket for a record expiring at `expires_ms`: buckets span an
+    eighth of the TTL, so an entry outlives its record by no more, and a scope has
+    nine or so."""
+    span = max(1, ttl_ms // 8)
+    return -(-expires_ms // span) * span
 
 
 def scope_tag(scope: str) -> bytes:
@@ -243,14 +288,19 @@ def commit_call(
     new = record.segments[plen:]
     script_keys = [keys.record(record.id), parent_chain, new_chain]
     script_keys += [*budget_keys(keys.prefix), *(keys.segment(s.key) for s in new)]
-    script_keys += [keys.item(item_id) for item_id in own.item_ids.ids]
     digests = b"".join(bytes.fromhex(s.key) for s in new)
-    args: list[Any] = [plen, digests, round(record.expires_at * 1000), record_body(record)]
+    expires = round(record.expires_at * 1000)
+    args: list[Any] = [plen, digests, expires, record_body(record)]
     slack = int((record.expires_at - record.created_at) * 100)  # a tenth of the TTL, in ms
     args += [record.id, keys.base, len(new), now_ms, budget, slack]
     for segment in new:
         assert segment.data is not None
         args.append(encode_segment(segment, segment.data))
+    fields = {item_field(item_id) for item_id in own.item_ids.ids}
+    if fields:
+        ends = bucket_end(expires, slack * 10)
+        script_keys += [keys.bucket(ends), keys.buckets()]
+        args += [ends, *sorted(fields)]
     return script_keys, args
 
 
