@@ -36,12 +36,10 @@ class ReplyError(Exception):
 
 
 def pack(*args: bytes | str | int) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        value = arg if isinstance(arg, bytes) else str(arg).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(value), value))
-    return b"".join(out)
+    """One command in RESP: an array of bulk strings (hiredis's packer: C, twice as fast
+    as building it here)."""
+    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]  # (its stub's 1-tuple)
+    return packed
 
 
 class Wire(asyncio.Protocol):
