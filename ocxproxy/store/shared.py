@@ -6,12 +6,15 @@ shared_layout.py); what must stay in the process (store:false turns kept with
 --retain-unstored) lives in the inherited memory-only Store, never on the server.
 
 Round trips: `begin` (a continuation, GET, input_items) is one script returning the
-record and its chain's digests, plus one MGET of the segments this replica does not hold
-(the resident cache, an LRU by digest: segments never change, so it is never stale;
-each fetched one is checked against its digest). `put` builds the record in memory;
-`commit` is one script writing segments, record, chain append (or fork) and TTLs
-atomically, plus WAIT/WAITAOF in the same round trip when replicas are asked for. The
-handlers release an answer only after `commit` returned (ack mode's contract).
+record and its chain's newest digests (a chain's list only grows, a fork being another
+chain, so the older ones this replica read or wrote before are still the server's; a
+chain it does not know that far costs one LRANGE more), plus one MGET of the segments
+this replica does not hold (the resident cache, an LRU by digest: segments never
+change, so it is never stale; each fetched one is checked against its digest). `put`
+builds the record in memory; `commit` is one script writing segments, record, chain
+append (or fork) and TTLs atomically, plus WAIT/WAITAOF in the same round trip when
+replicas are asked for. The handlers release an answer only after `commit` returned
+(ack mode's contract).
 
 A server that cannot be reached answers StorageUnavailable (503, Retry-After) before
 anything is forwarded; `available` says so until a probe (every second) succeeds.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +56,34 @@ register_scripts(shared_conversation_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
+CHAIN_DIGESTS = 200_000  # digests the chain cache holds (~25 MB), in chains used last
+
+
+class Chains:
+    """The digests (hex) of the chains this replica read or wrote, by chain key: an LRU
+    holding at most `limit` digests. A chain's list only grows (a sibling forks another
+    chain), so a prefix held here is the server's for as long as the chain lives."""
+
+    def __init__(self, limit: int = CHAIN_DIGESTS) -> None:
+        self.limit, self.held = limit, 0
+        self._by_key: OrderedDict[bytes, list[str]] = OrderedDict()
+
+    def get(self, key: bytes) -> list[str] | None:
+        names = self._by_key.get(key)
+        if names is not None:
+            self._by_key.move_to_end(key)
+        return names
+
+    def put(self, key: bytes, names: list[str]) -> None:
+        """Hold `names` (never changed after) as the chain's digests, unless more are held."""
+        held = self._by_key.pop(key, None)
+        if held is not None:
+            self.held -= len(held)
+            names = held if len(held) > len(names) else names
+        self._by_key[key] = names
+        self.held += len(names)
+        while self.held > self.limit and len(self._by_key) > 1:
+            self.held -= len(self._by_key.popitem(last=False)[1])
 
 
 class SharedStore(Store):
@@ -88,6 +120,7 @@ class SharedStore(Store):
         self.shared_bytes = 0  # the server's count, as the last write here saw it
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
+        self.chains = Chains()
         self.conversations = SharedConversations(  # and leases, keys
             self.server, prefix, budget=max_bytes, counted=self._counted
         )
@@ -150,12 +183,12 @@ class SharedStore(Store):
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = Keys(self.prefix, scope)
-        args = (layout.TAIL, keys.base)
+        args = (layout.TAIL, keys.base, layout.WINDOW)
         found = await self.server.script("begin", (keys.record(response_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
-        value, digests, tail = found
-        return await self._build(keys, response_id, value, digests, tail)
+        value, window, tail = found
+        return await self._build(keys, response_id, value, window, tail)
 
     async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest record whose own segment holds the item (kept here, else the
@@ -168,7 +201,7 @@ class SharedStore(Store):
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         value, digests, tail, record_id = found
-        record = await self._build(keys, record_id.decode(), value, digests[-1:], tail)
+        record = await self._build(keys, record_id.decode(), value, digests[-1:], tail, own=True)
         if record.segments[-1].item_ids.span(item_id) is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         return record
@@ -178,9 +211,12 @@ class SharedStore(Store):
         keys: Keys,
         record_id: str,
         value: bytes,
-        digests: list[bytes],
+        window: list[bytes],
         tail: list[bytes | None],
+        *,
+        own: bool = False,
     ) -> SharedRecord:
+        """The record from BEGIN's answer (ITEM's: `own`, its own segment alone)."""
         try:
             head = layout.read_head(record_id, value)
         except ValueError as exc:
@@ -188,11 +224,26 @@ class SharedStore(Store):
         if head.expires_at <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
-        names = [d.hex() for d in digests]
-        if len(names) != head.length and len(names) != 1:  # its chain was evicted (budget)
-            raise StoreFailure(FailureReason.EVICTED, "chain")
+        if len(window) != (1 if own else min(head.length, layout.WINDOW)):
+            raise StoreFailure(FailureReason.EVICTED, "chain")  # its chain went (budget)
+        names = [d.hex() for d in window]
+        if not own:
+            chain = keys.chain(head.chain)
+            if head.length > len(names):
+                names = await self._older(chain, head.length - len(names)) + names
+            self.chains.put(chain, names)
         segments = await self._gather(keys, names, tail)
         return layout.decode_record(keys, record_id, head, segments)
+
+    async def _older(self, chain: bytes, n: int) -> list[str]:
+        """The chain's first `n` digests: held here, else fetched (one LRANGE)."""
+        held = self.chains.get(chain)
+        if held is None or len(held) < n:
+            older = await self.server.command("chain", "LRANGE", chain, 0, n - 1)
+            if len(older) != n:
+                raise StoreFailure(FailureReason.EVICTED, "chain")
+            return [d.hex() for d in older]
+        return held[:n]
 
     async def _gather(
         self, keys: Keys, digests: list[str], tail: list[bytes | None]
@@ -331,6 +382,7 @@ class SharedStore(Store):
             raise
         self.metrics.shared_commits.labels("ok").inc()
         self._cache(shared.segments[-1])
+        self.chains.put(shared.chain, [s.key for s in shared.segments])
 
     async def _commit(self, record: SharedRecord, parent: Record | None) -> bytes:
         script_keys, args = layout.commit_call(

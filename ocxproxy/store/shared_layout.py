@@ -55,15 +55,18 @@ LAYOUT = b"\x03"
 DICTIONARY_SHA256 = "9d345df9c26f62c57c3ebe023aa3d6e87a86dcccc4e3ce4e2c0a399f1e91842d"
 
 TAIL = 2  # the newest segments' values BEGIN sends along: what another replica just added
+WINDOW = 8  # the newest digests BEGIN sends: a replica knows the older ones (or asks)
 
 # KEYS[1] the record; ARGV: how many of the newest segments' values to send along, the
-# scope's key base. A hit: {record, digests, values of the newest}; a miss: nil.
+# scope's key base, how many of the newest digests to send. A hit: {record, the newest
+# digests (fewer: the chain is gone), values of the newest segments}; a miss: nil.
 BEGIN = """
 local v = redis.call('GET', KEYS[1])
 if not v then return false end
 local at = string.find(v, ':', 1, true)
 local chain = ARGV[2] .. 'c' .. string.sub(v, at + 1, at + 8)
-local digests = redis.call('LRANGE', chain, 0, tonumber(string.sub(v, 1, at - 1)) - 1)
+local n = tonumber(string.sub(v, 1, at - 1))
+local digests = redis.call('LRANGE', chain, math.max(0, n - tonumber(ARGV[3])), n - 1)
 local tail = {}
 for i = math.max(1, #digests - tonumber(ARGV[1]) + 1), #digests do
   tail[#tail + 1] = redis.call('GET', ARGV[2] .. 's' .. digests[i]) or false
