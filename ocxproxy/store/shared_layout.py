@@ -39,7 +39,8 @@ its continuations answer `evicted`, like the records that named the chain).
 from __future__ import annotations
 
 import hashlib
-import secrets
+import os
+import random
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,10 @@ return {chain, total, evicted, expired}
 """
 
 LOST = "OCXLOST"  # the commit script's error when the parent's chain expired meanwhile
+# Chain tokens need to be unique, not secret (a scope's keys answer only that scope): a
+# generator seeded from the OS (again in a forked child), not a getrandom() a commit.
+_tokens = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _tokens.seed(os.urandom(32)))
 
 
 class Keys:
@@ -284,7 +289,7 @@ def commit_call(
     chain): the new segments' values (the own one; every one of a conversation turn's
     record on no chain yet), the record's body, the item index, the budget."""
     own = record.segments[-1]
-    new_chain = keys.chain(secrets.token_bytes(8))
+    new_chain = keys.chain(_tokens.randbytes(8))
     shared = parent if isinstance(parent, SharedRecord) else None
     plen = shared.length if shared else 0
     parent_chain = shared.chain if shared and plen else new_chain

@@ -52,6 +52,8 @@ class Wire(asyncio.Protocol):
         self.lost: Exception | None = None
         self.progress = 0.0  # when it last answered, or was sent to while idle
         self._corked: list[bytes] = []  # sent during this turn of the event loop, not written
+        # The loop it was made on: asyncio.get_running_loop() costs a getpid() syscall.
+        self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
@@ -83,7 +85,7 @@ class Wire(asyncio.Protocol):
         """Write `packed` (one or more commands); a future per answer it takes."""
         if self.lost is not None or self._transport is None:
             raise ConnectionError(f"shared store connection lost: {self.lost}")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         futures = [loop.create_future() for _ in range(answers)]
         if self._corked:
             self._corked.append(packed)
