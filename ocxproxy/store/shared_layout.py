@@ -41,15 +41,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import zstandard
 
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store import shared_dictionary
+from ocxproxy.store.shared_frame import frame, unframe
+from ocxproxy.store.shared_frame import payload as payload  # (scripts/shared_dictionary.py)
 
 # A new layout, or a new dictionary, is a new tag: keys written under another are not read.
 LAYOUT = b"\x03"
@@ -310,53 +309,6 @@ def commit_call(
         script_keys += [keys.bucket(ends), keys.buckets()]
         args += [ends, *sorted(fields)]
     return script_keys, args
-
-
-_dictionary = zstandard.ZstdCompressionDict(shared_dictionary.DICTIONARY)
-# Small values (a usual turn) at level 6: a fifth smaller than at 3 for ~5 µs more; large
-# ones at 3, where level 6 would cost more time than the dictionary saves bytes.
-_SMALL = 4096
-_FORMAT = zstandard.FORMAT_ZSTD1_MAGICLESS  # the encoding byte before it says zstd
-_compressors = {
-    level: zstandard.ZstdCompressor(
-        dict_data=_dictionary,
-        compression_params=zstandard.ZstdCompressionParameters.from_level(
-            level, format=_FORMAT, write_checksum=0, write_dict_id=0
-        ),
-    )
-    for level in (3, 6)
-}
-_decompressor = zstandard.ZstdDecompressor(dict_data=_dictionary, format=_FORMAT)
-_RAW, _ZSTD = b"r", b"d"  # raw, or zstd with the dictionary
-_LENGTH = struct.Struct("<I")
-
-
-def payload(meta: bytes, data: bytes) -> bytes:
-    """What a value holds before compression: `meta` (JSON) and `data`."""
-    return b"".join((_LENGTH.pack(len(meta)), meta, data))
-
-
-def frame(meta: bytes, data: bytes) -> bytes:
-    """A value: its payload, zstd-compressed with the dictionary when that makes it
-    smaller (large or incompressible items may not be)."""
-    raw = payload(meta, data)
-    compressed = _compressors[6 if len(raw) <= _SMALL else 3].compress(raw)
-    return _ZSTD + compressed if len(compressed) < len(raw) else _RAW + raw
-
-
-def unframe(value: bytes) -> tuple[Any, bytes]:
-    """A value's meta (decoded) and data; ValueError when it is not a value of this layout."""
-    kind, body = value[:1], value[1:]
-    try:
-        if kind == _ZSTD:
-            body = _decompressor.decompress(body)
-        elif kind != _RAW:
-            raise ValueError(f"unknown encoding {kind!r}")
-        (size,) = _LENGTH.unpack_from(body)
-        meta = orjson.loads(body[_LENGTH.size : _LENGTH.size + size])
-    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError) as exc:
-        raise ValueError(str(exc)) from None
-    return meta, bytes(body[_LENGTH.size + size :])
 
 
 def encode_segment(segment: Segment, data: bytes) -> bytes:
