@@ -23,6 +23,7 @@ from ocxproxy.http import idempotency
 from ocxproxy.store import shared_conversations
 from ocxproxy.store.shared import SharedStore
 from ocxproxy.store.shared_conversation_scripts import kept_keys
+from ocxproxy.store.shared_layout import LAYOUT
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
@@ -51,7 +52,7 @@ async def keys_of(kv: aioredis.Redis, kind: bytes) -> list[bytes]:
     """The server's keys of a kind: b"conv" (text names) or a layout kind byte (s, c, r)."""
     if kind == b"conv":
         return [key async for key in kv.scan_iter(match="*:conv:*", count=1000)]
-    layout = b"ocx:\x02\x10"  # the prefix, the layout tag, a scope hash's length (16)
+    layout = b"ocx:" + LAYOUT + b"\x10"  # the prefix, the layout tag, a scope hash's length
     return [key async for key in kv.scan_iter(count=1000) if key[:6] + key[22:23] == layout + kind]
 
 
