@@ -47,8 +47,9 @@ from typing import Any
 import orjson
 
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store.shared_frame import frame, unframe
+from ocxproxy.store.shared_frame import frame as frame  # (shared_conversations.py's too)
 from ocxproxy.store.shared_frame import payload as payload  # (scripts/shared_dictionary.py)
+from ocxproxy.store.shared_frame import unframe as unframe
 
 # A new layout, or a new dictionary, is a new tag: keys written under another are not read.
 LAYOUT = b"\x03"
