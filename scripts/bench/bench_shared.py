@@ -35,6 +35,7 @@ import asyncio
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -418,6 +419,7 @@ def main() -> None:
             child.stop()
         for kv in kvs.values():
             kv.close()
+        shutil.rmtree(tmp, ignore_errors=True)  # state dirs and AOFs: ~100 MB a full run
 
 
 if __name__ == "__main__":
