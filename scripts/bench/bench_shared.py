@@ -88,6 +88,28 @@ def start_serve(upstream: str, state: Path, *extra: str) -> Child:
     return start_child(f"proxy-{state.name}", argv, r"ocxproxy listening on (http://\S+?)/v1")
 
 
+def start_serves(
+    upstream: str, jobs: dict[str, tuple[Any, ...]], children: list[Child]
+) -> dict[str, Child]:
+    """`serve` processes (state dir, then flags) started together, since python start-up
+    dominates; each one that started joins `children` (to stop), then the first failure
+    is raised."""
+    with ThreadPoolExecutor(8) as pool:
+        futures = {name: pool.submit(start_serve, upstream, *job) for name, job in jobs.items()}
+    started = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    children += started.values()
+    for future in futures.values():
+        if (error := future.exception()) is not None:
+            raise error
+    return started
+
+
+def kv_servers(tmp: Path, profiles: list[str]) -> dict[str, KvServer]:
+    """A Valkey per durability profile: ack fsyncs every write, relaxed every second."""
+    fsync: dict[str, Literal["always", "everysec"]] = {"ack": "always", "relaxed": "everysec"}
+    return {p: KvServer("valkey", tmp / f"valkey-{p}", appendfsync=fsync[p]) for p in profiles}
+
+
 async def post(client: RawClient, body: dict[str, Any]) -> bytes:
     status, _, data = await client.post(PATH, orjson.dumps(body))
     if status != 200:
@@ -363,8 +385,7 @@ def main() -> None:
     profiles = profiles if timed else []
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-shared-"))
-    fsync: dict[str, Literal["always", "everysec"]] = {"ack": "always", "relaxed": "everysec"}
-    kvs = {p: KvServer("valkey", tmp / f"valkey-{p}", appendfsync=fsync[p]) for p in profiles}
+    kvs = kv_servers(tmp, profiles)
     if "bytes" in args.parts:
         kvs["bytes"] = KvServer("valkey", tmp / "valkey-bytes", appendfsync="everysec")
     children: list[Child] = []
@@ -374,32 +395,18 @@ def main() -> None:
         # A fresh output item id per response, as real servers send: the item index's cost.
         children.append(start_backend(raw=True, unique_item_ids=True))
         backend = children[0]
-        jobs: dict[str, Any] = {}
-        with ThreadPoolExecutor(8) as pool:  # python start-up dominates: start them together
-            for p in profiles:
-                jobs[f"single-{p}"] = pool.submit(
-                    start_serve, backend.url, tmp / f"single-{p}", "--durability", p
-                )
-                for i in range(3):
-                    jobs[f"shared-{p}-{i}"] = pool.submit(
-                        start_serve, backend.url, tmp / f"shared-{p}-{i}", "--durability", p,
-                        "--shared-store", kvs[p].url,
-                    )  # fmt: skip
-            if "bytes" in args.parts:
-                jobs["bytes"] = pool.submit(
-                    start_serve, backend.url, tmp / "bytes", "--durability", "relaxed",
-                    "--shared-store", kvs["bytes"].url,
+        jobs: dict[str, tuple[Any, ...]] = {}
+        for p in profiles:
+            jobs[f"single-{p}"] = (tmp / f"single-{p}", "--durability", p)
+            for i in range(3):
+                jobs[f"shared-{p}-{i}"] = (
+                    tmp / f"shared-{p}-{i}", "--durability", p, "--shared-store", kvs[p].url
                 )  # fmt: skip
-            started: dict[str, Child] = {}
-            failed: list[BaseException] = []
-            for name, job in jobs.items():
-                if job.exception() is None:
-                    started[name] = job.result()
-                else:
-                    failed.append(job.exception() or RuntimeError(name))
-        children += started.values()
-        if failed:
-            raise failed[0]
+        if "bytes" in args.parts:
+            jobs["bytes"] = (
+                tmp / "bytes", "--durability", "relaxed", "--shared-store", kvs["bytes"].url
+            )  # fmt: skip
+        started = start_serves(backend.url, jobs, children)
         with running(*children):
             singles = {p: started[f"single-{p}"] for p in profiles}
             shared = {p: [started[f"shared-{p}-{i}"] for i in range(3)] for p in profiles}

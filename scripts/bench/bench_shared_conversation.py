@@ -30,13 +30,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
-from bench_shared import kind_of, load, post, start_serve, value_bytes
+from bench_shared import kind_of, kv_servers, load, post, start_serves, value_bytes
 from benchkit import (
     Child,
     Summary,
@@ -208,34 +207,25 @@ def main() -> None:
         print(raise_priority(args.nice))
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-shared-conversation-"))
-    fsync: dict[str, Literal["always", "everysec"]] = {"ack": "always", "relaxed": "everysec"}
-    kvs = {p: KvServer("valkey", tmp / f"valkey-{p}", appendfsync=fsync[p]) for p in profiles}
+    kvs = kv_servers(tmp, profiles)
     bytes_kv = KvServer("valkey", tmp / "valkey-bytes", appendfsync="everysec")
     children: list[Child] = []
     try:
         for kv in [*kvs.values(), bytes_kv]:
             kv.start()
         children.append(start_backend(raw=True))
-        backend = children[0].url
-        with ThreadPoolExecutor(8) as pool:  # python start-up dominates: start them together
-            jobs: dict[str, tuple[Any, ...]] = {
-                f"single-{p}": (tmp / f"single-{p}", "--durability", p) for p in profiles
-            }
-            for p in profiles:
-                jobs[f"shared-{p}"] = (
-                    tmp / f"shared-{p}", "--durability", p, "--shared-store", kvs[p].url
-                )  # fmt: skip
-            jobs["bytes"] = (
-                tmp / "bytes", "--durability", "relaxed", "--shared-store", bytes_kv.url
-            )  # fmt: skip
-            futures = {name: pool.submit(start_serve, backend, *a) for name, a in jobs.items()}
-            started = {}
-            for name, future in futures.items():
-                if future.exception() is None:
-                    started[name] = future.result()
-        children += started.values()
-        if len(started) < len(jobs):
-            raise RuntimeError(f"not started: {sorted(set(jobs) - set(started))}")
+        jobs: dict[str, tuple[Any, ...]] = {}
+        for p in profiles:
+            jobs[f"single-{p}"] = (tmp / f"single-{p}", "--durability", p)
+            jobs[f"shared-{p}"] = (
+                tmp / f"shared-{p}",
+                "--durability",
+                p,
+                "--shared-store",
+                kvs[p].url,
+            )
+        jobs["bytes"] = (tmp / "bytes", "--durability", "relaxed", "--shared-store", bytes_kv.url)
+        started = start_serves(children[0].url, jobs, children)
         with running(*children):
             pairs = {p: (started[f"single-{p}"], started[f"shared-{p}"], kvs[p]) for p in profiles}
             asyncio.run(overhead(pairs, args.n, args.rounds))
