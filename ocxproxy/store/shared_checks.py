@@ -4,7 +4,9 @@
 `appendfsync always`. `relaxed`: AOF with `everysec` is accepted, AOF off is a warning.
 An evicting `maxmemory-policy` is refused in both: every key has a TTL, so a server under
 memory pressure would silently drop history (noeviction fails the write instead, which
-the proxy reports). Redis >= 7.0 or Valkey (the scripts use PXAT and PEXPIREAT GT).
+the proxy reports). Redis >= 7.0 or Valkey (the scripts use PXAT and PEXPIREAT GT). A
+server that frees expired keys in its main thread is a warning: an item-index bucket
+holds every item of a scope that expires in one eighth of the TTL.
 """
 
 from __future__ import annotations
@@ -95,6 +97,12 @@ async def check_server(client: Any, durability: str, wait_replicas: int) -> tupl
         log.warning("shared store: appendonly is off: a server restart loses stored turns")
     elif config and fsync == "no":
         log.warning("shared store: appendfsync no: a server crash may lose recent turns")
+    if config.get("lazyfree-lazy-expire") == "no":  # Redis <= 7.x's default; Valkey's is yes
+        log.warning(
+            "shared store: lazyfree-lazy-expire is no: when an item-index bucket expires, the "
+            "server frees it in its only thread (about 1 s per million items, every client "
+            "waiting); set lazyfree-lazy-expire yes"
+        )
     if wait_replicas <= 0:
         return ()
     replication = await client.info("replication")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -397,6 +398,23 @@ async def test_start_checks_the_server_against_the_durability_profile(
                 await store.start()
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(("lazy_expire", "warned"), [("no", True), ("yes", False)])
+async def test_start_warns_when_the_server_frees_expired_keys_in_its_main_thread(
+    make_kv_server: Callable[..., Awaitable[KvServer]],
+    caplog: pytest.LogCaptureFixture,
+    lazy_expire: str,
+    warned: bool,
+) -> None:
+    server = await make_kv_server("valkey", extra={"lazyfree-lazy-expire": lazy_expire})
+    store = SharedStore(server.url, max_resident_bytes=1024, max_entries=10, ttl=60.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ocxproxy.store.shared"):
+            await store.start()
+    finally:
+        await store.close()
+    assert any("lazyfree-lazy-expire" in r.getMessage() for r in caplog.records) is warned
 
 
 async def test_an_unreachable_server_at_start_is_refused(make_store: MakeStore) -> None:
