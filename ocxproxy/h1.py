@@ -108,7 +108,7 @@ class _Reader:
 
     __slots__ = ("_fields", "_parser", "body", "complete", "keep_body", "trailing")
 
-    _parser: httptools.HttpRequestParser | httptools.HttpResponseParser
+    _parser: httptools.HttpRequestParser | httptools.HttpResponseParser | None
 
     def __init__(self) -> None:
         self._fields: list[tuple[bytes, bytes]] = []
@@ -119,13 +119,14 @@ class _Reader:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Parse `data`. BadMessage if the message is malformed or cannot be framed.
-        Bytes past the end of a complete message only set `trailing`."""
-        if self.complete:
+        Bytes past the end of a complete message (or after `release`) only set `trailing`."""
+        parser = self._parser
+        if self.complete or parser is None:
             if data:
                 self.trailing = True
             return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             pass  # the head is read; what follows is another protocol's, not parsed here
         except httptools.HttpParserError as exc:
@@ -134,6 +135,13 @@ class _Reader:
                 return
             cause = exc.__context__
             raise BadMessage(str(cause if isinstance(cause, BadMessage) else exc)) from None
+
+    def release(self) -> None:
+        """Done with this reader: drop llhttp's parser, whose callbacks are this reader's
+        bound methods. That reference cycle would leave a finished reader to the cyclic GC,
+        and `serve` freezes what is alive every second out of it (heap.py): a reader alive
+        then (any answer streaming for over a second) would wait for the full pass."""
+        self._parser = None
 
     # -- llhttp's callbacks (kept small: each costs a Python call) -----------------------
 
@@ -186,6 +194,7 @@ class _Reader:
         return found
 
     def _version(self) -> str:
+        assert self._parser is not None  # (only asked from llhttp's callbacks)
         version = self._parser.get_http_version()
         if version not in ("1.1", "1.0"):
             raise BadMessage(f"HTTP/{version} is not HTTP/1.x")
@@ -232,7 +241,7 @@ class RequestParser(_Reader):
 
     __slots__ = ("_fed", "_target", "head")
 
-    _parser: httptools.HttpRequestParser
+    _parser: httptools.HttpRequestParser | None
 
     def __init__(self) -> None:
         super().__init__()
@@ -297,6 +306,7 @@ class RequestParser(_Reader):
         fields = self._headers()
         if fields.hosts > 1 or (fields.hosts == 0 and version == "1.1"):
             raise BadMessage("an HTTP/1.1 request needs exactly one Host")
+        assert self._parser is not None
         method = self._parser.get_method().decode("ascii")
         target = self._target.decode("ascii")  # llhttp let no other byte through
         self._target = b""
@@ -320,7 +330,7 @@ class ResponseParser(_Reader):
         "status",
     )
 
-    _parser: httptools.HttpResponseParser
+    _parser: httptools.HttpResponseParser | None
 
     def __init__(self, *, head_only: bool = False) -> None:
         super().__init__()
@@ -337,6 +347,7 @@ class ResponseParser(_Reader):
         self.reason = reason.decode("utf-8", "surrogateescape")
 
     def on_headers_complete(self) -> None:
+        assert self._parser is not None
         status = self._parser.get_status_code()
         if not 100 <= status <= 599:
             raise BadMessage(f"status {status} is not 100-599")
@@ -361,3 +372,4 @@ class ResponseParser(_Reader):
     def on_message_complete(self) -> None:
         if self.status:  # not an interim answer's end
             self.complete = True
+            self.release()  # (one answer a reader; llhttp holds its parser until it returns)

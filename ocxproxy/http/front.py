@@ -150,6 +150,7 @@ class FrontConnection(FlowControlled):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.parser.release()
         self.front.connections.discard(self)
         self._stop_timer()
         if self.task is not None:
@@ -334,6 +335,7 @@ class _HandedOver(asyncio.Protocol):
         return self.handler.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.parser.release()
         self.front.handed.discard(self)
         if self.timer is not None:
             self.timer.cancel()

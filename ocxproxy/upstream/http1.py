@@ -130,6 +130,7 @@ class _Connection(FlowControlled):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.drop_parser()
         self._wake()
         self.resume_writing()
 
@@ -162,8 +163,15 @@ class _Connection(FlowControlled):
         if self.closed:
             raise Disconnected("The connection closed while the request was being sent.")
 
+    def drop_parser(self) -> None:
+        """The answer is done with; its reader, if the caller holds it, stays readable."""
+        if self.parser is not None:
+            self.parser.release()
+            self.parser = None
+
     def close(self) -> None:
         self.closed = True
+        self.drop_parser()
         if self.transport is not None:
             self.transport.close()
 
@@ -255,7 +263,7 @@ class Http1Client:
     def keep(self, conn: _Connection, origin: _Origin, keep_alive: str | None) -> None:
         """Pool a connection whose answer ended at its framed end; `keep_alive` is the
         answer's Keep-Alive field, whose timeout the connection is retired before."""
-        conn.parser = None
+        conn.drop_parser()
         if conn.closed or len(origin.idle) >= MAX_IDLE:
             conn.close()
             return
