@@ -6,10 +6,13 @@ all of it: ~0.5 s with the event loop stopped at 100,000 records, and CPython ru
 whenever the objects that survived grew by a quarter. So `serve` settles the heap every
 few seconds: a full collection of what is not frozen yet (only what was allocated since
 the last settle, a few ms), then `gc.freeze()`, which takes the survivors out of every
-later collection. The price: a reference cycle among objects frozen while alive (a
-WebSocket connection's tasks, an exception's traceback) is not collected when it dies, so
-every `FULL_EVERY` settles the frozen heap is thawed and collected whole: one full pass
-(~0.5 s at 100,000 records) every ten minutes bounds what such cycles can hold.
+later collection. The price: a reference cycle among objects frozen while alive is not
+collected when it dies, so the frozen heap is thawed and collected whole from time to time:
+a full pass, ~0.5 s with the loop stopped at 100,000 records. The proxy's own per-turn
+objects hold no cycle once done (an HTTP reader drops llhttp's parser, whose callbacks
+are its bound methods), so what waits for that pass is little (aiohttp's WebSocket
+connection, ~7 KB each): it runs at the first settle with no backend request in flight
+once `FULL_AFTER` settles have passed, and after `FULL_EVERY` regardless.
 
 `trim()` hands the memory freed at the top of malloc's heaps back to the system (after
 start-up's load, ~18 MiB at 100,000 records, and every half minute: checkpoint buffers).
@@ -21,10 +24,12 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+from collections.abc import Callable
 
 SETTLE_EVERY = 1.0  # seconds between settles
 TRIM_EVERY = 30  # settles between trims (a trim walks malloc's free lists: a few ms)
-FULL_EVERY = 600  # settles between full collections of the frozen heap too
+FULL_AFTER = 600  # settles before a full collection of the frozen heap, once idle
+FULL_EVERY = 3600  # settles before one, idle or not
 
 
 def _malloc_trim() -> object:
@@ -50,11 +55,17 @@ def settle(*, full: bool = False) -> None:
     gc.freeze()
 
 
-async def keep_settled(every: float = SETTLE_EVERY) -> None:
-    n = 0
+async def keep_settled(idle: Callable[[], bool], every: float = SETTLE_EVERY) -> None:
+    """Settle every `every` seconds; `idle` says whether a full pass would keep no request
+    waiting."""
+    n = since_full = 0
     while True:
         await asyncio.sleep(every)
         n += 1
-        settle(full=n % FULL_EVERY == 0)
+        since_full += 1
+        full = since_full >= FULL_EVERY or (since_full >= FULL_AFTER and idle())
+        settle(full=full)
+        if full:
+            since_full = 0
         if n % TRIM_EVERY == 0:
             trim()

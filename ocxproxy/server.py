@@ -152,8 +152,10 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
-    listener = await listen(build_app(config), config.host, config.port)
-    settler = spawn(heap.keep_settled(), name="heap-settler")
+    app = build_app(config)
+    listener = await listen(app, config.host, config.port)
+    fleet = app[PROXY].pool.fleet
+    settler = spawn(heap.keep_settled(lambda: fleet.in_flight == 0), name="heap-settler")
     try:
         print(f"ocxproxy listening on {listener.url}/v1", flush=True)
         stop = asyncio.Event()
