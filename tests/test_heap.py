@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import weakref
 from collections.abc import Iterator
@@ -52,22 +50,26 @@ def test_a_full_settle_collects_a_cycle_that_died_after_it_was_frozen(unfrozen: 
 async def test_the_full_pass_waits_for_an_idle_moment_but_not_forever(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    passes: list[bool] = []
-    monkeypatch.setattr(heap, "settle", lambda *, full=False: passes.append(full))
     monkeypatch.setattr(heap, "FULL_AFTER", 3)
     monkeypatch.setattr(heap, "FULL_EVERY", 5)
     idle = False
 
+    class Enough(Exception):
+        pass
+
     async def settled(n: int) -> list[int]:
-        """The settles (1-based, of the next `n`) that were full passes."""
-        del passes[:]
-        task = asyncio.ensure_future(heap.keep_settled(lambda: idle, every=0.001))
-        while len(passes) < n:
-            await asyncio.sleep(0.001)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return [i + 1 for i, full in enumerate(passes[:n]) if full]
+        """Which of the next `n` settles (1-based) were full passes."""
+        passes: list[bool] = []
+
+        def settle(*, full: bool = False) -> None:
+            passes.append(full)
+            if len(passes) == n:
+                raise Enough
+
+        monkeypatch.setattr(heap, "settle", settle)
+        with pytest.raises(Enough):
+            await heap.keep_settled(lambda: idle, every=0.001)
+        return [i + 1 for i, full in enumerate(passes) if full]
 
     assert await settled(11) == [5, 10]  # never idle: only when it must
     idle = True
