@@ -160,8 +160,8 @@ class ConversationTurn:
         response_id: str,
     ) -> Record:
         """The append as a write `SharedStore.commit` runs: fenced by the version the turn
-        read, releasing the turn's lease in the same script, and naming the turn's response
-        (the next turn's record chains on its)."""
+        read, releasing the turn's lease and writing the turn's response record in the
+        same script (both or neither; the next turn's record chains on its)."""
         conversation = self.conversation
         record = conversation.record
         assert isinstance(record, ConversationRecord)
@@ -201,7 +201,8 @@ class ConversationTurn:
 def _not_appended() -> StorageUnavailable:
     return StorageUnavailable(
         "The response could not be added to its conversation: the proxy's storage "
-        "failed. Nothing was saved; retry later."
+        "failed. Nothing was saved: neither the response nor the conversation's new "
+        "items (they are written together); the conversation is as before. Retry later."
     )
 
 

@@ -41,6 +41,7 @@ from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared_conversations import (
     ConversationHead,
     ConversationRecord,
+    Joined,
     SharedConversations,
     SharedWrite,
     as_parent,
@@ -124,6 +125,7 @@ class SharedStore(Store):
         self.conversations = SharedConversations(  # and leases, keys
             self.server, prefix, budget=max_bytes, counted=self._counted
         )
+        self.conversations.join = self.commit_with
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
@@ -368,23 +370,41 @@ class SharedStore(Store):
             return
         staged = self._staged.get(record.id) if record is not None else None
         if staged is None or staged[0] is not record:
-            await super().commit(record)
+            if type(record) is SharedRecord and not record.chain:  # put, not written
+                raise StoreFailure(FailureReason.WRITE_FAILED, "its conversation's write failed")
+            await super().commit(record)  # (or written already, with its conversation's)
             return
         del self._staged[staged[0].id]
-        shared, parent = staged
+        await self._write(*staged)
+
+    async def commit_with(self, response_id: str, append: Joined) -> int | None:
+        """The record staged for `response_id` and its conversation's `append`, both or
+        neither: the conversation's new version (0: it changed), None: no record staged."""
+        staged = self._staged.pop(response_id, None)
+        if staged is None:
+            return None
+        await self._write(*staged, append)
+        return append.version
+
+    async def _write(self, shared: SharedRecord, parent: Record | None, append: Any = None) -> None:
         try:
-            shared.chain = await self._commit(shared, parent)
+            chain = await self._commit(shared, parent, append)
         except StorageUnavailable:
             self.metrics.shared_commits.labels("unavailable").inc()
             raise StoreFailure(FailureReason.WRITE_FAILED, "shared store unavailable") from None
         except StoreFailure as failure:
             self.metrics.shared_commits.labels(str(failure.reason)).inc()
             raise
-        self.metrics.shared_commits.labels("ok").inc()
-        self._cache(shared.segments[-1])
-        self.chains.put(shared.chain, [s.key for s in shared.segments])
+        if chain:  # (else its conversation changed: nothing was written)
+            shared.chain = chain
+            self.metrics.shared_commits.labels("ok").inc()
+            self._cache(shared.segments[-1])
+            self.chains.put(shared.chain, [s.key for s in shared.segments])
 
-    async def _commit(self, record: SharedRecord, parent: Record | None) -> bytes:
+    async def _commit(
+        self, record: SharedRecord, parent: Record | None, append: Joined | None = None
+    ) -> bytes:
+        """The record's chain; with an `append`, TURN: b'' when the conversation changed."""
         script_keys, args = layout.commit_call(
             Keys(self.prefix, record.scope),
             record,
@@ -392,17 +412,19 @@ class SharedStore(Store):
             int(self.clock() * 1000),
             self.max_bytes,
         )
+        op, command = ("commit", self.server.commit_command) if append is None else append.call
         try:
-            chain, total, evicted, expired = await self.server.write(
-                "commit", lambda: self.server.commit_command(script_keys, args)
-            )
+            reply = await self.server.write(op, lambda: command(script_keys, args))
         except StoreFailure as failure:
             if failure.reason != FailureReason.MISSING or not isinstance(parent, ConversationHead):
                 raise
             # the conversation's last turn's chain was evicted while this turn ran: every
             # segment is in hand, so the record gets a chain of its own
-            return await self._commit(record, None)
+            return await self._commit(record, None, append)
+        chain, total, evicted, expired = reply[:4]
         self._counted(total, expired, evicted)
+        if append is not None:
+            append.version = int(reply[4])
         return bytes(chain)
 
     def _counted(self, total: int, expired: int, evicted: int = 0) -> None:

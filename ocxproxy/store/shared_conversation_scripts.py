@@ -73,6 +73,13 @@ end
 local expired = sweep()
 """
 
+# A lease lives in the server's memory only (`redis.set_repl(redis.REPL_NONE)`: never in
+# the AOF, never replicated), so taking one costs no fsync before the backend is called.
+# It is an exclusion between live turns, not state: a server restart or a failover drops
+# the leases of turns in flight, and then each turn's append is still fenced by the
+# version it read (TURN, WRITE): the first to commit wins, the other is refused, 409.
+_MEMORY_ONLY = "redis.set_repl(redis.REPL_NONE)\n"
+
 # KEYS: head, items, lease, kept total. ARGV: the version and entry count this replica
 # holds (0 0: none), a token to take the lease with for a TTL (ms) ('' '': a read without
 # it), the layout's key base of the scope. A hit: {head, version, from, the entries from
@@ -81,7 +88,9 @@ local expired = sweep()
 # turn's record when its chain holds exactly the conversation's items (a turn's record
 # chains on it), else false. A miss: nil (no lease taken); 0 while another token holds
 # the lease.
-LOAD = """
+LOAD = (
+    _MEMORY_ONLY
+    + """
 local taken = false
 if ARGV[3] ~= '' then
   local held = redis.call('GET', KEYS[3])
@@ -111,6 +120,7 @@ end
 local kept = tonumber(redis.call('GET', KEYS[4]) or 0)
 return {h[1], h[2], from, redis.call('LRANGE', KEYS[2], from, -1), top, kept}
 """
+)
 
 # KEYS: the four kept keys, head, items. ARGV: the three budget ones, head, then the first
 # entry (if any). {1 | 0 the id is taken | -2 no room, total bytes, expired}.
@@ -199,21 +209,64 @@ return answer(new, expired)
 )
 
 # KEYS: a lease. ARGV: a new token, its TTL (ms). 1 when the token holds it now.
-ACQUIRE = """
+ACQUIRE = (
+    _MEMORY_ONLY
+    + """
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then return 1 end
 if held then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
+)
 
-# KEYS: a lease or in-flight key. ARGV: its token, and a TTL (ms) to renew it by ('' to
-# release it). 1 while the token holds it.
+# KEYS: an in-flight key (`idempotency_hold`), or a lease (`lease`: memory only). ARGV:
+# its token, and a TTL (ms) to renew it by ('' to release it). 1 while the token holds it.
 HOLD = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 1
 """
+
+# A turn's record and its conversation's append, both or neither, in one script (one
+# round trip and, with appendfsync always, one fsync): shared_layout.COMMIT and WRITE
+# (append) as they are, each over its own KEYS and ARGV. First what can refuse the turn
+# without writing: the conversation moved on (its version, unless this is this write's
+# own earlier run) or is no hash and list, then COMMIT (its parent's chain gone: OCXLOST,
+# before its first write); only then the writes, COMMIT's and the append's.
+# KEYS: COMMIT's, then WRITE's (the four kept keys, head, items, lease).
+# ARGV: how many of KEYS and ARGV are COMMIT's, COMMIT's, then WRITE's (an append).
+# {chain key ('': the conversation changed, nothing written), total bytes, chains
+# evicted, expired, the conversation's new version (0: changed)}.
+TURN = (
+    "local function commit(KEYS, ARGV)\n"
+    + layout.COMMIT
+    + "end\nlocal function write(KEYS, ARGV)\n"
+    + WRITE
+    + """end
+local function slice(t, from, to)
+  local s = {}
+  for i = from, to do s[#s + 1] = t[i] end
+  return s
+end
+local nk, na = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ck, ca = slice(KEYS, 1, nk), slice(ARGV, 3, 2 + na)
+local wk, wa = slice(KEYS, nk + 1, #KEYS), slice(ARGV, 3 + na, #ARGV)
+local h = redis.call('HMGET', wk[5], 'ver', 'last')
+if h[1] ~= wa[4] and h[2] ~= wa[8] then
+  if wa[5] ~= '' and redis.call('GET', wk[7]) == wa[5] then redis.call('DEL', wk[7]) end
+  return {'', tonumber(redis.call('GET', wk[4]) or 0), 0, 0, 0}
+end
+local kind = redis.call('TYPE', wk[6])['ok']
+if kind ~= 'list' and kind ~= 'none' then
+  return redis.error_reply('WRONGTYPE the conversation items are not a list')
+end
+local c = commit(ck, ca)
+if c['err'] then return c end
+local w = write(wk, wa)
+return {c[1], w[2], c[3], c[4] + w[3], w[1]}
+"""
+)
 
 # KEYS: completed key, in-flight key. ARGV: this request's marker, TTL (ms).
 # {1, entry}: completed; {0}: now in flight for this request; {2, marker}: another runs.
@@ -245,13 +298,15 @@ SCRIPTS = {
     "conversation_load": LOAD,
     "conversation_create": CREATE,
     "conversation_write": WRITE,
+    "conversation_turn": TURN,
     "lease_acquire": ACQUIRE,
-    "lease": HOLD,
+    "lease": _MEMORY_ONLY + HOLD,
+    "idempotency_hold": HOLD,
     "idempotency_begin": IDEM_BEGIN,
     "idempotency_done": IDEM_DONE,
 }
 SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
-WRITES = {"conversation_create", "conversation_write", "idempotency_done"}
+WRITES = {"conversation_create", "conversation_write", "conversation_turn", "idempotency_done"}
 
 
 def kept_keys(prefix: str) -> list[bytes]:

@@ -13,11 +13,13 @@ Keys, under the caller's scope hash (CONTRACT.md C5), beside shared_layout.py's:
 
 Every write to a conversation names the version it was computed from, and the script
 refuses it when the conversation moved on (another writer, after this one's lease lapsed)
-or is gone: that write is `conversation_changed`, nothing of it kept. A turn's append and
-the release of its lease are one script. Leases and in-flight keys expire, so a replica
-killed mid-turn holds nothing for longer than its lease. A conversation never expires
-(as on one node); it and completed keys count in the byte budget but are never evicted
-by it (shared_conversation_scripts.py, which holds the scripts).
+or is gone: that write is `conversation_changed`, nothing of it kept. A turn's append,
+its response's record and the release of its lease are one script (TURN, `Joined`: the
+store's COMMIT with the append), so the turn's items and its response are kept together
+or not at all. Leases (in the server's memory only: no fsync) and in-flight keys expire,
+so a replica killed mid-turn holds nothing for longer than its lease. A conversation
+never expires (as on one node); it and completed keys count in the byte budget but are
+never evicted by it (shared_conversation_scripts.py, which holds the scripts).
 
 A turn on a conversation is stored as a response whose chain is the conversation's last
 turn's chain plus its own segment (`as_parent`), so a conversation costs its items' bytes
@@ -163,6 +165,33 @@ def conversation_record(
 
 
 @dataclass(slots=True)
+class Joined:
+    """A turn's append, to run in one script with its record's COMMIT (TURN)."""
+
+    keys: list[str | bytes]
+    args: list[Any]
+    version: int = 0  # the conversation's, once written (0: it had changed)
+
+    @property
+    def call(self) -> tuple[str, Callable[[Sequence[Any], Sequence[Any]], tuple[Any, ...]]]:
+        """The operation's name and its command, for SharedStore._commit."""
+        return "conversation_turn", self.command
+
+    def command(self, commit_keys: Sequence[Any], commit_args: Sequence[Any]) -> tuple[Any, ...]:
+        """TURN's EVALSHA: COMMIT's keys and arguments, then the append's."""
+        n = len(commit_keys) + len(self.keys)
+        counts = (len(commit_keys), len(commit_args))
+        return ("EVALSHA", SHAS["conversation_turn"], n, *commit_keys, *self.keys, *counts,
+                *commit_args, *self.args)  # fmt: skip
+
+
+# The store's write of the record `put` staged for a response id with its conversation's
+# append (SharedStore.commit_with): the conversation's new version (0: it changed, nothing
+# written), or None when no record is staged for that id.
+JoinWith = Callable[[str, Joined], Awaitable[int | None]]
+
+
+@dataclass(slots=True)
 class ConversationHead(SharedRecord):
     """A conversation's items as a turn's parent (`as_parent`)."""
 
@@ -208,6 +237,7 @@ class SharedConversations:
         self.budget = budget  # --shared-max-bytes (0: none)
         self._counted = counted  # the server's byte count after a write, and expiries
         self._kept = kept_keys(prefix)
+        self.join: JoinWith | None = None  # the store's (SharedStore.commit_with)
         # The conversations read last (LRU, by bytes): a load then fetches only the entries
         # appended since (entries are rewritten only by a deleted item, which `base` says).
         self._cache: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
@@ -234,12 +264,18 @@ class SharedConversations:
     ) -> int:
         """A write of something kept (counted in the budget, expiring `ttl` seconds after
         it, never when 0): its result; StoreFailure(FULL) when the budget could not take it."""
-        budget_args = [max(1, int(ttl * 1000)) if ttl else 0, self.budget, "1" if force else "0"]
-        result, total, expired = await self._run(name, [*self._kept, *keys], [*budget_args, *args])
+        result, total, expired = await self._run(name, *self._kept_call(keys, args, ttl, force))
         self._counted(int(total), int(expired))
         if int(result) == -2:
             raise StoreFailure(FailureReason.FULL, "the shared store's byte budget")
         return int(result)
+
+    def _kept_call(
+        self, keys: Sequence[str], args: Sequence[Any], ttl: float, force: bool
+    ) -> tuple[list[str | bytes], list[Any]]:
+        """A kept write's keys and arguments: the budget's, then its own."""
+        budget_args = [max(1, int(ttl * 1000)) if ttl else 0, self.budget, "1" if force else "0"]
+        return [*self._kept, *keys], [*budget_args, *args]
 
     # -- conversations -------------------------------------------------------------------
 
@@ -307,11 +343,16 @@ class SharedConversations:
         releasing `lease` with it; the new version (-1: deleted), or 0 when the
         conversation changed; StoreFailure(FULL) when the byte budget cannot take it. A
         turn's append names its `response_id` (the next turn's record chains on its) and
-        is taken even past the budget (its room was checked before the turn)."""
+        is taken even past the budget (its room was checked before the turn); the record
+        the store staged for that response is written in the same script (`join`)."""
         keys = self._keys(record.scope, record.id)
         write_id = secrets.token_hex(8)
         args = (record.version, lease, op, head, write_id, response_id, *args)
         force = bool(response_id)
+        if response_id and self.join is not None:
+            version = await self.join(response_id, Joined(*self._kept_call(keys, args, 0, True)))
+            if version is not None:
+                return version
         return await self._keep("conversation_write", keys, args, ttl=0, force=force)
 
     # -- the lease -----------------------------------------------------------------------
@@ -360,7 +401,7 @@ class SharedConversations:
     ) -> None:
         """Renew the in-flight key for `ttl` seconds (None: let it go)."""
         key = self._idem_keys(scope, record_id)[1]
-        await self._run("lease", [key], [marker, "" if ttl is None else int(ttl * 1000)])
+        await self._run("idempotency_hold", [key], [marker, "" if ttl is None else int(ttl * 1000)])
 
 
 def staged_write(record_id: str, scope: str, write: Callable[[], Awaitable[None]]) -> SharedWrite:

@@ -554,27 +554,3 @@ async def test_the_lock_is_free_when_the_answer_arrives(
     await cb.responses.create(model="m", input="unstored", conversation=conv.id, store=False)
     await ca.responses.create(model="m", input="kept", conversation=conv.id)
     assert (await texts(cb, conv.id))[:3] == ["one", "two", "kept"]
-
-
-async def test_a_conversation_turn_is_three_round_trips(
-    make_proxy: MakeProxy, backend: FakeBackend, valkey_server: KvServer,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """The lease and the items in one, the append (releasing the lease) in one, the
-    response's commit in one; a store:false turn: the first, and the release."""
-    (a,) = await replicas(make_proxy, backend, valkey_server.url, n=1)
-    client = a.client()
-    conv = await client.conversations.create()
-    server = a.proxy.store.server  # type: ignore[attr-defined]
-    real, ops = server.round_trip, []
-
-    async def counted(op: str, packed: bytes, answers: int = 1) -> Any:
-        ops.append(op)
-        return await real(op, packed, answers)
-
-    monkeypatch.setattr(server, "round_trip", counted)
-    await client.responses.create(model="m", input="x", conversation=conv.id)
-    assert ops == ["conversation_load", "conversation_write", "commit"]
-    ops.clear()
-    await client.responses.create(model="m", input="y", conversation=conv.id, store=False)
-    assert ops == ["conversation_load", "lease"]
