@@ -11,6 +11,9 @@ bench_shared.py does: appendfsync always for `ack`, everysec for `relaxed`) and
             interleaved in random order; the added latency is shared - single, p50. Also
             the proxy's and Valkey's CPU per turn, and the shared tier's round trips per
             turn (ocxproxy_shared_store_seconds_count).
+  fsyncs    the strict (appendfsync always) Valkey's fdatasync calls per conversation turn,
+            and per chain turn (previous_response_id) for comparison: strace -c attached
+            to it for --n turns of each, one at a time (skipped without strace).
   bytes     a --turns-turn conversation (~190 B of items a turn) through one replica on a
             Valkey of its own: the bytes of every key and value it holds, by kind, against
             the conversation's item bytes (the conversation's list, its turns' segments,
@@ -26,6 +29,8 @@ import argparse
 import asyncio
 import random
 import re
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -35,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from bench_shared import kind_of, kv_servers, load, post, start_serves, value_bytes
+from bench_shared import kind_of, kv_servers, load, post, rid_of, start_serves, value_bytes
 from benchkit import (
     Child,
     Summary,
@@ -144,6 +149,47 @@ async def overhead(pairs: dict[str, tuple[Child, Child, KvServer]], n: int, roun
         await s.client.close()
 
 
+# -- fsyncs --------------------------------------------------------------------------------
+
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?f(?:data)?sync$", re.M)
+
+
+async def fsyncs(proxy: Child, kv: KvServer, n: int) -> None:
+    if shutil.which("strace") is None:
+        print("\n## fsyncs: skipped (no strace)")
+        return
+    client = RawClient(proxy.url)
+    conversation = await create(proxy)
+    turn: dict[str, Any] = {"model": "m", "input": [user_message("next?")]}
+    bodies = {"conversation": {**turn, "conversation": conversation}}
+    bodies["chain"] = {**turn, "previous_response_id": rid_of(await post(client, turn))}
+    for body in bodies.values():  # warm: the scripts, the connection
+        await post(client, body)
+    rows = []
+    for label, body in bodies.items():
+        argv = ["strace", "-f", "-c", "-e", "trace=fdatasync,fsync", "-p", str(kv.pid)]
+        tracer = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+        assert tracer.stderr is not None
+        attached = await tracer.stderr.readline()  # "Process N attached"
+        if b"attached" not in attached:
+            tracer.kill()
+            await tracer.wait()
+            print(f"\n## fsyncs: skipped (strace: {attached.decode().strip()})")
+            return
+        for _ in range(n):
+            await post(client, body)
+        await asyncio.sleep(0.2)
+        tracer.send_signal(signal.SIGINT)
+        report = (await asyncio.wait_for(tracer.communicate(), 30))[1].decode()
+        calls = sum(int(m.group(1)) for m in _STRACE_ROW.finditer(report))
+        rows.append([f"{label} turn", n, calls, f"{calls / n:.2f}"])
+    await client.close()
+    print(f"\n## fsyncs: the strict Valkey's fdatasync per turn, one turn at a time; {load()}")
+    print(table(["turn", "turns", "fsyncs", "per turn"], rows))
+
+
 # -- bytes ---------------------------------------------------------------------------------
 
 
@@ -229,6 +275,7 @@ def main() -> None:
         with running(*children):
             pairs = {p: (started[f"single-{p}"], started[f"shared-{p}"], kvs[p]) for p in profiles}
             asyncio.run(overhead(pairs, args.n, args.rounds))
+            asyncio.run(fsyncs(started[f"shared-{profiles[0]}"], kvs[profiles[0]], args.n))
             asyncio.run(conversation_bytes(started["bytes"], bytes_kv, args.turns))
     finally:
         for child in children:
