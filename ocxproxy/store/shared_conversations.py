@@ -7,7 +7,8 @@ Keys, under the caller's scope hash (CONTRACT.md C5), beside shared_layout.py's:
                                        `resp` (the response id of the last turn appended)
     {prefix}{scope}:conv:{id}:items    list: one entry per append (a segment and its items'
                                        ids), in the order the server took the appends
-    {prefix}{scope}:lock:{id}          the conversation's lease: a token, with a TTL
+    {prefix}{scope}:lock:{id}          the conversation's lease: a token, with a TTL (in
+                                       the server's memory only: never in its AOF)
     {prefix}{scope}:idem:{id}          a completed Idempotency-Key: fingerprint and response
     {prefix}{scope}:idemrun:{id}       an Idempotency-Key in flight: fingerprint and token
 

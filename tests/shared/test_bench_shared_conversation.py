@@ -1,7 +1,7 @@
 """scripts/bench/bench_shared_conversation.py still runs: a smoke run with tiny counts
 (--quick), so that a change which breaks the benchmark fails the suite. Its figures are not
 judged here (speed is measured by running the benchmark, not by a timed test); only that
-each section printed figures that make sense."""
+each section printed figures that make sense (a turn writes, so fsyncs at least once)."""
 
 from __future__ import annotations
 
@@ -29,5 +29,8 @@ async def test_bench_shared_conversation_prints_its_figures() -> None:
     assert added is not None, out
     trips = re.search(r"^shared ack .* (\d+\.\d\d)$", out, re.M)
     assert trips is not None and float(trips.group(1)) >= 2, out
+    if "## fsyncs: skipped" not in out:  # (no strace, or ptrace refused)
+        fsyncs = re.search(r"^conversation turn +\d+ +\d+ +(\d+\.\d\d)$", out, re.M)
+        assert fsyncs is not None and float(fsyncs.group(1)) >= 1, out
     stored = re.search(r"^shared-tier bytes (\d+\.\d+)x the conversation's items", out, re.M)
     assert stored is not None and float(stored.group(1)) > 0, out
