@@ -190,6 +190,10 @@ class Record:
     # The chain's segments, built: kept by the newest record of a chain being continued
     # (the store moves it from parent to child), so a turn costs no walk of its links.
     built: tuple[Segment, ...] | None = field(default=None, repr=False, compare=False)
+    # A conversation's item ids, one list per segment of its chain (kept beside the items,
+    # never in them). None for a response, and for a conversation written before they were
+    # kept here: its response segment holds them (continuation/conversation.py's Meta).
+    ids: list[list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def segments(self) -> tuple[Segment, ...]:

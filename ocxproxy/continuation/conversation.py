@@ -52,14 +52,17 @@ class Meta:
     ids: list[list[str]] = field(default_factory=list)  # one list per chain segment
 
     def encode(self) -> bytes:
-        return orjson.dumps(
-            {"created_at": self.created_at, "metadata": self.metadata, "ids": self.ids}
-        )
+        """The head the store keeps as the record's response segment: the same bytes from
+        turn to turn. The ids are kept beside it (`Record.ids`), so a turn journals only its
+        own segment's ids, not its whole history's again."""
+        return orjson.dumps({"created_at": self.created_at, "metadata": self.metadata})
 
     @classmethod
-    def decode(cls, data: bytes) -> Meta:
+    def decode(cls, data: bytes, ids: list[list[str]] | None) -> Meta:
+        """From the head and the record's ids; None: a conversation written by an earlier
+        release, whose head holds its ids."""
         doc = orjson.loads(data)
-        return cls(doc["created_at"], doc["metadata"], doc["ids"])
+        return cls(doc["created_at"], doc["metadata"], doc["ids"] if ids is None else ids)
 
     def all_ids(self) -> set[str]:
         return set(itertools.chain.from_iterable(self.ids))

@@ -1,9 +1,10 @@
 """Conversations on the Store: read one, create, append, rewrite, delete.
 
 A conversation is a record the store keeps until deleted (`Store.keep`): its chain holds
-the items (segments, bytes as forwarded), its response segment the `Meta` (created_at,
-metadata, item ids). Every write replaces the record; segments are shared, so appending a
-turn adds one segment and deleting an item rewrites only the segment that holds it.
+the items (segments, bytes as forwarded), its response segment the `Meta`'s head
+(created_at, metadata), `Record.ids` the item ids per segment. Every write replaces the
+record; segments are shared, so appending a turn adds one segment (and journals its ids
+only) and deleting an item rewrites only the segment that holds it.
 Used by the routes (http/conversations.py) and by a create turn's `ConversationTurn`
 (http/conversation_turn.py). With a shared store, the conversation and its writes are on
 the server instead (store/shared_conversations.py): each write names the version it was
@@ -87,7 +88,7 @@ async def load(
                 raise _not_found(conversation_id)
             return Conversation(found, _meta(found))
         record = store.record(scope, conversation_id)
-        meta = Meta.decode(await store.response_bytes(record))
+        meta = Meta.decode(await store.response_bytes(record), record.ids)
     except StoreFailure as failure:
         if failure.reason == FailureReason.UNKNOWN:
             raise _not_found(conversation_id) from None
@@ -352,6 +353,7 @@ def _write(
             scope,
             chain,
             meta.encode(),
+            ids=meta.ids,
             created_at=meta.created_at,
             backend=backend,
             affinity_key=ROOT_KEY + conversation_id,

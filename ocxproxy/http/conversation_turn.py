@@ -100,6 +100,11 @@ class ConversationTurn:
     conversation: Conversation
     appending: bool = False  # a shared append is staged: it releases the lease with it
 
+    @property
+    def local(self) -> bool:
+        """The conversation is on this process's Store (not a shared store's)."""
+        return not isinstance(self.conversation.record, ConversationRecord)
+
     def renew(self) -> None:
         if isinstance(self.lease, SharedLease):
             self.lease.renew()

@@ -118,7 +118,8 @@ class Exchange:
             metrics.turns_not_recorded.labels(reason=reason).inc()
             return
         assert self.target is not None  # else reason is "store_false"
-        self.record = self.target.put(self._turn(response), self.parent)
+        if self.record is None:  # (a conversation turn's may be put already: _append)
+            self.record = self.target.put(self._turn(response), self.parent)
         self.recorded = True
 
     def _append(self, response: dict[str, Any]) -> str | None:
@@ -129,8 +130,15 @@ class Exchange:
         backend = self.backend.url if self.backend else None
         try:
             turn = self._turn(response)
+            if self.target is not None and self.conversation.local:
+                # Put while the conversation's record it chains on is live, so its row
+                # names it: after the append it would need its whole chain (O(length)).
+                self.record = self.target.put(turn, self.parent)
             self.kept.append(self.conversation.append(self.scope, turn, items, backend))
         except OcxError as error:
+            if self.record is not None and self.target is not None:  # not kept after all
+                self.target.delete(self.scope, self.record.id)
+                self.record = None
             self.failure = error
             changed = error.code == "conversation_changed"
             return "conversation_changed" if changed else "conversation_failed"

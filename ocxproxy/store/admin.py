@@ -13,6 +13,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.model import Segment
@@ -28,6 +29,7 @@ class StateReport:
     checkpoint_bytes: int = 0
     live: dict[int, Segment] = field(default_factory=dict)  # sid -> segment a record needs
     missing: list[str] = field(default_factory=list)  # records needing an unknown segment
+    bad_ids: list[str] = field(default_factory=list)  # conversations whose ids disagree
     temps: list[Path] = field(default_factory=list)
     checked: int = 0
 
@@ -82,8 +84,24 @@ def inspect(root: Path) -> StateReport:
             continue
         for sid in needed:
             report.live[sid] = segments[sid]
+        if not _ids_agree(row, [segments[sid] for sid in needed[:-1]]):
+            report.bad_ids.append(row[0])
     report.temps = j.temps()
     return report
+
+
+def _ids_agree(row: list[Any], chain: list[Segment]) -> bool:
+    """A conversation's row: one list of item ids per segment of its chain, as long as the
+    segment's items (an empty conversation's chain is one empty segment). Other rows: True."""
+    try:
+        ids = codec.conversation_ids(row)
+    except ValueError:
+        return False
+    if ids is None:
+        return True
+    if len(chain) == 1 and not chain[0].size:
+        chain = []
+    return [len(i) for i in ids] == [s.n_items for s in chain]
 
 
 def verify(root: Path) -> tuple[StateReport, list[str]]:
@@ -94,6 +112,7 @@ def verify(root: Path) -> tuple[StateReport, list[str]]:
         problems.append(f"checkpoint: {report.loaded.error}")
     problems += [f"torn or corrupt journal at file {p} offset {o}" for p, o in report.loaded.cut_at]
     problems += [f"missing: record {r} needs a segment that is gone" for r in report.missing]
+    problems += [f"conversation {r}: its item ids disagree with its items" for r in report.bad_ids]
     j = Journal(root)
     try:
         for info in report.live.values():

@@ -51,6 +51,12 @@ def check_store(store: Store) -> list[str]:
             indexed += 1
             if not store.items.holds(record.scope, item_id, record):
                 problems.append(f"{record.id}'s item {item_id} is not in the item index")
+        if record.ids is not None:  # a conversation: a list of item ids per segment
+            chain = record.segments
+            if len(chain) == 1 and not chain[0].size:
+                chain = ()  # an empty conversation's one empty segment
+            if [len(ids) for ids in record.ids] != [s.n_items for s in chain]:
+                problems.append(f"{record.id}'s item ids disagree with its segments")
     if store.items.entries() != indexed:
         problems.append(f"item index holds {store.items.entries()} entries, records {indexed}")
     if sum(s.size for s in resident) != resident.bytes:

@@ -6,7 +6,8 @@ An entry is `<length u32><crc32 u32><type u8><payload>`; the crc covers the type
 payload, so a torn or corrupt entry is detected and replay stops at the last good one.
 
     SEG  <meta length u16><meta JSON><zstd blob>    a segment and its bytes
-    PUT  <record row JSON>                          a record (its chain by segment sid)
+    PUT  <record row JSON>                          a record (its chain by segment sid;
+                                                    a conversation's: its item ids too)
     DEL  <record id JSON>                           a record dropped
     NOP  (empty)                                    a probe: can the disk take a write?
 
@@ -72,18 +73,23 @@ def segment_row(segment: Segment) -> list[Any]:
 
 
 SEGMENT_FIELDS = 6  # the length of a segment_row
+IDS = 11  # a record row's field past the 11 every row has: a conversation's item ids
 
 
 def record_row(record: Record, parent: str | None = None) -> list[Any]:
     """A record as a row: its chain and response by segment sid. With `parent` (a record
     whose chain is this one's but the last segment, named by an earlier row) the chain is
-    ["^", parent, last sid]: a row's size does not grow with the chain's depth."""
+    ["^", parent, last sid]: a row's size does not grow with the chain's depth. A
+    conversation's row ends with its item ids, one list per segment; named by its parent
+    (its own previous row: an append), with the last segment's list only, so a turn's row
+    does not grow with the conversation either."""
     own = record.own
+    named = bool(parent) and own is not None
     if parent and own is not None:
         chain: list[Any] = ["^", parent, own.sid]
     else:
         chain = [s.sid for s in record.segments]
-    return [
+    row = [
         record.id,
         record.scope,
         record.created_at,
@@ -96,6 +102,9 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
         record.n_items,
         record.stored,
     ]
+    if record.ids is not None:
+        row.append(record.ids[-1] if named else record.ids)
+    return row
 
 
 def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
@@ -152,11 +161,13 @@ class Loaded:
     def put(self, row: list[Any]) -> None:
         """A record row. A chain named by its parent becomes (the parent's row, last sid):
         the very row live when it was written, even if that id is deleted or reused later
-        (None: no such parent)."""
+        (None: no such parent); its item ids, if any, (the parent's row, last list)."""
         chain = row[4]
         if chain and chain[0] == "^":
             parent = self.records.get(chain[1])
             row[4] = None if parent is None else (parent, chain[2])
+            if len(row) > IDS:
+                row[IDS] = None if parent is None else (parent, row[IDS])
         self.records.pop(row[0], None)  # a reused id moves to the end
         self.records[row[0]] = row
 
@@ -169,6 +180,24 @@ def chain_sids(row: list[Any]) -> list[int] | None:
         tail.append(link[1])
         link = link[0][4]
     return None if link is None else [*link, *reversed(tail)]
+
+
+def conversation_ids(row: list[Any]) -> list[list[str]] | None:
+    """A loaded row's item ids per segment, oldest first (a conversation's; None: the row
+    keeps none). ValueError when an append's parent kept none (never written so)."""
+    if len(row) <= IDS:
+        return None
+    tail: list[list[str]] = []
+    ids = row[IDS]
+    while isinstance(ids, tuple):
+        parent, last = ids
+        tail.append(last)
+        ids = parent[IDS] if len(parent) > IDS else None
+        if ids is None:
+            raise ValueError(f"{row[0]}: an append to a row without item ids")
+    if not isinstance(ids, list) or not all(isinstance(i, list) for i in (*ids, *tail)):
+        raise ValueError(f"{row[0]}: item ids are not lists")
+    return [*ids, *reversed(tail)]
 
 
 def entries(data: bytes | memoryview, start: int = 0) -> Iterator[tuple[int, memoryview, int]]:

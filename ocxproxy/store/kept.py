@@ -65,13 +65,17 @@ class KeptRecords:
         backend: str | None = None,
         affinity_key: str | None = None,
         force: bool = False,
+        ids: list[list[str]] | None = None,
     ) -> Record:
         """Write (or rewrite) a record that is not a response: `chain` reuses the segments
         of records already held (the same objects) and interns new ones; `meta` is kept as
-        its response segment. Journaled like `put` (`await commit(record)` before
-        acknowledging). With `expires_at=NEVER` it is pinned: no count or byte cap drops
-        it, and StoreFailure(FULL) refuses a write that would need that, unless `force`
-        (a turn already answered: taken even past the caps)."""
+        its response segment, `ids` (a conversation's item ids per segment) as
+        `Record.ids`. Journaled like `put` (`await commit(record)` before acknowledging):
+        an append (the old record's chain and ids plus one segment and its ids) as a row
+        naming the old one, whatever the record's length. With `expires_at=NEVER` it is
+        pinned: no count or byte cap drops it, and StoreFailure(FULL) refuses a write that
+        would need that, unless `force` (a turn already answered: taken even past the
+        caps)."""
         durable = durable and self._committer is not None
         pinned = expires_at >= NEVER
         # A chain is never empty (a row needs a chain): one empty segment.
@@ -100,6 +104,7 @@ class KeptRecords:
             n_items=(old.n_items if shared and old else 0) + sum(s.n_items for s in fresh),
             stored=False,
             built=segments,
+            ids=ids,
         )
         self.table.hold((*segments[shared:], response), durable=durable)  # before old goes
         journaled = durable and self._committer is not None
@@ -110,8 +115,10 @@ class KeptRecords:
                 self._journal_put(record, None)
         elif old is not None:
             if journaled:  # a PUT of the same id supersedes the old row; name it if it is
-                parent = old if shared and shared == len(segments) - 1 else None
-                self._journal_put(record, parent)
+                appended = bool(shared) and shared == len(segments) - 1
+                if ids is not None or old.ids is not None:  # and its ids are old's + one
+                    appended = appended and ids is not None and ids[:-1] == old.ids
+                self._journal_put(record, old if appended else None)
             self._drop(old, None, None, journaled=False, shared=shared)
         elif journaled:
             self._journal_put(record, None)

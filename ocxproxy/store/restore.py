@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 from ocxproxy.model import Chain, Record, Segment
-from ocxproxy.store.codec import Loaded
+from ocxproxy.store.codec import IDS, Loaded, conversation_ids
 from ocxproxy.store.keydir import Keydir
 
 
@@ -73,7 +73,8 @@ def rebuild(
         try:
             chain = chain_of(row)
             response = find(resp_sid)
-        except (KeyError, TypeError):  # a segment (or, None, a parent) that is gone
+            ids = conversation_ids(row) if len(row) > IDS else None
+        except (KeyError, TypeError, ValueError):  # a segment (or, None, a parent) is gone
             missing.append(rid)
             continue
         live[id(row)] += 1
@@ -83,6 +84,8 @@ def rebuild(
             same(backend, backend), same(affinity, affinity), n_items,
             (output_at[0], output_at[1]) if output_at else None, stored,
         )  # fmt: skip
+        if ids is not None:  # a conversation's
+            record.ids = ids
         records.append(record)
     for row in reversed(order):  # children after parents: sum them up the tree
         link = row[4]

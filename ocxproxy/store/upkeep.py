@@ -53,7 +53,9 @@ async def encode_checkpoint(
             link = r.links
             prev = link.prev if link is not None else None
             parent = emitted.get(id(prev)) if prev is not None else None
-            if link is not None and parent is not None:  # the chain is its parent's + one
+            # The chain is its parent's + one (a conversation's row, whose ids a parent
+            # names only when it is its own previous row, is written whole).
+            if link is not None and parent is not None and r.ids is None:
                 if link.segment.pack < 0 or r.response.pack < 0:
                     continue
                 rows.append(codec.record_row(r, parent.id))

@@ -142,7 +142,12 @@ def test_conversation_field_forms() -> None:
 
 def test_meta_round_trips_and_finds_items() -> None:
     meta = Meta(5, {"k": "v"}, [["a", "b"], ["c"]])
-    again = Meta.decode(meta.encode())
+    head = meta.encode()
+    assert b'"a"' not in head  # the ids are kept beside the head, not in it
+    again = Meta.decode(head, meta.ids)
     assert again == meta
+    # A conversation an earlier release wrote: its head holds the ids.
+    legacy = b'{"created_at":5,"metadata":{"k":"v"},"ids":[["a","b"],["c"]]}'
+    assert Meta.decode(legacy, None) == meta
     assert again.find("c") == (1, 0) and again.find("b") == (0, 1) and again.find("z") is None
     assert again.all_ids() == {"a", "b", "c"}
