@@ -5,12 +5,18 @@ moments continues with every acknowledged turn, forwarding the same bytes as bef
 
 from __future__ import annotations
 
+import asyncio
+import random
 from pathlib import Path
 
 import aiohttp
+import orjson
 
+from ocxproxy.aio import spawn
+from ocxproxy.cli import main
 from ocxproxy.store import codec
 from tests.fakes.backend import FakeBackend
+from tests.http.helpers import top_level_span
 from tests.serve import Serve, create
 
 
@@ -48,3 +54,85 @@ async def test_a_conversation_turn_journals_as_much_at_turn_200_as_at_turn_20(
     # for longer counts in the response, never the history's item ids again.
     assert 0 < growth[200] <= growth[20] + 64, growth
     assert await proc.stop() == 0
+
+
+def last_text(body: bytes) -> str:
+    """The text of the last input item of a forwarded body."""
+    item = orjson.loads(body)["input"][-1]
+    content = item["content"]
+    return content if isinstance(content, str) else content[0]["text"]
+
+
+async def user_texts(http: aiohttp.ClientSession, url: str, conversation: str) -> list[str]:
+    texts: list[str] = []
+    after = ""
+    while True:
+        query = f"order=asc&limit=100{'&after=' + after if after else ''}"
+        async with http.get(f"{url}/v1/conversations/{conversation}/items?{query}") as r:
+            assert r.status == 200
+            page = await r.json()
+        for item in page["data"]:
+            if item.get("role") == "user":
+                texts.append(item["content"][0]["text"])
+        if not page["has_more"]:
+            return texts
+        after = page["last_id"]
+
+
+async def test_a_long_conversation_killed_with_9_continues_every_acknowledged_turn(
+    backend: FakeBackend, tmp_path: Path, processes: list[Serve]
+) -> None:
+    state = tmp_path / "state"
+    rng = random.Random()
+    headers = {"Authorization": "Bearer sk-x"}
+    n = 2  # conversations driven at once
+    acked: list[list[str]] = [[] for _ in range(n)]  # texts whose 200 came back
+    sent: list[str | None] = [None] * n  # the turn in flight when the process died
+    async with aiohttp.ClientSession(headers=headers) as http:
+        proc = Serve(backend.url, state)
+        processes.append(proc)
+        await proc.start()
+        conversations = []
+        for _ in range(n):
+            async with http.post(proc.url + "/v1/conversations", json={}) as r:
+                conversations.append((await r.json())["id"])
+
+        async def drive(c: int, url: str) -> None:
+            while True:
+                text = f"c{c}-t{len(acked[c])}-{rng.randrange(10**6)}"
+                sent[c] = text
+                body = {"model": "m", "input": text, "conversation": conversations[c]}
+                try:
+                    status, error, _ = await create(http, url, body)
+                except aiohttp.ClientError:
+                    return
+                assert status == 200, error
+                acked[c].append(text)
+                sent[c] = None
+
+        for kill in range(4):
+            drivers = [spawn(drive(c, proc.url), name=f"drive-{c}") for c in range(n)]
+            await asyncio.sleep(rng.uniform(0.3, 1.2) if kill < 3 else 0.5)
+            await proc.kill9()
+            await asyncio.gather(*drivers)
+            forwarded = {last_text(seen.body): seen.body for seen in backend.responses_seen}
+            proc = Serve(backend.url, state)
+            processes.append(proc)
+            await proc.start()
+            for c, conversation in enumerate(conversations):
+                texts = await user_texts(http, proc.url, conversation)
+                # every acknowledged turn, in order; the one in flight may or may not be
+                assert texts in (acked[c], [*acked[c], sent[c]]), (c, texts[-3:], acked[c][-3:])
+                acked[c] = texts
+                # the next turn forwards the same bytes as the last one, plus its own
+                body = {"model": "m", "input": f"c{c}-after-{kill}", "conversation": conversation}
+                status, error, _ = await create(http, proc.url, body)
+                assert status == 200, error
+                now = top_level_span(backend.responses_seen[-1].body, "input")
+                if texts:
+                    before = top_level_span(forwarded[texts[-1]], "input")
+                    assert now.startswith(before[:-1] + b","), c
+                acked[c].append(f"c{c}-after-{kill}")
+        assert sum(map(len, acked)) > 3 * n * 4  # the conversations did grow meanwhile
+        assert await proc.stop() == 0
+    assert main(["state", "verify", "--state-dir", str(state)]) == 0
