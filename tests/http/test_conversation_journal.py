@@ -8,16 +8,21 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from ocxproxy.aio import spawn
 from ocxproxy.cli import main
-from ocxproxy.store import codec
+from ocxproxy.errors import NotFound
+from ocxproxy.http import conversation_state
+from ocxproxy.store import Store, codec
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import Serve, create
+from tests.store.helpers import inline, make_store
 
 
 def journal_bytes(state: Path) -> int:
@@ -143,3 +148,49 @@ async def test_a_long_conversation_killed_with_9_continues_every_acknowledged_tu
                 acked[c].append(f"c{c}-after-{kill}")
         assert await proc.stop() == 0
     assert main(["state", "verify", "--state-dir", str(state)]) == 0
+
+
+async def test_every_conversation_write_survives_a_restart_with_its_ids(tmp_path: Path) -> None:
+    """Appends (rows naming the previous one), an item deleted and the metadata changed
+    (whole rows), then appends again, a checkpoint between some of them: after a restart
+    (and after a crash, the store abandoned) the items, their ids and the metadata are as
+    acknowledged, and a deleted conversation stays deleted."""
+    state = tmp_path / "state"
+
+    def user(text: str) -> dict[str, Any]:
+        return {"role": "user", "content": text}
+
+    async def opened() -> Store:
+        store = make_store(state, offload=inline)
+        await store.start()
+        return store
+
+    store = await opened()
+    conv = await conversation_state.create(store, "scope", [user("a")], {"k": "1"})
+    gone = await conversation_state.create(store, "scope", [user("x")], {})
+    for text in ("b", "c"):
+        conv = await conversation_state.add_items(store, conv, [user(text), user(text + "2")])
+    await store.flush()  # a checkpoint: the rows so far whole
+    conv = await conversation_state.add_items(store, conv, [user("d")])
+    middle = conv.meta.ids[1][1]  # "b2"
+    conv = await conversation_state.delete_item(store, conv, middle)
+    conv = await conversation_state.set_metadata(store, conv, {"k": "2"})
+    conv = await conversation_state.add_items(store, conv, [user("e")])
+    await conversation_state.delete(store, gone)
+    want = await conversation_state.items(store, conv)
+    assert [item["content"] for _, item in want] == ["a", "b", "c", "c2", "d", "e"]
+    assert middle not in {item_id for item_id, _ in want}
+    await store.close()
+
+    for crash in (False, True):
+        store = await opened()
+        assert store.check() == []
+        again = await conversation_state.load(store, "scope", conv.id)
+        assert await conversation_state.items(store, again) == want
+        assert again.meta.metadata == {"k": "2"}
+        with pytest.raises(NotFound):
+            await conversation_state.load(store, "scope", gone.id)
+        if crash:
+            await store.abandon()
+        else:
+            await store.close()
