@@ -187,25 +187,48 @@ class KvServer:
                 f"{self.kind} server exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
             )
 
+    def _lost_its_port(self, picked: bool) -> bool:
+        """Whether the server exited because another process bound the port picked for it
+        (free_port() closes it before the server binds it); if so the next launch picks
+        another. A restart keeps its port: there, it is a failure."""
+        assert self.proc is not None
+        if picked and self.proc.poll() is not None and "already in use" in self.log()[-3000:]:
+            _running.discard(self.proc)
+            self.port = 0
+            return True
+        return False
+
     def start(self, timeout: float = 20.0) -> KvServer:
         """Start and wait until it answers PING."""
-        self.launch()
         deadline = time.monotonic() + timeout
-        while not self._ready():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.kind} not ready in {timeout}s:\n{self.log()[-3000:]}")
-            time.sleep(0.01)
-        return self
+        while True:
+            picked = not self.port
+            self.launch()
+            while not self._ready():
+                if self._lost_its_port(picked):
+                    break
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.kind} not ready in {timeout}s:\n{self.log()[-3000:]}"
+                    )
+                time.sleep(0.01)
+            else:
+                return self
 
     async def astart(self) -> KvServer:
         """start() for a running event loop: the wait does not block it."""
-        self.launch()
         async with asyncio.timeout(20):
-            while not await asyncio.to_thread(self._ready):
-                self._check_alive()
-                await asyncio.sleep(0.01)
-        return self
+            while True:
+                picked = not self.port
+                self.launch()
+                while not await asyncio.to_thread(self._ready):
+                    if self._lost_its_port(picked):
+                        break
+                    self._check_alive()
+                    await asyncio.sleep(0.01)
+                else:
+                    return self
 
     def kill9(self) -> None:
         """SIGKILL, as a crash: no shutdown, no final fsync."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
+from tests.shared import servers
 from tests.shared.conftest import MakeKvServer, require
-from tests.shared.servers import KINDS, KvServer
+from tests.shared.servers import KINDS, Kind, KvServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,3 +110,23 @@ async def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) ->
             break
         await asyncio.sleep(0.1)
     assert dead(pid)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_port_taken_before_the_server_bound_it_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Kind
+) -> None:
+    require(kind)
+    with socket.socket() as taken:  # what another process did between free_port() and bind
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy, free_port()])
+        monkeypatch.setattr(servers, "free_port", lambda: next(ports))
+        server = await KvServer(kind, tmp_path / "kv").astart()
+        try:
+            assert server.port != busy
+            async with redis.Redis.from_url(server.url) as client:
+                assert await client.ping() is True
+        finally:
+            server.close()
