@@ -4,9 +4,9 @@ redis-py spends more CPU per command than the rest of a turn's store work (argum
 encoding, pool checkout, a timeout context and retry wrapper per call), so every round
 trip of a turn goes here instead: one connection per server, commands packed once as
 bytes, concurrent commands pipelined on it, answers matched to their callers in order as
-they arrive. A command on an idle connection is written at once; while answers are
-pending, the commands of one turn of the event loop go out in one write (under load,
-turns on a replica share a syscall, and the server reads and answers them together).
+they arrive. The commands of one turn of the event loop go out in one write, at its end
+(under load, turns on a replica share a syscall, and the server reads and answers them
+together).
 The connection is opened from redis-py's own reading of the URL (host/port, unix socket,
 TLS context, user, password, db), so it accepts the same URLs as the start-up checks,
 which keep redis-py.
@@ -89,10 +89,9 @@ class Wire(asyncio.Protocol):
         futures = [loop.create_future() for _ in range(answers)]
         if self._corked:
             self._corked.append(packed)
-        elif not self._waiting:  # an idle connection: written at once (no one to wait for)
-            self.progress = time.monotonic()
-            self._transport.write(packed)
-        else:  # answers pending: the commands of this turn of the loop go out in one write
+        else:  # the commands of this turn of the loop go out together, in one write
+            if not self._waiting:  # (an idle connection: its stall clock starts now)
+                self.progress = time.monotonic()
             self._corked = [packed]
             loop.call_soon(self._flush)
         self._waiting.extend(futures)
