@@ -57,6 +57,7 @@ register_scripts(shared_conversation_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
+_SCOPES = 4096  # scopes whose key names are kept built
 CHAIN_DIGESTS = 200_000  # digests the chain cache holds (~25 MB), in chains used last
 
 
@@ -127,6 +128,7 @@ class SharedStore(Store):
         )
         self.conversations.join = self.commit_with
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
+        self._keys: dict[str, Keys] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
         m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
@@ -184,7 +186,7 @@ class SharedStore(Store):
             return self.lookup(scope, response_id)
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
-        keys = Keys(self.prefix, scope)
+        keys = self._keys_of(scope)
         args = (layout.TAIL, keys.base, layout.WINDOW)
         found = await self.server.script("begin", (keys.record(response_id),), args)
         if found is None:
@@ -197,7 +199,7 @@ class SharedStore(Store):
         server's); only that segment is fetched: the record serves `item_bytes` alone."""
         with contextlib.suppress(StoreFailure):
             return self.find_item(scope, item_id, unstored=unstored)
-        keys = Keys(self.prefix, scope)
+        keys = self._keys_of(scope)
         args = (layout.item_field(item_id), keys.base)
         found = await self.server.script("item", (keys.buckets(),), args)
         if found is None:
@@ -256,21 +258,22 @@ class SharedStore(Store):
         found = cache.get_all(digests)
         if None not in found:  # the usual continuation: every segment in hand
             self._hits.inc(len(found))
-            cache.touch_all(found)  # type: ignore[arg-type]
-            return tuple(found)  # type: ignore[arg-type]
-        missing = list(dict.fromkeys(d for d, s in zip(digests, found, strict=True) if s is None))
-        self._hits.inc(len(digests) - len(missing))
-        if missing:
+        else:  # only from the first one missing on (on another replica's chain: the newest)
+            first, n = found.index(None), len(digests)
+            absent = [i for i in range(first, n) if found[i] is None]
+            missing = list(dict.fromkeys(digests[i] for i in absent))
+            self._hits.inc(n - len(missing))
             self._misses.inc(len(missing))
-            sent = dict(zip(digests[len(digests) - len(tail) :], tail, strict=True))
+            sent = dict(zip(digests[n - len(tail) :], tail, strict=True))
             got = self._decode({d: sent[d] for d in missing if sent.get(d) is not None})
             rest = [d for d in missing if d not in got]
             if rest:
                 values = await self.server.command("fetch", "MGET", *map(keys.segment, rest))
                 got.update(self._decode(dict(zip(rest, values, strict=True))))
-            found = [s if s is not None else got[d] for d, s in zip(digests, found, strict=True)]
-        cache.touch_all([s for s in found if s is not None])
-        return tuple(s for s in found if s is not None)
+            for i in absent:
+                found[i] = got[digests[i]]
+        cache.touch_all(found)  # type: ignore[arg-type]
+        return tuple(found)  # type: ignore[arg-type]
 
     def _decode(self, values: dict[str, bytes | None]) -> dict[str, Segment]:
         got: dict[str, Segment] = {}
@@ -284,6 +287,15 @@ class SharedStore(Store):
             got[digest] = segment
             self._cache(segment)
         return got
+
+    def _keys_of(self, scope: str) -> Keys:
+        """The scope's key names (built once: a turn needs them twice)."""
+        keys = self._keys.get(scope)
+        if keys is None:
+            if len(self._keys) >= _SCOPES:
+                self._keys.clear()
+            keys = self._keys[scope] = Keys(self.prefix, scope)
+        return keys
 
     def _corrupt(self, exc: ValueError, name: str) -> StoreFailure:
         """A value that does not decode (or whose digest does not match): counted, logged."""
@@ -406,7 +418,7 @@ class SharedStore(Store):
     ) -> bytes:
         """The record's chain; with an `append`, TURN: b'' when the conversation changed."""
         script_keys, args = layout.commit_call(
-            Keys(self.prefix, record.scope),
+            self._keys_of(record.scope),
             record,
             parent,
             int(self.clock() * 1000),
@@ -441,7 +453,7 @@ class SharedStore(Store):
             return True
         if response_id.startswith(KEPT_PREFIXES):
             return False
-        key = Keys(self.prefix, scope).record(response_id)
+        key = self._keys_of(scope).record(response_id)
         return bool(await self.server.write("delete", lambda: ("DEL", key)))
 
     def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:

@@ -68,11 +68,11 @@ local at = string.find(v, ':', 1, true)
 local chain = ARGV[2] .. 'c' .. string.sub(v, at + 1, at + 8)
 local n = tonumber(string.sub(v, 1, at - 1))
 local digests = redis.call('LRANGE', chain, math.max(0, n - tonumber(ARGV[3])), n - 1)
-local tail = {}
+local names = {}
 for i = math.max(1, #digests - tonumber(ARGV[1]) + 1), #digests do
-  tail[#tail + 1] = redis.call('GET', ARGV[2] .. 's' .. digests[i]) or false
+  names[#names + 1] = ARGV[2] .. 's' .. digests[i]
 end
-return {v, digests, tail}
+return {v, digests, #names > 0 and redis.call('MGET', unpack(names)) or {}}
 """
 
 # KEYS[1] the scope's index buckets; ARGV: the item's field, the scope's key base. A hit:
