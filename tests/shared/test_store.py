@@ -151,6 +151,21 @@ async def test_begin_takes_cached_segments_and_fetches_only_missing_ones(
     assert fetches() == 2
 
 
+async def test_a_segment_missing_between_cached_ones_is_fetched_into_its_place(
+    make_store: MakeStore,
+) -> None:
+    a, b = await make_store(), await make_store()
+    await chain_of(a, None, [f"r{n}" for n in range(1, 7)])
+    before = b",".join(await a.history(await a.begin("scope-a", "r6")))
+    full = await b.begin("scope-a", "r6")  # every segment cached in b
+    b.cache.remove(full.segments[2])  # one in the middle forgotten, those after it not
+    record = await b.begin("scope-a", "r6")
+    assert sum(b.metrics.shared_seconds.labels("fetch").counts) == 2  # r1's MGET, then r3's
+    assert [s.key for s in record.segments] == [s.key for s in full.segments]
+    assert b",".join(await b.history(record)) == before
+    assert sample(b.metrics.shared_cache, result="miss") == 7  # 6 cold, then the one
+
+
 async def test_a_response_object_round_trips_with_its_output_cut_out(
     make_store: MakeStore,
 ) -> None:

@@ -90,6 +90,28 @@ async def test_concurrent_commands_share_the_connection_each_its_own_answer(
         await b.close()
 
 
+async def test_commands_sent_in_one_turn_of_the_loop_go_out_in_one_write(
+    make_kv_server: MakeKv,
+) -> None:
+    server = await make_kv_server("valkey")
+    client = aioredis.Redis.from_url(server.url)
+    wire = await shared_wire.open_wire(client)
+    try:
+        writes: list[bytes] = []
+        transport = wire._transport
+        real = transport.write
+        transport.write = lambda data: (writes.append(data), real(data))[1]
+        assert not wire.stalled(1e12)  # idle: nothing waits
+        sent = [wire.send(shared_wire.pack("ECHO", f"m{i}"))[0] for i in range(3)]
+        assert await asyncio.gather(*sent) == [b"m0", b"m1", b"m2"]
+        assert writes == [b"".join(shared_wire.pack("ECHO", f"m{i}") for i in range(3))]
+        assert await wire.ask("ECHO", "alone") == b"alone"  # idle again: its own write
+        assert len(writes) == 2
+    finally:
+        wire.close()
+        await client.aclose()
+
+
 async def test_a_server_that_stops_answering_is_cut_off_then_heals(
     make_kv_server: MakeKv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
