@@ -90,6 +90,7 @@ class Exchange:
     conversation: ConversationTurn | None = None  # the one this turn reads and appends to
     idempotency_key: idempotency.Key | None = None  # the request's Idempotency-Key
     kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
+    key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     echo: tuple[str, Any] | None = None  # the member the client's Response gets patched in
 
@@ -105,22 +106,20 @@ class Exchange:
             if reason is None and self.request.store:  # store:false content never on disk
                 reason = self._append(response)
             self.kept += self.conversation.let_go()  # before the client sees the end
-        if self.idempotency_key is not None:
-            done = response if reason is None else None
-            entry = idempotency.complete(
-                self.proxy, self.idempotency_key, done, durable=self.durable
-            )
-            if entry is not None:
-                self.kept.append(entry)
+        done = response if reason is None else None  # what a retry with its key gets
         if reason is None and self.target is None:
             reason = "store_false"
         if reason is not None:
             metrics.turns_not_recorded.labels(reason=reason).inc()
-            return
-        assert self.target is not None  # else reason is "store_false"
-        if self.record is None:  # (a conversation turn's may be put already: _append)
-            self.record = self.target.put(self._turn(response), self.parent)
-        self.recorded = True
+        else:
+            assert self.target is not None  # else reason is "store_false"
+            if self.record is None:  # (a conversation turn's may be put already: _append)
+                self.record = self.target.put(self._turn(response), self.parent)
+            self.recorded = True
+        if self.idempotency_key is not None:  # after the turn, in the journal as in commit()
+            self.key_entry = idempotency.complete(
+                self.proxy, self.idempotency_key, done, durable=self.durable
+            )
 
     def _append(self, response: dict[str, Any]) -> str | None:
         """Append the turn to its conversation; else the reason it was not (a metric
@@ -171,15 +170,15 @@ class Exchange:
         if self.failure is not None:
             raise self.failure
         kept, self.kept = self.kept, []
+        key_entry, self.key_entry = self.key_entry, None
         record, target = self.record, self.target
         self.record = None
         metrics = self.proxy.metrics
         try:
-            for other in kept:  # its conversation's new state, its Idempotency-Key
+            for other in kept:  # its conversation's new state
                 await self.proxy.store.commit(other)
-            if record is None or target is None:
-                return
-            await target.commit(record)
+            if record is not None and target is not None:
+                await target.commit(record)
         except StoreFailure:
             self.recorded = False
             metrics.turns_not_recorded.labels(reason="storage_unavailable").inc()
@@ -187,7 +186,17 @@ class Exchange:
                 "The response could not be stored: the proxy's storage is unavailable "
                 "(e.g. its disk is full). Nothing was saved; retry later, or send store=false."
             ) from None
-        metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
+        if record is not None:
+            metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
+        if key_entry is None:
+            return
+        try:  # last: a completed key always names a response that is kept
+            await self.proxy.store.commit(key_entry)
+        except StoreFailure:
+            raise StorageUnavailable(
+                "The response was stored, but its Idempotency-Key could not be: the proxy's "
+                "storage is unavailable. A retry with this key runs the request again."
+            ) from None
 
     def observe_usage(self, response: Any) -> None:
         usage = input_tokens_of(response)

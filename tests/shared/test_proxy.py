@@ -17,6 +17,8 @@ import redis.asyncio as aioredis
 
 from ocxproxy.cli import main
 from ocxproxy.config import Config
+from ocxproxy.http.context import scope_of
+from ocxproxy.store.shared_layout import Keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -309,3 +311,41 @@ async def test_a_chain_keeps_its_backend_from_any_replica(
             seen = {b.url: sum(marker in s.body for s in b.responses_seen) for b in (one, two)}
             assert sorted(seen.values()) == [0, 6], seen  # all six turns on one backend
         assert len(one.responses_seen) + len(two.responses_seen) == 24
+
+
+async def test_a_turn_whose_record_cannot_be_written_leaves_its_idempotency_key_open(
+    make_proxy: MakeProxy, backend: FakeBackend, kv_server: KvServer, http: aiohttp.ClientSession
+) -> None:
+    """The record is refused after the backend answered (its key is made a list meanwhile:
+    COMMIT's read of it is WRONGTYPE). The key is written after the record, never before:
+    a retry with it runs the turn again rather than replaying a response that was never
+    stored."""
+    a, b, _ = await replicas(make_proxy, backend, kv_server.url)
+    headers = {"Authorization": "Bearer sk-test-a", "Idempotency-Key": "turn-1"}
+    keys = Keys("ocx:", scope_of(headers))
+    client = aioredis.Redis.from_url(kv_server.url)
+    body = {"model": "m", "input": "hello", "stream": True}
+    blocked: list[bytes] = []
+    try:
+        backend.delay = 0.2  # between events: the record's key is blocked before the end
+        async with http.post(f"{a.base_url}/responses", json=body, headers=headers) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    event = orjson.loads(line[6:])
+                    if event["type"] == "response.created":
+                        blocked.append(keys.record(event["response"]["id"]))
+                        await client.rpush(blocked[0], b"not a record")
+        assert event["type"] == "error" and event["code"] == "storage_unavailable"
+        await client.delete(blocked[0])
+        backend.delay = 0
+        await asyncio.sleep(1.1)  # the probe finds the server answering again
+        async with http.post(f"{b.base_url}/responses", json=body, headers=headers) as resp:
+            completed = sse_payloads(await resp.read())[-1]  # the same request, retried
+        assert completed["type"] == "response.completed"
+        again = completed["response"]["id"]
+        assert keys.record(again) != blocked[0]  # run again, not the lost one replayed
+        async with http.get(f"{a.base_url}/responses/{again}", headers=headers) as resp:
+            assert resp.status == 200
+    finally:
+        backend.delay = 0
+        await client.aclose()
