@@ -11,10 +11,13 @@ How a commit is written: with the fsync helper (syncer.py), a small commit that 
 journal file's allocated room is encoded and written into the page cache on the loop, and
 the helper process fdatasyncs it while the next commits are written (up to MAX_FLIGHTS in
 flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one at a time took
-~4 ms under load); while commits are in flight, the next waits one more pass of the
-event loop, so the turns finishing in it join (turns per commit at 16 closed-loop clients:
-4.4-5.1 before, 5.1-5.9 after: fewer fsyncs a turn). Outcomes are still applied in the
-order the commits were written, each after every earlier one: a commit's fdatasync
+~4 ms under load). With nothing in flight, a turn's own `commit` writes what is queued at
+once (`hurry`: a lone turn never waits for the committer's next pass), and so does a
+flight landing with nothing behind it; while commits are in flight, the committer's next
+waits one more pass of the event loop, so the turns finishing in it join. The helper's
+answers are applied in its socket's reader callback, with no task per commit. Outcomes
+are still applied in the order the commits were written, each after every earlier one: a
+commit's fdatasync
 returning also covers the earlier commits' bytes (written before it started), and when
 one fails, every later one in flight fails with it and the file is cut back to where the
 failed one began. Anything else (a large commit, a file to grow or to open, no helper)
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections import deque
@@ -68,7 +72,7 @@ class Flight:
     future: asyncio.Future[OSError | None]  # the turns'
     before: int  # where its bytes begin in the active file
     synced: asyncio.Future[None]  # the helper's answer
-    applied: asyncio.Future[None]  # its outcome is applied (the next flight waits for it)
+    applied: asyncio.Future[None]  # its outcome is applied
 
 
 class Committer:
@@ -98,7 +102,8 @@ class Committer:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._flights: deque[Flight] = deque()  # oldest first
-        self._landers: set[asyncio.Task[None]] = set()
+        self._slow: asyncio.Task[None] | None = None  # a landing that must wait (a thread)
+        self._dead = False  # stopped as a crash would: nothing lands any more
         self._broken: OSError | None = None  # a flight failed: the later ones fail with it
         self._cut_to = 0  # and then the file is cut back to where it began
 
@@ -109,6 +114,7 @@ class Committer:
         if self._task is None:
             if self.child is not None:
                 self.child.attach(self._loop)
+                self.child.answered = self._answered
             self._task = spawn(self._run(), name="store-committer")
 
     async def stop(self, *, drain: bool) -> None:
@@ -118,13 +124,14 @@ class Committer:
         if self._task is None:
             return
         if not drain:
+            self._dead = True
             self._task.cancel()
-            for lander in self._landers:
-                lander.cancel()
+            if self._slow is not None:
+                self._slow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        if self._landers:
-            await asyncio.gather(*self._landers, return_exceptions=True)
+        if self._slow is not None:
+            await asyncio.gather(self._slow, return_exceptions=True)
         self._task = None
 
     def submit(self, kind: int, job: Any, subject: Any, size: int = 0) -> asyncio.Future[Any]:
@@ -137,6 +144,25 @@ class Committer:
         self.queued_bytes += size
         self._wake.set()
         return self._future
+
+    def hurry(self) -> None:
+        """A turn waits for what is queued: when no commit is in flight, write it now (on
+        the loop, through the helper) instead of at the committer's next pass, so a lone
+        turn is never held back; the turns finishing meanwhile join the next commit."""
+        child = self.child
+        if (
+            not self._jobs
+            or self._flights
+            or child is None
+            or self.window
+            or self._stopping
+            or self.io.locked()
+            or self.queued_bytes > INLINE_BYTES
+        ):
+            return
+        encoded = encode(self._jobs)
+        if len(encoded[0]) <= self.journal.room():  # else the committer grows the file
+            self._fly(child, *self._take(), *encoded)
 
     def pending(self) -> asyncio.Future[OSError | None] | None:
         """The future of the last commit holding anything submitted so far (None: all done)."""
@@ -177,12 +203,8 @@ class Committer:
                 await asyncio.shield(self._flights[0].applied)
             if not self._jobs:
                 return None
-            outcome = Outcome(self._jobs, self._subjects)
-            future, raw = self._future, self.queued_bytes
-            assert future is not None
-            self._jobs, self._subjects, self._future = [], [], None
-            self.queued_bytes, self.oldest = 0, None
-            self._inflight = future
+            raw = self.queued_bytes
+            outcome, future = self._take()
             journal, child = self.journal, self.child
             encoded = None
             if child is not None and raw <= INLINE_BYTES:
@@ -205,6 +227,15 @@ class Committer:
             self._finish(outcome, future)
             return future
 
+    def _take(self) -> tuple[Outcome, asyncio.Future[OSError | None]]:
+        """Everything queued, as the next commit, and the future its turns wait on."""
+        outcome, future = Outcome(self._jobs, self._subjects), self._future
+        assert future is not None
+        self._jobs, self._subjects, self._future = [], [], None
+        self.queued_bytes, self.oldest = 0, None
+        self._inflight = future
+        return outcome, future
+
     def _fly(
         self,
         child: FsyncChild,
@@ -213,8 +244,8 @@ class Committer:
         data: bytes,
         relative: list[Any],
     ) -> None:
-        """Write a commit into the page cache and hand it to the helper; a lander task
-        applies its outcome once it and every earlier flight are done."""
+        """Write a commit into the page cache and hand it to the helper; its outcome is
+        applied (`_answered`) once it and every earlier flight are answered."""
         journal = self.journal
         before = journal.size
         synced: asyncio.Future[None]
@@ -226,44 +257,70 @@ class Committer:
             synced.set_exception(exc)
         outcome.pack, outcome.size = journal.active, journal.size
         outcome.written = journal.size - before
-        previous = self._flights[-1].applied if self._flights else None
         flight = Flight(outcome, future, before, synced, self._loop.create_future())
         self._flights.append(flight)
-        lander = spawn(self._land(flight, previous), name="store-commit")
-        self._landers.add(lander)
-        lander.add_done_callback(self._landers.discard)
+        synced.add_done_callback(self._answered)
 
-    async def _land(self, flight: Flight, previous: asyncio.Future[None] | None) -> None:
-        error: OSError | None = None
-        try:
-            await flight.synced
-        except ChildGone:  # the helper died: sync in a thread (syncing again is harmless)
+    def _answered(self, _: object = None) -> None:
+        """Land the answered flights at the front, in order, right away: called by the
+        helper's reader as soon as answers arrive (a pass earlier than a task would), and
+        when a flight's future is done. What must wait (a sync in a thread once the helper
+        died, cutting the file back) lands in a task, and the later flights after it."""
+        flights = self._flights
+        while flights and self._slow is None and not self._dead:
+            flight = flights[0]
+            synced = flight.synced
+            if not synced.done():
+                return
+            error = None if synced.cancelled() else synced.exception()
+            if synced.cancelled() or isinstance(error, ChildGone):
+                self._slow = spawn(self._land_slowly(flight, True), name="store-commit")
+                return
+            if error is not None and not isinstance(error, OSError):
+                error = OSError(errno.EIO, repr(error))
+            self._judge(flight, error)
+            if self._broken is not None and len(flights) == 1:
+                self._slow = spawn(self._land_slowly(flight, False), name="store-commit")
+                return
+            self._landed(flight)
+        if not flights:
+            self.hurry()  # the turns queued meanwhile: the helper need not idle
+
+    async def _land_slowly(self, flight: Flight, resync: bool) -> None:
+        if resync:  # the helper died: sync in a thread (syncing again is harmless)
             self.child = None
+            error: OSError | None = None
             try:
                 await self.offload(self.journal.sync)
             except OSError as exc:
                 error = exc
-        except OSError as exc:
-            error = exc
-        if previous is not None:
-            await previous
-        if self._broken is not None:  # its bytes follow a failed commit's: cut back too
-            error = error or self._broken
-        elif error is not None:
-            self._broken, self._cut_to = error, flight.before
-        outcome = flight.outcome
-        if error is not None:
-            outcome.error, outcome.places = error, None
-        assert self._flights[0] is flight
+            self._judge(flight, error)
         try:
             if self._broken is not None and len(self._flights) == 1:
                 await self.offload(self.journal.cut_back, self._cut_to)
         finally:
-            self._flights.popleft()
-            if not self._flights:
-                self._broken = None
-            self._finish(outcome, flight.future)
-            flight.applied.set_result(None)
+            self._slow = None
+            if not self._dead:
+                self._landed(flight)
+        self._answered()
+
+    def _judge(self, flight: Flight, error: OSError | None) -> None:
+        """A flight's sync answered `error` (or None): it fails when it did, or when an
+        earlier one did (its bytes follow the failed commit's: they are cut back too)."""
+        if self._broken is not None:
+            error = error or self._broken
+        elif error is not None:
+            self._broken, self._cut_to = error, flight.before
+        if error is not None:
+            flight.outcome.error, flight.outcome.places = error, None
+
+    def _landed(self, flight: Flight) -> None:
+        assert self._flights[0] is flight
+        self._flights.popleft()
+        if not self._flights:
+            self._broken = None
+        self._finish(flight.outcome, flight.future)
+        flight.applied.set_result(None)
 
     def _finish(self, outcome: Outcome, future: asyncio.Future[OSError | None]) -> None:
         try:

@@ -98,6 +98,8 @@ class Ledger:
             future = self.committer.pending() if self.committer is not None else None
         if future is None:
             return
+        if self.committer is not None:
+            self.committer.hurry()
         error = await asyncio.shield(future)
         if error is not None:
             raise unavailable(error)

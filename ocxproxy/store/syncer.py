@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("ocxproxy.store")
@@ -48,6 +49,7 @@ class FsyncChild:
         self._waiting: dict[int, asyncio.Future[None]] = {}  # by request id
         self._next = 0
         self._answers = b""
+        self.answered: Callable[[], None] | None = None  # after answers were read
 
     def __repr__(self) -> str:
         return f"<FsyncChild pid={self.proc.pid} waiting={len(self._waiting)}>"
@@ -131,6 +133,8 @@ class FsyncChild:
                 future.set_exception(OSError(code, os.strerror(code)))
             else:
                 future.set_result(None)
+        if self.answered is not None:  # the committer lands them now, not a pass later
+            self.answered()
 
     def _lost(self) -> None:
         if self.gone:

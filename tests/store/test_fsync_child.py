@@ -272,3 +272,56 @@ async def test_a_store_whose_dir_is_unusable_leaves_no_helper(tmp_path: Path) ->
     assert helpers_of(os.getpid()) == [child_of(first).proc.pid]  # the first store's only
     await first.close()
     await second.close()
+
+
+async def test_a_lone_turn_is_written_before_its_commit_waits(tmp_path: Path) -> None:
+    """With nothing in flight, the turn's own call starts its commit (no pass of the event
+    loop in between: a lone client is never held back for the committer's next pass)."""
+    store, syncs = await with_held_syncs(tmp_path)
+    record = store.put(make_turn("a0", "alone"), None)
+    commit = store.commit(record)
+    waited = commit.send(None)  # runs until the turn waits; the loop does not run meanwhile
+    assert len(syncs.asked) == 1
+    syncs.asked[0].set_result(None)
+    await asyncio.wait([waited], timeout=5)
+    with pytest.raises(StopIteration):
+        commit.send(None)
+    assert durable_ids(tmp_path) == ["warm0", "a0"]
+    await store.close()
+
+
+async def test_a_failed_commit_fails_every_turn_in_it(tmp_path: Path) -> None:
+    store, syncs = await with_held_syncs(tmp_path)
+    records = [store.put(make_turn(f"{n}0", n), None) for n in ("a", "b", "c")]
+    waits = [asyncio.ensure_future(store.commit(record)) for record in records]
+    await in_flight(store, syncs, 1)
+    await asyncio.sleep(0.05)
+    assert len(syncs.asked) == 1  # the three turns share one commit
+    syncs.asked[0].set_exception(OSError(errno.EIO, "Input/output error"))
+    for wait in waits:
+        with pytest.raises(StoreFailure):
+            await asyncio.wait_for(wait, 5)
+    assert durable_ids(tmp_path) == ["warm0"]
+    assert not store.available
+    await chain(store, "d", 1)
+    assert store.available
+    await store.close()
+    assert store.check() == []
+
+
+async def test_turns_queued_behind_a_commit_are_written_when_it_lands(tmp_path: Path) -> None:
+    store, syncs = await with_held_syncs(tmp_path)
+    first = store.put(make_turn("a0", "first"), None)
+    waits = [asyncio.ensure_future(store.commit(first))]
+    await in_flight(store, syncs, 1)
+    later = [store.put(make_turn(f"{n}0", n), None) for n in ("b", "c")]
+    waits += [asyncio.ensure_future(store.commit(record)) for record in later]
+    await in_flight(store, syncs, 2)  # written while the first is synced, as one commit
+    await asyncio.sleep(0.05)
+    assert len(syncs.asked) == 2
+    syncs.asked[0].set_result(None)
+    syncs.asked[1].set_result(None)
+    await asyncio.wait_for(asyncio.gather(*waits), 5)
+    assert durable_ids(tmp_path) == ["warm0", "a0", "b0", "c0"]
+    await store.close()
+    assert store.check() == []
