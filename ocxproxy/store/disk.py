@@ -98,6 +98,7 @@ class Committer:
         self._subjects: list[Any] = []
         self._future: asyncio.Future[OSError | None] | None = None
         self._inflight: asyncio.Future[OSError | None] | None = None
+        self._waiters: dict[asyncio.Future[OSError | None], list[asyncio.Future[Any]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -163,6 +164,17 @@ class Committer:
         encoded = encode(self._jobs)
         if len(encoded[0]) <= self.journal.room():  # else the committer grows the file
             self._fly(child, *self._take(), *encoded)
+
+    def waiter(self, future: asyncio.Future[OSError | None]) -> asyncio.Future[OSError | None]:
+        """A future of one turn's own, resolved with the commit `future` stands for. Unlike
+        `asyncio.shield(future)` it is resolved by the commit itself, not by a callback a
+        pass of the event loop later (a pass less a turn); cancelling it leaves the
+        commit and the other turns in it alone."""
+        if future.done():
+            return future
+        mine: asyncio.Future[OSError | None] = self._loop.create_future()
+        self._waiters.setdefault(future, []).append(mine)
+        return mine
 
     def pending(self) -> asyncio.Future[OSError | None] | None:
         """The future of the last commit holding anything submitted so far (None: all done)."""
@@ -331,6 +343,9 @@ class Committer:
             self._inflight = None
         if not future.done():
             future.set_result(outcome.error)
+        for waiter in self._waiters.pop(future, ()):
+            if not waiter.done():
+                waiter.set_result(outcome.error)
 
     async def _quiesce(self) -> None:
         """Until every commit in flight is applied."""

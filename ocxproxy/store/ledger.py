@@ -98,9 +98,12 @@ class Ledger:
             future = self.committer.pending() if self.committer is not None else None
         if future is None:
             return
-        if self.committer is not None:
-            self.committer.hurry()
-        error = await asyncio.shield(future)
+        committer = self.committer
+        if committer is not None:
+            committer.hurry()
+            error = await committer.waiter(future)
+        else:
+            error = await asyncio.shield(future)
         if error is not None:
             raise unavailable(error)
 

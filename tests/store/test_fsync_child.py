@@ -325,3 +325,20 @@ async def test_turns_queued_behind_a_commit_are_written_when_it_lands(tmp_path: 
     assert durable_ids(tmp_path) == ["warm0", "a0", "b0", "c0"]
     await store.close()
     assert store.check() == []
+
+
+async def test_a_turn_cancelled_while_waiting_leaves_its_commit_alone(tmp_path: Path) -> None:
+    """Each turn waits on a future of its own: cancelling one (its client went away) does
+    not cancel the commit, nor the other turns waiting for it."""
+    store, syncs = await with_held_syncs(tmp_path)
+    records = [store.put(make_turn(f"{n}0", n), None) for n in ("a", "b")]
+    waits = [asyncio.ensure_future(store.commit(record)) for record in records]
+    await in_flight(store, syncs, 1)
+    waits[0].cancel()
+    await asyncio.sleep(0.01)
+    syncs.asked[0].set_result(None)
+    await asyncio.wait_for(waits[1], 5)
+    assert waits[0].cancelled()
+    assert durable_ids(tmp_path) == ["warm0", "a0", "b0"]
+    await store.close()
+    assert store.check() == []
