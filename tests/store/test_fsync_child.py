@@ -309,7 +309,7 @@ async def test_a_failed_commit_fails_every_turn_in_it(tmp_path: Path) -> None:
     assert store.check() == []
 
 
-async def test_turns_queued_behind_a_commit_are_written_when_it_lands(tmp_path: Path) -> None:
+async def test_turns_queued_behind_a_commit_share_the_next_one(tmp_path: Path) -> None:
     store, syncs = await with_held_syncs(tmp_path)
     first = store.put(make_turn("a0", "first"), None)
     waits = [asyncio.ensure_future(store.commit(first))]
