@@ -90,6 +90,7 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
         await connection.serve()
     finally:
         sockets.discard(ws)
+        _drop_heartbeat_hook(request)
         proxy.metrics.ws_open.dec()
         log.info(
             "websocket closed after %.1fs, %d turns, close code %s",
@@ -98,6 +99,15 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
             ws.close_code,
         )
     return ws
+
+
+def _drop_heartbeat_hook(request: web.Request) -> None:
+    """aiohttp leaves the socket's heartbeat callback on the connection's protocol after
+    the socket closes, a reference cycle (protocol -> ws -> request -> protocol) that
+    `serve`'s frozen heap (heap.py) would keep until the next full GC pass."""
+    protocol = request.protocol
+    if getattr(protocol, "_data_received_cb", None) is not None:
+        protocol._data_received_cb = None
 
 
 async def close_websockets(app: web.Application) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from ocxproxy.h1 import RequestParser, ResponseParser
 from tests.conftest import MakeProxy
@@ -30,6 +31,10 @@ def saved_garbage() -> Iterator[list[object]]:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+def sockets_alive() -> int:
+    return sum(isinstance(o, web.WebSocketResponse) for o in gc.get_objects())
 
 
 def readers_alive() -> int:
@@ -70,3 +75,25 @@ async def test_finished_requests_and_answers_leave_no_reader_in_a_reference_cycl
     cyclic = [type(o).__name__ for o in saved_garbage if isinstance(o, READERS)]
     assert cyclic == []
     assert readers_alive() == 0
+
+
+async def test_a_closed_websocket_leaves_nothing_of_aiohttp_or_ours_in_a_reference_cycle(
+    make_proxy: MakeProxy, backend: FakeBackend, saved_garbage: list[object]
+) -> None:
+    handle = await make_proxy(backend.url)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.ws_connect(handle.base_url + "/responses") as ws,
+    ):
+        await ws.send_json({"type": "response.create", "model": "m", "input": "hi"})
+        while (await ws.receive_json())["type"] != "response.completed":
+            pass
+    for _ in range(250):  # until the proxy has seen the connection go (or 5 s)
+        if not sockets_alive():
+            break
+        await asyncio.sleep(0.02)
+    gc.collect()
+    # asyncio's own selector transport is a cycle of its own (uvloop's, in `serve`, is not)
+    cyclic = {type(o).__module__ + "." + type(o).__qualname__ for o in saved_garbage}
+    assert sorted(k for k in cyclic if k.startswith(("aiohttp.", "ocxproxy."))) == []
+    assert sockets_alive() == 0
