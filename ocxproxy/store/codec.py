@@ -72,7 +72,6 @@ def segment_row(segment: Segment) -> list[Any]:
     return [segment.sid, segment.key, segment.size, segment.n_items, ids, items]
 
 
-SEGMENT_FIELDS = 6  # the length of a segment_row
 IDS = 11  # a record row's field past the 11 every row has: a conversation's item ids
 
 
@@ -110,21 +109,48 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
 def parse_segment(row: list[Any], pack: int, offset: int, length: int) -> Segment:
     """A segment row (and where its bytes are) as a Segment whose bytes are not loaded."""
     sid, key, size, n_items, ids, items = row
-    if not (isinstance(sid, int) and isinstance(key, str) and len(key) == 64):
+    return restore_segment(sid, key, size, n_items, ids, items, pack, offset, length)
+
+
+_new_segment = Segment.__new__
+
+
+def restore_segment(
+    sid: Any, key: Any, size: Any, n_items: Any, ids: Any, items: Any, pack: Any, offset: Any,
+    length: Any,
+) -> Segment:  # fmt: skip
+    """A segment row's fields (and where its bytes are) as a Segment whose bytes are not
+    loaded; ValueError or TypeError for a bad row. Every slot is set here directly, as
+    Segment.restore would set them (a test compares the two): start-up builds 100,000s
+    of segments, and this is 3x faster than Segment.restore with the checks around it."""
+    if not (type(sid) is type(size) is type(n_items) is type(pack) is type(offset) is int):
+        if not isinstance(sid, int):
+            raise ValueError("bad segment row")
+        size, n_items, pack, offset = int(size), int(n_items), int(pack), int(offset)
+    if type(key) is not str or len(key) != 64:
         raise ValueError("bad segment row")
-    size = int(size)
-    item_ids = NO_ITEMS
-    if items:
-        spans = [(str(i), int(start), int(end)) for i, start, end in items]
-        if any(not 0 <= start <= end <= size for _, start, end in spans):
-            raise ValueError("item span outside its segment")
-        item_ids = ItemIds(spans)
-    segment = Segment.restore(
-        key, size, int(n_items), frozenset(ids) if ids else NO_CALLS, durable=True,
-        data=None if size else b"", item_ids=item_ids,
-    )  # fmt: skip
-    segment.sid, segment.pack, segment.offset, segment.length = sid, pack, offset, length
+    segment = _new_segment(Segment)
+    segment.key = key
+    segment.data = None if size else b""
+    segment.size = size
+    segment.n_items = n_items
+    segment.call_ids = frozenset(ids) if ids else NO_CALLS
+    segment.item_ids = item_spans(items, size) if items else NO_ITEMS
+    segment.durable = True
+    segment.sid = sid
+    segment.pack = pack
+    segment.offset = offset
+    segment.length = length if type(length) is int else int(length)
+    segment.lost = None
+    segment.refs = segment.durable_refs = 0
     return segment
+
+
+def item_spans(items: list[Any], size: int) -> ItemIds:
+    spans = [(str(i), int(start), int(end)) for i, start, end in items]
+    if any(not 0 <= start <= end <= size for _, start, end in spans):
+        raise ValueError("item span outside its segment")
+    return ItemIds(spans)
 
 
 # -- what start-up reads -------------------------------------------------------------------
@@ -268,10 +294,11 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
             loaded.next_sid = int(doc["next_sid"])
             seen_head = True
         elif kind == SEGS and seen_head:
-            n, segments = SEGMENT_FIELDS, loaded.segments
-            for row in doc:
-                info = parse_segment(row[:n], int(row[n]), int(row[n + 1]), int(row[n + 2]))
-                segments[info.sid] = info
+            segments = loaded.segments
+            for sid, key, size, n_items, ids, items, pack, offset, length in doc:
+                segments[sid] = restore_segment(
+                    sid, key, size, n_items, ids, items, pack, offset, length
+                )
             counts[0] += len(doc)
         elif kind == RECS and seen_head:
             for row in doc:

@@ -10,7 +10,7 @@ segment.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ocxproxy.model import Record
 
@@ -38,18 +38,27 @@ class ItemIndex:
         )
 
     def add(self, record: Record) -> None:
-        ids = own.item_ids.ids if (own := record.own) is not None else ()
-        if not ids:
-            return
-        table = self._scopes.setdefault(record.scope, {})
-        for item_id in ids:
-            held = table.get(item_id)
-            if held is None:
-                table[item_id] = record
-            elif isinstance(held, dict):
-                held[id(record)] = record
-            elif held is not record:
-                table[item_id] = {id(held): held, id(record): record}
+        self.add_all((record,))
+
+    def add_all(self, records: Iterable[Record]) -> None:
+        """add() each of `records`, in one loop (start-up's 100,000s)."""
+        scopes = self._scopes
+        for record in records:
+            link = record.links
+            ids = link.segment.item_ids.ids if link is not None else ()
+            if not ids:
+                continue
+            table = scopes.get(record.scope)
+            if table is None:
+                table = scopes[record.scope] = {}
+            for item_id in ids:
+                held = table.get(item_id)
+                if held is None:
+                    table[item_id] = record
+                elif isinstance(held, dict):
+                    held[id(record)] = record
+                elif held is not record:
+                    table[item_id] = {id(held): held, id(record): record}
 
     def remove(self, record: Record) -> None:
         ids = own.item_ids.ids if (own := record.own) is not None else ()

@@ -4,6 +4,8 @@ the one Keydir and calls it whenever a segment's location changes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ocxproxy.model import Segment
 
 SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
@@ -25,6 +27,18 @@ class Keydir:
         self.located += 1
         self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
         self.live_bytes += length + SEG_OVERHEAD
+
+    def restored(self, segments: Iterable[Segment]) -> None:
+        """Start-up: count `segments`, whose locations were read from the journal, as
+        located (one pass; `locate` per segment is most of a 100,000-record start)."""
+        live, total, n = self.live, 0, 0
+        for segment in segments:
+            length = segment.length + SEG_OVERHEAD
+            live[segment.pack] = live.get(segment.pack, 0) + length
+            total += length
+            n += 1
+        self.live_bytes += total
+        self.located += n
 
     def unlocate(self, segment: Segment) -> None:
         pack = segment.pack

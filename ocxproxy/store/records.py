@@ -50,12 +50,18 @@ class Records:
         """Start-up's records, oldest first, and the ids of those that could not be."""
         for rid in missing:
             self.tombstone(rid, FailureReason.MISSING)
-        for record in records:
-            pinned = None
+        records = list(records)
+        by_id, tombstones, failed = self.by_id, self.tombstones, self.failed
+        for record in records:  # add()'s work, in one loop (100,000s of records)
+            by_id[record.id] = record
             if record.expires_at >= NEVER:
                 kept = {s.key: s.size for s in (*record.segments, record.response)}
-                pinned = sum(kept.values())
-            self.add(record, pinned)
+                self.pinned[record.id] = size = sum(kept.values())
+                self.pinned_bytes += size
+            if tombstones or failed:
+                tombstones.pop(record.id, None)
+                failed.pop(record.id, None)
+        self.items.add_all(records)
 
     def remove(self, record: Record, reason: FailureReason | None) -> None:
         """Take `record` out; with a `reason`, a lookup of its id answers with it."""

@@ -1,11 +1,12 @@
 """Start-up: the records and segments a `Loaded` checkpoint and journal describe.
 
 `rebuild` builds them, sharing each segment among the records whose chains hold it, and
-returns them for Store to index; it records where each segment's bytes are in the keydir."""
+returns them for Store to index; it records where each segment's bytes are in the keydir.
+It runs once per start over 100,000s of rows, so it keeps per-row work to a few dict and
+list operations (start-up time is one of issue 18's figures)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from ocxproxy.model import Chain, Record, Segment
@@ -19,91 +20,110 @@ def rebuild(
     """The live records of `loaded` (expired ones left out), oldest first, and the ids of
     those whose chain needs a segment that is gone. Their segments are added to
     `segments` (by key; their refcounts set) and located in `keydir`; segments no live
-    record needs are taken out of both."""
-    strings: dict[str | None, str | None] = {}
+    record needs are left out of both."""
     by_sid: dict[int, Segment] = {}
+    sizes, known = loaded.sizes, segments.get
     for sid, seg in loaded.segments.items():
-        if seg.pack not in loaded.sizes:
+        if seg.pack not in sizes:
             continue  # its journal file is gone
-        known = segments.get(seg.key)
-        if known is None:
-            segments[seg.key] = seg
-            keydir.locate(seg, seg.pack, seg.offset, seg.length)
-        by_sid[sid] = known or seg
+        same_bytes = known(seg.key)
+        if same_bytes is None:
+            segments[seg.key] = same_bytes = seg
+        by_sid[sid] = same_bytes
     find = by_sid.__getitem__
 
     # A row's chain is a list of sids, or (its parent's row, its own last sid): each
     # row's chain is one link on its parent's (shared, as in the live store), and
     # references are counted per row times the live records under it, not per element.
-    memo: dict[int, Chain | None] = {}
-    order: list[list[Any]] = []  # rows whose chain was built, parents first
+    # Built rows, by position: parents before children (an older row, or its stack).
+    at: dict[int, int] = {}  # id(row) -> position
+    chains: list[Chain | None] = []
+    parents: list[int] = []  # the parent's position; -1: a row listing its whole chain
+    under: list[int] = []  # live records at the row (summed up the tree below)
 
-    def chain_of(row: list[Any]) -> Chain | None:
+    def build(row: list[Any]) -> int:
+        """The position of `row`'s built chain; KeyError or TypeError when a segment
+        (or, None, a parent) is gone."""
         stack: list[list[Any]] = []
-        while id(row) not in memo:
+        while (pos := at.get(id(row))) is None:
             link = row[4]
             if isinstance(link, tuple):
                 stack.append(row)
                 row = link[0]
                 continue
-            built = None
-            for sid in link:  # None (a gone parent) or a gone sid: raises
-                built = Chain(built, find(sid))
-            memo[id(row)] = built
-            order.append(row)
-        base = memo[id(row)]
+            chain = None
+            for sid in link:
+                chain = Chain(chain, find(sid))
+            pos = at[id(row)] = len(chains)
+            chains.append(chain)
+            parents.append(-1)
+            under.append(0)
         for row in reversed(stack):
-            base = memo[id(row)] = Chain(base, find(row[4][1]))
-            order.append(row)
-        return base
+            chain = Chain(chains[pos], find(row[4][1]))
+            parents.append(pos)
+            pos = at[id(row)] = len(chains)
+            chains.append(chain)
+            under.append(0)
+        return pos
 
     missing: list[str] = []
     records: list[Record] = []
-    live: Counter[int] = Counter()  # id(row) -> live records at or under it
-    held: Counter[Segment] = Counter()
+    strings: dict[str | None, str | None] = {}
     same = strings.setdefault  # one copy of each scope, backend and key (None too)
     for row in loaded.records.values():
-        try:
-            rid, scope, created, expires, _, resp_sid, output_at, backend, affinity = row[:9]
-            n_items, stored = row[9:11]
-        except ValueError:
+        if len(row) < IDS:
             continue
+        rid, scope, created, expires, link, resp_sid, output_at, backend, affinity = row[:9]
         if expires <= now:
             continue
         try:
-            chain = chain_of(row)
+            pos = at.get(id(row))
+            if pos is None:
+                parent = at.get(id(link[0])) if isinstance(link, tuple) else None
+                if parent is None:
+                    pos = build(row)
+                else:  # the usual row: its parent's chain is built
+                    chain = Chain(chains[parent], find(link[1]))
+                    pos = at[id(row)] = len(chains)
+                    chains.append(chain)
+                    parents.append(parent)
+                    under.append(0)
             response = find(resp_sid)
             ids = conversation_ids(row) if len(row) > IDS else None
         except (KeyError, TypeError, ValueError):  # a segment (or, None, a parent) is gone
             missing.append(rid)
             continue
-        live[id(row)] += 1
-        held[response] += 1
+        under[pos] += 1
+        response.refs += 1
         record = Record(  # positional (100,000s of them): Record's field order
-            rid, same(scope, scope), created, expires, True, chain, response,  # type: ignore[arg-type]
-            same(backend, backend), same(affinity, affinity), n_items,
-            (output_at[0], output_at[1]) if output_at else None, stored,
+            rid, same(scope, scope), created, expires, True, chains[pos], response,  # type: ignore[arg-type]
+            same(backend, backend), same(affinity, affinity), row[9],
+            (output_at[0], output_at[1]) if output_at else None, row[10],
         )  # fmt: skip
         if ids is not None:  # a conversation's
             record.ids = ids
         records.append(record)
-    for row in reversed(order):  # children after parents: sum them up the tree
-        link = row[4]
-        if isinstance(link, tuple) and live[id(row)]:
-            live[id(link[0])] += live[id(row)]
-    for row in order:
-        n = live[id(row)]
-        link = memo[id(row)]
-        if n and link is not None:
-            if isinstance(row[4], tuple):
-                held[link.segment] += n  # the rest is counted at its parent's row
-            else:
-                for seg in link.segments():
-                    held[seg] += n
-    for seg, n in held.items():  # every restored record is durable
-        seg.refs = seg.durable_refs = n
-    for seg in list(segments.values()):
-        if seg.refs == 0:  # in the journal, but no live record needs it
-            keydir.unlocate(seg)
-            del segments[seg.key]
+    for pos in range(len(chains) - 1, -1, -1):  # children after parents: sum up the tree
+        n, parent = under[pos], parents[pos]
+        if n and parent >= 0:
+            under[parent] += n
+    for pos, n in enumerate(under):
+        link = chains[pos]
+        if not n or link is None:
+            continue
+        if parents[pos] >= 0:
+            link.segment.refs += n  # the rest is counted at its parent's row
+        else:
+            while link is not None:
+                link.segment.refs += n
+                link = link.prev
+    gone: list[str] = []
+    for key, seg in segments.items():
+        if seg.refs:
+            seg.durable_refs = seg.refs  # every restored record is durable
+        else:
+            gone.append(key)  # in the journal, but no live record needs it
+    for key in gone:
+        del segments[key]
+    keydir.restored(segments.values())
     return records, missing

@@ -8,12 +8,23 @@
    (a 1 ms ticker's worst lateness), and the same stall while idle for comparison.
 3. restart: start() time (checkpoint + journal replay) and RSS after it, in a fresh process.
 4. disk: allocated bytes of the state dir / bytes the store counts (live_bytes).
+
+    python scripts/bench/bench_journal.py --keep DIR            # fill DIR/state, keep it
+    python scripts/bench/bench_journal.py --restart-only DIR/state
+    python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--rounds 5]
+
+--serve-only times whole `ocxproxy serve` processes on a copy of the state dir, from spawn
+to /readyz 200, with their CPU seconds and RSS then; several --python interpreters (each a
+worktree's .venv/bin/python, run from that worktree) alternate, an A/B in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,6 +166,82 @@ async def restart(state: Path) -> None:
     await store.close()
 
 
+def proc_figures(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) and RSS MiB of a live process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return cpu, int(line.split()[1]) / 1024
+    return cpu, 0.0
+
+
+def serve_once(python: Path, state: Path, upstream: str) -> tuple[float, float, float]:
+    """Spawn `serve` on `state` (run from the interpreter's worktree); seconds to /readyz
+    200, CPU seconds and RSS MiB then. The process is stopped with SIGTERM after."""
+    venv = python.absolute().parent.parent
+    tree = venv.parent if venv.name == ".venv" else Path.cwd()
+    argv = [str(python), "-m", "ocxproxy", "serve", "--upstream", upstream, "--port", "0"]
+    argv += ["--state-dir", str(state), "--log-level", "warning"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = ""
+        for line in proc.stdout:
+            if "listening on http://" in line:
+                url = line.split("listening on http://", 1)[1].split("/", 1)[0]
+                break
+        host, port = url.rsplit(":", 1)
+        while True:
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            try:
+                conn.request("GET", "/readyz")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            finally:
+                conn.close()
+            time.sleep(0.005)
+        took = time.perf_counter() - t0
+        cpu, rss = proc_figures(proc.pid)
+        return took, cpu, rss
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def serve_rounds(state: Path, pythons: list[Path], rounds: int) -> None:
+    """Alternate the interpreters over copies of `state` (a start may rewrite its dir)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchkit import start_backend
+
+    backend = start_backend()
+    figures: dict[Path, list[tuple[float, float, float]]] = {p: [] for p in pythons}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+            for n in range(rounds):
+                order = pythons if n % 2 == 0 else pythons[::-1]
+                for python in order:
+                    copy = Path(tmp) / "state"
+                    shutil.copytree(state, copy)
+                    figures[python].append(serve_once(python, copy, backend.url))
+                    shutil.rmtree(copy)
+                    took, cpu, rss = figures[python][-1]
+                    print(f"{python}: /readyz {took:.2f}s, {cpu:.2f}s CPU, RSS {rss:.0f} MiB")
+    finally:
+        backend.stop()
+    for python, got in figures.items():
+        walls = sorted(t for t, _, _ in got)
+        cpus = sorted(c for _, c, _ in got)
+        print(
+            f"{python}: /readyz median {walls[len(walls) // 2]:.2f}s (min {walls[0]:.2f}, max "
+            f"{walls[-1]:.2f}), CPU median {cpus[len(cpus) // 2]:.2f}s, RSS max "
+            f"{max(r for _, _, r in got):.0f} MiB over {len(got)} starts"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=100_000)
@@ -162,7 +249,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--restart-only", metavar="DIR", help="only time a start on DIR")
     parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
+    parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
+    parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.serve_only:
+        print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
+        serve_rounds(Path(args.serve_only), args.python, args.rounds)
+        return
     if args.restart_only:
         asyncio.run(restart(Path(args.restart_only)))
         return

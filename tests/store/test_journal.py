@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Segment
+from ocxproxy.model import NO_ITEMS, ItemIds, Segment
 from ocxproxy.store import codec, journal
 from ocxproxy.store.codec import DEL, PUT, SEG, Loaded
 from ocxproxy.store.journal import Journal
@@ -151,3 +151,45 @@ def test_a_checkpoint_of_arbitrary_bytes_is_an_error_never_a_crash(raw: bytes) -
     loaded = Loaded()
     with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
         codec.load_checkpoint(codec.encode_head((1, 0), 1.0, 1) + raw, loaded)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        (7, "a" * 64, 10, 2, [], [], 3, 100, 40),
+        (8, "b" * 64, 0, 0, ["call_1", "call_2"], [["msg_1", 0, 0]], 1, 5, 9),
+        (9, "c" * 64, 30, 2, ["call_1"], [["fc_1", 0, 12], ["msg_2", 13, 30]], 2, 0, 17),
+    ],
+)
+def test_a_restored_segment_is_the_one_segment_restore_builds(fields: tuple[object, ...]) -> None:
+    """restore_segment sets Segment's slots itself (start-up's speed): every slot, to
+    what Segment.restore and the location fields give, so a slot added to Segment and
+    not to restore_segment fails here."""
+    sid, key, size, n_items, ids, items, pack, offset, length = fields
+    fast = codec.restore_segment(*fields)
+    spans = [(str(i), int(start), int(end)) for i, start, end in items]  # type: ignore[attr-defined]
+    slow = Segment.restore(
+        key, size, n_items, frozenset(ids), durable=True,  # type: ignore[arg-type]
+        data=None if size else b"", item_ids=ItemIds(spans) if spans else NO_ITEMS,
+    )  # fmt: skip
+    slow.sid, slow.pack, slow.offset, slow.length = sid, pack, offset, length  # type: ignore[assignment]
+    for name in Segment.__slots__:
+        got, want = getattr(fast, name), getattr(slow, name)
+        if name == "item_ids":
+            got, want = list(got), list(want)
+        assert got == want, name
+        assert type(got) is type(want), name
+    # the general path (coerced fields) agrees too, and a bad row is refused
+    assert (
+        codec.restore_segment(sid, key, float(size), n_items, ids, items, pack, offset, length).size
+        == size
+    )  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        codec.restore_segment(sid, key[:10], size, n_items, ids, items, pack, offset, length)
+    with pytest.raises(ValueError):
+        codec.restore_segment(str(sid), key, size, n_items, ids, items, pack, offset, length)
+    if items:
+        with pytest.raises(ValueError):
+            codec.restore_segment(
+                sid, key, size, n_items, ids, [["x", 0, size + 1]], pack, offset, length
+            )
