@@ -11,11 +11,13 @@
 
     python scripts/bench/bench_journal.py --keep DIR            # fill DIR/state, keep it
     python scripts/bench/bench_journal.py --restart-only DIR/state
-    python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--rounds 5]
+    python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--nice -10]
 
 --serve-only times whole `ocxproxy serve` processes on a copy of the state dir, from spawn
 to /readyz 200, with their CPU seconds and RSS then; several --python interpreters (each a
-worktree's .venv/bin/python, run from that worktree) alternate, an A/B in one run.
+worktree's .venv/bin/python, run from that worktree) alternate, an A/B in one run. Python
+caches ocxproxy's bytecode, as an installed package has it (--no-bytecode: removes it first
+and writes none, as a source tree with PYTHONDONTWRITEBYTECODE set: every start compiles).
 """
 
 from __future__ import annotations
@@ -176,15 +178,23 @@ def proc_figures(pid: int) -> tuple[float, float]:
     return cpu, 0.0
 
 
-def serve_once(python: Path, state: Path, upstream: str) -> tuple[float, float, float]:
+def serve_once(
+    python: Path, state: Path, upstream: str, *, bytecode: bool
+) -> tuple[float, float, float]:
     """Spawn `serve` on `state` (run from the interpreter's worktree); seconds to /readyz
-    200, CPU seconds and RSS MiB then. The process is stopped with SIGTERM after."""
+    200, CPU seconds and RSS MiB then. The process is stopped with SIGTERM after. With
+    `bytecode`, Python caches ocxproxy's compiled modules (as an installed package has
+    them); without, none is cached and every start compiles them."""
     venv = python.absolute().parent.parent
     tree = venv.parent if venv.name == ".venv" else Path.cwd()
     argv = [str(python), "-m", "ocxproxy", "serve", "--upstream", upstream, "--port", "0"]
     argv += ["--state-dir", str(state), "--log-level", "warning"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "" if bytecode else "1"}
+    if not bytecode:  # as in a source tree where it was never written: compiled at each start
+        for cache in list((tree / "ocxproxy").rglob("__pycache__")):
+            shutil.rmtree(cache)
+    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None
         url = ""
@@ -212,7 +222,7 @@ def serve_once(python: Path, state: Path, upstream: str) -> tuple[float, float, 
         proc.wait(60)
 
 
-def serve_rounds(state: Path, pythons: list[Path], rounds: int) -> None:
+def serve_rounds(state: Path, pythons: list[Path], rounds: int, *, bytecode: bool) -> None:
     """Alternate the interpreters over copies of `state` (a start may rewrite its dir)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from benchkit import start_backend
@@ -226,10 +236,10 @@ def serve_rounds(state: Path, pythons: list[Path], rounds: int) -> None:
                 for python in order:
                     copy = Path(tmp) / "state"
                     shutil.copytree(state, copy)
-                    figures[python].append(serve_once(python, copy, backend.url))
+                    figures[python].append(serve_once(python, copy, backend.url, bytecode=bytecode))
                     shutil.rmtree(copy)
                     took, cpu, rss = figures[python][-1]
-                    print(f"{python}: /readyz {took:.2f}s, {cpu:.2f}s CPU, RSS {rss:.0f} MiB")
+                    print(f"{python}: /readyz {took:.2f}s, {cpu:.2f}s CPU, RSS {rss:.1f} MiB")
     finally:
         backend.stop()
     for python, got in figures.items():
@@ -252,10 +262,22 @@ def main() -> None:
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nice", type=int, metavar="N", help="--serve-only at niceness N")
+    parser.add_argument(
+        "--no-bytecode",
+        dest="bytecode",
+        action="store_false",
+        help="--serve-only: no cached bytecode of ocxproxy (every start compiles it)",
+    )
     args = parser.parse_args()
     if args.serve_only:
+        if args.nice is not None:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from benchkit import raise_priority
+
+            print(raise_priority(args.nice))
         print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
-        serve_rounds(Path(args.serve_only), args.python, args.rounds)
+        serve_rounds(Path(args.serve_only), args.python, args.rounds, bytecode=args.bytecode)
         return
     if args.restart_only:
         asyncio.run(restart(Path(args.restart_only)))
