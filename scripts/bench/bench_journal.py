@@ -236,6 +236,7 @@ def serve_rounds(state: Path, pythons: list[Path], rounds: int, *, bytecode: boo
                 for python in order:
                     copy = Path(tmp) / "state"
                     shutil.copytree(state, copy)
+                    os.sync()  # else the start's first fsync waits for the copy's writeback
                     figures[python].append(serve_once(python, copy, backend.url, bytecode=bytecode))
                     shutil.rmtree(copy)
                     took, cpu, rss = figures[python][-1]
