@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from ocxproxy.store import shared_layout as layout
 from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
+from ocxproxy.store.shared_chains import Chains, Newest
 from ocxproxy.store.shared_conversations import (
     ConversationHead,
     ConversationRecord,
@@ -58,34 +58,6 @@ register_scripts(shared_conversation_scripts.SCRIPTS)
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
 _SCOPES = 4096  # scopes whose key names are kept built
-CHAIN_DIGESTS = 200_000  # digests the chain cache holds (~25 MB), in chains used last
-
-
-class Chains:
-    """The digests (hex) of the chains this replica read or wrote, by chain key: an LRU
-    holding at most `limit` digests. A chain's list only grows (a sibling forks another
-    chain), so a prefix held here is the server's for as long as the chain lives."""
-
-    def __init__(self, limit: int = CHAIN_DIGESTS) -> None:
-        self.limit, self.held = limit, 0
-        self._by_key: OrderedDict[bytes, list[str]] = OrderedDict()
-
-    def get(self, key: bytes) -> list[str] | None:
-        names = self._by_key.get(key)
-        if names is not None:
-            self._by_key.move_to_end(key)
-        return names
-
-    def put(self, key: bytes, names: list[str]) -> None:
-        """Hold `names` (never changed after) as the chain's digests, unless more are held."""
-        held = self._by_key.pop(key, None)
-        if held is not None:
-            self.held -= len(held)
-            names = held if len(held) > len(names) else names
-        self._by_key[key] = names
-        self.held += len(names)
-        while self.held > self.limit and len(self._by_key) > 1:
-            self.held -= len(self._by_key.popitem(last=False)[1])
 
 
 class SharedStore(Store):
@@ -123,6 +95,7 @@ class SharedStore(Store):
         self.start_timeout = start_timeout
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
         self.chains = Chains()
+        self.newest = Newest()
         self.conversations = SharedConversations(  # and leases, keys
             self.server, prefix, budget=max_bytes, counted=self._counted
         )
@@ -187,7 +160,8 @@ class SharedStore(Store):
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = self._keys_of(scope)
-        args = (layout.TAIL, keys.base, layout.WINDOW)
+        tail = 0 if self.newest.held(response_id, self.cache) else layout.TAIL
+        args = (tail, keys.base, layout.WINDOW)
         found = await self.server.script("begin", (keys.record(response_id),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
@@ -236,6 +210,7 @@ class SharedStore(Store):
             if head.length > len(names):
                 names = await self._older(chain, head.length - len(names)) + names
             self.chains.put(chain, names)
+            self.newest.put(record_id, names[-layout.TAIL :])
         segments = await self._gather(keys, names, tail)
         return layout.decode_record(keys, record_id, head, segments)
 
@@ -411,7 +386,9 @@ class SharedStore(Store):
             shared.chain = chain
             self.metrics.shared_commits.labels("ok").inc()
             self._cache(shared.segments[-1])
-            self.chains.put(shared.chain, [s.key for s in shared.segments])
+            names = [s.key for s in shared.segments]
+            self.chains.put(shared.chain, names)
+            self.newest.put(shared.id, names[-layout.TAIL :])
 
     async def _commit(
         self, record: SharedRecord, parent: Record | None, append: Joined | None = None

@@ -1,8 +1,10 @@
 """BEGIN sends a chain's newest digests only (shared_layout.WINDOW); a replica takes the
-older ones from the chains it read or wrote before (store/shared.py's Chains), else asks
+older ones from the chains it read or wrote before (store/shared_chains.py), else asks
 the server once (LRANGE). What it builds is the whole history, from any replica."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import orjson
 import pytest
@@ -81,3 +83,34 @@ async def test_a_chain_gone_from_the_server_is_evicted_though_held_here(
     with pytest.raises(StoreFailure) as caught:
         await a.commit(a.put(turn("r-late", "late"), record))
     assert caught.value.reason == FailureReason.MISSING
+
+
+def begins(store: SharedStore) -> list[int]:
+    """How many segment values each BEGIN of `store` sent along, from now on."""
+    sent: list[int] = []
+    script = store.server.script
+
+    async def spied(name: str, keys: Any, args: Any) -> Any:
+        reply = await script(name, keys, args)
+        if name == "begin" and reply is not None:
+            sent.append(len(reply[2]))
+        return reply
+
+    store.server.script = spied  # type: ignore[method-assign]
+    return sent
+
+
+async def test_begin_sends_no_values_of_segments_the_replica_holds(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    ids = ["r1", "r2", "r3"]
+    await chain_of(a, None, ids)
+    sent_a, sent_b = begins(a), begins(b)
+    assert await history_of(a, "r3") == said(ids)  # a wrote it: its segments are here
+    assert await history_of(b, "r3") == said(ids)  # b never saw it: the newest two sent
+    assert await history_of(b, "r3") == said(ids)  # now b holds them too
+    assert (sent_a, sent_b) == ([0], [layout.TAIL, 0])
+    for segment in list(a.cache):  # gone from a's cache: sent along again, not trusted
+        a.cache.remove(segment)
+    assert await history_of(a, "r3") == said(ids)
+    assert await history_of(a, "r2") == said(ids[:2])  # r2's newest: held since r3's read
+    assert sent_a == [0, layout.TAIL, 0]
