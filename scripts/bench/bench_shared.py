@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -132,21 +133,36 @@ def load() -> str:
 # -- overhead ------------------------------------------------------------------------------
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time of a process (all its threads) in ns, from schedstat: a turn's few hundred
+    µs are below /proc/PID/stat's 10 ms ticks."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
 @dataclass
 class Scenario:
     label: str
     proxy: Child
     kv: KvServer | None
+    pings: int = 0  # PINGs to `kv` after each turn: what round trips alone cost
     client: RawClient = field(init=False)
     body: bytes = b""
     times: list[float] = field(default_factory=list)
+    rounds: list[float] = field(default_factory=list)  # each block's p50
     cpu: float = 0.0
     kv_cpu: float = 0.0
+    _ping: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     def __post_init__(self) -> None:
         self.client = RawClient(self.proxy.url)
 
     async def prepare(self, items: list[dict[str, Any]], warmup: int) -> None:
+        if self.pings and self.kv is not None:
+            self._ping = await asyncio.open_connection("127.0.0.1", self.kv.port)
         parent = rid_of(await post(self.client, {"model": "m", "input": items}))
         body = {"model": "m", "input": [user_message("next step?")]}
         self.body = orjson.dumps({**body, "previous_response_id": parent})
@@ -156,50 +172,97 @@ class Scenario:
     async def turn(self) -> float:
         start = time.perf_counter()
         status, _, data = await self.client.post(PATH, self.body)
+        if self._ping is not None:
+            reader, writer = self._ping
+            for _ in range(self.pings):
+                writer.write(b"PING\r\n")
+                if await reader.readline() != b"+PONG\r\n":
+                    raise RuntimeError(f"{self.label}: PING unanswered")
         elapsed = time.perf_counter() - start
         if status != 200:
             raise RuntimeError(f"{self.label}: {status} {data[:300]!r}")
         return elapsed
 
     async def block(self, n: int) -> None:
-        cpu0 = cpu_seconds(self.proxy.pid)
-        kv0 = cpu_seconds(self.kv.pid) if self.kv else 0.0
-        for _ in range(n):
-            self.times.append(await self.turn())
-        self.cpu += cpu_seconds(self.proxy.pid) - cpu0
-        self.kv_cpu += (cpu_seconds(self.kv.pid) - kv0) if self.kv else 0.0
+        cpu0 = cpu_ns(self.proxy.pid)
+        kv0 = cpu_ns(self.kv.pid) if self.kv and not self.pings else 0
+        times = [await self.turn() for _ in range(n)]
+        self.cpu += (cpu_ns(self.proxy.pid) - cpu0) / 1e9
+        self.kv_cpu += (cpu_ns(self.kv.pid) - kv0) / 1e9 if self.kv and not self.pings else 0.0
+        self.times += times
+        self.rounds.append(Summary.of(times).p50)
+
+    async def close(self) -> None:
+        await self.client.close()
+        if self._ping is not None:
+            self._ping[1].close()
+
+
+def server_state(kv: KvServer) -> dict[str, float]:
+    """What Valkey did so far: EVALSHA calls and µs, AOF rewrites, delayed fsyncs."""
+    import redis  # the shared extra's client, a dev dependency too
+
+    with redis.Redis.from_url(kv.url) as client:
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+        persistence = client.info("persistence")
+    return {
+        "calls": stats.get("calls", 0),
+        "usec": stats.get("usec", 0),
+        "rewrites": persistence.get("aof_rewrites", 0)
+        + persistence.get("aof_rewrite_in_progress", 0),
+        "delayed": persistence.get("aof_delayed_fsync", 0),
+    }
 
 
 async def overhead(pairs: dict[str, tuple[Child, Child, KvServer]], n: int, rounds: int) -> bool:
+    """Blocks of `n` turns per scenario, each round in random order; the added overhead is
+    the shared p50 minus the single-node p50 over all turns, and per round (blocks close
+    in time: the box's load moves both); `+ 2 round trips` is single-node turns each
+    followed by two PINGs to the profile's Valkey from this client: the part of the
+    added overhead that round trips alone cost on this box, at this load."""
     items = make_items(TARGET_BYTES)
     scenarios: list[Scenario] = []
     for profile, (single, shared, kv) in pairs.items():
         scenarios += [Scenario(f"single {profile}", single, None)]
         scenarios += [Scenario(f"shared {profile}", shared, kv)]
+        scenarios += [Scenario(f"single {profile} + 2 round trips", single, kv, pings=2)]
     for s in scenarios:
         await s.prepare(items, warmup=max(n // 5, 5))
+    before = {p: server_state(kv) for p, (_, _, kv) in pairs.items()}
     rng = random.Random(15)
     for _ in range(rounds):  # blocks in random order: the box's load hits all alike
         for s in rng.sample(scenarios, len(scenarios)):
             await s.block(n)
+    after = {p: server_state(kv) for p, (_, _, kv) in pairs.items()}
     rows = []
     for s in scenarios:
         t = Summary.of(s.times)
         per = 1 / len(s.times)
         rows.append([s.label, us(t.p50), us(t.p90), us(s.cpu * per), us(s.kv_cpu * per)])
     print(f"\n## overhead: a continuation turn off ~{TARGET_BYTES // 1024} KB of history, "
-          f"{n * rounds} turns per row (µs); {load()}")  # fmt: skip
+          f"{n * rounds} turns per row in {rounds} rounds (µs); {load()}")  # fmt: skip
     print(table(["store", "p50", "p90", "proxy CPU/turn", "valkey CPU/turn"], rows))
     met = True
-    by_label = {s.label: Summary.of(s.times) for s in scenarios}
+    by_label = {s.label: s for s in scenarios}
     for profile in pairs:
-        added = (by_label[f"shared {profile}"].p50 - by_label[f"single {profile}"].p50) * 1e3
+        on_kv, alone = by_label[f"shared {profile}"], by_label[f"single {profile}"]
+        trips = by_label[f"single {profile} + 2 round trips"]
+        added = (Summary.of(on_kv.times).p50 - Summary.of(alone.times).p50) * 1e3
+        rounds_ms = [(a - b) * 1e3 for a, b in zip(on_kv.rounds, alone.rounds, strict=True)]
+        floor = (Summary.of(trips.times).p50 - Summary.of(alone.times).p50) * 1e3
         ok = added <= TARGETS_MS[profile]
         met &= ok
         print(f"added overhead {profile}: {added:+.3f} ms p50 "
               f"(target <= +{TARGETS_MS[profile]} ms): {verdict(ok)}")  # fmt: skip
+        d = {k: after[profile][k] - before[profile][k] for k in after[profile]}
+        calls = max(d["calls"], 1)
+        print(f"  per round: median {Summary.of(rounds_ms).p50:+.3f} ms, {min(rounds_ms):+.3f} to "
+              f"{max(rounds_ms):+.3f}; two PING round trips alone add {floor:+.3f} ms; "
+              f"Valkey: {d['calls'] / len(on_kv.times):.2f} scripts a turn, "
+              f"{d['usec'] / calls:.0f} µs each; AOF rewrites {d['rewrites']:.0f}, "
+              f"delayed fsyncs {d['delayed']:.0f} in the window")  # fmt: skip
     for s in scenarios:
-        await s.client.close()
+        await s.close()
     return met
 
 
