@@ -446,7 +446,6 @@ def main() -> None:
     if args.quick:
         args.n, args.rounds, args.clients, args.seconds, args.turns = 10, 2, 4, 1.0, 20
         args.depth = 10
-        profiles = ["ack"]
     if args.nice is not None:
         print(raise_priority(args.nice))
     timed = {"overhead", "throughput"} & set(args.parts)

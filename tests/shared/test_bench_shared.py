@@ -24,6 +24,10 @@ async def test_bench_shared_prints_its_figures() -> None:
     assert proc.returncode == 0, out
     added = re.search(r"^added overhead ack: ([+-]\d+\.\d+) ms p50", out, re.M)
     assert added is not None, out
+    trips = re.search(
+        r"^  per round: median [+-][\d.]+ ms, .*two PING round trips alone", out, re.M
+    )
+    assert trips is not None, out  # the relaxed profile's rounds and what round trips cost
     ratio = re.search(r"^ack +([\d,]+) +[\d.]+ +([\d,]+) +[\d.]+ +[\d.]+ +(\d+\.\d+)x", out, re.M)
     assert ratio is not None and float(ratio.group(3)) > 0, out
     stored = re.search(r"^shared-tier bytes (\d+\.\d+)x the items", out, re.M)
