@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from ocxproxy.store.resident import ResidentTier
 
 CHAIN_DIGESTS = 200_000  # digests the chain cache holds (~25 MB), in chains used last
-RECORDS = 32_768  # records whose newest digests are held (~4 MB)
+RECORDS = 32_768  # records whose newest digests are held (~7 MB: their strings are shared)
 
 
 class Chains:

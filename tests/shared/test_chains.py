@@ -114,3 +114,15 @@ async def test_begin_sends_no_values_of_segments_the_replica_holds(make_store: M
     assert await history_of(a, "r3") == said(ids)
     assert await history_of(a, "r2") == said(ids[:2])  # r2's newest: held since r3's read
     assert sent_a == [0, layout.TAIL, 0]
+
+
+async def test_a_record_held_here_and_deleted_elsewhere_is_gone_here(make_store: MakeStore) -> None:
+    a, b = await make_store(), await make_store()
+    await chain_of(a, None, ["r1", "r2"])
+    sent = begins(a)
+    assert await history_of(a, "r2") == said(["r1", "r2"])
+    assert sent == [0]  # held here: BEGIN still reads the record
+    assert await b.remove("scope-a", "r2")
+    with pytest.raises(StoreFailure) as caught:
+        await a.begin("scope-a", "r2")
+    assert caught.value.reason == FailureReason.UNKNOWN
