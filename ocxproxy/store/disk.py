@@ -8,20 +8,21 @@ Turns arriving while a write is in flight share the next one. This module never 
 changes the store's index or segments: it sees opaque `subjects`.
 
 How a commit is written: with the fsync helper (syncer.py), a small commit that fits the
-journal file's allocated room is encoded and written into the page cache on the loop, and
-the helper process fdatasyncs it while the next commits are written (up to MAX_FLIGHTS in
-flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one at a time took
-~4 ms under load). With nothing in flight, a turn's own `commit` writes what is queued at
-once (`hurry`: a lone turn never waits for the committer's next pass), and so does a
-flight landing with nothing behind it; while commits are in flight, the committer's next
-waits one more pass of the event loop, so the turns finishing in it join. The helper's
-answers are applied in its socket's reader callback, with no task per commit. Outcomes
-are still applied in the order the commits were written, each after every earlier one: a
-commit's fdatasync
-returning also covers the earlier commits' bytes (written before it started), and when
-one fails, every later one in flight fails with it and the file is cut back to where the
-failed one began. Anything else (a large commit, a file to grow or to open, no helper)
-waits until no commit is in flight, then is encoded, written and synced in a thread.
+journal file's allocated room is encoded on the loop and sent to the helper process,
+which writes it there and fdatasyncs it while the next commits are sent (up to
+MAX_FLIGHTS in flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one
+at a time took ~4 ms under load). The loop never writes to the file itself: a pwrite into
+the page cache stopped it for up to ~280 ms while the disk was busy. With nothing in
+flight, a turn's own `commit` writes what is queued at once (`hurry`: a lone turn never
+waits for the committer's next pass), and so does a flight landing with nothing behind
+it; while commits are in flight, the committer's next waits one more pass of the event
+loop, so the turns finishing in it join. The helper's answers are applied in its socket's
+reader callback, with no task per commit. Outcomes are applied in the order the commits
+were sent, each once its own answer and every earlier one's have come (replay stops at
+the first gap, so a commit counts only with every commit before it), and when one fails,
+every later one in flight fails with it and the file is cut back to where the failed one
+began. Anything else (a large commit, a file to grow or to open, no helper) waits until
+no commit is in flight, then is encoded, written and synced in a thread.
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight).
@@ -66,11 +67,12 @@ class Outcome:
 
 @dataclass(slots=True, eq=False)
 class Flight:
-    """A commit written into the page cache and handed to the fsync helper."""
+    """A commit handed to the fsync helper, which writes and syncs it."""
 
     outcome: Outcome
     future: asyncio.Future[OSError | None]  # the turns'
-    before: int  # where its bytes begin in the active file
+    data: bytes  # its bytes (written again in a thread when the helper died)
+    before: int  # where they begin in the active file
     synced: asyncio.Future[None]  # the helper's answer
     applied: asyncio.Future[None]  # its outcome is applied
 
@@ -256,20 +258,20 @@ class Committer:
         data: bytes,
         relative: list[Any],
     ) -> None:
-        """Write a commit into the page cache and hand it to the helper; its outcome is
-        applied (`_answered`) once it and every earlier flight are answered."""
+        """Hand a commit to the helper, to be written in the file's room and synced; its
+        outcome is applied (`_answered`) once it and every earlier flight are answered."""
         journal = self.journal
         before = journal.size
+        outcome.places = journal.claim(data, relative)
         synced: asyncio.Future[None]
         try:
-            outcome.places = journal.write_unsynced(data, relative)
-            synced = child.sync(journal.fd, journal.active)
-        except (OSError, ChildGone) as exc:
+            synced = child.write(journal.fd, journal.active, data, before)
+        except ChildGone as exc:
             synced = self._loop.create_future()
             synced.set_exception(exc)
         outcome.pack, outcome.size = journal.active, journal.size
         outcome.written = journal.size - before
-        flight = Flight(outcome, future, before, synced, self._loop.create_future())
+        flight = Flight(outcome, future, data, before, synced, self._loop.create_future())
         self._flights.append(flight)
         synced.add_done_callback(self._answered)
 
@@ -299,11 +301,11 @@ class Committer:
             self.hurry()  # the turns queued meanwhile: the helper need not idle
 
     async def _land_slowly(self, flight: Flight, resync: bool) -> None:
-        if resync:  # the helper died: sync in a thread (syncing again is harmless)
+        if resync:  # the helper died: write and sync in a thread (again is harmless)
             self.child = None
             error: OSError | None = None
             try:
-                await self.offload(self.journal.sync)
+                await self.offload(self.journal.rewrite, flight.data, flight.before)
             except OSError as exc:
                 error = exc
             self._judge(flight, error)

@@ -1,15 +1,19 @@
-"""The journal's fsync helper: a tiny process that calls fdatasync for the proxy (syncer.py).
+"""The journal's write helper: a tiny process that writes and fdatasyncs commits for the
+proxy (syncer.py), so no write to the journal file blocks the proxy's event loop (a pwrite
+into the page cache waited up to ~280 ms there while the disk was busy).
 
 Run as `python -I -S fsync_child.py FD` with FD one end of a Unix socket pair; standard
-library only, nothing of ocxproxy is imported. It says b"r" once ready, then loops: each
-received file descriptor (SCM_RIGHTS) replaces the file it syncs; each request, b"s" and
-a one-byte id, gets an fdatasync of that file, answered by two bytes, the id and 0 or the
-errno. Requests received together share one fdatasync, in the thread that received them
-while another thread waits for the next (the proxy may have several commits in flight:
-concurrent syncs of one file do not wait for each other's turn; no thread hands work to
-another, which cost a wake-up and a GIL hand-over per sync). It exits when the proxy's end
-closes (the proxy stopped or died), never on a signal sent to the proxy's process group:
-the proxy decides when it is done.
+library only, nothing of ocxproxy is imported. It says b"r" once ready, then loops: a
+file descriptor (SCM_RIGHTS, sent with a lone b"f") replaces the file it writes; each
+request, b"w", a one-byte id, the offset (8 bytes) and length (4 bytes) of its data, then
+the data, is written there (pwrite), and then the file fdatasynced; it is answered by two
+bytes, the id and 0 or the errno. Requests received together are written in order and
+share one fdatasync, in the thread that received them while another thread waits for the
+next (the proxy may have several commits in flight: concurrent syncs of one file do not
+wait for each other's turn; no thread hands work to another, which cost a wake-up and a
+GIL hand-over per sync). It exits when the proxy's end closes (the proxy stopped or
+died), never on a signal sent to the proxy's process group: the proxy decides when it is
+done.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import errno
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 
 THREADS = 8  # syncs at once (the proxy has at most a few commits in flight)
+HEAD = struct.Struct(">cBQI")  # b"w", id, offset, length (syncer.py packs it)
+RECEIVE = 1 << 18  # bytes read at once
 
 
 def serve(sock: socket.socket) -> None:
@@ -31,12 +38,12 @@ def serve(sock: socket.socket) -> None:
     held = [-1, 0]  # the file synced now, and whether the proxy's end closed (under receiving)
     pending = [b""]  # a partial request (under receiving)
 
-    def take() -> tuple[bytes, int] | None:
-        """The next requests received (their ids) and a file to sync for them, or None
-        once the proxy's end is closed. Holds `receiving`."""
+    def take() -> tuple[list[tuple[int, int, bytes]], int] | None:
+        """The next whole requests received (id, offset, data) and a file to write them
+        to, or None once the proxy's end is closed. Holds `receiving`."""
         while not held[1]:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 4096, 8)
+                data, fds, _, _ = socket.recv_fds(sock, RECEIVE, 8)
             except OSError:
                 data, fds = b"", []
             for new in fds:
@@ -47,13 +54,25 @@ def serve(sock: socket.socket) -> None:
                 held[1] = 1
                 return None
             data = pending[0] + data
-            cut = len(data) - len(data) % 2
-            pending[0] = data[cut:]
-            if cut:
+            requests, at = [], 0
+            while at < len(data):
+                if data[at : at + 1] == b"f":  # (its fd came with it)
+                    at += 1
+                    continue
+                if len(data) - at < HEAD.size:
+                    break
+                _, request, offset, length = HEAD.unpack_from(data, at)
+                end = at + HEAD.size + length
+                if end > len(data):
+                    break
+                requests.append((request, offset, data[at + HEAD.size : end]))
+                at = end
+            pending[0] = data[at:]
+            if requests:
                 try:
-                    return data[1:cut:2], os.dup(held[0])  # its own: the file may be replaced
+                    return requests, os.dup(held[0])  # its own: the file may be replaced
                 except OSError as exc:
-                    answer(data[1:cut:2], exc)
+                    answer(bytes(r[0] for r in requests), exc)
         return None
 
     def answer(requests: bytes, error: OSError | None) -> None:
@@ -62,9 +81,9 @@ def serve(sock: socket.socket) -> None:
             sock.sendall(bytes(b for request in requests for b in (request, code)))
 
     def work() -> None:
-        # Leader and followers: the thread that received requests syncs for them, while
-        # another waits for the next ones; one fdatasync answers every request received
-        # together (each one's bytes were written before it was sent).
+        # Leader and followers: the thread that received requests writes and syncs them,
+        # while another waits for the next ones; one fdatasync answers every request
+        # received together.
         while True:
             with receiving:
                 taken = take()
@@ -73,12 +92,17 @@ def serve(sock: socket.socket) -> None:
             requests, fd = taken
             error: OSError | None = None
             try:
+                for _, offset, data in requests:
+                    view = memoryview(data)
+                    while view:
+                        n = os.pwrite(fd, view, offset)
+                        view, offset = view[n:], offset + n
                 os.fdatasync(fd)
             except OSError as exc:
                 error = exc
             finally:
                 os.close(fd)
-            answer(requests, error)
+            answer(bytes(r[0] for r in requests), error)
 
     sock.sendall(b"r")
     threads = [threading.Thread(target=work, daemon=True) for _ in range(THREADS - 1)]

@@ -198,29 +198,30 @@ class Journal:
         return self._placed(before, relative)
 
     def room(self) -> int:
-        """Bytes `write_unsynced` takes now: the active file's allocated room, unless the
+        """Bytes `claim` takes now: the active file's allocated room, unless the
         file is closed or full (a write that does not fit goes through `write`)."""
         if self._fd is None or self.size >= FILE_BYTES:
             return 0
         return self.allocated - self.size
 
-    def write_unsynced(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
-        """Write one commit into the allocated room (the page cache: no wait for the disk),
-        not yet durable: `fd` must be fdatasynced before it counts, and on any error the
-        caller cuts it back (`cut_back`). As `write`, the places of its SEG blobs."""
+    def claim(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
+        """Take the allocated room for one commit that the fsync helper writes and syncs
+        (not durable until it answers; on any error the caller cuts it back, `cut_back`).
+        As `write`, the places of its SEG blobs."""
         assert self._fd is not None and len(data) <= self.room()
         before = self.size
-        files.write_at(self._fd, data, before)
         self.size = before + len(data)
         return self._placed(before, relative)
+
+    def rewrite(self, data: bytes, at: int) -> None:
+        """Write a claimed commit's bytes at `at` and sync them (blocking: the helper died)."""
+        files.write_at(self.fd, data, at)
+        os.fdatasync(self.fd)
 
     @property
     def fd(self) -> int:
         assert self._fd is not None
         return self._fd
-
-    def sync(self) -> None:
-        os.fdatasync(self.fd)
 
     def cut_back(self, size: int) -> None:
         """A commit from `size` on failed: nothing of it may be read back as entries."""

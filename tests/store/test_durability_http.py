@@ -2,7 +2,9 @@
 entries are durable, and a disk that refuses writes is answered, not hidden (a 503
 storage_unavailable, an SSE or WebSocket `error` event, /readyz 503), while continuations
 from stored turns keep working and the proxy recovers by itself. The fault is injected at
-the file layer (the journal's one write call)."""
+the file layer (the journal's one write call, in this process: here the store writes
+without its helper process, which writes out of a monkeypatch's reach; test_fsync_child.py
+covers the helper's failures)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import orjson
 import pytest
 
 from ocxproxy.store import files
+from ocxproxy.store.syncer import FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.store.helpers import durable_ids
@@ -25,6 +28,11 @@ AUTH = {"Authorization": "Bearer sk-test-a"}
 
 def no_space(fd: int, data: bytes, offset: int) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.fixture(autouse=True)
+def _writes_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FsyncChild, "spawn", classmethod(lambda cls: None))
 
 
 async def test_an_answer_waits_for_its_fsync(

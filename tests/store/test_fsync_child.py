@@ -1,6 +1,6 @@
 """The journal's fsync helper process (store/syncer.py, store/fsync_child.py): commits are
-synced by it, its errors fail the commit, the store falls back to a thread when it dies,
-and it never outlives the proxy."""
+written and synced by it (never on the event loop), its errors fail the commit, the store
+falls back to a thread when it dies, and it never outlives the proxy."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ocxproxy.errors import StoreFailure
-from ocxproxy.store import Store, files
+from ocxproxy.store import Store
 from ocxproxy.store.syncer import ChildGone, FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
@@ -40,19 +40,22 @@ async def chain(store: Store, prefix: str, n: int) -> None:
         await store.commit(parent)
 
 
-def in_process_sync_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(fd: int) -> None:
-        raise OSError(errno.EIO, "in-process fsync called")
+def in_process_io_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise OSError(errno.EIO, "in-process write or fsync called")
 
     monkeypatch.setattr(os, "fdatasync", broken)
+    monkeypatch.setattr(os, "pwrite", broken)
 
 
-async def test_commits_are_synced_by_the_helper(
+async def test_commits_are_written_and_synced_by_the_helper(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The event loop never writes a commit into the journal file itself: a pwrite into the
+    page cache can block for hundreds of ms while the disk is busy."""
     store = await started(tmp_path)
     await chain(store, "warm", 1)  # the journal file has its room allocated
-    in_process_sync_fails(monkeypatch)  # only the helper can sync now
+    in_process_io_fails(monkeypatch)  # only the helper can write and sync now
     await chain(store, "c", 5)
     assert durable_ids(tmp_path) == ["warm0", "c0", "c1", "c2", "c3", "c4"]
     monkeypatch.undo()
@@ -69,20 +72,22 @@ async def test_the_helper_reports_a_failed_sync(tmp_path: Path) -> None:
     read, write = os.pipe()
     try:
         with pytest.raises(OSError) as info:
-            await child.sync(write, 1)  # fdatasync of a pipe
-        assert info.value.errno == errno.EINVAL
+            await child.write(write, 1, b"x", 0)  # pwrite to a pipe
+        assert info.value.errno == errno.ESPIPE
         fd = os.open(tmp_path / "file", os.O_WRONLY | os.O_CREAT)
         try:
-            await child.sync(fd, 2)  # the next file: the helper keeps working
+            big = os.urandom(3 << 20)  # more than the socket takes at once
+            await asyncio.gather(child.write(fd, 2, big, 5), child.write(fd, 2, b"abcde", 0))
         finally:
             os.close(fd)
+        assert (tmp_path / "file").read_bytes() == b"abcde" + big  # the next file: it works
     finally:
         os.close(read)
         os.close(write)
         child.close()
         await asyncio.to_thread(child.wait)
     with pytest.raises(ChildGone):
-        child.sync(0, 3)
+        child.write(0, 3, b"", 0)
 
 
 async def test_a_failed_write_is_cut_back_and_the_store_recovers(
@@ -91,10 +96,12 @@ async def test_a_failed_write_is_cut_back_and_the_store_recovers(
     store = await started(tmp_path)
     await chain(store, "ok", 2)
 
-    def no_space(fd: int, data: bytes, offset: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def no_space(self: FsyncChild, fd: int, key: int, data: bytes, at: int) -> object:
+        future = asyncio.get_running_loop().create_future()  # the helper's answer
+        future.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        return future
 
-    monkeypatch.setattr(files, "write_at", no_space)
+    monkeypatch.setattr(FsyncChild, "write", no_space)
     record = store.put(make_turn("lost0", "lost"), None)
     with pytest.raises(StoreFailure):
         await store.commit(record)
@@ -187,12 +194,14 @@ async def test_the_proxy_group_signal_does_not_stop_the_helper_early(
 
 
 class HeldSyncs:
-    """A stand-in for the helper whose answers the test gives, in any order."""
+    """A stand-in for the helper (it writes at once) whose answers the test gives, in any
+    order."""
 
     def __init__(self) -> None:
         self.asked: list[asyncio.Future[None]] = []
 
-    def sync(self, fd: int, key: int) -> asyncio.Future[None]:
+    def write(self, fd: int, key: int, data: bytes, at: int) -> asyncio.Future[None]:
+        os.pwrite(fd, data, at)
         future = asyncio.get_running_loop().create_future()
         self.asked.append(future)
         return future
