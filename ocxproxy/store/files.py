@@ -12,6 +12,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 try:
@@ -81,17 +82,30 @@ def write_at(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_atomic(final: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    """Temp file in the same directory, fsync, rename over `final`, fsync the directory.
+def write_atomic(
+    final: Path, chunks: Iterable[bytes], *, sync_every: int = 0, sync_dir: bool = True
+) -> int:
+    """Temp file in the same directory, fsync, rename over `final`, fsync the directory;
+    the bytes written.
 
     A crash leaves either the old file or the new one (plus, at worst, a temp file that
     start-up sweeps). With sync_dir=False the caller fsyncs the directory once for a batch.
+    With `sync_every`, the file is fdatasynced each time that many more bytes are written,
+    so the disk never has more than that of it to flush at once: a journal commit's sync
+    waits behind that much of it at most, not the whole file.
     """
     tmp = temp_name(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, FILE_MODE)
+    written = unsynced = 0
     try:
         try:
-            write_all(fd, data)
+            for chunk in chunks:
+                write_all(fd, chunk)
+                written += len(chunk)
+                unsynced += len(chunk)
+                if sync_every and unsynced >= sync_every:
+                    os.fdatasync(fd)
+                    unsynced = 0
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -102,6 +116,7 @@ def write_atomic(final: Path, data: bytes, *, sync_dir: bool = True) -> None:
         raise
     if sync_dir:
         fsync_dir(final.parent)
+    return written
 
 
 def read_regular(path: Path, limit: int) -> bytes:

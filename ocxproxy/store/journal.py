@@ -40,6 +40,7 @@ from ocxproxy.store.codec import (
 CHECKPOINT = "checkpoint"
 FILE_BYTES = 64 * 1024**2  # a journal file is closed (rotated) past this size
 PREALLOCATE = 4 * 1024**2  # room the active file grows by (fdatasync then suffices)
+CHECKPOINT_SYNC = 1024**2  # checkpoint bytes written between syncs (files.write_atomic)
 _NAME = re.compile(r"([0-9]{8})\.log")
 
 
@@ -246,9 +247,7 @@ class Journal:
         return self.active, 0
 
     def write_checkpoint(self, chunks: Sequence[bytes]) -> int:
-        data = b"".join(chunks)
-        files.write_atomic(self.root / CHECKPOINT, data)
-        return len(data)
+        return files.write_atomic(self.root / CHECKPOINT, chunks, sync_every=CHECKPOINT_SYNC)
 
     def remove(self, packs: Sequence[int]) -> int:
         removed = 0
