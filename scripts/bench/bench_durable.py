@@ -26,6 +26,7 @@ on it: the load generator shares them with the proxy and the backend, so figures
     .venv/bin/python scripts/bench/bench_durable.py              # ~5 min at 100,000 records
     .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
     .venv/bin/python scripts/bench/bench_durable.py --only-throughput   # part 5 alone
+    .venv/bin/python scripts/bench/bench_durable.py --only-latency      # part 1 alone
 """
 
 from __future__ import annotations
@@ -545,16 +546,7 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
     return zdr, durable
 
 
-def report(
-    small: Store,
-    big: Store,
-    kills: Kills,
-    startup: float,
-    loaded: int,
-    stop: float,
-    tput: list[Throughput],
-    args: argparse.Namespace,
-) -> None:
+def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
     print(f"\n## Continuation latency, {args.rate:g} turns/s open loop, {args.duration:g} s")
     headers = ["store", "fill turns/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "> 50 ms"]
     headers += ["non-200", "skipped", "VmRSS", "VmHWM"]
@@ -577,6 +569,24 @@ def report(
             ]
         )
     print(table(headers, rows))
+    ratio = big.latency.p99 / small.latency.p99
+    print(
+        f"p99 {big.records:,} ÷ {small.records:,} records: {ratio:.2f}x (target ≤ 2x); "
+        f"max at {big.records:,}: {ms(big.latency.max)} ms (target ≤ 100 ms)"
+    )
+
+
+def report(
+    small: Store,
+    big: Store,
+    kills: Kills,
+    startup: float,
+    loaded: int,
+    stop: float,
+    tput: list[Throughput],
+    args: argparse.Namespace,
+) -> None:
+    report_latency(small, big, args)
     counted = sum(v for tier, v in big.counted.items() if tier not in MEMORY_TIERS)
     tiers = ", ".join(f"{tier} {mib(v)}" for tier, v in sorted(big.counted.items()))
     print(f"ocxproxy_store_bytes at {big.records:,} records: {tiers or 'none'}")
@@ -667,6 +677,10 @@ async def run(args: argparse.Namespace) -> None:
             proxy.stop()
             progress(f"{small.records:,} records: p99 {ms(small.latency.p99)} ms")
             big, proxy = await measure_store(backend.url, root / "big", args.records, args)
+            if args.only_latency:
+                proxy.stop()
+                report_latency(small, big, args)
+                return
             progress(f"{big.records:,} records: p99 {ms(big.latency.p99)} ms; kill -9 rounds")
             kills, proxy = await kill_rounds(backend.url, proxy, args, rng)
             stop = proxy.stop()
@@ -701,6 +715,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None, help="random kill moments")
     parser.add_argument(
         "--only-throughput", action="store_true", help="only part 5, the throughput rounds"
+    )
+    parser.add_argument(
+        "--only-latency", action="store_true", help="only part 1, latency at both sizes"
     )
     parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
     args = parser.parse_args()
