@@ -352,6 +352,9 @@ class Durable:
             keep = self.max_disk_bytes * DISK_KEEP
             self.owner.evict_for_disk(max(keep - self.checkpoint_size, keep / 2))
         await self._compact()
+        # The next file is made (and synced) while commits go on: the rotation, while they
+        # wait, is a swap; the old file is sealed once they go on again.
+        await self.offload(j.ready_next)
         async with committer.quiet():
             position = await self.offload(j.rotate)
             capture = self.table.captured(position[0])
@@ -362,6 +365,7 @@ class Durable:
             since = self.since_checkpoint
             self.dirty_at = None if not committer.pending() else time.monotonic()
             self.since_checkpoint = 0
+        await self.offload(j.seal_retired)
         chunks, n_recs = await encode_checkpoint(
             position, self.clock(), next_sid, segments, records, uncommitted
         )

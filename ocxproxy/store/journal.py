@@ -57,6 +57,9 @@ class Journal:
         self._fd: int | None = None
         self._readers: dict[int, int] = {}
         self._readers_lock = threading.Lock()
+        self._opening = threading.Lock()  # the active file changes (ready_next runs beside)
+        self._ready: tuple[int, int] | None = None  # (file, fd) made ahead by ready_next
+        self._retired: list[tuple[int, int, int]] = []  # (fd, size, allocated) to seal
 
     def __repr__(self) -> str:
         return f"<Journal {self.dir} active={self.active}:{self.size}>"
@@ -127,7 +130,24 @@ class Journal:
         existing = self.existing()
         self._open((existing[-1] if existing else 0) + 1)
 
-    def _open(self, pack: int) -> None:
+    def _open(self, pack: int, *, seal: bool = True) -> None:
+        """Append to new file `pack` from now on (the one `ready_next` made, when it is).
+        The file before is sealed now, or with `seal=False` kept for `seal_retired`."""
+        with self._opening:
+            ready, self._ready = self._ready, None
+            if ready is not None and ready[0] == pack:
+                fd = ready[1]
+            else:
+                if ready is not None:
+                    os.close(ready[1])
+                fd = self._create(pack)
+            if self._fd is not None:
+                self._retired.append((self._fd, self.size, self.allocated))
+            self._fd, self.active, self.size, self.allocated = fd, pack, 0, 0
+        if seal:
+            self.seal_retired()
+
+    def _create(self, pack: int) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         fd = os.open(self.path(pack), flags | getattr(os, "O_CLOEXEC", 0), files.FILE_MODE)
         try:
@@ -137,25 +157,43 @@ class Journal:
             with contextlib.suppress(OSError):
                 os.unlink(self.path(pack))
             raise
-        self._seal()
-        self._fd, self.active, self.size, self.allocated = fd, pack, 0, 0
+        return fd
 
-    def _seal(self) -> None:
-        """Close the active file, without the preallocated room it did not use."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            if self.allocated > self.size:
-                os.ftruncate(fd, self.size)
-                os.fsync(fd)
-        except OSError:
-            pass  # zeros past the end read as a clean end
-        finally:
-            os.close(fd)
+    def ready_next(self) -> None:
+        """Blocking, while commits go on: create the file `rotate` moves to (durable in its
+        directory), so the rotation, made while commits wait, does no I/O."""
+        with self._opening:
+            pack = self.active + 1
+            if self._ready is not None:
+                if self._ready[0] == pack:
+                    return
+                os.close(self._ready[1])
+                self._ready = None
+            self._ready = (pack, self._create(pack))
+
+    def seal_retired(self) -> None:
+        """Close the files appended to before, without the preallocated room they did not
+        use (blocking)."""
+        while self._retired:
+            fd, size, allocated = self._retired.pop()
+            try:
+                if allocated > size:
+                    os.ftruncate(fd, size)
+                    os.fsync(fd)
+            except OSError:
+                pass  # zeros past the end read as a clean end
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
-        self._seal()
+        with self._opening:
+            if self._fd is not None:
+                self._retired.append((self._fd, self.size, self.allocated))
+                self._fd = None
+            if self._ready is not None:
+                os.close(self._ready[1])
+                self._ready = None
+        self.seal_retired()
         with self._readers_lock:
             for fd in self._readers.values():
                 os.close(fd)
@@ -241,9 +279,9 @@ class Journal:
         return [(self.active, base + p[0], p[1]) if p else None for p in relative]
 
     def rotate(self) -> tuple[int, int]:
-        """Close the active file; the next append starts a new one. The position after
-        everything written so far."""
-        self._open(self.active + 1)
+        """Append to a new file from now on (no I/O when `ready_next` made it); the old one
+        waits for `seal_retired`. The position after everything written so far."""
+        self._open(self.active + 1, seal=False)
         return self.active, 0
 
     def write_checkpoint(self, chunks: Sequence[bytes]) -> int:
