@@ -41,6 +41,13 @@ def rebuild(
     parents: list[int] = []  # the parent's position; -1: a row listing its whole chain
     under: list[int] = []  # live records at the row (summed up the tree below)
 
+    def extend(parent: int, sid: int) -> int:
+        """The position of a new chain: the one at `parent` and segment `sid`."""
+        chains.append(Chain(chains[parent], find(sid)))
+        parents.append(parent)
+        under.append(0)
+        return len(chains) - 1
+
     def build(row: list[Any]) -> int:
         """The position of `row`'s built chain; KeyError or TypeError when a segment
         (or, None, a parent) is gone."""
@@ -59,11 +66,7 @@ def rebuild(
             parents.append(-1)
             under.append(0)
         for row in reversed(stack):
-            chain = Chain(chains[pos], find(row[4][1]))
-            parents.append(pos)
-            pos = at[id(row)] = len(chains)
-            chains.append(chain)
-            under.append(0)
+            pos = at[id(row)] = extend(pos, row[4][1])
         return pos
 
     missing: list[str] = []
@@ -83,11 +86,7 @@ def rebuild(
                 if parent is None:
                     pos = build(row)
                 else:  # the usual row: its parent's chain is built
-                    chain = Chain(chains[parent], find(link[1]))
-                    pos = at[id(row)] = len(chains)
-                    chains.append(chain)
-                    parents.append(parent)
-                    under.append(0)
+                    pos = at[id(row)] = extend(parent, link[1])
             response = find(resp_sid)
             ids = conversation_ids(row) if len(row) > IDS else None
         except (KeyError, TypeError, ValueError):  # a segment (or, None, a parent) is gone
