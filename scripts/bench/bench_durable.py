@@ -7,7 +7,9 @@ scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
   1. latency: fill a store to N records through the proxy (16 closed-loop chains of 100
      turns), then continuation turns open loop at --rate turns/s over 64 chains for
      --duration s; latency counts from each turn's scheduled send time. Both N in this run
-     (--small-records, --records); the small store is the baseline of the ratio.
+     (--small-records, --records), each its own proxy; the small store is the baseline of
+     the ratio. Both windows run in the same seconds (--sequential: one after the other),
+     so a stall of the shared disk, which every durable turn waits on, falls on both.
   2. RSS of the filled proxy (VmRSS, and peak VmHWM); allocated bytes of its state dir
      (st_blocks * 512) ÷ the bytes the store counts (ocxproxy_store_bytes in /metrics, every
      tier that is not memory) once its writes have settled.
@@ -377,29 +379,52 @@ def progress(message: str) -> None:
     print(f"  [{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-async def measure_store(
-    backend: str, state: Path, records: int, args: argparse.Namespace
-) -> tuple[Store, Proxy]:
+@dataclass
+class Filled:
+    """A proxy filled to `made` records, ready for its latency window."""
+
+    proxy: Proxy
+    http: Http
+    made: int
+    seconds: float
+    failures: int
+
+
+async def fill_store(backend: str, state: Path, records: int) -> Filled:
     proxy = await start_proxy(backend, state, f"proxy-{records}")
     http = Http(proxy.child.url)
     start = time.perf_counter()
     made, failures = await closed_loop(http, 16, 100, turns=records)
     fill = time.perf_counter() - start
-    progress(f"{made:,} records in {fill:.1f} s ({made / fill:,.0f}/s); measuring latency")
+    progress(f"{made:,} records in {fill:.1f} s ({made / fill:,.0f}/s)")
     await settle(proxy, 60)
-    load = OpenLoop(http, args.rate, 64)
-    await load.start_chains()
-    await load.run(args.duration)
-    lat = Summary.of(load.latencies)
-    slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
-    store = Store(made, fill, failures, lat, slow, load.statuses, load.skipped)
-    await settle(proxy, 120)
-    store.rss_mib = status_kib(proxy.pid, "VmRSS") / 1024
-    store.hwm_mib = status_kib(proxy.pid, "VmHWM") / 1024
-    store.counted = disk_tiers(await proxy.metrics())
-    store.allocated = allocated_bytes(state)
-    http.close()
-    return store, proxy
+    return Filled(proxy, http, made, fill, failures)
+
+
+async def latency_windows(filled: list[Filled], args: argparse.Namespace) -> list[Store]:
+    """Each filled proxy's open-loop window, all in the same seconds (or one after the
+    other with --sequential), then its RSS and allocation once its writes settled."""
+    loads = [OpenLoop(f.http, args.rate, 64) for f in filled]
+    for load in loads:
+        await load.start_chains()
+    if args.sequential:
+        for load in loads:
+            await load.run(args.duration)
+    else:
+        await asyncio.gather(*(load.run(args.duration) for load in loads))
+    stores = []
+    for f, load in zip(filled, loads, strict=True):
+        lat = Summary.of(load.latencies)
+        slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
+        store = Store(f.made, f.seconds, f.failures, lat, slow, load.statuses, load.skipped)
+        await settle(f.proxy, 120)
+        store.rss_mib = status_kib(f.proxy.pid, "VmRSS") / 1024
+        store.hwm_mib = status_kib(f.proxy.pid, "VmHWM") / 1024
+        store.counted = disk_tiers(await f.proxy.metrics())
+        store.allocated = allocated_bytes(f.proxy.state)
+        f.http.close()
+        stores.append(store)
+    return stores
 
 
 @dataclass
@@ -547,7 +572,11 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
 
 
 def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
-    print(f"\n## Continuation latency, {args.rate:g} turns/s open loop, {args.duration:g} s")
+    when = "one store after the other" if args.sequential else "both stores in the same seconds"
+    print(
+        f"\n## Continuation latency, {args.rate:g} turns/s open loop per store, "
+        f"{args.duration:g} s, {when}"
+    )
     headers = ["store", "fill turns/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "> 50 ms"]
     headers += ["non-200", "skipped", "VmRSS", "VmHWM"]
     rows = []
@@ -671,17 +700,23 @@ async def run(args: argparse.Namespace) -> None:
                 tput = await throughput_rounds(backend.url, root, args)
                 report_throughput(tput)
                 return
-            small, proxy = await measure_store(
-                backend.url, root / "small", args.small_records, args
+            filled = [
+                await fill_store(backend.url, root / "small", args.small_records),
+                await fill_store(backend.url, root / "big", args.records),
+            ]
+            progress(
+                "measuring latency" + (" (one store after the other)" if args.sequential else "")
             )
-            proxy.stop()
-            progress(f"{small.records:,} records: p99 {ms(small.latency.p99)} ms")
-            big, proxy = await measure_store(backend.url, root / "big", args.records, args)
+            small, big = await latency_windows(filled, args)
+            filled[0].proxy.stop()
+            proxy = filled[1].proxy
+            sizes = f"{small.records:,} and {big.records:,} records"
+            progress(f"p99 {ms(small.latency.p99)} and {ms(big.latency.p99)} ms at {sizes}")
             if args.only_latency:
                 proxy.stop()
                 report_latency(small, big, args)
                 return
-            progress(f"{big.records:,} records: p99 {ms(big.latency.p99)} ms; kill -9 rounds")
+            progress("kill -9 rounds")
             kills, proxy = await kill_rounds(backend.url, proxy, args, rng)
             stop = proxy.stop()
             proxy = await start_proxy(backend.url, proxy.state, "proxy-restart")
@@ -718,6 +753,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--only-latency", action="store_true", help="only part 1, latency at both sizes"
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="latency windows one store after the other (default: both in the same seconds)",
     )
     parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
     args = parser.parse_args()
