@@ -21,8 +21,11 @@ reader callback, with no task per commit. Outcomes are applied in the order the 
 were sent, each once its own answer and every earlier one's have come (replay stops at
 the first gap, so a commit counts only with every commit before it), and when one fails,
 every later one in flight fails with it and the file is cut back to where the failed one
-began. Anything else (a large commit, a file to grow or to open, no helper) waits until
-no commit is in flight, then is encoded, written and synced in a thread.
+began. The file's room grows ahead: once less than GROW_BELOW is left, a thread
+allocates and syncs the next PREALLOCATE bytes while commits go on (`Journal.grow`).
+Anything else (a large commit, a new file, room used up before it grew, no helper) waits
+until no commit is in flight and no growth is under way, then is encoded, written and
+synced in a thread.
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight).
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.journal import Journal, encode
+from ocxproxy.store.journal import PREALLOCATE, Journal, encode
 from ocxproxy.store.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
@@ -50,6 +53,7 @@ Offload = Callable[..., Awaitable[Any]]
 
 INLINE_BYTES = 64 * 1024  # segment bytes a commit may have to be encoded on the loop
 MAX_FLIGHTS = 4  # commits at the fsync helper at once
+GROW_BELOW = PREALLOCATE // 2  # room left in the active file that starts its next growth
 
 
 @dataclass(slots=True)
@@ -106,6 +110,7 @@ class Committer:
         self._stopping = False
         self._flights: deque[Flight] = deque()  # oldest first
         self._slow: asyncio.Task[None] | None = None  # a landing that must wait (a thread)
+        self._growing: asyncio.Task[None] | None = None  # the active file's next room
         self._dead = False  # stopped as a crash would: nothing lands any more
         self._broken: OSError | None = None  # a flight failed: the later ones fail with it
         self._cut_to = 0  # and then the file is cut back to where it began
@@ -135,6 +140,8 @@ class Committer:
             await self._task
         if self._slow is not None:
             await asyncio.gather(self._slow, return_exceptions=True)
+        if self._growing is not None:
+            await asyncio.gather(self._growing, return_exceptions=True)
         self._task = None
 
     def submit(self, kind: int, job: Any, subject: Any, size: int = 0) -> asyncio.Future[Any]:
@@ -274,6 +281,19 @@ class Committer:
         flight = Flight(outcome, future, data, before, synced, self._loop.create_future())
         self._flights.append(flight)
         synced.add_done_callback(self._answered)
+        if journal.room() < GROW_BELOW and self._growing is None and not self._stopping:
+            self._growing = spawn(self._grow(journal.active, journal.allocated), name="store-grow")
+
+    async def _grow(self, pack: int, at: int) -> None:
+        """The active file's next room, allocated in a thread while commits go on (a
+        commit that found no room would wait for every flight to land, then grow the
+        file and sync it in a thread). A failure is left to that commit to meet."""
+        try:
+            await self.offload(self.journal.grow, pack, at)
+        except OSError as exc:
+            log.debug("journal room not grown ahead: %s", exc)
+        finally:
+            self._growing = None
 
     def _answered(self, _: object = None) -> None:
         """Land the answered flights at the front, in order, right away: called by the
@@ -311,6 +331,7 @@ class Committer:
             self._judge(flight, error)
         try:
             if self._broken is not None and len(self._flights) == 1:
+                await self._grown()
                 await self.offload(self.journal.cut_back, self._cut_to)
         finally:
             self._slow = None
@@ -350,9 +371,15 @@ class Committer:
                 waiter.set_result(outcome.error)
 
     async def _quiesce(self) -> None:
-        """Until every commit in flight is applied."""
+        """Until every commit in flight is applied, and the file's growth is done."""
         while self._flights:
             await asyncio.shield(self._flights[-1].applied)
+        await self._grown()
+
+    async def _grown(self) -> None:
+        """Until a growth under way is done: nothing else changes the file meanwhile."""
+        if self._growing is not None:
+            await asyncio.gather(asyncio.shield(self._growing), return_exceptions=True)
 
     @contextlib.asynccontextmanager
     async def quiet(self) -> AsyncIterator[None]:

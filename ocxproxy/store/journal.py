@@ -236,6 +236,18 @@ class Journal:
         self.size = at
         return self._placed(before, relative)
 
+    def grow(self, pack: int, at: int) -> None:
+        """Blocking, while the fsync helper writes into the room left: allocate the next
+        PREALLOCATE bytes of room past `at` in file `pack` (synced), so no commit waits
+        for the growth. Nothing when that file's room changed meanwhile. The committer
+        never changes the active file or its room while this runs."""
+        fd = self._fd
+        if fd is None or self.active != pack or self.allocated != at or at >= FILE_BYTES:
+            return
+        os.posix_fallocate(fd, at, PREALLOCATE)
+        os.fsync(fd)
+        self.allocated = at + PREALLOCATE
+
     def room(self) -> int:
         """Bytes `claim` takes now: the active file's allocated room, unless the
         file is closed or full (a write that does not fit goes through `write`)."""

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ocxproxy.errors import StoreFailure
-from ocxproxy.store import Store
+from ocxproxy.store import Store, disk, journal
+from ocxproxy.store.journal import Journal
 from ocxproxy.store.syncer import ChildGone, FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
@@ -351,3 +352,37 @@ async def test_a_turn_cancelled_while_waiting_leaves_its_commit_alone(tmp_path: 
     assert durable_ids(tmp_path) == ["warm0", "a0", "b0"]
     await store.close()
     assert store.check() == []
+
+
+async def test_the_journal_file_grows_ahead_of_its_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit that finds no room left in the journal file waits for every flight to land,
+    then for the file's growth synced in a thread: every commit behind it waits too. The
+    room grows ahead instead, in a thread, while commits go on through the helper."""
+    monkeypatch.setattr(journal, "PREALLOCATE", 16 * 1024)
+    monkeypatch.setattr(disk, "GROW_BELOW", 8 * 1024)
+    slow, grown = counted(monkeypatch, Journal, "write"), counted(monkeypatch, Journal, "grow")
+    store = await started(tmp_path)
+    await chain(store, "warm", 1)  # the new file's first room: no room yet, a slow commit
+    assert store.disk is not None and store.disk.journal is not None
+    before = store.disk.journal.size
+    await chain(store, "c", 400)
+    appended = store.disk.journal.size - before
+    assert appended > 6 * journal.PREALLOCATE  # it needed room six times or more
+    assert slow == [1] and grown[0] >= 6
+    await store.close()
+    assert store.check() == []
+    assert len(durable_ids(tmp_path)) == 401
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> list[int]:
+    """A list whose one item counts the calls of `cls.name` from now on."""
+    calls, original = [0], getattr(cls, name)
+
+    def counting(*args: object) -> object:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(cls, name, counting)
+    return calls
