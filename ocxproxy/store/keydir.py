@@ -1,6 +1,9 @@
 """Where segment bytes are: the count of segments the journal holds, and per journal file
-the bytes its live segments take, its size, and when a segment last left it. Store owns
-the one Keydir and calls it whenever a segment's location changes."""
+the bytes its live segments take, its size, when a segment last left it, and the keys of
+the segments placed there (compaction's list of what to look at: a segment that left
+stays listed until its file goes, at most as many as those still there once the file is
+sparse enough to compact). Store owns the one Keydir and calls it whenever a segment's
+location changes."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 
 
 class Keydir:
-    __slots__ = ("captures", "left_at", "live", "live_bytes", "located", "sizes")
+    __slots__ = ("captures", "keys", "left_at", "live", "live_bytes", "located", "sizes")
 
     def __init__(self) -> None:
         self.located = 0  # segments whose bytes the journal holds
         self.live: dict[int, int] = {}  # file -> compressed bytes of those segments
         self.sizes: dict[int, int] = {}  # file -> its size
         self.left_at: dict[int, int] = {}  # file -> capture number when a segment last left
+        self.keys: dict[int, list[str]] = {}  # file -> keys of the segments placed there
         self.live_bytes = 0
         self.captures = 0  # checkpoints captured
 
@@ -27,14 +31,22 @@ class Keydir:
         self.located += 1
         self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
         self.live_bytes += length + SEG_OVERHEAD
+        keys = self.keys.get(pack)
+        if keys is None:
+            keys = self.keys[pack] = []
+        keys.append(segment.key)
 
     def restored(self, segments: Iterable[Segment]) -> None:
         """Start-up: count `segments`, whose locations were read from the journal, as
         located (one pass; `locate` per segment is most of a 100,000-record start)."""
-        live, total, n = self.live, 0, 0
+        live, keys, total, n = self.live, self.keys, 0, 0
         for segment in segments:
             length = segment.length + SEG_OVERHEAD
             live[segment.pack] = live.get(segment.pack, 0) + length
+            listed = keys.get(segment.pack)
+            if listed is None:
+                listed = keys[segment.pack] = []
+            listed.append(segment.key)
             total += length
             n += 1
         self.live_bytes += total
@@ -54,6 +66,7 @@ class Keydir:
         self.live.pop(pack, None)
         self.sizes.pop(pack, None)
         self.left_at.pop(pack, None)
+        self.keys.pop(pack, None)
 
     def sparse(self, before: int, below: float, budget: int) -> set[int]:
         """Files before `before` whose live share is under `below`, oldest first, until

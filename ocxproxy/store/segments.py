@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ocxproxy.errors import FailureReason, StoreFailure
@@ -313,10 +313,15 @@ class SegmentTable:
         for pack in packs:
             self.keydir.drop(pack)
 
-    def in_files(self, packs: set[int]) -> list[Segment]:
-        """The segments located in `packs` and not queued, in journal order (compaction)."""
-        moves = (s for s in self.by_key.values() if s.pack in packs and s.key not in self.unwritten)
-        return sorted(moves, key=_place)
+    def in_file(self, pack: int, keys: Iterable[str]) -> list[Segment]:
+        """The segments of `keys` (a slice of those the keydir lists for file `pack`) still
+        located there and not queued (compaction)."""
+        get, unwritten, out = self.by_key.get, self.unwritten, []
+        for key in keys:
+            segment = get(key)
+            if segment is not None and segment.pack == pack and key not in unwritten:
+                out.append(segment)
+        return out
 
     def move(self, segment: Segment, blob: bytes | None, pack: int, offset: int) -> None:
         """Compaction read `blob` at (pack, offset): queue it again, unless the segment
@@ -325,7 +330,3 @@ class SegmentTable:
             return
         if self.by_key.get(segment.key) is segment and segment.key not in self.unwritten:
             self.queue(segment, blob)
-
-
-def _place(segment: Segment) -> tuple[int, int]:
-    return segment.pack, segment.offset
