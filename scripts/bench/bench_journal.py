@@ -4,14 +4,21 @@
 
 1. fill: --records durable turns in chains of --chain turns, --clients turns in flight
    (each awaits its commit, as the HTTP layer does): turns/s and commits (fsyncs).
-2. checkpoint at full size: its wall time and the longest event-loop stall meanwhile
-   (a 1 ms ticker's worst lateness), and the same stall while idle for comparison.
+2. checkpoint at full size, with the GC settled as `serve` keeps it (heap.settle): per
+   checkpoint its wall time, the event loop thread's CPU, the loop's stalls (a 1 ms
+   ticker's lateness) over 2/5/10 ms and the worst, and the longest loop step's CPU
+   (every callback the loop runs is timed); and the worst stall while idle, to compare.
 3. restart: start() time (checkpoint + journal replay) and RSS after it, in a fresh process.
 4. disk: allocated bytes of the state dir / bytes the store counts (live_bytes).
 
     python scripts/bench/bench_journal.py --keep DIR            # fill DIR/state, keep it
     python scripts/bench/bench_journal.py --restart-only DIR/state
+    python scripts/bench/bench_journal.py --checkpoint-only DIR/state [--churn 20000]
     python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--nice -10]
+
+--checkpoint-only loads a copy of DIR/state and times --rounds checkpoints (2. above);
+with --churn K, K new turns (evicting the K oldest records: sparse journal files, so
+compaction runs too) are committed before each.
 
 --serve-only times whole `ocxproxy serve` processes on a copy of the state dir, from spawn
 to /readyz 200, with their CPU seconds and RSS then; several --python interpreters (each a
@@ -37,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import orjson
 
+from ocxproxy import heap
 from ocxproxy.model import Turn
 from ocxproxy.store import Store
 
@@ -76,20 +84,70 @@ def make(state: Path) -> Store:
 
 
 class Ticker:
-    """The worst lateness of a 1 ms sleep: how long the loop was kept from running."""
+    """The lateness of a 1 ms sleep: how long the loop was kept from running."""
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.late: list[float] = []
         self.task = asyncio.ensure_future(self.run())
 
     async def run(self) -> None:
         while True:
             t = time.perf_counter()
             await asyncio.sleep(0.001)
-            self.worst = max(self.worst, time.perf_counter() - t - 0.001)
+            late = time.perf_counter() - t - 0.001
+            self.worst = max(self.worst, late)
+            self.late.append(late)
 
     def reset(self) -> None:
         self.worst = 0.0
+        self.late.clear()
+
+
+class StepTimer:
+    """The CPU of the longest callback (step) the event loop ran while installed."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._run = asyncio.events.Handle._run
+
+    def __enter__(self) -> StepTimer:
+        run, timer = self._run, self
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            cpu = time.thread_time()
+            run(handle)
+            timer.worst = max(timer.worst, time.thread_time() - cpu)
+
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.events.Handle._run = self._run  # type: ignore[method-assign]
+
+
+async def checkpoints(store: Store, rounds: int, churn: int = 0) -> None:
+    """Time `rounds` checkpoints (after `churn` new turns each) with the heap settled."""
+    ticker = Ticker()
+    for n in range(rounds):
+        parent = None
+        for i in range(churn):
+            parent = store.put(turn(f"churn{n}_{i}", i % 50), parent if i % 50 else None)
+        await store.commit()
+        heap.settle()  # as `serve` keeps the heap: what was built since is frozen
+        await asyncio.sleep(0.2)
+        ticker.reset()
+        with StepTimer() as steps:
+            t0, cpu = time.perf_counter(), time.thread_time()
+            assert await store.flush()
+            took, cpu = time.perf_counter() - t0, time.thread_time() - cpu
+        over = "/".join(str(sum(x > ms / 1e3 for x in ticker.late)) for ms in (2, 5, 10))
+        print(
+            f"checkpoint at {len(store)} records: {took * 1e3:.0f} ms wall, loop thread "
+            f"{cpu * 1e3:.0f} ms CPU; loop stalls over 2/5/10 ms {over}, worst "
+            f"{ticker.worst * 1e3:.1f} ms; longest loop step {steps.worst * 1e3:.1f} ms CPU"
+        )
+    ticker.task.cancel()
 
 
 async def fill(state: Path, n: int, chain: int, clients: int) -> None:
@@ -119,14 +177,7 @@ async def fill(state: Path, n: int, chain: int, clients: int) -> None:
     ticker.reset()
     await asyncio.sleep(1.0)
     print(f"idle: worst loop stall {ticker.worst * 1e3:.1f} ms over 1 s")
-    ticker.reset()
-    t0 = time.perf_counter()
-    assert await store.flush()
-    took = time.perf_counter() - t0
-    print(
-        f"checkpoint at {len(store)} records: {took * 1e3:.0f} ms wall, "
-        f"worst loop stall meanwhile {ticker.worst * 1e3:.1f} ms"
-    )
+    await checkpoints(store, 2)
     # a few more turns so start-up also replays a journal tail
     for i in range(2000):
         await store.commit(store.put(turn(f"tail_{i}", 0), None))
@@ -153,6 +204,17 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+async def checkpoint_only(state: Path, rounds: int, churn: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+        copy = Path(tmp) / "state"
+        shutil.copytree(state, copy)
+        store = make(copy)
+        await store.start()
+        print(f"load average: {' '.join(f'{n:.2f}' for n in os.getloadavg())}")
+        await checkpoints(store, rounds, churn)
+        await store.close()
 
 
 async def restart(state: Path) -> None:
@@ -261,6 +323,8 @@ def main() -> None:
     parser.add_argument("--restart-only", metavar="DIR", help="only time a start on DIR")
     parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
+    parser.add_argument("--checkpoint-only", metavar="DIR", help="time checkpoints of DIR")
+    parser.add_argument("--churn", type=int, default=0, help="--checkpoint-only: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nice", type=int, metavar="N", help="--serve-only at niceness N")
@@ -279,6 +343,9 @@ def main() -> None:
             print(raise_priority(args.nice))
         print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
         serve_rounds(Path(args.serve_only), args.python, args.rounds, bytecode=args.bytecode)
+        return
+    if args.checkpoint_only:
+        asyncio.run(checkpoint_only(Path(args.checkpoint_only), args.rounds, args.churn))
         return
     if args.restart_only:
         asyncio.run(restart(Path(args.restart_only)))
