@@ -79,6 +79,10 @@ class Keydir:
                 budget -= live
         return out
 
+    def placed(self, before: int) -> list[tuple[int, list[str]]]:
+        """(file, the keys listed for it) for each file before `before`, in order."""
+        return [(p, keys) for p, keys in sorted(self.keys.items()) if p < before]
+
     def removable(self, before: int, capture: int) -> list[int]:
         """Files before `before` that no live segment has needed since `capture`."""
         return [

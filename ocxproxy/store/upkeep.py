@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ocxproxy.model import Record, Segment
@@ -50,30 +50,41 @@ async def encode_checkpoint(
     position: tuple[int, int],
     written_at: float,
     next_sid: int,
-    segments: list[Segment],
+    placed: Sequence[tuple[int, list[str]]],
+    by_key: Mapping[str, Segment],
     records: list[Record],
     uncommitted: Collection[str] = (),
 ) -> tuple[list[bytes], int]:
-    """The checkpoint of `segments` and `records` (the durable ones, but those whose ids are
-    `uncommitted`) at journal `position`, as chunks to write, and how many records it
-    names. A record is named by its parent's row when that row is out already; a segment
-    whose bytes the journal does not hold is left out, and so is every record that needs
-    one. The caller captures plain lists (no filtering: 100,000 records at once would
-    stall the loop); they are filtered here, chunk by chunk, and emptied as they are
-    read (letting go of 100,000s of objects at the end would be one long step)."""
+    """The checkpoint at journal `position` of the segments located in the files before it
+    (`placed`: each file and the keys the keydir lists for it, looked up in `by_key` as
+    they are read) and of `records` (the durable ones, but those whose ids are
+    `uncommitted`), as chunks to write, and how many records it names. A record is named
+    by its parent's row when that row is out already; a record that needs a segment the
+    journal does not hold is left out.
+
+    Nothing is filtered at the capture (100,000 records at once would stall the loop):
+    the records' list is read here chunk by chunk, and emptied as it is read (letting go
+    of 100,000 objects at the end would be one long step), and the segments are read
+    where they are now. A segment located before `position` at the capture is still
+    there unless no record holds it any more, and then each record captured that held
+    it was dropped since (its DEL, expiry or new PUT follows `position`)."""
     chunks: list[bytes] = [codec.encode_head(position, written_at, next_sid)]
     pacer = Pacer()
     n_segs = n_recs = 0
-    for segs in _taken(segments):
-        rows: list[list[Any]] = []
-        for s in segs:
-            if s.pack >= 0 and s.sid:
-                row = codec.segment_row(s)
-                row += (s.pack, s.offset, s.length)
-                rows.append(row)
-        n_segs += len(rows)
-        chunks.append(codec.encode_chunk(codec.SEGS, rows))
-        await pacer.pause()
+    get = by_key.get
+    for pack, keys in placed:
+        for start in range(0, len(keys), CHUNK):
+            rows: list[list[Any]] = []
+            for key in keys[start : start + CHUNK]:
+                s = get(key)
+                if s is not None and s.pack == pack and s.sid:
+                    row = codec.segment_row(s)
+                    row += (pack, s.offset, s.length)
+                    rows.append(row)
+            if rows:
+                n_segs += len(rows)
+                chunks.append(codec.encode_chunk(codec.SEGS, rows))
+            await pacer.pause()
     # id(chain link) -> the id of the record whose row is out, in SHARDS dicts: one of
     # 100,000 entries grows by copying them all at once (~4 ms). Ints and strings only:
     # the GC does not track the dicts, so no pass meanwhile traverses them.
