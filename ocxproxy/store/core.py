@@ -387,7 +387,7 @@ class Store(KeptRecords):
         take `target` bytes of disk; pinned ones (conversations) never go for a cap."""
         assert self.ledger is not None
         queued, pinned = self.ledger.queued, self.index.pinned
-        for record in list(self._records.values()):
+        for record in list(dict.values(self._records)):  # (see checkpoint_view)
             if self.table.keydir.live_bytes <= target:
                 return
             if record.durable and not queued(record.id) and record.id not in pinned:
