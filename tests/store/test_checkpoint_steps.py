@@ -64,7 +64,7 @@ async def test_the_encoding_yields_after_every_chunk_of_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, _ = await filled(tmp_path)
-    monkeypatch.setattr(upkeep, "STEP", 0.0, raising=False)
+    monkeypatch.setattr(upkeep, "STEP", 0.0)
     steps = Steps()
     segment_row, record_row = codec.segment_row, codec.record_row
 
@@ -97,8 +97,8 @@ async def test_compaction_scans_and_moves_in_short_steps(
     for record in records[: int(N * 0.7)]:  # its files are mostly garbage now
         store.delete(record.scope, record.id)
     await store.commit()
-    monkeypatch.setattr(upkeep, "STEP", 0.0, raising=False)
-    monkeypatch.setattr(durable, "SCAN", 256, raising=False)
+    monkeypatch.setattr(upkeep, "STEP", 0.0)
+    monkeypatch.setattr(durable, "SCAN", 256)
     scanned, moved = Steps(), Steps()
     move = SegmentTable.move
 
@@ -106,17 +106,12 @@ async def test_compaction_scans_and_moves_in_short_steps(
         scanned.add(len(keys))
         return scan(self, pack, keys)
 
-    def counted_old_scan(self: SegmentTable, packs: set[int]) -> list[Segment]:
-        scanned.add(len(self.by_key))  # (the old scan: a pass over every segment)
-        return old_scan(self, packs)
-
     def counted_move(self: SegmentTable, *args: Any) -> None:
         moved.add(1)
         move(self, *args)
 
-    scan, old_scan = getattr(SegmentTable, "in_file", None), getattr(SegmentTable, "in_files", None)
-    monkeypatch.setattr(SegmentTable, "in_file", counted_scan, raising=False)
-    monkeypatch.setattr(SegmentTable, "in_files", counted_old_scan, raising=False)
+    scan = SegmentTable.in_file
+    monkeypatch.setattr(SegmentTable, "in_file", counted_scan)
     monkeypatch.setattr(SegmentTable, "move", counted_move)
     written = store.metrics.spill_writes.get()
     assert await store.flush()
