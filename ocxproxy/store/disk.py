@@ -28,7 +28,9 @@ until no commit is in flight and no growth is under way, then is encoded, writte
 synced in a thread.
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
-checkpoint, and removal of files (`quiet()`: with no commit in flight).
+checkpoint, and removal of files (`quiet()`: with no commit in flight). The room's growth
+alone runs beside the helper's appends, into the room past theirs; every other change of
+the file waits for it (`_quiesce`).
 """
 
 from __future__ import annotations
