@@ -199,10 +199,14 @@ async def test_acknowledged_turns_survive_kill_9(
         full = n == FULL_LOAD_ROUND
         chains = loaded if full else steady
         tag = f"round {n + 1} (seed {seed})"
+        before = len(ledger.acked)
         traffic = asyncio.ensure_future(
             drive(proxy.url, chains, steady + loaded, ledger, rng, 0.0 if full else 0.01, tag)
         )
         await asyncio.sleep(rng.uniform(0.3, 1.5))
+        # A stall of the shared disk can hold every commit that long (0.1-1 s seen here):
+        # the kill comes once this round's traffic has been acknowledged, not before.
+        await backend.wait_for(lambda at=before: len(ledger.acked) - at >= 5, within=30)
         await proxy.kill9()
         await traffic
         proxy = Serve(backend.url, state, "--log-level", "warning")
