@@ -21,6 +21,11 @@ scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
      --throughput-rounds ABBA rounds, each run counted until its graceful stop completes
      (until the state is durable); durable ÷ zdr of the pooled runs.
 
+Beside all of it, a canary in the state dirs' file system (disk_canary.Watch) writes 550
+bytes and fdatasyncs them every 25 ms, and each latency and throughput window is reported
+with the disk's own syncs in the same seconds: no durable turn is answered before its sync,
+so a window's max cannot be below the disk's worst stall in it (--no-disk-watch: off).
+
 Flags the proxy does not know yet are detected from `serve --help` (the script runs on
 stores before and after issue 18). The box has 2 cores shared with everything else running
 on it: the load generator shares them with the proxy and the backend, so figures are noisy.
@@ -65,6 +70,7 @@ from benchkit import (  # noqa: E402
     table,
     verdict,
 )
+from disk_canary import STALL, Watch, describe  # noqa: E402
 
 READY = r"ocxproxy listening on (http://\S+?)/v1"
 _ID = re.compile(rb'"id":"(resp_[^"]*)"')
@@ -340,6 +346,7 @@ class Store:
     hwm_mib: float = 0.0
     allocated: int = 0
     counted: dict[str, float] = field(default_factory=dict)
+    disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
 
     @property
     def errors(self) -> int:
@@ -401,22 +408,30 @@ async def fill_store(backend: str, state: Path, records: int) -> Filled:
     return Filled(proxy, http, made, fill, failures)
 
 
-async def latency_windows(filled: list[Filled], args: argparse.Namespace) -> list[Store]:
+async def latency_windows(
+    filled: list[Filled], args: argparse.Namespace, watch: Watch | None
+) -> list[Store]:
     """Each filled proxy's open-loop window, all in the same seconds (or one after the
     other with --sequential), then its RSS and allocation once its writes settled."""
     loads = [OpenLoop(f.http, args.rate, 64) for f in filled]
     for load in loads:
         await load.start_chains()
+    windows = []
     if args.sequential:
         for load in loads:
+            start = time.monotonic()
             await load.run(args.duration)
+            windows.append((start, time.monotonic()))
     else:
+        start = time.monotonic()
         await asyncio.gather(*(load.run(args.duration) for load in loads))
+        windows = [(start, time.monotonic())] * len(loads)
     stores = []
-    for f, load in zip(filled, loads, strict=True):
+    for f, load, window in zip(filled, loads, windows, strict=True):
         lat = Summary.of(load.latencies)
         slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
         store = Store(f.made, f.seconds, f.failures, lat, slow, load.statuses, load.skipped)
+        store.disk = watch.between(*window) if watch else []
         await settle(f.proxy, 120)
         store.rss_mib = status_kib(f.proxy.pid, "VmRSS") / 1024
         store.hwm_mib = status_kib(f.proxy.pid, "VmHWM") / 1024
@@ -500,6 +515,7 @@ class Throughput:
     failures: int
     window: float
     stop: float
+    disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
 
     @property
     def tps(self) -> float:
@@ -513,20 +529,30 @@ def pooled(runs: list[Throughput], label: str) -> float:
 
 
 async def throughput(
-    backend: str, state: Path, label: str, args: argparse.Namespace, *extra: str
+    backend: str,
+    state: Path,
+    label: str,
+    args: argparse.Namespace,
+    watch: Watch | None,
+    *extra: str,
 ) -> Throughput:
     proxy = await start_proxy(backend, state, f"proxy-{label}", *extra)
     http = Http(proxy.child.url)
-    start = time.perf_counter()
+    start = time.monotonic()
     turns, failures = await closed_loop(http, 16, 100, seconds=args.throughput_duration)
-    window = time.perf_counter() - start
+    end = time.monotonic()
     http.close()
     stop = proxy.stop()
+    window = end - start
     progress(f"{label}: {turns / window:,.0f} turns/s in the window, graceful stop {stop:.2f} s")
-    return Throughput(label, turns, failures, window, stop)
+    return Throughput(
+        label, turns, failures, window, stop, watch.between(start, end) if watch else []
+    )
 
 
-async def throughput_rounds(backend: str, root: Path, args: argparse.Namespace) -> list[Throughput]:
+async def throughput_rounds(
+    backend: str, root: Path, args: argparse.Namespace, watch: Watch | None
+) -> list[Throughput]:
     # zdr, durable, durable, zdr, ...: load that drifts on a shared box cancels out.
     tput = []
     for n in range(args.throughput_rounds):
@@ -534,7 +560,7 @@ async def throughput_rounds(backend: str, root: Path, args: argparse.Namespace) 
             state = root / f"throughput-{n}-{zdr}"
             extra = ("--zdr",) if zdr else ()
             label = "--zdr" if zdr else "durable"
-            tput.append(await throughput(backend, state, label, args, *extra))
+            tput.append(await throughput(backend, state, label, args, watch, *extra))
     return tput
 
 
@@ -547,6 +573,10 @@ def ms(seconds: float) -> str:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def disk_max(syncs: list[float]) -> str:
+    return ms(max(syncs)) if syncs else "-"
 
 
 def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
@@ -562,11 +592,19 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
             f"{t.stop:.2f}",
             f"{t.turns / t.window:,.0f}",
             f"{t.tps:,.0f}",
+            disk_max(t.disk),
+            f"{sum(s for s in t.disk if s > STALL):.1f}" if t.disk else "-",
         ]
         for t in tput
     ]
     headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
-    print(table([*headers, "turns/s incl. stop"], rows))
+    headers += ["turns/s incl. stop", "disk max sync ms", "disk stalled s"]
+    print(table(headers, rows))
+    if any(t.disk for t in tput):
+        print(
+            f"(the disk canary's syncs in each window; stalled: its syncs over "
+            f"{STALL * 1000:.0f} ms, summed: durable turns wait those out, --zdr ones do not)"
+        )
     print(f"durable ÷ --zdr: {durable / zdr:.2f}x ({durable:,.0f} / {zdr:,.0f} turns/s)")
     return zdr, durable
 
@@ -598,6 +636,10 @@ def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
             ]
         )
     print(table(headers, rows))
+    if big.disk:
+        same = "the same seconds" if not args.sequential else "each window's seconds"
+        for s in (small, big):
+            print(f"the disk's own fdatasync in {same} ({s.records:,}): {describe(s.disk)}")
     ratio = big.latency.p99 / small.latency.p99
     print(
         f"p99 {big.records:,} ÷ {small.records:,} records: {ratio:.2f}x (target ≤ 2x); "
@@ -640,7 +682,8 @@ def report(
         [
             f"continuation max at {big.records:,} records (at {small.records:,})",
             "≤ 100 ms",
-            f"{ms(big.latency.max)} ms ({ms(small.latency.max)} ms)",
+            f"{ms(big.latency.max)} ms ({ms(small.latency.max)} ms)"
+            + (f"; the disk's worst sync meanwhile {disk_max(big.disk)} ms" if big.disk else ""),
             verdict(big.latency.max <= 0.1),
         ],
         ["acknowledged turns lost over random kill -9s", "0", lost, verdict(kills.lost == 0)],
@@ -682,6 +725,38 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
+async def measure(
+    backend: str, root: Path, args: argparse.Namespace, rng: random.Random, watch: Watch | None
+) -> None:
+    if args.only_throughput:
+        tput = await throughput_rounds(backend, root, args, watch)
+        report_throughput(tput)
+        return
+    filled = [
+        await fill_store(backend, root / "small", args.small_records),
+        await fill_store(backend, root / "big", args.records),
+    ]
+    progress("measuring latency" + (" (one store after the other)" if args.sequential else ""))
+    small, big = await latency_windows(filled, args, watch)
+    filled[0].proxy.stop()
+    proxy = filled[1].proxy
+    sizes = f"{small.records:,} and {big.records:,} records"
+    progress(f"p99 {ms(small.latency.p99)} and {ms(big.latency.p99)} ms at {sizes}")
+    if args.only_latency:
+        proxy.stop()
+        report_latency(small, big, args)
+        return
+    progress("kill -9 rounds")
+    kills, proxy = await kill_rounds(backend, proxy, args, rng)
+    stop = proxy.stop()
+    proxy = await start_proxy(backend, proxy.state, "proxy-restart")
+    startup = proxy.startup
+    loaded = entries(await proxy.metrics())
+    proxy.stop()
+    tput = await throughput_rounds(backend, root, args, watch)
+    report(small, big, kills, startup, loaded, stop, tput, args)
+
+
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     flags = serve_flags()
@@ -696,35 +771,9 @@ async def run(args: argparse.Namespace) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="bench_durable_", dir=args.tmp) as tmp:
             root = Path(tmp)
-            if args.only_throughput:
-                tput = await throughput_rounds(backend.url, root, args)
-                report_throughput(tput)
-                return
-            filled = [
-                await fill_store(backend.url, root / "small", args.small_records),
-                await fill_store(backend.url, root / "big", args.records),
-            ]
-            progress(
-                "measuring latency" + (" (one store after the other)" if args.sequential else "")
-            )
-            small, big = await latency_windows(filled, args)
-            filled[0].proxy.stop()
-            proxy = filled[1].proxy
-            sizes = f"{small.records:,} and {big.records:,} records"
-            progress(f"p99 {ms(small.latency.p99)} and {ms(big.latency.p99)} ms at {sizes}")
-            if args.only_latency:
-                proxy.stop()
-                report_latency(small, big, args)
-                return
-            progress("kill -9 rounds")
-            kills, proxy = await kill_rounds(backend.url, proxy, args, rng)
-            stop = proxy.stop()
-            proxy = await start_proxy(backend.url, proxy.state, "proxy-restart")
-            startup = proxy.startup
-            loaded = entries(await proxy.metrics())
-            proxy.stop()
-            tput = await throughput_rounds(backend.url, root, args)
-            report(small, big, kills, startup, loaded, stop, tput, args)
+            watch = Watch(root) if args.disk_watch else None
+            with watch or contextlib.nullcontext():
+                await measure(backend.url, root, args, rng, watch)
     finally:
         for child in STARTED:
             child.stop()
@@ -760,6 +809,12 @@ def main() -> None:
         help="latency windows one store after the other (default: both in the same seconds)",
     )
     parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
+    parser.add_argument(
+        "--no-disk-watch",
+        dest="disk_watch",
+        action="store_false",
+        help="no canary syncing beside the windows",
+    )
     args = parser.parse_args()
     if args.seed is None:
         args.seed = random.randrange(1 << 30)

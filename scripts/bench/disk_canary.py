@@ -8,6 +8,10 @@ prints each sync over --slow ms with the wall time, and p99/max every 10 s, unti
 
     python scripts/bench/disk_canary.py /tmp --seconds 30
     python scripts/bench/disk_canary.py /tmp &   # beside bench_durable.py --only-latency
+
+`Watch` runs it beside a benchmark (`--record FILE --every 0.025`: each sync's monotonic
+start and duration appended to FILE, nothing printed), so the benchmark can report the
+disk's syncs in the same seconds as each of its windows (bench_durable.py).
 """
 
 from __future__ import annotations
@@ -15,10 +19,86 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 ROOM = 64 << 20  # preallocated, as the journal's room is
+DATA = b"x" * 550  # a small journal commit
+STALL = 0.05  # a sync this long counts as the disk stalling
+
+
+class Canary:
+    """A file under `directory` that takes one small write and fdatasync at a time."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / f"disk-canary-{os.getpid()}"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.at = 0
+        try:
+            os.posix_fallocate(self.fd, 0, ROOM)
+        except OSError:
+            self.close()
+            raise
+
+    def sync(self) -> float:
+        """Write the next 550 bytes and fdatasync them; how long the sync took (s)."""
+        os.pwrite(self.fd, DATA, self.at)
+        self.at = (self.at + len(DATA)) % (ROOM - len(DATA))
+        start = time.perf_counter()
+        os.fdatasync(self.fd)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
+class Watch:
+    """This script in a child process, recording every sync while in use, so a benchmark
+    can say what the disk did in each of its windows (in its own process: a thread would
+    share the benchmark's GIL, and time its waits for it as the disk's):
+
+        with Watch(directory) as watch:
+            start = time.monotonic(); ...; print(describe(watch.between(start, time.monotonic())))
+    """
+
+    def __init__(self, directory: Path, interval: float = 0.025) -> None:
+        self.record = directory / "disk-canary.syncs"
+        self.argv = [sys.executable, __file__, str(directory), "--record", str(self.record)]
+        self.argv += ["--every", str(interval)]
+
+    def __enter__(self) -> Watch:
+        self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
+
+    def between(self, start: float, end: float) -> list[float]:
+        """The durations of the syncs begun in [start, end) (time.monotonic seconds)."""
+        syncs = []
+        with open(self.record) as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) == 2 and start <= float(fields[0]) < end:  # (not a torn last line)
+                    syncs.append(float(fields[1]))
+        return syncs
+
+
+def describe(syncs: list[float]) -> str:
+    """Syncs (seconds) in a line: how many, p99, max, and those over STALL."""
+    if not syncs:
+        return "no syncs"
+    syncs = sorted(syncs)
+    stalls = [s for s in syncs if s > STALL]
+    p99 = syncs[min(len(syncs) - 1, int(len(syncs) * 0.99))]
+    return (
+        f"{len(syncs)} syncs, p99 {p99 * 1000:,.1f} ms, max {syncs[-1] * 1000:,.0f} ms, "
+        f"{len(stalls)} over {STALL * 1000:.0f} ms ({sum(stalls):.1f} s)"
+    )
 
 
 def main() -> None:
@@ -26,31 +106,36 @@ def main() -> None:
     parser.add_argument("dir", type=Path, help="a directory on the disk to watch")
     parser.add_argument("--seconds", type=float, default=0.0, help="0: until stopped")
     parser.add_argument("--slow", type=float, default=20.0, help="print syncs over this, ms")
+    parser.add_argument("--every", type=float, default=0.005, help="pause between syncs, s")
+    parser.add_argument("--record", type=Path, help="append each sync here, print nothing")
     args = parser.parse_args()
-    path = args.dir / f"disk-canary-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    canary = Canary(args.dir)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # cleaned up as on Ctrl-C
     try:
-        os.posix_fallocate(fd, 0, ROOM)
-        run(fd, args.seconds, args.slow / 1000)
+        if args.record:
+            record(canary, args.record, args.every)
+        else:
+            run(canary, args.seconds, args.slow / 1000, args.every)
     except KeyboardInterrupt:
         pass
     finally:
-        os.close(fd)
-        path.unlink()
+        canary.close()
 
 
-def run(fd: int, seconds: float, slow: float) -> None:
-    data, at = b"x" * 550, 0
+def record(canary: Canary, path: Path, every: float) -> None:
+    with open(path, "a", buffering=1) as out:
+        while True:
+            at = time.monotonic()
+            out.write(f"{at:.6f} {canary.sync():.6f}\n")
+            time.sleep(every)
+
+
+def run(canary: Canary, seconds: float, slow: float, every: float) -> None:
     end = time.monotonic() + seconds if seconds else float("inf")
     window: list[float] = []
     report = time.monotonic() + 10
     while time.monotonic() < end:
-        os.pwrite(fd, data, at)
-        at = (at + len(data)) % (ROOM - len(data))
-        start = time.perf_counter()
-        os.fdatasync(fd)
-        took = time.perf_counter() - start
+        took = canary.sync()
         window.append(took)
         if took > slow:
             print(f"{time.strftime('%H:%M:%S')} sync {took * 1000:,.0f} ms", flush=True)
@@ -63,7 +148,7 @@ def run(fd: int, seconds: float, slow: float) -> None:
                 flush=True,
             )
             window, report = [], report + 10
-        time.sleep(0.005)
+        time.sleep(every)
 
 
 if __name__ == "__main__":

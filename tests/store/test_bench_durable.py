@@ -35,6 +35,10 @@ async def test_bench_durable_smoke() -> None:
         line = next((line for line in table.splitlines() if line.startswith(figure)), None)
         assert line is not None, f"no {figure!r} in:\n{table}"
         assert line.rstrip().endswith(("MET", "MISSED")), line
+    # The disk canary beside the windows reported syncs in them.
+    disk = [line for line in out.splitlines() if line.startswith("the disk's own fdatasync")]
+    assert len(disk) == 2 and all(" syncs, p99 " in line for line in disk), out[-3000:]
+    assert "the disk's worst sync meanwhile" in table
 
 
 async def test_bench_durable_throughput_alone() -> None:
@@ -49,4 +53,6 @@ async def test_bench_durable_throughput_alone() -> None:
     assert "## Issue 18 figures" not in out  # the other parts did not run
     rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
     assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
+    # Its last two columns: the disk canary's worst sync (ms) and stalled seconds.
+    assert all(float(row[-2].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
     assert "durable ÷ --zdr: " in out, out[-3000:]
