@@ -13,17 +13,27 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from ocxproxy.model import Record
+from ocxproxy.store.shards import Shards
+
+BIG = 4096  # ids of one scope past which its table is sharded
+PAGE = 1024  # records per dict of those holding one id
+
+Held = Record | list[dict[int, Record]]
+Table = dict[str, Held] | Shards[str, Held]
 
 
 class ItemIndex:
     __slots__ = ("_scopes",)
 
     def __init__(self) -> None:
-        # scope → item id → the record holding it, or, when several do, a dict of them by
-        # id(record) in the order they were added: adding and removing one is O(1) however
-        # many records share an id (a backend that reuses output ids, a client resending
-        # the same items), so evicting the oldest records stays cheap at 100,000.
-        self._scopes: dict[str, dict[str, Record | dict[int, Record]]] = {}
+        # scope → item id → the record holding it, or, when several do, pages of them by
+        # id(record) in the order they were added, each of at most PAGE: adding and
+        # removing one is O(1) however many records share an id (a backend that reuses
+        # output ids, a client resending the same items), so evicting the oldest records
+        # stays cheap at 100,000. The scopes, and a scope's ids once they pass BIG, are
+        # sharded (shards.py): no dict that grows or is rebuilt copies more than a slice
+        # of 100,000 in one step of the event loop.
+        self._scopes: Shards[str, Table] = Shards()
 
     def __len__(self) -> int:
         """How many (scope, id) keys."""
@@ -32,7 +42,7 @@ class ItemIndex:
     def entries(self) -> int:
         """How many (record, id) pairs."""
         return sum(
-            len(held) if isinstance(held, dict) else 1
+            sum(map(len, held)) if isinstance(held, list) else 1
             for table in self._scopes.values()
             for held in table.values()
         )
@@ -55,41 +65,60 @@ class ItemIndex:
                 held = table.get(item_id)
                 if held is None:
                     table[item_id] = record
-                elif isinstance(held, dict):
-                    held[id(record)] = record
+                elif isinstance(held, list):
+                    page = held[-1]
+                    if page.get(id(record)) is record:
+                        continue  # (an id twice in one segment)
+                    if len(page) < PAGE:
+                        page[id(record)] = record
+                    else:
+                        held.append({id(record): record})
                 elif held is not record:
-                    table[item_id] = {id(held): held, id(record): record}
+                    table[item_id] = [{id(held): held, id(record): record}]
+            if type(table) is dict and len(table) > BIG:
+                big: Shards[str, Held] = Shards()
+                big.absorb(table)
+                scopes[record.scope] = big
 
     def remove(self, record: Record) -> None:
         ids = own.item_ids.ids if (own := record.own) is not None else ()
         table = self._scopes.get(record.scope) if ids else None
         if table is None:
             return
+        rid = id(record)
         for item_id in ids:
             held = table.get(item_id)
             if held is record:
                 del table[item_id]
-            elif isinstance(held, dict) and held.get(id(record)) is record:
-                del held[id(record)]
-                if len(held) == 1:
-                    table[item_id] = next(iter(held.values()))
-        if not table:
+            elif isinstance(held, list):
+                for i, page in enumerate(held):  # the oldest first: evictions find it soon
+                    if page.get(rid) is record:
+                        del page[rid]
+                        if not page:
+                            del held[i]
+                        break
+                if len(held) == 1 and len(held[0]) == 1:
+                    table[item_id] = next(iter(held[0].values()))
+        if type(table) is dict and not table:  # (a sharded one stays)
             del self._scopes[record.scope]
 
     def holders(self, scope: str, item_id: str) -> list[Record]:
         """The records of `scope` holding an item with this id, newest first."""
-        held = self._scopes.get(scope, {}).get(item_id)
-        if held is None:
-            return []
-        return list(reversed(held.values())) if isinstance(held, dict) else [held]
+        return list(self.newest(scope, item_id))
 
     def newest(self, scope: str, item_id: str) -> Iterator[Record]:
         """The same, lazily (do not add or remove records while iterating)."""
-        held = self._scopes.get(scope, {}).get(item_id)
+        table = self._scopes.get(scope)
+        held = table.get(item_id) if table is not None else None
         if held is None:
             return iter(())
-        return reversed(held.values()) if isinstance(held, dict) else iter((held,))
+        if isinstance(held, list):
+            return (r for page in reversed(held) for r in reversed(page.values()))
+        return iter((held,))
 
     def holds(self, scope: str, item_id: str, record: Record) -> bool:
-        held = self._scopes.get(scope, {}).get(item_id)
-        return held is record or (isinstance(held, dict) and held.get(id(record)) is record)
+        table = self._scopes.get(scope)
+        held = table.get(item_id) if table is not None else None
+        if isinstance(held, list):
+            return any(page.get(id(record)) is record for page in held)
+        return held is record

@@ -7,7 +7,7 @@ location changes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ocxproxy.model import Segment
 
@@ -91,7 +91,9 @@ class Keydir:
             if p < before and not self.live.get(p) and self.left_at.get(p, -1) < capture
         ]
 
-    def packs(self, segments: dict[str, Segment]) -> dict[int, tuple[dict[str, Segment], int, int]]:
+    def packs(
+        self, segments: Mapping[str, Segment]
+    ) -> dict[int, tuple[dict[str, Segment], int, int]]:
         """Journal file -> (segments located there, their bytes as counted, its size)."""
         held: dict[int, dict[str, Segment]] = {p: {} for p in self.sizes}
         for segment in segments.values():

@@ -25,6 +25,7 @@ from ocxproxy.store.journal import Journal
 from ocxproxy.store.keydir import Keydir
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.restore import rebuild
+from ocxproxy.store.shards import Shards
 
 log = logging.getLogger("ocxproxy.store")
 
@@ -36,7 +37,7 @@ class SegmentTable:
         self.resident = resident
         self.metrics = metrics
         self.offload = offload
-        self.by_key: dict[str, Segment] = {}
+        self.by_key: Shards[str, Segment] = Shards()  # 100,000s: sharded (shards.py)
         self.keydir = Keydir()
         self.unwritten: dict[str, Segment] = {}  # queued, not yet committed
         self.sid = 0  # the last segment id given out
@@ -52,7 +53,9 @@ class SegmentTable:
         """Start-up: the segments `loaded` describes, indexed and located; its live
         records and the ids of those that need a segment that is gone (restore.py)."""
         self.sid = max(loaded.next_sid, 1) - 1
-        records, missing = rebuild(loaded, now, self.by_key, self.keydir)
+        found: dict[str, Segment] = {}
+        records, missing = rebuild(loaded, now, found, self.keydir)
+        self.by_key.absorb(found)
         self.keydir.sizes.update(loaded.sizes)
         return records, missing
 

@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 
 from ocxproxy.model import Record, Segment
 from ocxproxy.store import codec
+from ocxproxy.store.shards import Shards
 
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
 CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
 STEP = 0.001  # seconds a checkpoint or compaction works before it yields to the event loop
 CHUNK = 160  # rows per checkpoint chunk: dumped, and their ~500 lists freed, at once
-SHARDS = 61  # dicts the checkpoint's parent names are spread over (prime: ids are aligned)
 SCAN = 4096  # segments compaction's scan looks at between checks of the step's time
 COMPACT_BELOW = 0.5  # a journal file with less live data than this is compacted
 COMPACT_BATCH = 500  # segments moved per commit (its outcome is applied in one step)
@@ -85,10 +85,10 @@ async def encode_checkpoint(
                 n_segs += len(rows)
                 chunks.append(codec.encode_chunk(codec.SEGS, rows))
             await pacer.pause()
-    # id(chain link) -> the id of the record whose row is out, in SHARDS dicts: one of
+    # id(chain link) -> the id of the record whose row is out, sharded: one dict of
     # 100,000 entries grows by copying them all at once (~4 ms). Ints and strings only:
     # the GC does not track the dicts, so no pass meanwhile traverses them.
-    named: list[dict[int, str]] = [{} for _ in range(SHARDS)]
+    named: Shards[int, str] = Shards()
     for recs in _taken(records):
         rows = []
         for r in recs:
@@ -96,7 +96,7 @@ async def encode_checkpoint(
                 continue
             link = r.links
             prev = link.prev if link is not None else None
-            parent = named[id(prev) % SHARDS].get(id(prev)) if prev is not None else None
+            parent = named.get(id(prev)) if prev is not None else None
             # The chain is its parent's + one (a conversation's row, whose ids a parent
             # names only when it is its own previous row, is written whole).
             if link is not None and parent is not None and r.ids is None:
@@ -107,11 +107,11 @@ async def encode_checkpoint(
                 if r.response.pack < 0 or not all(s.pack >= 0 for s in r.segments):
                     continue  # evicted bytes: it would be dropped at load
                 rows.append(codec.record_row(r))
-            named[id(link) % SHARDS][id(link)] = r.id
+            named[id(link)] = r.id
         n_recs += len(rows)
         chunks.append(codec.encode_chunk(codec.RECS, rows))
         await pacer.pause()
-    for shard in named:  # let go of them in steps too (~3 ms at once at 100,000 records)
+    for shard in named.shards:  # let go of them in steps too (~3 ms at once at 100,000 records)
         shard.clear()
         await pacer.pause()
     chunks.append(codec.encode_end(n_segs, n_recs))
