@@ -13,37 +13,38 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from ocxproxy.model import Record
-from ocxproxy.store.shards import Shards
+from ocxproxy.store.shards import SHARDS
 
-BIG = 4096  # ids of one scope past which its table is sharded
 PAGE = 1024  # records per dict of those holding one id
 
 Held = Record | list[dict[int, Record]]
-Table = dict[str, Held] | Shards[str, Held]
 
 
 class ItemIndex:
-    __slots__ = ("_scopes",)
+    __slots__ = ("_shards",)
 
     def __init__(self) -> None:
-        # scope → item id → the record holding it, or, when several do, pages of them by
-        # id(record) in the order they were added, each of at most PAGE: adding and
-        # removing one is O(1) however many records share an id (a backend that reuses
-        # output ids, a client resending the same items), so evicting the oldest records
-        # stays cheap at 100,000. The scopes, and a scope's ids once they pass BIG, are
-        # sharded (shards.py): no dict that grows or is rebuilt copies more than a slice
-        # of 100,000 in one step of the event loop.
-        self._scopes: Shards[str, Table] = Shards()
+        # By the id's hash, then scope → item id → the record holding it, or, when several
+        # do, pages of them by id(record) in the order they were added, each of at most
+        # PAGE: adding and removing one is O(1) however many records share an id (a
+        # backend that reuses output ids, a client resending the same items), so evicting
+        # the oldest records stays cheap at 100,000. Sharded and paged so that no dict
+        # that grows or is rebuilt copies more than a slice of 100,000 in one step of the
+        # event loop (shards.py); a lookup is still two dict lookups.
+        self._shards: list[dict[str, dict[str, Held]]] = [{} for _ in range(SHARDS)]
+
+    def _tables(self) -> Iterator[dict[str, Held]]:
+        return (table for shard in self._shards for table in shard.values())
 
     def __len__(self) -> int:
         """How many (scope, id) keys."""
-        return sum(len(table) for table in self._scopes.values())
+        return sum(map(len, self._tables()))
 
     def entries(self) -> int:
         """How many (record, id) pairs."""
         return sum(
             sum(map(len, held)) if isinstance(held, list) else 1
-            for table in self._scopes.values()
+            for table in self._tables()
             for held in table.values()
         )
 
@@ -52,16 +53,16 @@ class ItemIndex:
 
     def add_all(self, records: Iterable[Record]) -> None:
         """add() each of `records`, in one loop (start-up's 100,000s)."""
-        scopes = self._scopes
+        shards = self._shards
         for record in records:
             link = record.links
             ids = link.segment.item_ids.ids if link is not None else ()
-            if not ids:
-                continue
-            table = scopes.get(record.scope)
-            if table is None:
-                table = scopes[record.scope] = {}
+            scope = record.scope
             for item_id in ids:
+                shard = shards[hash(item_id) % SHARDS]
+                table = shard.get(scope)
+                if table is None:
+                    table = shard[scope] = {}
                 held = table.get(item_id)
                 if held is None:
                     table[item_id] = record
@@ -75,21 +76,20 @@ class ItemIndex:
                         held.append({id(record): record})
                 elif held is not record:
                     table[item_id] = [{id(held): held, id(record): record}]
-            if type(table) is dict and len(table) > BIG:
-                big: Shards[str, Held] = Shards()
-                big.absorb(table)
-                scopes[record.scope] = big
 
     def remove(self, record: Record) -> None:
         ids = own.item_ids.ids if (own := record.own) is not None else ()
-        table = self._scopes.get(record.scope) if ids else None
-        if table is None:
-            return
-        rid = id(record)
+        shards, scope, rid = self._shards, record.scope, id(record)
         for item_id in ids:
-            held = table.get(item_id)
+            shard = shards[hash(item_id) % SHARDS]
+            table = shard.get(scope)
+            held = table.get(item_id) if table is not None else None
+            if held is None or table is None:
+                continue
             if held is record:
                 del table[item_id]
+                if not table:
+                    del shard[scope]
             elif isinstance(held, list):
                 for i, page in enumerate(held):  # the oldest first: evictions find it soon
                     if page.get(rid) is record:
@@ -99,8 +99,10 @@ class ItemIndex:
                         break
                 if len(held) == 1 and len(held[0]) == 1:
                     table[item_id] = next(iter(held[0].values()))
-        if type(table) is dict and not table:  # (a sharded one stays)
-            del self._scopes[record.scope]
+
+    def _held(self, scope: str, item_id: str) -> Held | None:
+        table = self._shards[hash(item_id) % SHARDS].get(scope)
+        return table.get(item_id) if table is not None else None
 
     def holders(self, scope: str, item_id: str) -> list[Record]:
         """The records of `scope` holding an item with this id, newest first."""
@@ -108,8 +110,7 @@ class ItemIndex:
 
     def newest(self, scope: str, item_id: str) -> Iterator[Record]:
         """The same, lazily (do not add or remove records while iterating)."""
-        table = self._scopes.get(scope)
-        held = table.get(item_id) if table is not None else None
+        held = self._held(scope, item_id)
         if held is None:
             return iter(())
         if isinstance(held, list):
@@ -117,8 +118,7 @@ class ItemIndex:
         return iter((held,))
 
     def holds(self, scope: str, item_id: str, record: Record) -> bool:
-        table = self._scopes.get(scope)
-        held = table.get(item_id) if table is not None else None
+        held = self._held(scope, item_id)
         if isinstance(held, list):
             return any(page.get(id(record)) is record for page in held)
         return held is record
