@@ -44,7 +44,7 @@ THRESHOLD = float(os.environ.get("OCXPROXY_STALL_MS", "20")) / 1000
 _beat = [time.perf_counter()]
 _gc_start: list[float] = [0.0]
 _gc_gen: list[int | None] = [None]
-_gc_pauses: list[tuple[float, int, int]] = []  # (seconds, generation, objects collected)
+_gc_pauses: list[tuple[float, int, float]] = []  # (seconds, generation, when: wall clock)
 _stalls: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (wall, loop CPU) s
 _main = threading.main_thread().ident
 STEPS = os.environ.get("OCXPROXY_STALL_STEPS") == "1"
@@ -56,17 +56,15 @@ def _on_gc(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _gc_start[0], _gc_gen[0] = time.perf_counter(), info["generation"]
     else:
-        _gc_pauses.append(
-            (time.perf_counter() - _gc_start[0], info["generation"], info["collected"])
-        )
+        _gc_pauses.append((time.perf_counter() - _gc_start[0], info["generation"], time.time()))
         _gc_gen[0] = None
 
 
-def _where(frame: FrameType | None) -> str:
+def _where(frame: FrameType | None, depth: int = 3) -> str:
     if _gc_gen[0] is not None:
         return f"gc generation {_gc_gen[0]}"
     names: list[str] = []
-    while frame is not None and len(names) < 3:
+    while frame is not None and len(names) < depth:
         path = frame.f_code.co_filename
         if "/ocxproxy/" in path:
             names.append(f"{path.rsplit('/ocxproxy/', 1)[1]}:{frame.f_code.co_name}")
@@ -89,7 +87,7 @@ def _watch() -> None:
         while _beat[0] == last:
             time.sleep(0.004 if STEPS else 0.001)
             if STEPS:  # (each long step of this pass gets a sample of its own)
-                _sample[0] = _where(sys._current_frames().get(_main or 0))
+                _sample[0] = _where(sys._current_frames().get(_main or 0), 5)
         _stalls[where].append((_beat[0] - last, time.clock_gettime(clock) - cpu))
         seen, cpu = _beat[0], time.clock_gettime(clock)
 
@@ -133,9 +131,14 @@ def _report() -> None:
             out.append(f"  {len(cpus):5d} x, longest {max(cpus) * 1000:7.1f} ms: {where}")
     gens = Counter(g for _, g, _ in _gc_pauses)
     longest = sorted(_gc_pauses, reverse=True)[:5]
+    over = sum(s >= THRESHOLD for s, _, _ in _gc_pauses)
     out.append(
-        f"gc passes by generation: {dict(sorted(gens.items()))}; longest: "
-        + ", ".join(f"{s * 1000:.1f} ms (gen {g})" for s, g, _ in longest)
+        f"gc passes by generation: {dict(sorted(gens.items()))}, {over} over "
+        f"{THRESHOLD * 1000:.0f} ms; longest: "
+        + ", ".join(
+            f"{s * 1000:.1f} ms (gen {g}, {time.strftime('%H:%M:%S', time.gmtime(t))})"
+            for s, g, t in longest
+        )
     )
     print("\n".join(out), file=sys.stderr, flush=True)
 
