@@ -12,7 +12,11 @@ GIL) is where the sample found it waiting, not what took the time. A pause may a
 one pass of the loop running many ready callbacks (turns finishing together), each short:
 with OCXPROXY_STALL_STEPS=1 the loop is asyncio's own (not uvloop) and every callback it
 runs is timed, so the report also lists each single step over the threshold (its loop CPU)
-by where the watchdog found it. Everything else is `ocxproxy`'s own command line:
+by where the watchdog found it, and the longest call of each of the store's calls a large
+dict or commit could make long (with the GC passes within it). The watchdog gets the GIL
+where the loop thread next lets go of it: after a pass of C code (a dict's resize, a GC
+pass) that is often the next call, which is what the per-call times settle. Everything
+else is `ocxproxy`'s own command line:
 
     python scripts/bench/stall_probe.py serve --upstream URL --port 0 ...
 
@@ -50,13 +54,17 @@ _main = threading.main_thread().ident
 STEPS = os.environ.get("OCXPROXY_STALL_STEPS") == "1"
 _sample: list[str | None] = [None]  # where the watchdog found the loop in this step
 _steps: dict[str, list[float]] = defaultdict(list)  # single steps over THRESHOLD: CPU s
+_gc_total = [0.0]  # seconds in GC passes so far
+_calls: dict[str, tuple[float, float]] = {}  # the longest call: (its CPU, GC passes in it)
 
 
 def _on_gc(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _gc_start[0], _gc_gen[0] = time.perf_counter(), info["generation"]
     else:
-        _gc_pauses.append((time.perf_counter() - _gc_start[0], info["generation"], time.time()))
+        took = time.perf_counter() - _gc_start[0]
+        _gc_total[0] += took
+        _gc_pauses.append((took, info["generation"], time.time()))
         _gc_gen[0] = None
 
 
@@ -105,6 +113,38 @@ def _time_steps() -> None:
 
     asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
     sys.modules["uvloop"] = None  # type: ignore[assignment]  # (server.run: asyncio's loop)
+    # The store's calls that a large dict or commit could make long, each timed: a
+    # watchdog's sample may land just after a GC pass, in the frame that set it off.
+    from ocxproxy.store import disk, items, records, resident, segments
+
+    targets: list[tuple[Any, str]] = [
+        (records.Records, "add"),  # (by id, then by item id)
+        (items.ItemIndex, "add"),  # (a put's; start-up calls add_all)
+        (items.ItemIndex, "remove"),
+        (segments.SegmentTable, "intern"),
+        (segments.SegmentTable, "hold"),
+        (segments.SegmentTable, "release"),
+        (resident.ResidentTier, "admit"),
+        (resident.ResidentTier, "evict_over_budget"),
+        (disk, "encode"),
+    ]
+    for owner, name in targets:
+        _time_calls(owner, name)
+
+
+def _time_calls(owner: Any, name: str) -> None:
+    fn, key = getattr(owner, name), f"{getattr(owner, '__name__', '?')}.{name}"
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        cpu, gc_before = time.thread_time(), _gc_total[0]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            took = time.thread_time() - cpu
+            if took > _calls.get(key, (0.0, 0.0))[0]:
+                _calls[key] = (took, _gc_total[0] - gc_before)
+
+    setattr(owner, name, timed)
 
 
 async def _heartbeat() -> None:
@@ -129,6 +169,9 @@ def _report() -> None:
         out.append(f"single steps of the loop over {THRESHOLD * 1000:.0f} ms of its CPU:")
         for where, cpus in sorted(_steps.items(), key=lambda kv: -max(kv[1])):
             out.append(f"  {len(cpus):5d} x, longest {max(cpus) * 1000:7.1f} ms: {where}")
+        out.append("the longest single call of each (CPU; GC passes within it, wall):")
+        for key, (cpu, in_gc) in sorted(_calls.items(), key=lambda kv: -kv[1][0]):
+            out.append(f"  {cpu * 1000:7.2f} ms ({in_gc * 1000:.1f} ms GC): {key}")
     gens = Counter(g for _, g, _ in _gc_pauses)
     longest = sorted(_gc_pauses, reverse=True)[:5]
     over = sum(s >= THRESHOLD for s, _, _ in _gc_pauses)
