@@ -17,6 +17,7 @@ disk's syncs in the same seconds as each of its windows (bench_durable.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,7 +71,14 @@ class Watch:
         self.argv += ["--every", str(interval)]
 
     def __enter__(self) -> Watch:
+        """Once the canary's first sync is recorded: a window opened after it has syncs."""
         self._proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not self.between(0.0, float("inf")):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"the disk canary did not start: {' '.join(self.argv)}")
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -78,13 +86,18 @@ class Watch:
         self._proc.wait(10)
 
     def between(self, start: float, end: float) -> list[float]:
-        """The durations of the syncs begun in [start, end) (time.monotonic seconds)."""
+        """The durations of the syncs under way in [start, end) (time.monotonic seconds):
+        a stall begun before the window and lasting into it counts, so a window shorter
+        than a stall still shows it."""
         syncs = []
-        with open(self.record) as f:
+        with contextlib.suppress(FileNotFoundError), open(self.record) as f:
             for line in f:
                 fields = line.split()
-                if len(fields) == 2 and start <= float(fields[0]) < end:  # (not a torn last line)
-                    syncs.append(float(fields[1]))
+                if len(fields) != 2:  # a torn last line
+                    continue
+                at, took = float(fields[0]), float(fields[1])
+                if at < end and at + took > start:
+                    syncs.append(took)
         return syncs
 
 
