@@ -26,10 +26,6 @@ class Shards(MutableMapping[K, V]):
     def __init__(self) -> None:
         self.shards: list[dict[K, V]] = [{} for _ in range(SHARDS)]
 
-    def shard(self, key: K) -> dict[K, V]:
-        """The dict that holds `key` (hot loops look up there directly)."""
-        return self.shards[hash(key) % SHARDS]
-
     @overload
     def get(self, key: K, /) -> V | None: ...
     @overload
@@ -61,7 +57,3 @@ class Shards(MutableMapping[K, V]):
         shards = self.shards
         for key, value in entries.items():
             shards[hash(key) % SHARDS][key] = value
-
-    def largest(self) -> int:
-        """The most entries one dict holds: what one resize may copy."""
-        return max(map(len, self.shards))
