@@ -194,6 +194,9 @@ class Record:
     # never in them). None for a response, and for a conversation written before they were
     # kept here: its response segment holds them (continuation/conversation.py's Meta).
     ids: list[list[str]] | None = field(default=None, repr=False, compare=False)
+    # The number of the store index's chunk that holds it, in the order records came
+    # (store/records.py); set and read there only.
+    chunk: int = field(default=0, repr=False, compare=False)
 
     @property
     def segments(self) -> tuple[Segment, ...]:

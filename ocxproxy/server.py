@@ -101,7 +101,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
 async def _sweep(store: Store) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL)
-        store.sweep()
+        await store.sweep()
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:

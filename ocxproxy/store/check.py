@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def check_store(store: Store) -> list[str]:
-    problems: list[str] = []
+    problems: list[str] = store.index.problems()
     segments, resident = store.segments(), store.resident
     refs: dict[str, int] = {}
     durable_refs: dict[str, int] = {}

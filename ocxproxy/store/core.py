@@ -42,6 +42,7 @@ __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 log = logging.getLogger("ocxproxy.store")
 
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
+SWEEP_DROPS = 64  # expired records one step of the sweep drops (~1 ms of the loop)
 
 
 def default_state_dir() -> Path:
@@ -51,9 +52,10 @@ def default_state_dir() -> Path:
 class Store(KeptRecords):
     """Records by id, their shared segments, and where segment bytes are.
 
-    `put`, `lookup`, `delete` and `sweep` are synchronous and never touch disk; `history`
-    and `response_bytes` only leave the event loop when a segment is not resident. With a
-    `state_dir`, `start()` loads the checkpoint and journal and starts the committer.
+    `put`, `lookup` and `delete` are synchronous and never touch disk; `sweep` works in
+    short steps of the event loop; `history` and `response_bytes` only leave the event
+    loop when a segment is not resident. With a `state_dir`, `start()` loads the
+    checkpoint and journal and starts the committer.
     """
 
     def __init__(
@@ -129,12 +131,12 @@ class Store(KeptRecords):
 
     def __repr__(self) -> str:
         return (
-            f"<Store {len(self._records)} records {len(self.table)} segments "
+            f"<Store {len(self.index)} records {len(self.table)} segments "
             f"{self.resident!r} {self.journal!r}>"
         )
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self.index)
 
     @property
     def durable(self) -> bool:
@@ -331,12 +333,25 @@ class Store(KeptRecords):
         self._drop(record, None, None)
         return True
 
-    def sweep(self) -> int:
-        """Drop expired records; returns how many (not journaled: replay drops them too)."""
-        expired = self.index.expired(self.clock())
-        for record in expired:
-            self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
-        return len(expired)
+    async def sweep(self) -> int:
+        """Drop expired records; returns how many (not journaled: replay drops them too).
+
+        In steps, the event loop running between them: each looks at one chunk of the
+        index's order (at most records.CHUNK records) and drops at most SWEEP_DROPS of
+        them. A lookup meanwhile already fails on an expired record (and drops it)."""
+        dropped = 0
+        for number in self.index.numbers():
+            expired = self.index.expired(number, self.clock())
+            while True:
+                for record in expired[:SWEEP_DROPS]:
+                    if self._records.get(record.id) is record:  # (not gone meanwhile)
+                        self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
+                        dropped += 1
+                del expired[:SWEEP_DROPS]
+                await asyncio.sleep(0)
+                if not expired:
+                    break
+        return dropped
 
     def _journal_put(self, record: Record, parent: Record | None) -> None:
         assert self.ledger is not None
@@ -372,7 +387,7 @@ class Store(KeptRecords):
         self.table.release((*record.segments[shared:], record.response), durable=record.durable)
 
     def _enforce_bounds(self) -> None:
-        while len(self._records) > self.max_entries:
+        while len(self.index) > self.max_entries:
             victim = self.index.oldest_unpinned()
             if victim is None:
                 break
@@ -386,18 +401,16 @@ class Store(KeptRecords):
         """The oldest durable records go (journaled, like a delete) until the live segments
         take `target` bytes of disk; pinned ones (conversations) never go for a cap."""
         assert self.ledger is not None
-        queued, pinned = self.ledger.queued, self.index.pinned
-        for record in list(dict.values(self._records)):  # (see checkpoint_view)
+        queued = self.ledger.queued
+        for record in self.index.oldest():
             if self.table.keydir.live_bytes <= target:
                 return
-            if record.durable and not queued(record.id) and record.id not in pinned:
+            if record.durable and not queued(record.id) and record.expires_at < NEVER:
                 self._drop(record, FailureReason.EVICTED, "disk_bytes")
 
     def checkpoint_view(self) -> tuple[list[Record], set[str]]:
         assert self.ledger is not None
-        # The plain dict's view, in the same order (the index never reorders a record),
-        # 15x quicker to copy than the OrderedDict's linked list (~24 ms at 100,000).
-        return list(dict.values(self._records)), self.ledger.uncommitted()
+        return self.index.oldest(), self.ledger.uncommitted()
 
     # -- introspection -------------------------------------------------------------------
 
@@ -415,7 +428,8 @@ class Store(KeptRecords):
     # -- read-only views for check.py -----------------------------------------------------
 
     def records(self) -> list[Record]:
-        return list(self._records.values())
+        """Every record, oldest first."""
+        return self.index.oldest()
 
     def segments(self) -> dict[str, Segment]:
         return dict(self.table.by_key)

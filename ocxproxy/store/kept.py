@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ocxproxy.store.ledger import Ledger
     from ocxproxy.store.resident import ResidentTier
     from ocxproxy.store.segments import SegmentTable
+    from ocxproxy.store.shards import Shards
 
 KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response
 
@@ -29,7 +30,7 @@ class KeptRecords:
     """`Store.keep` and the room checks for pinned records (what Store provides, below)."""
 
     if TYPE_CHECKING:
-        _records: dict[str, Record]
+        _records: Shards[str, Record]
         _committer: Committer | None
         index: Records
         table: SegmentTable

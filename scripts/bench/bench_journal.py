@@ -215,7 +215,7 @@ async def checkpoint_only(state: Path, rounds: int, churn: int) -> None:
         print(f"load average: {' '.join(f'{n:.2f}' for n in os.getloadavg())}")
         await checkpoints(store, rounds, churn)
         t0 = time.perf_counter()
-        store.sweep()  # (a pass over every record, in one step of the loop)
+        await store.sweep()  # (a pass over every record, in short steps of the loop)
         print(f"sweep at {len(store)} records: {(time.perf_counter() - t0) * 1e3:.1f} ms")
         await store.close()
 

@@ -134,7 +134,7 @@ async def test_expired_and_evicted_records_take_their_items_with_them() -> None:
     clock.now += 101
     with pytest.raises(StoreFailure):
         store.find_item("scope-a", "msg_2")
-    assert store.sweep() == 1  # r3; r2 went when its item was looked up
+    assert await store.sweep() == 1  # r3; r2 went when its item was looked up
     assert len(store) == 0 and len(store.items) == 0 and store.check() == []
 
 

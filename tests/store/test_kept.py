@@ -29,7 +29,7 @@ async def test_a_kept_record_is_no_response_and_outlives_every_ttl(tmp_path: Pat
     with pytest.raises(StoreFailure):
         store.record("scope-b", "conv_a")  # another credential's: unknown
     clock.now += 10 * 365 * 86400
-    assert store.sweep() == 0
+    assert await store.sweep() == 0
     assert store.record("scope-a", "conv_a") is conv and conv.expires_at == NEVER
     assert store.delete("scope-a", "conv_a", kept=True)
     with pytest.raises(StoreFailure):

@@ -37,7 +37,7 @@ from ocxproxy.aio import cancel_and_wait
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Segment
-from ocxproxy.store import Store, files
+from ocxproxy.store import Store, files, records
 from ocxproxy.store.journal import Journal
 from ocxproxy.store.upkeep import DISK_KEEP
 from tests.store.helpers import (
@@ -52,6 +52,14 @@ from tests.store.helpers import (
 
 # The deep profile runs (and shrinks) far longer than the suite's default timeout.
 pytestmark = pytest.mark.timeout(3600 if os.environ.get("HYPOTHESIS_PROFILE") == "deep" else 300)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of the records' order of 3: runs fill, empty and shrink them."""
+    monkeypatch.setattr(records, "CHUNK", 3)
+
+
 TTL = 100.0
 TEXTS = st.sampled_from(["hi", "hello", "a longer message " * 3, "x" * 60, "CALL"])
 SCOPES = ("scope-a", "scope-b")
@@ -295,7 +303,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def sweep(self) -> None:
         assert self.store is not None
-        self.store.sweep()
+        self.run(self.store.sweep())
 
     @rule(steps=st.integers(1, 5))
     def let_the_writer_run(self, steps: int) -> None:

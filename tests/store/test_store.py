@@ -241,7 +241,7 @@ async def test_ttl_and_max_entries(tmp_path: Path) -> None:
     with pytest.raises(StoreFailure) as info:
         store2.lookup("scope-a", "r1")
     assert info.value.reason == FailureReason.EXPIRED
-    assert store2.sweep() == 1 and len(store2) == 0
+    assert await store2.sweep() == 1 and len(store2) == 0
 
 
 async def test_memory_only_store_writes_nothing(tmp_path: Path) -> None:
