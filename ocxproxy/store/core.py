@@ -35,14 +35,14 @@ from ocxproxy.store.records import NEVER, Records
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.segments import SegmentTable
 from ocxproxy.store.stats import StoreStats, register_gauges, stats_of
-from ocxproxy.store.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES
+from ocxproxy.store.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, STEP
 
 __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 
 log = logging.getLogger("ocxproxy.store")
 
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
-SWEEP_DROPS = 64  # expired records one step of the sweep drops (~1 ms of the loop)
+SWEEP_DROPS = 64  # most expired records one step of the sweep drops
 
 
 def default_state_dir() -> Path:
@@ -338,16 +338,21 @@ class Store(KeptRecords):
 
         In steps, the event loop running between them: each looks at one chunk of the
         index's order (at most records.CHUNK records) and drops at most SWEEP_DROPS of
-        them. A lookup meanwhile already fails on an expired record (and drops it)."""
+        them, fewer once it has worked upkeep.STEP (a long chain's record takes ~0.1 ms).
+        A lookup meanwhile already fails on an expired record (and drops it)."""
         dropped = 0
         for number in self.index.numbers():
             expired = self.index.expired(number, self.clock())
+            expired.reverse()  # (taken from the end)
             while True:
-                for record in expired[:SWEEP_DROPS]:
+                until = time.perf_counter() + STEP
+                for _ in range(min(SWEEP_DROPS, len(expired))):
+                    record = expired.pop()
                     if self._records.get(record.id) is record:  # (not gone meanwhile)
                         self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
                         dropped += 1
-                del expired[:SWEEP_DROPS]
+                    if time.perf_counter() >= until:
+                        break
                 await asyncio.sleep(0)
                 if not expired:
                     break
