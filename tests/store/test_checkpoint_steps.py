@@ -2,7 +2,7 @@
 
 Counted, not timed: with the step budget (upkeep.STEP) at zero every step is its
 smallest, and a task that runs between steps counts the work done in each: rows encoded,
-segments scanned and moved by compaction. The encoding also sets off (almost) no cyclic
+segments scanned, ordered and moved by compaction. The encoding also sets off (almost) no cyclic
 GC collection: each one is a pause of the loop, a full one ~10-16 ms at 100,000 records.
 """
 
@@ -100,8 +100,13 @@ async def test_compaction_scans_and_moves_in_short_steps(
     await store.commit()
     monkeypatch.setattr(upkeep, "STEP", 0.0)
     monkeypatch.setattr(durable, "SCAN", 256)
-    scanned, moved = Steps(), Steps()
+    scanned, moved, ordered = Steps(), Steps(), Steps()
     move = SegmentTable.move
+
+    def counted_sort(items: Any, **kwargs: Any) -> list[Any]:
+        out = sorted(items, **kwargs)
+        ordered.add(len(out))
+        return out
 
     def counted_scan(self: SegmentTable, pack: int, keys: list[str]) -> list[Segment]:
         scanned.add(len(keys))
@@ -114,13 +119,16 @@ async def test_compaction_scans_and_moves_in_short_steps(
     scan = SegmentTable.in_file
     monkeypatch.setattr(SegmentTable, "in_file", counted_scan)
     monkeypatch.setattr(SegmentTable, "move", counted_move)
+    monkeypatch.setattr(durable, "sorted", counted_sort, raising=False)
     written = store.metrics.spill_writes.get()
     assert await store.flush()
     worst_scan, worst_moves = await scanned.stop(), await moved.stop()
+    worst_order = await ordered.stop()
     monkeypatch.undo()
     assert store.metrics.spill_writes.get() - written >= N * 0.3  # the live rest moved
     assert scanned.work >= 0.3 * N
     assert worst_scan <= 256  # a slice of them per step
+    assert ordered.work >= 0.3 * N and worst_order <= 256  # ordered a slice at a time too
     assert worst_moves <= 1  # each move its own step (at STEP 0)
     assert not store.check()
     await store.close()
