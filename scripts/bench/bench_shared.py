@@ -18,7 +18,12 @@ everysec for the relaxed one) and `python -m ocxproxy serve` processes, then mea
               --depth turns, for --seconds: one replica on the single-node store against
               three replicas on one Valkey, turns sent round robin (each turn lands on
               another replica than the one before it), in ABBA order; turns/s, CPU per
-              turn, and the ratio (target >= 0.7x on this box).
+              turn, and the ratio (target >= 0.7x on this box). Beside each profile, what
+              the disk did in its windows (scripts/bench/disk_canary.py: a child process
+              fdatasyncing 550 B every 25 ms in the servers' file system; --no-disk-watch
+              turns it off): under ack (appendfsync always) Valkey fsyncs its AOF on its
+              main thread before it answers any command of that pass, so every turn
+              waits out the disk twice (BEGIN, COMMIT); the single-node store once.
   bytes       a 172-turn chain (~190 B of items a turn) through one replica on a Valkey of
               its own: the bytes of every key and value it holds, MEMORY USAGE and
               used_memory, against the chain's item bytes (target <= 1.3x).
@@ -66,6 +71,7 @@ from benchkit import (
     user_message,
     verdict,
 )
+from disk_canary import Watch, describe
 from loopback import RawClient
 
 sys.path.insert(0, str(ROOT))
@@ -276,10 +282,10 @@ async def overhead(pairs: dict[str, tuple[Child, Child, KvServer]], n: int, roun
 
 async def throughput(
     proxies: list[Child], kv: KvServer | None, clients: int, seconds: float, depth: int
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, tuple[float, float]]:
     """`clients` closed-loop chains over `proxies` (round robin), each started afresh after
     `depth` turns (the same depths for every setup, however fast it goes): (turns/s, CPU
-    ms per turn of the proxies, of the store server)."""
+    ms per turn of the proxies, of the store server, the window in time.monotonic())."""
     done = 0
     stop_at = time.perf_counter() + seconds
 
@@ -304,12 +310,12 @@ async def throughput(
     pids = [p.pid for p in proxies]
     cpu0 = sum(cpu_seconds(pid) for pid in pids)
     kv0 = cpu_seconds(kv.pid) if kv else 0.0
-    start = time.perf_counter()
+    start, window = time.perf_counter(), time.monotonic()
     await asyncio.gather(*(chain(c) for c in range(clients)))
     wall = time.perf_counter() - start
     cpu = sum(cpu_seconds(pid) for pid in pids) - cpu0
     kv_cpu = (cpu_seconds(kv.pid) - kv0) if kv else 0.0
-    return done / wall, cpu * 1e3 / done, kv_cpu * 1e3 / done
+    return done / wall, cpu * 1e3 / done, kv_cpu * 1e3 / done, (window, time.monotonic())
 
 
 async def throughputs(
@@ -319,17 +325,25 @@ async def throughputs(
     clients: int,
     seconds: float,
     depth: int,
+    watch: Watch | None,
 ) -> bool:
     rows = []
+    disk = []
     met = True
     for profile, single in singles.items():
         runs: dict[int, list[tuple[float, float, float]]] = {1: [], 3: []}
+        syncs: dict[int, list[float]] = {1: [], 3: []}
         for n in (1, 3, 3, 1):  # ABBA, half as long each: a drift in the box's load hits both
             proxies, kv = ([single], None) if n == 1 else (shared[profile], kvs[profile])
-            runs[n].append(await throughput(proxies, kv, clients, seconds / 2, depth))
+            tps, cpu, kv_cpu, window = await throughput(proxies, kv, clients, seconds / 2, depth)
+            runs[n].append((tps, cpu, kv_cpu))
+            syncs[n] += watch.between(*window) if watch else []
         (t1, cpu1, _), (t3, cpu3, kv3) = (
             tuple(sum(column) / 2 for column in zip(*runs[n], strict=True)) for n in (1, 3)
         )
+        if watch:
+            disk.append(f"  {profile}: the disk meanwhile: 1 replica {describe(syncs[1])}; "
+                        f"3 replicas {describe(syncs[3])}")  # fmt: skip
         ratio = t3 / t1
         met &= ratio >= THROUGHPUT_TARGET
         rows.append([
@@ -342,6 +356,7 @@ async def throughputs(
         "durability", "1 replica", "CPU", "3 replicas + valkey", "CPU replicas", "CPU valkey",
         "ratio", f"target >= {THROUGHPUT_TARGET}x",
     ], rows))  # fmt: skip
+    print("\n".join(disk))
     return met
 
 
@@ -441,6 +456,10 @@ def main() -> None:
         "--profiles", nargs="+", choices=PROFILES, default=list(PROFILES),
         help="durability profiles (overhead, throughput)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-disk-watch", dest="disk_watch", action="store_false",
+        help="no disk canary beside the throughput windows",
+    )  # fmt: skip
     args = parser.parse_args()
     profiles = args.profiles
     if args.quick:
@@ -482,9 +501,12 @@ def main() -> None:
             if "overhead" in args.parts:
                 met &= asyncio.run(overhead(pairs, args.n, args.rounds))
             if "throughput" in args.parts:
-                met &= asyncio.run(
-                    throughputs(singles, shared, kvs, args.clients, args.seconds, args.depth)
-                )
+                with Watch(tmp) if args.disk_watch else contextlib.nullcontext() as watch:
+                    met &= asyncio.run(
+                        throughputs(
+                            singles, shared, kvs, args.clients, args.seconds, args.depth, watch
+                        )
+                    )
             if "bytes" in args.parts:
                 met &= asyncio.run(chain_bytes(started["bytes"], kvs["bytes"], args.turns))
         print(f"\nall targets: {verdict(met)}")

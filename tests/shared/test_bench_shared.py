@@ -30,5 +30,10 @@ async def test_bench_shared_prints_its_figures() -> None:
     assert trips is not None, out  # the relaxed profile's rounds and what round trips cost
     ratio = re.search(r"^ack +([\d,]+) +[\d.]+ +([\d,]+) +[\d.]+ +[\d.]+ +(\d+\.\d+)x", out, re.M)
     assert ratio is not None and float(ratio.group(3)) > 0, out
+    # what the disk did in each profile's windows, beside its figures
+    disk = re.findall(r"^  (ack|relaxed): the disk meanwhile: 1 replica (\d+) syncs, .*; "
+                      r"3 replicas (\d+) syncs, p99 [\d.,]+ ms, max", out, re.M)  # fmt: skip
+    assert {d[0] for d in disk} == {"ack", "relaxed"}, out
+    assert all(int(n) > 0 for d in disk for n in d[1:]), out
     stored = re.search(r"^shared-tier bytes (\d+\.\d+)x the items", out, re.M)
     assert stored is not None and float(stored.group(1)) > 0, out
