@@ -157,10 +157,9 @@ class Records:
     def problems(self) -> list[str]:
         """Drift between `by_id`, the order, the count and the pins (for check.py)."""
         out: list[str] = []
-        if not len(self.by_id) == len(self.oldest()) == self.count:
-            out.append(
-                f"{len(self.by_id)} records by id, {len(self.oldest())} in order, {self.count}"
-            )
+        in_order = len(self.oldest())
+        if not len(self.by_id) == in_order == self.count:
+            out.append(f"{len(self.by_id)} records by id, {in_order} in order, {self.count}")
         if list(self.chunks) != sorted(self.chunks) or self.newest != max(self.chunks):
             out.append(f"chunks out of order: {list(self.chunks)}, newest {self.newest}")
         for number, chunk in self.chunks.items():

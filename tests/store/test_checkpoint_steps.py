@@ -2,8 +2,9 @@
 
 Counted, not timed: with the step budget (upkeep.STEP) at zero every step is its
 smallest, and a task that runs between steps counts the work done in each: rows encoded,
-segments scanned, ordered and moved by compaction. The encoding also sets off (almost) no cyclic
-GC collection: each one is a pause of the loop, a full one ~10-16 ms at 100,000 records.
+segments scanned, ordered and moved by compaction. The encoding also sets off (almost) no
+cyclic GC collection: each one is a pause of the loop, a full one ~10-16 ms at 100,000
+records.
 """
 
 from __future__ import annotations
