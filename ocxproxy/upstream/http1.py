@@ -5,7 +5,7 @@ request on a 2-core box, more than everything else the proxy does for a turn. Th
 does only what a reverse proxy needs: keep-alive connections per backend, a request body
 sent as given (`writelines`, so a spliced body is never joined twice) or streamed
 chunked, and an answer read as it arrives. No redirects, cookies, proxies, decompression
-or retries: the pool (client.py) decides what to do with each failure, told apart by type.
+or retries: the pool (pool.py) decides what to do with each failure, told apart by type.
 
 A connection goes back to the pool only when its answer ended exactly at its framed end,
 with nothing after it, and the backend allows reuse; an answer that cannot be framed
@@ -43,6 +43,7 @@ __all__ = [
     "Http1Client",
     "Http1Error",
     "Http1Response",
+    "Unsent",
 ]
 
 MAX_IDLE = 64  # kept-alive connections per backend
@@ -65,7 +66,12 @@ class ConnectFailed(Http1Error):
 
 
 class Disconnected(Http1Error):
-    """The connection closed before a status line came back: nothing was answered."""
+    """The connection closed after the request was sent, before a status line came back:
+    nothing was answered, but the backend may have acted on the request."""
+
+
+class Unsent(Http1Error):
+    """The connection closed before a byte of the request was written: safe to send again."""
 
 
 class BrokenOff(Http1Error):
@@ -226,6 +232,9 @@ class Http1Client:
         if origin is None:
             origin = self._origins[base] = _Origin(base)
         conn = self._idle(origin) or await self._connect(origin)
+        if conn.closed:  # a new connection the backend closed at once (an idle one is checked)
+            conn.close()
+            raise Unsent("The connection closed before the request was sent.")
         # Set before a byte is sent (no await in between), so an idle connection's stray
         # bytes were never taken for this answer.
         conn.parser = ResponseParser(head_only=method == "HEAD")

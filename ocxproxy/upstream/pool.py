@@ -3,8 +3,12 @@
 `open()` is the only way to talk to a backend; every connection or timeout error that
 escapes it is an UpstreamError. The choice of backend, health state and admission are
 upstream/fleet.py's (the Fleet); this module sends, probes and tells the Fleet what it saw.
-A request is tried on another backend only when nothing came back from the first (no
-status line), so nothing can have reached the client.
+A request is sent again only when no byte of it reached a backend (a refused connect, a
+connection closed before sending), or when it is safe to repeat (RFC 9110 §9.2.2): an
+idempotent method, or a POST with an `Idempotency-Key`, which goes to another backend. A
+POST the backend read and then dropped is never sent again: the generation may be costly,
+or may be what crashed the backend. A response head ends all retrying, so a client never
+sees two answers.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ocxproxy.upstream.http1 import (
     Http1Client,
     Http1Error,
     Http1Response,
+    Unsent,
 )
 
 log = logging.getLogger("ocxproxy.upstream")
@@ -33,6 +38,7 @@ log = logging.getLogger("ocxproxy.upstream")
 __all__ = ["Backend", "BackendRequest", "UpstreamPool", "read_chunk"]
 
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
+IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 §9.2.2
 
 
 async def read_chunk(response: UpstreamResponse) -> bytes:
@@ -147,9 +153,9 @@ class UpstreamPool:
         backend and its response with headers read.
 
         The backend is the Fleet's choice (affinity key, then `preferred`, the backend that
-        served the chain). With `retry`, a request that got no answer is sent to another
-        backend (a dropped connection first gets one more try on the same one); once the
-        headers are in, it is never sent again, so a client never sees two answers.
+        served the chain). With `retry`, a request that got no answer is sent again when
+        that is safe (the module's docstring says when); once the headers are in, it is
+        never sent again, so a client never sees two answers.
         """
         translator = Translator(method, path_qs, data)
         return BackendRequest(
@@ -196,20 +202,31 @@ class UpstreamPool:
                     if request.retry:
                         continue
                     raise last_error from None
-                except Disconnected as exc:
-                    # Often a keep-alive connection the backend had just closed: one more
-                    # try on the same backend, then it counts as down.
+                except (Unsent, Disconnected) as exc:
                     metrics.upstream_requests.labels(backend.url, "disconnected").inc()
-                    last_error = UpstreamError(
-                        f"The backend at {backend.url} dropped the connection.",
-                        code="upstream_unreachable",
-                    )
-                    if backend.url in redialed:
-                        fleet.mark_down(backend, f"dropped connections: {type(exc).__name__}")
-                        tried.add(backend.url)
+                    if isinstance(exc, Unsent) or request.method in IDEMPOTENT:
+                        # Often a keep-alive connection the backend had just closed: one
+                        # more try on the same backend, then it counts as down.
+                        last_error = UpstreamError(
+                            f"The backend at {backend.url} dropped the connection.",
+                            code="upstream_unreachable",
+                        )
+                        if backend.url in redialed:
+                            fleet.mark_down(backend, f"dropped connections: {type(exc).__name__}")
+                            tried.add(backend.url)
+                        else:
+                            redialed.add(backend.url)
+                            preferred = backend.url
                     else:
-                        redialed.add(backend.url)
-                        preferred = backend.url
+                        last_error = UpstreamError(
+                            f"The backend at {backend.url} closed the connection after "
+                            "receiving the request, before answering. The request was not "
+                            "sent again: the backend may have acted on it.",
+                            code="upstream_disconnected",
+                        )
+                        if not request.idempotency_key:
+                            raise last_error from None
+                        tried.add(backend.url)  # safe to repeat, but not where it broke
                     if request.retry:
                         continue
                     raise last_error from None
@@ -253,6 +270,7 @@ class BackendRequest:
         "_start",
         "affinity_key",
         "headers",
+        "idempotency_key",
         "method",
         "pool",
         "preferred",
@@ -280,6 +298,7 @@ class BackendRequest:
         self.affinity_key = affinity_key
         self.preferred = preferred
         self.retry = retry
+        self.idempotency_key = headers.get("Idempotency-Key") is not None
 
     async def __aenter__(self) -> tuple[Backend, UpstreamResponse]:
         backend, response, self._start = await self.pool.dial(self)

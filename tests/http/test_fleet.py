@@ -15,6 +15,7 @@ import pytest
 from ocxproxy.aio import spawn
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
+from tests.fakes.scripted import ScriptedPeer
 
 
 @pytest.fixture
@@ -276,30 +277,74 @@ async def test_a_stream_is_never_retried_once_it_started(
     assert len(a.responses_seen) + len(b.responses_seen) == 1
 
 
-async def test_a_backend_that_drops_connections_is_redialed_once_then_skipped(
-    make_proxy: MakeProxy, backend: FakeBackend
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_post_the_backend_read_and_dropped_is_not_sent_again(
+    make_proxy: MakeProxy, backend: FakeBackend, stream: bool
 ) -> None:
-    accepted = 0
-
-    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal accepted
-        accepted += 1
-        await reader.readuntil(b"\r\n\r\n")
-        writer.close()
-
-    server = await asyncio.start_server(drop, "127.0.0.1", 0)
-    dropper = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    async with server:
-        handle = await make_proxy(dropper, backend.url)
+    """RFC 9110 §9.2.2: the backend may have acted on it (and a generation may be what
+    crashed it), so the proxy answers 502 instead of repeating it, here or elsewhere."""
+    async with ScriptedPeer(None) as dropper:  # reads each request, then closes
+        handle = await make_proxy(dropper.url, backend.url)
         pool = handle.proxy.pool
         pool.fleet._remember("pck:k", pool.backends[0])  # make the dropper its home
+        body = {"model": "m", "input": "hi", "stream": stream, "prompt_cache_key": "k"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(handle.base_url + "/responses", json=body) as resp,
+        ):
+            assert resp.status == 502
+            assert resp.headers["Content-Type"].startswith("application/json")
+            error = (await resp.json())["error"]
+    assert error["type"] == "server_error" and error["code"] == "upstream_disconnected"
+    assert "not sent again" in error["message"]
+    assert len(dropper.requests) == 1 and b'"hi"' in dropper.bodies[0]
+    assert backend.seen == []
+    assert pool.backends[1].healthy
+
+
+async def test_a_post_with_an_idempotency_key_is_sent_again_to_another_backend(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    async with ScriptedPeer(None) as dropper:
+        handle = await make_proxy(dropper.url, backend.url)
+        pool = handle.proxy.pool
+        pool.fleet._remember("pck:k", pool.backends[0])
         response = await handle.client().responses.create(
-            model="m", input="hi", extra_body={"prompt_cache_key": "k"}
+            model="m",
+            input="hi",
+            extra_body={"prompt_cache_key": "k"},
+            extra_headers={"Idempotency-Key": "key-1"},
         )
     assert response.output_text == "echo#1: hi"
-    assert accepted == 2
-    assert not pool.backends[0].healthy and pool.backends[1].healthy
+    assert len(dropper.requests) == 1  # never twice where it broke
+    assert len(backend.responses_seen) == 1
     assert handle.metric("ocxproxy_affinity_total", result="reroute") == 1
+
+
+async def test_a_post_with_an_idempotency_key_and_no_other_backend_is_a_502(
+    make_proxy: MakeProxy,
+) -> None:
+    async with ScriptedPeer(None) as dropper:
+        handle = await make_proxy(dropper.url)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await handle.client().responses.create(
+                model="m", input="hi", extra_headers={"Idempotency-Key": "key-2"}
+            )
+    assert caught.value.status_code == 502
+    assert caught.value.code == "upstream_disconnected"
+    assert len(dropper.requests) == 1
+
+
+async def test_an_idempotent_request_is_redialed_once_then_the_backend_is_down(
+    make_proxy: MakeProxy,
+) -> None:
+    async with ScriptedPeer(None) as dropper, aiohttp.ClientSession() as http:
+        handle = await make_proxy(dropper.url)
+        async with http.get(handle.base_url + "/models") as resp:
+            assert resp.status == 502
+            assert (await resp.json())["error"]["code"] == "upstream_unreachable"
+    assert [r.split(b" ")[:2] for r in dropper.requests] == [[b"GET", b"/v1/models"]] * 2
+    assert not handle.proxy.pool.backends[0].healthy
 
 
 async def test_round_robin_routing_ignores_affinity(
