@@ -1,5 +1,12 @@
-"""Command line: flags and OCXPROXY_* environment → Config → server.run. Exit codes:
-0 clean shutdown, 2 bad configuration (one line on stderr).
+"""Command line: flags, OCXPROXY_* environment and a --config file → Config → server.run.
+Exit codes: 0 clean shutdown, 2 bad configuration (one line on stderr).
+
+To add a setting, add one `setting(...)` field to `Config` in ocxproxy/config.py: its
+flag, environment variable, config-file key, --help line (in its group, with its default)
+and its checks all come from that field. Nothing here names a setting.
+
+A value's source, strongest first: the flag, the OCXPROXY_* variable, the config file
+(`--config FILE` or OCXPROXY_CONFIG), the default. An error names that source.
 
 `ocxproxy state stats|verify|gc [--state-dir DIR]` inspects the state dir of a stopped (or,
 for stats and verify, a running) proxy: 0 fine, 1 problems found or the dir is busy."""
@@ -16,17 +23,41 @@ from typing import Any, NoReturn
 
 from ocxproxy import __version__
 from ocxproxy.config import (
-    BOOL_SETTINGS,
-    LIST_SETTINGS,
+    CONFIG_ENV,
+    GROUPS,
     SETTINGS,
     ConfigError,
     build_config,
+    default_text,
     env_name,
+    flag_name,
+    group_of,
     help_for,
+    is_hidden,
+    kind_of,
     metavar_for,
+    read_config_file,
+    unknown_env_names,
 )
 
-_HIDDEN = ("snapshot_delay",)
+# OCXPROXY_* variables that the project's own scripts and tests read: not settings, and
+# not typos to warn about when they reach the proxy's environment.
+TOOLING_ENV = (
+    "OCXPROXY_VENV",
+    "OCXPROXY_REQUIRE_LLAMA",
+    "OCXPROXY_STALL_MS",
+    "OCXPROXY_STALL_STEPS",
+    "OCXPROXY_PROFILE_OUT",
+    "OCXPROXY_PROFILE_CLOCK",
+    "OCXPROXY_BENCH_ABLATE",
+)
+UNITS = (
+    "SIZE is bytes, or a number with a unit: 500kb, 64MiB, 1GiB (k, m, g: powers of 1000; "
+    "KiB, MiB, GiB, TiB: of 1024). DURATION is seconds, or a number with a unit: 500ms, "
+    "90s, 15m, 2h, 30d. Each setting is taken from, strongest first: its flag, its "
+    "environment variable (in brackets), the --config file (keys as the flags, without the "
+    'dashes: max-disk-bytes = "1GiB"), its default.'
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,21 +75,28 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the proxy",
-        description="Run the proxy. Point a client's base URL at http://HOST:PORT/v1. "
-        "Every flag can also be set by the environment variable named in its help.",
+        description="Run the proxy. Point a client's base URL at http://HOST:PORT/v1.",
+        epilog=UNITS,
+    )
+    groups = {name: serve.add_argument_group(name) for name in GROUPS}
+    groups[GROUPS[0]].add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"a TOML file of settings, overridden by flags and variables [{CONFIG_ENV}]",
     )
     for name in SETTINGS:
-        flag = "--" + name.replace("_", "-")
-        text = f"{help_for(name)} [{env_name(name)}]"
-        if name in _HIDDEN:
-            text = argparse.SUPPRESS
-        if name in BOOL_SETTINGS:
-            serve.add_argument(flag, action="store_const", const="true", default=None, help=text)
-        elif name in LIST_SETTINGS:
-            serve.add_argument(flag, action="append", metavar="VALUE", help=text)
+        default = default_text(name)
+        text = help_for(name) + (f" (default: {default})" if default else "")
+        text = argparse.SUPPRESS if is_hidden(name) else f"{text} [{env_name(name)}]"
+        group = groups[group_of(name)]
+        kind = kind_of(name)
+        if kind == "flag":
+            group.add_argument(flag_name(name), action="store_const", const="true", help=text)
+        elif kind == "list":
+            metavar = metavar_for(name)
+            group.add_argument(flag_name(name), action="append", metavar=metavar, help=text)
         else:
-            metavar = metavar_for(name) or name.split("_")[-1].upper()
-            serve.add_argument(flag, metavar=metavar, help=text)
+            group.add_argument(flag_name(name), metavar=metavar_for(name), help=text)
     state = commands.add_parser(
         "state",
         help="inspect, verify or clean the state dir",
@@ -109,20 +147,23 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
 
 def _raw_settings(
     args: argparse.Namespace, environ: dict[str, str]
-) -> tuple[dict[str, Any], set[str]]:
-    """Flags win over the environment; list settings take a comma list from the env.
-    Also returns which settings came from the environment (errors name the variable)."""
-    raw: dict[str, Any] = {}
-    from_env: set[str] = set()
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each setting's raw value from the strongest source that has one, and, for those not
+    from a flag, where it came from (errors name it). List settings take a comma list from
+    the environment."""
+    config_file = args.config or environ.get(CONFIG_ENV)
+    raw, sources = read_config_file(Path(config_file)) if config_file else ({}, {})
     for name in SETTINGS:
         value = getattr(args, name, None)
-        if value is None:
-            env = environ.get(env_name(name))
-            if env is not None:
-                value = [env] if name in LIST_SETTINGS else env
-                from_env.add(name)
-        raw[name] = value
-    return raw, from_env
+        if value is not None:
+            raw[name] = value
+            sources.pop(name, None)
+            continue
+        env = environ.get(env_name(name))
+        if env is not None:
+            raw[name] = [env] if kind_of(name) == "list" else env
+            sources[name] = env_name(name)
+    return raw, sources
 
 
 def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> int:
@@ -130,9 +171,11 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     environ = dict(os.environ) if environ is None else environ
     if args.command == "state":
         return _state(args, environ)
+    for line in unknown_env_names(environ, TOOLING_ENV):
+        print(f"ocxproxy: warning: {line}", file=sys.stderr)
     try:
-        raw, from_env = _raw_settings(args, environ)
-        config = build_config(raw, from_env=from_env)
+        raw, sources = _raw_settings(args, environ)
+        config = build_config(raw, sources=sources)
     except ConfigError as exc:
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 2

@@ -1,22 +1,38 @@
-"""Config: every setting once, with its default, its parser and its help text.
+"""Config: every setting once, with its default, group, parser, check and help text.
 
-`--max-disk-bytes` ↔ `OCXPROXY_MAX_DISK_BYTES` ↔ `Config.max_disk_bytes`. Parsing and
-validation happen here, once, at start-up; a bad value raises ConfigError with one line.
+`--max-disk-bytes` ↔ `OCXPROXY_MAX_DISK_BYTES` ↔ `max-disk-bytes` in a `--config` TOML file
+↔ `Config.max_disk_bytes`. A setting is one `setting(...)` field of Config: the command
+line, the environment, the config file, `serve --help` and the checks all come from it.
+Parsing and validation happen here, once, at start-up; a bad value raises ConfigError with
+one line that names where the value came from (the flag, the variable or the file's key).
 Nothing here has side effects.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "OCXPROXY_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the --config file; not a setting (a file cannot name one)
 DIALECTS = ("responses", "chat")  # what a backend speaks; the first is the default
+
+# `serve --help` shows the settings in these groups, in this order.
+GENERAL = "general"
+BACKENDS = "backends"
+STORE = "store"
+SHARED = "shared tier"
+LIMITS = "limits"
+SECURITY = "security"
+OBSERVABILITY = "observability"
+GROUPS = (GENERAL, BACKENDS, STORE, SHARED, LIMITS, SECURITY, OBSERVABILITY)
 
 
 class ConfigError(ValueError):
@@ -55,11 +71,37 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true or false)")
 
 
+def parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r}") from None
+
+
 def parse_port(text: str) -> int:
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"not a port number: {text!r} (0-65535)") from None
     if not 0 <= port <= 65535:
-        raise ValueError(f"port out of range: {port}")
+        raise ValueError(f"port out of range: {port} (0-65535)")
     return port
+
+
+def format_bytes(value: int) -> str:
+    """64MiB, 1GiB: the largest binary unit that divides `value`, for --help."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value and value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
+def format_duration(value: float) -> str:
+    """30d, 10m, 500ms: the largest unit that divides `value`, for --help."""
+    for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if value and value % seconds == 0:
+            return f"{int(value // seconds)}{unit}"
+    return f"{value * 1000:g}ms" if value else "0"
 
 
 def normalize_upstream(url: str) -> str:
@@ -80,230 +122,339 @@ def normalize_upstream(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+def split_list(values: Sequence[str]) -> tuple[str, ...]:
+    """A list setting's values: each may itself be a comma list (as in the environment)."""
+    return tuple(item.strip() for value in values for item in value.split(",") if item.strip())
+
+
 def parse_upstreams(values: Sequence[str]) -> tuple[str, ...]:
-    urls: list[str] = []
-    for value in values:
-        urls.extend(normalize_upstream(v) for v in value.split(",") if v.strip())
-    return tuple(dict.fromkeys(urls))
+    return tuple(dict.fromkeys(normalize_upstream(url) for url in split_list(values)))
 
 
-def _positive(name: str) -> Callable[[Any], None]:
-    def check(value: Any) -> None:
-        if value <= 0:
-            raise ValueError(f"{name} must be positive")
+def _parse_dialects(values: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dialect.lower() for dialect in split_list(values))
 
-    return check
+
+# Checks of one value: raise ValueError with what is wrong (the caller names the setting).
+
+
+def positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be more than 0, got {value:g}")
+
+
+def not_negative(value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value:g}")
+
+
+class Choices:
+    """A check that the value (or, for a list setting, each value) is one of `choices`."""
+
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+
+    def __call__(self, value: str | tuple[str, ...]) -> None:
+        for item in (value,) if isinstance(value, str) else value:
+            if item not in self.choices:
+                raise ValueError(f"unknown value {item!r} ({', '.join(self.choices)})")
+
+
+def _redis_url(value: str | None) -> None:
+    if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"not a redis://, rediss:// or unix:// URL: {value!r}")
+
+
+def _key_prefix(value: str) -> None:
+    if not value or any(c.isspace() for c in value):
+        raise ValueError(f"must be non-empty, without spaces: {value!r}")
+
+
+def _absolute_path(value: str) -> None:
+    if not value.startswith("/"):
+        raise ValueError(f"must start with '/': {value!r}")
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    group: str,
+    parse: Callable[[Any], Any] | None = None,
+    check: Callable[[Any], None] | None = None,
+    metavar: str | None = None,
+    hidden: bool = False,
+) -> Any:
+    """One setting of Config. Its kind follows its default: a bool is a flag without a
+    value (true/false in the environment and the file); a tuple is a list (the flag
+    repeats, the environment takes a comma list, the file an array). `parse` turns the
+    text (for a list: the texts) into the value (default: the text itself, parse_bool for
+    a flag); `check` raises ValueError on a value out of bounds."""
+    if parse is None:
+        parse = parse_bool if isinstance(default, bool) else str
+    metadata = {
+        "help": help,
+        "group": group,
+        "parse": parse,
+        "check": check,
+        "metavar": metavar,
+        "hidden": hidden,
+    }
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8080, metadata={"help": "port to listen on (0 picks a free one)"})
-    upstream: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "backend base URL, e.g. http://gpu-box:8000/v1 (repeatable; "
-            "default: the embedded llama.cpp backend when installed)"
-        },
+    # To add a setting, add one field here with setting(...); nothing else is needed.
+    host: str = setting("127.0.0.1", "address to listen on", group=GENERAL)
+    port: int = setting(
+        8080, "port to listen on (0 picks a free one)", group=GENERAL, parse=parse_port
     )
-    upstream_dialect: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "API each --upstream speaks: responses (default) or chat (Chat Completions "
-            "only, e.g. TGI; translated). One value applies to every backend; several "
-            "(repeated or comma-separated) pair up with the --upstream URLs in order",
-            "metavar": "DIALECT",
-        },
+    upstream: tuple[str, ...] = setting(
+        (),
+        "backend base URL, e.g. http://gpu-box:8000/v1 (repeatable; "
+        "default: the embedded llama.cpp backend when installed)",
+        group=BACKENDS,
+        parse=parse_upstreams,
+        metavar="URL",
     )
-    state_dir: Path | None = field(
-        default=None, metadata={"help": "where durable state lives (default: user state dir)"}
+    upstream_dialect: tuple[str, ...] = setting(
+        (),
+        "API each --upstream speaks: responses (default) or chat (Chat Completions "
+        "only, e.g. TGI; translated). One value applies to every backend; several "
+        "(repeated or comma-separated) pair up with the --upstream URLs in order",
+        group=BACKENDS,
+        parse=_parse_dialects,
+        check=Choices(*DIALECTS),
+        metavar="DIALECT",
     )
-    max_resident_bytes: int = field(
-        default=64 * 1024**2, metadata={"help": "memory budget for stored turns (e.g. 64MiB)"}
+    state_dir: Path | None = setting(
+        None,
+        "where durable state lives (default: user state dir)",
+        group=STORE,
+        parse=Path,
+        metavar="DIR",
     )
-    max_disk_bytes: int = field(
-        default=1024**3,
-        metadata={"help": "disk budget: what the state dir may occupy (e.g. 1GiB)"},
+    max_resident_bytes: int = setting(
+        64 * 1024**2,
+        "memory budget for stored turns",
+        group=STORE,
+        parse=parse_bytes,
+        check=positive,
     )
-    max_entries: int = field(default=100_000, metadata={"help": "most stored responses kept"})
-    ttl: float = field(
-        default=30 * 86400.0, metadata={"help": "how long a stored response lives (e.g. 30d)"}
+    max_disk_bytes: int = setting(
+        1024**3,
+        "disk budget: what the state dir may occupy",
+        group=STORE,
+        parse=parse_bytes,
+        check=positive,
     )
-    retain_unstored: bool = field(
-        default=False,
-        metadata={"help": "keep store:false turns in memory (never disk) so HTTP can chain them"},
+    max_entries: int = setting(
+        100_000, "most stored responses kept", group=STORE, parse=parse_int, check=positive
     )
-    zdr: bool = field(
-        default=False, metadata={"help": "zero data retention: write nothing to disk"}
+    ttl: float = setting(
+        30 * 86400.0,
+        "how long a stored response lives",
+        group=STORE,
+        parse=parse_duration,
+        check=positive,
     )
-    durability: str = field(
-        default="ack",
-        metadata={
-            "help": "ack: a stored turn is answered only once it is fsynced to the journal "
-            "(survives kill -9 and power loss); relaxed: answered at once, written within "
-            "~2s (for disks that cannot fsync fast)",
-            "metavar": "ack|relaxed",
-        },
+    retain_unstored: bool = setting(
+        False,
+        "keep store:false turns in memory (never disk) so HTTP can chain them",
+        group=STORE,
     )
-    shared_store: str | None = field(
-        default=None,
-        metadata={
-            "help": "run several replicas on one Valkey/Redis server: redis://host:6379/0, "
-            "rediss://..., unix:///path/to.sock (needs ocxproxy[shared]; --durability is "
-            "checked against the server's persistence)",
-            "metavar": "URL",
-        },
+    zdr: bool = setting(False, "zero data retention: write nothing to disk", group=STORE)
+    durability: str = setting(
+        "ack",
+        "ack: a stored turn is answered only once it is fsynced to the journal "
+        "(survives kill -9 and power loss); relaxed: answered at once, written within "
+        "~2s (for disks that cannot fsync fast)",
+        group=STORE,
+        parse=str.lower,
+        check=Choices("ack", "relaxed"),
     )
-    shared_prefix: str = field(
-        default="ocx:", metadata={"help": "what every key of the shared store starts with"}
+    snapshot_delay: float = setting(
+        2.0,
+        "with --durability relaxed: time between journal writes",
+        group=STORE,
+        parse=parse_duration,
+        check=not_negative,
+        hidden=True,
     )
-    shared_max_bytes: int = field(
-        default=1024**3,
-        metadata={
-            "help": "byte budget of the shared store (e.g. 1GiB); past it the chains "
-            "extended longest ago are evicted (0: no budget, the server's maxmemory decides)"
-        },
+    shared_store: str | None = setting(
+        None,
+        "run several replicas on one Valkey/Redis server: redis://host:6379/0, "
+        "rediss://..., unix:///path/to.sock (needs ocxproxy[shared]; --durability is "
+        "checked against the server's persistence)",
+        group=SHARED,
+        check=_redis_url,
+        metavar="URL",
     )
-    shared_wait_replicas: int = field(
-        default=0,
-        metadata={
-            "help": "with --shared-store: a turn is answered once this many of the server's "
-            "replicas have it too (WAIT/WAITAOF)",
-            "metavar": "N",
-        },
+    shared_prefix: str = setting(
+        "ocx:",
+        "what every key of the shared store starts with",
+        group=SHARED,
+        check=_key_prefix,
+        metavar="PREFIX",
     )
-    ws_max_age: float = field(
-        default=3600.0, metadata={"help": "WebSocket connection lifetime (e.g. 60m)"}
+    shared_max_bytes: int = setting(
+        1024**3,
+        "byte budget of the shared store; past it the chains extended longest ago are "
+        "evicted (0: no budget, the server's maxmemory decides)",
+        group=SHARED,
+        parse=parse_bytes,
+        check=not_negative,
     )
-    max_body_bytes: int = field(
-        default=32 * 1024**2, metadata={"help": "largest request body accepted (413 beyond)"}
+    shared_wait_replicas: int = setting(
+        0,
+        "with --shared-store: a turn is answered once this many of the server's "
+        "replicas have it too (WAIT/WAITAOF)",
+        group=SHARED,
+        parse=parse_int,
+        check=not_negative,
     )
-    head_timeout: float = field(
-        default=30.0,
-        metadata={"help": "longest a client may take to send a request's head (408 beyond)"},
+    ws_max_age: float = setting(
+        3600.0,
+        "WebSocket connection lifetime",
+        group=LIMITS,
+        parse=parse_duration,
+        check=positive,
     )
-    body_timeout: float = field(
-        default=60.0,
-        metadata={"help": "longest silence from a client mid-body (408 beyond)"},
+    max_body_bytes: int = setting(
+        32 * 1024**2,
+        "largest request body accepted (413 beyond)",
+        group=LIMITS,
+        parse=parse_bytes,
+        check=positive,
     )
-    keepalive_timeout: float = field(
-        default=75.0, metadata={"help": "how long an idle client connection stays open"}
+    head_timeout: float = setting(
+        30.0,
+        "longest a client may take to send a request's head (408 beyond)",
+        group=LIMITS,
+        parse=parse_duration,
+        check=positive,
     )
-    max_connections: int = field(
-        default=512,
-        metadata={"help": "most open client connections, 503 and close beyond (0: no bound)"},
+    body_timeout: float = setting(
+        60.0,
+        "longest silence from a client mid-body (408 beyond)",
+        group=LIMITS,
+        parse=parse_duration,
+        check=positive,
     )
-    connect_timeout: float = field(default=10.0, metadata={"help": "backend connect timeout"})
-    read_timeout: float = field(
-        default=600.0, metadata={"help": "longest silence from a backend mid-response"}
+    keepalive_timeout: float = setting(
+        75.0,
+        "how long an idle client connection stays open",
+        group=LIMITS,
+        parse=parse_duration,
+        check=positive,
     )
-    routing: str = field(
-        default="affinity",
-        metadata={
-            "help": "how backends are chosen: affinity (a chain or prompt_cache_key stays on "
-            "its backend) or round-robin (ignores affinity; for comparison)"
-        },
+    max_connections: int = setting(
+        512,
+        "most open client connections, 503 and close beyond (0: no bound)",
+        group=LIMITS,
+        parse=parse_int,
+        check=not_negative,
     )
-    health_path: str = field(
-        default="/health", metadata={"help": "backend path probed for health (2xx-4xx: up)"}
+    max_concurrency: int = setting(
+        256,
+        "most backend requests in flight overall, 429 beyond (0: no bound)",
+        group=LIMITS,
+        parse=parse_int,
+        check=not_negative,
     )
-    health_interval: float = field(
-        default=5.0, metadata={"help": "time between health probes of each backend (0: off)"}
+    max_concurrency_per_backend: int = setting(
+        64,
+        "most requests in flight to one backend (0: no bound)",
+        group=LIMITS,
+        parse=parse_int,
+        check=not_negative,
     )
-    max_concurrency: int = field(
-        default=256,
-        metadata={"help": "most backend requests in flight overall, 429 beyond (0: no bound)"},
+    admission_timeout: float = setting(
+        1.0,
+        "longest wait for a free backend slot before 429",
+        group=LIMITS,
+        parse=parse_duration,
+        check=not_negative,
     )
-    max_concurrency_per_backend: int = field(
-        default=64,
-        metadata={
-            "help": "most requests in flight to one backend (0: no bound)",
-            "metavar": "N",
-        },
+    connect_timeout: float = setting(
+        10.0, "backend connect timeout", group=BACKENDS, parse=parse_duration, check=positive
     )
-    admission_timeout: float = field(
-        default=1.0,
-        metadata={"help": "longest wait for a free backend slot before 429 (e.g. 500ms)"},
+    read_timeout: float = setting(
+        600.0,
+        "longest silence from a backend mid-response",
+        group=BACKENDS,
+        parse=parse_duration,
+        check=positive,
     )
-    upstream_api_key: str | None = field(
-        default=None,
-        metadata={"help": "bearer token sent to backends instead of the client's"},
+    routing: str = setting(
+        "affinity",
+        "how backends are chosen: affinity (a chain or prompt_cache_key stays on its "
+        "backend) or round-robin (ignores affinity; for comparison)",
+        group=BACKENDS,
+        parse=str.lower,
+        check=Choices("affinity", "round-robin"),
     )
-    api_keys: tuple[str, ...] = field(
-        default=(), metadata={"help": "if set, clients must present one of these keys"}
+    health_path: str = setting(
+        "/health",
+        "backend path probed for health (2xx-4xx: up)",
+        group=BACKENDS,
+        check=_absolute_path,
+        metavar="PATH",
     )
-    forward_unknown_ids: bool = field(
-        default=False,
-        metadata={"help": "forward unknown previous_response_ids (for stateful backends)"},
+    health_interval: float = setting(
+        5.0,
+        "time between health probes of each backend (0: off)",
+        group=BACKENDS,
+        parse=parse_duration,
+        check=not_negative,
     )
-    local_model: Path | None = field(
-        default=None, metadata={"help": "GGUF model for the embedded backend"}
+    forward_unknown_ids: bool = setting(
+        False, "forward unknown previous_response_ids (for stateful backends)", group=BACKENDS
     )
-    snapshot_delay: float = field(
-        default=2.0, metadata={"help": "with --durability relaxed: time between journal writes"}
+    local_model: Path | None = setting(
+        None, "GGUF model for the embedded backend", group=BACKENDS, parse=Path, metavar="FILE"
     )
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
-    access_log: str = field(
-        default="off",
-        metadata={"help": "one line per request on stdout: off, text or json", "metavar": "STYLE"},
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "if set, clients must present one of these keys (repeatable)",
+        group=SECURITY,
+        parse=split_list,
+        metavar="KEY",
+    )
+    upstream_api_key: str | None = setting(
+        None,
+        "bearer token sent to backends instead of the client's",
+        group=SECURITY,
+        metavar="KEY",
+    )
+    log_level: str = setting(
+        "info",
+        "how much the proxy logs (on stderr)",
+        group=OBSERVABILITY,
+        parse=str.lower,
+        check=Choices("debug", "info", "warning", "error"),
+    )
+    access_log: str = setting(
+        "off",
+        "one line per request on stdout",
+        group=OBSERVABILITY,
+        parse=str.lower,
+        check=Choices("off", "text", "json"),
     )
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_resident_bytes",
-            "max_disk_bytes",
-            "max_entries",
-            "ttl",
-            "ws_max_age",
-            "max_body_bytes",
-            "connect_timeout",
-            "read_timeout",
-            "head_timeout",
-            "body_timeout",
-            "keepalive_timeout",
-        ):
-            _positive(name)(getattr(self, name))
-        if self.snapshot_delay < 0:
-            raise ValueError("snapshot_delay must not be negative")
-        for name in (
-            "health_interval",
-            "max_concurrency",
-            "max_concurrency_per_backend",
-            "admission_timeout",
-            "max_connections",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative")
-        if self.durability not in ("ack", "relaxed"):
-            raise ValueError(f"unknown durability {self.durability!r} (ack or relaxed)")
-        if self.shared_store is not None:
-            scheme = urlsplit(self.shared_store).scheme
-            if scheme not in ("redis", "rediss", "unix"):
-                raise ValueError(
-                    f"--shared-store: not a redis://, rediss:// or unix:// URL: "
-                    f"{self.shared_store!r}"
-                )
-            if self.zdr:
-                raise ValueError("--zdr keeps nothing outside the process: no --shared-store")
-        if not self.shared_prefix or any(c.isspace() for c in self.shared_prefix):
-            raise ValueError(f"shared_prefix must be non-empty, no spaces: {self.shared_prefix!r}")
-        if self.shared_wait_replicas < 0 or self.shared_max_bytes < 0:
-            raise ValueError("shared_wait_replicas and shared_max_bytes must not be negative")
-        if self.routing not in ("affinity", "round-robin"):
-            raise ValueError(f"unknown routing {self.routing!r} (affinity or round-robin)")
-        if not self.health_path.startswith("/"):
-            raise ValueError(f"health_path must start with '/': {self.health_path!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"unknown log level {self.log_level!r}")
-        if self.access_log not in ("off", "text", "json"):
-            raise ValueError(f"unknown access log style {self.access_log!r} (off, text or json)")
-        for dialect in self.upstream_dialect:
-            if dialect not in DIALECTS:
-                raise ValueError(f"unknown upstream dialect {dialect!r} (responses or chat)")
+        for name in SETTINGS:
+            try:
+                check_value(name, getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{flag_name(name)}: {exc}") from None
+        if self.shared_store is not None and self.zdr:
+            raise ValueError("--zdr keeps nothing outside the process: no --shared-store")
         if len(self.upstream_dialect) > 1 and len(self.upstream_dialect) != len(self.upstream):
             raise ValueError(
-                f"{len(self.upstream_dialect)} upstream dialects for {len(self.upstream)} "
-                "upstream URLs: give one dialect for all, or one per URL"
+                f"--upstream-dialect: {len(self.upstream_dialect)} dialects for "
+                f"{len(self.upstream)} --upstream URLs: give one for all, or one per URL"
             )
 
     def dialect_of(self, url: str) -> str:
@@ -316,80 +467,168 @@ class Config:
         return DIALECTS[0]
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "port": parse_port,
-    "max_resident_bytes": parse_bytes,
-    "max_disk_bytes": parse_bytes,
-    "max_body_bytes": parse_bytes,
-    "max_entries": int,
-    "ttl": parse_duration,
-    "ws_max_age": parse_duration,
-    "connect_timeout": parse_duration,
-    "read_timeout": parse_duration,
-    "head_timeout": parse_duration,
-    "body_timeout": parse_duration,
-    "keepalive_timeout": parse_duration,
-    "max_connections": int,
-    "snapshot_delay": parse_duration,
-    "retain_unstored": parse_bool,
-    "zdr": parse_bool,
-    "forward_unknown_ids": parse_bool,
-    "state_dir": Path,
-    "local_model": Path,
-    "log_level": str.lower,
-    "access_log": str.lower,
-    "routing": str.lower,
-    "durability": str.lower,
-    "health_interval": parse_duration,
-    "admission_timeout": parse_duration,
-    "max_concurrency": int,
-    "max_concurrency_per_backend": int,
-    "shared_wait_replicas": int,
-    "shared_max_bytes": parse_bytes,
-}
 SETTINGS = tuple(f.name for f in dataclasses.fields(Config))
-LIST_SETTINGS = ("upstream", "upstream_dialect", "api_keys")
-BOOL_SETTINGS = ("retain_unstored", "zdr", "forward_unknown_ids")
+_FIELDS = Config.__dataclass_fields__
 
 
 def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper()
 
 
+def flag_name(setting: str) -> str:
+    return "--" + key_name(setting)
+
+
+def key_name(setting: str) -> str:
+    """The setting's key in a config file: the flag's name without its dashes."""
+    return setting.replace("_", "-")
+
+
 def help_for(setting: str) -> str:
-    return str(Config.__dataclass_fields__[setting].metadata["help"])
+    return str(_FIELDS[setting].metadata["help"])
 
 
-def metavar_for(setting: str) -> str | None:
-    """The value's name in --help when the setting's last word would mislead."""
-    metavar = Config.__dataclass_fields__[setting].metadata.get("metavar")
-    return None if metavar is None else str(metavar)
+def group_of(setting: str) -> str:
+    return str(_FIELDS[setting].metadata["group"])
 
 
-def build_config(raw: Mapping[str, Any], *, from_env: Collection[str] = ()) -> Config:
-    """Raw strings (flags, else environment) → a validated Config, or ConfigError naming
-    the flag, or the environment variable for the settings in `from_env`."""
+def is_hidden(setting: str) -> bool:
+    return bool(_FIELDS[setting].metadata["hidden"])
+
+
+def kind_of(setting: str) -> str:
+    """flag (a bool: no value on the command line), list (repeatable) or value."""
+    default = _FIELDS[setting].default
+    return (
+        "flag" if isinstance(default, bool) else "list" if isinstance(default, tuple) else "value"
+    )
+
+
+_METAVARS: dict[Callable[[Any], Any], str] = {
+    parse_bytes: "SIZE",
+    parse_duration: "DURATION",
+    parse_int: "N",
+    parse_port: "PORT",
+}
+
+
+def metavar_for(setting: str) -> str:
+    """The value's name in --help: SIZE, DURATION, N, the choices, or the last word."""
+    metadata = _FIELDS[setting].metadata
+    if metadata["metavar"]:
+        return str(metadata["metavar"])
+    if isinstance(metadata["check"], Choices):
+        return "|".join(metadata["check"].choices)
+    return _METAVARS.get(metadata["parse"], setting.split("_")[-1].upper())
+
+
+def default_text(setting: str) -> str | None:
+    """The default as --help shows it (64MiB, 30d), or None when there is nothing to show."""
+    default: Any = _FIELDS[setting].default
+    if default is None or isinstance(default, bool) or default == ():
+        return None
+    parse = _FIELDS[setting].metadata["parse"]
+    if parse is parse_bytes:
+        return format_bytes(default)
+    if parse is parse_duration:
+        return format_duration(default)
+    return str(default)
+
+
+def check_value(setting: str, value: Any) -> None:
+    check = _FIELDS[setting].metadata["check"]
+    if check is not None:
+        check(value)
+
+
+def parse_value(setting: str, raw: Any) -> Any:
+    """A setting's value from its text (flag, environment, file); for a list setting a
+    list of texts. A value that is not text (Config's own type) is taken as it is."""
+    kind = kind_of(setting)
+    if (kind == "list" and isinstance(raw, list)) or (kind != "list" and isinstance(raw, str)):
+        return _FIELDS[setting].metadata["parse"](raw)
+    return raw
+
+
+def build_config(raw: Mapping[str, Any], *, sources: Mapping[str, str] | None = None) -> Config:
+    """Raw values (see parse_value; None: unset) → a validated Config, or ConfigError whose
+    one line starts with where the bad value came from: `sources[name]` (an environment
+    variable, a file's key), else the flag."""
+    sources = sources or {}
     values: dict[str, Any] = {}
     for name, value in raw.items():
         if value is None:
             continue
         try:
-            if name == "upstream":
-                values[name] = parse_upstreams(value)
-            elif name == "api_keys":
-                values[name] = tuple(k for v in value for k in v.split(",") if k.strip())
-            elif name == "upstream_dialect":
-                values[name] = tuple(
-                    d.strip().lower() for v in value for d in v.split(",") if d.strip()
-                )
-            elif isinstance(value, str) and name in _PARSERS:
-                values[name] = _PARSERS[name](value)
-            else:
-                values[name] = value
+            values[name] = parse_value(name, value)
+            check_value(name, values[name])
         except ValueError as exc:
-            source = env_name(name) if name in from_env else "--" + name.replace("_", "-")
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{sources.get(name, flag_name(name))}: {exc}") from None
     try:
         return Config(**values)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def read_config_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """A TOML file of settings → (raw values by setting, where each came from). Keys are
+    the flags' names without their dashes (`max-disk-bytes = "1GiB"`); values are strings,
+    numbers (a size in bytes, a duration in seconds), booleans, and arrays for the
+    repeatable settings. An unknown key, or a value of the wrong type, is a ConfigError."""
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    keys = {key_name(name): name for name in SETTINGS}
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, value in data.items():
+        if key not in keys:
+            near = difflib.get_close_matches(key, keys, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}")
+        name = keys[key]
+        sources[name] = f"{path}: {key}"
+        raw[name] = _from_toml(name, value, sources[name])
+    return raw, sources
+
+
+def _from_toml(name: str, value: Any, source: str) -> Any:
+    """A TOML value as the text a flag would have given."""
+    kind = kind_of(name)
+    if kind == "list" and isinstance(value, list):
+        if all(isinstance(item, str) for item in value):
+            return value
+    elif kind == "list" and isinstance(value, str):
+        return [value]
+    elif isinstance(value, bool):
+        if kind == "flag":
+            return "true" if value else "false"
+    elif isinstance(value, str):
+        return value
+    elif isinstance(value, int | float) and kind == "value":
+        return str(value)
+    wanted = {"flag": "true or false", "list": "an array of strings"}.get(
+        kind, "a string or a number"
+    )
+    raise ConfigError(f"{source}: expected {wanted}, got {value!r}")
+
+
+def unknown_env_names(environ: Mapping[str, str], known: Sequence[str] = ()) -> list[str]:
+    """One line for each OCXPROXY_* variable that is no setting's (nor in `known`), naming
+    the setting's variable closest to it, if one is close: most likely a typo."""
+    names = {name.upper(): env_name(name) for name in SETTINGS}
+    names["CONFIG"] = CONFIG_ENV
+    lines = []
+    for variable in sorted(environ):
+        if variable.startswith(ENV_PREFIX) and variable not in known:
+            suffix = variable.removeprefix(ENV_PREFIX)
+            if suffix in names:
+                continue
+            near = difflib.get_close_matches(suffix, names, n=1)
+            hint = f" (did you mean {names[near[0]]}?)" if near else ""
+            lines.append(f"unknown environment variable {variable}{hint}")
+    return lines

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from ocxproxy import server
 from ocxproxy.cli import main
-from ocxproxy.config import Config
+from ocxproxy.config import GROUPS, SETTINGS, Config, env_name, group_of
 from tests.fakes.backend import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,18 +28,54 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
     return configs
 
 
-def test_serve_help_names_flags_and_env(capsys: pytest.CaptureFixture[str]) -> None:
+def _serve_help(capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as info:
         main(["serve", "--help"], environ={})
     assert info.value.code == 0
-    out = capsys.readouterr().out
-    for text in (
-        "--upstream",
-        "--max-resident-bytes",
-        "OCXPROXY_MAX_RESIDENT_BYTES",
-        "--retain-unstored",
+    return capsys.readouterr().out
+
+
+def test_serve_help_names_flags_and_env(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _serve_help(capsys)
+    for name in SETTINGS:
+        if name != "snapshot_delay":  # hidden: a test knob
+            assert f"--{name.replace('_', '-')}" in out
+            assert env_name(name) in " ".join(out.split())  # may wrap mid-line
+    assert "--snapshot-delay" not in out
+
+
+def test_serve_help_is_grouped_with_defaults_and_units(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = _serve_help(capsys)
+    heading = re.compile(r"^([a-z][a-z ]*):$", re.M)
+    titles = heading.findall(out)
+    assert titles == ["options", *GROUPS]
+    assert GROUPS == (
+        "general", "backends", "store", "shared tier", "limits", "security", "observability"
+    )  # fmt: skip
+    sections = dict(zip(titles, heading.split(out)[2::2], strict=True))
+    assert "--upstream URL" in sections["backends"]
+    assert "--max-disk-bytes SIZE" in sections["store"]
+    assert "--shared-store URL" in sections["shared tier"]
+    assert "--max-body-bytes SIZE" in sections["limits"]
+    assert "--api-keys KEY" in sections["security"]
+    assert "--access-log off|text|json" in sections["observability"]
+    flat = " ".join(out.split())
+    for shown in (
+        "(default: 64MiB) [OCXPROXY_MAX_RESIDENT_BYTES]",
+        "(default: 30d) [OCXPROXY_TTL]",
+        "(default: 10m) [OCXPROXY_READ_TIMEOUT]",
+        "(default: 8080) [OCXPROXY_PORT]",
+        "--ttl DURATION",
+        "SIZE is bytes, or a number with a unit",
+        "DURATION is seconds, or a number with a unit",
     ):
-        assert text in out
+        assert shown in flat
+
+
+def test_every_group_has_a_setting_and_every_setting_a_group() -> None:
+    assert {group_of(name) for name in SETTINGS} == set(GROUPS)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +88,10 @@ def test_serve_help_names_flags_and_env(capsys: pytest.CaptureFixture[str]) -> N
         ([], {"OCXPROXY_PORT": "99999"}, "OCXPROXY_PORT:"),
         ([], {"OCXPROXY_UPSTREAM": "ftp://x"}, "OCXPROXY_UPSTREAM:"),
         ([], {"OCXPROXY_ZDR": "perhaps"}, "OCXPROXY_ZDR:"),
+        (["--port", "abc"], {}, "--port: not a port number: 'abc'"),
+        ([], {"OCXPROXY_PORT": "abc"}, "OCXPROXY_PORT: not a port number: 'abc'"),
+        ([], {"OCXPROXY_MAX_ENTRIES": "0"}, "OCXPROXY_MAX_ENTRIES: must be more than 0"),
+        (["--max-entries", "0"], {}, "--max-entries: must be more than 0"),
     ],
 )
 def test_bad_value_exits_2_with_one_line(
@@ -63,8 +104,7 @@ def test_bad_value_exits_2_with_one_line(
     assert main(["serve", *argv], environ=environ) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("ocxproxy: error:")
-    assert fragment in err
+    assert err.startswith(f"ocxproxy: error: {fragment}")
     assert served == []
 
 
@@ -114,6 +154,127 @@ def test_upstream_with_and_without_v1_are_the_same(served: list[Config]) -> None
 def test_bool_flags_take_no_value(served: list[Config]) -> None:
     assert main(["serve", "--zdr", "--retain-unstored"], environ={}) == 0
     assert (served[0].zdr, served[0].retain_unstored) == (True, True)
+
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "ocxproxy.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_file_sets_values_and_flags_and_env_override_it(
+    served: list[Config], tmp_path: Path
+) -> None:
+    path = _toml(
+        tmp_path,
+        """
+port = 9000
+host = "0.0.0.0"
+upstream = ["http://a:8000/v1", "http://b:8000"]
+max-resident-bytes = "1MiB"
+max-disk-bytes = 2097152
+ttl = 90
+read-timeout = "2m"
+retain-unstored = true
+api-keys = "k1,k2"
+access-log = "json"
+""",
+    )
+    environ = {"OCXPROXY_PORT": "9001", "OCXPROXY_TTL": "1h"}
+    assert main(["serve", "--config", path, "--host", "127.0.0.2"], environ=environ) == 0
+    assert main(["serve"], environ={"OCXPROXY_CONFIG": path}) == 0
+    first, second = served
+    assert (first.port, first.ttl, first.host) == (9001, 3600.0, "127.0.0.2")  # env, flag win
+    assert (second.port, second.ttl, second.host) == (9000, 90.0, "0.0.0.0")
+    for config in served:
+        assert config.upstream == ("http://a:8000", "http://b:8000")
+        assert (config.max_resident_bytes, config.max_disk_bytes) == (1024**2, 2 * 1024**2)
+        assert config.read_timeout == 120.0
+        assert config.retain_unstored is True
+        assert config.api_keys == ("k1", "k2")
+        assert config.access_log == "json"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_disk_bytes = 1", "unknown key 'max_disk_bytes' (did you mean 'max-disk-bytes'?)"),
+        ("colour = 'blue'", "unknown key 'colour'"),
+        ("max-disk-bytes = 'lots'", "max-disk-bytes: not a size: 'lots'"),
+        ("port = 'abc'", "port: not a port number: 'abc'"),
+        ("zdr = 'maybe'", "zdr: not a boolean: 'maybe'"),
+        ("zdr = 1", "zdr: expected true or false, got 1"),
+        ("port = true", "port: expected a string or a number, got True"),
+        ("upstream = [1]", "upstream: expected an array of strings, got [1]"),
+        ("[serve]\nport = 1", "unknown key 'serve'"),
+        ("port = ", "not valid TOML"),
+    ],
+)
+def test_config_file_errors_name_file_and_key(
+    text: str,
+    message: str,
+    served: list[Config],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = _toml(tmp_path, text)
+    assert main(["serve", "--config", path], environ={}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ocxproxy: error: {path}: ")
+    assert message in err
+    assert err.count("\n") == 1
+    assert served == []
+
+
+def test_missing_config_file_is_an_error(
+    served: list[Config], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--config", str(tmp_path / "nope.toml")], environ={}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ocxproxy: error: --config: cannot read ")
+    assert "No such file" in err
+    assert served == []
+
+
+def test_example_config_file_loads(served: list[Config], tmp_path: Path) -> None:
+    """docs/ocxproxy.example.toml loads as it is, and with its commented-out settings in."""
+    example = ROOT / "docs" / "ocxproxy.example.toml"
+    assert main(["serve", "--config", str(example)], environ={}) == 0
+    lines = example.read_text().splitlines()
+    uncommented = [re.sub(r"^# (?=[a-z-]+ = )", "", line) for line in lines]
+    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) >= 5
+    assert main(["serve", "--config", _toml(tmp_path, "\n".join(uncommented))], environ={}) == 0
+    assert served[0] != Config()
+
+
+def test_unknown_env_var_warns_with_the_closest_name(
+    served: list[Config], capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {
+        "OCXPROXY_MAX_DISK": "1GiB",
+        "OCXPROXY_PORT": "9000",
+        "OCXPROXY_FROBNICATE": "1",
+        "OCXPROXY_REQUIRE_LLAMA": "1",  # the test suite's own: no warning
+        "OCXPROXY_CONFIG_FILE": "x",
+    }
+    assert main(["serve"], environ=environ) == 0
+    assert served[0].port == 9000
+    assert capsys.readouterr().err.splitlines() == [
+        "ocxproxy: warning: unknown environment variable OCXPROXY_CONFIG_FILE "
+        "(did you mean OCXPROXY_CONFIG?)",
+        "ocxproxy: warning: unknown environment variable OCXPROXY_FROBNICATE",
+        "ocxproxy: warning: unknown environment variable OCXPROXY_MAX_DISK "
+        "(did you mean OCXPROXY_MAX_DISK_BYTES?)",
+    ]
+
+
+def test_known_env_vars_give_no_warning(
+    served: list[Config], capsys: pytest.CaptureFixture[str]
+) -> None:
+    environ = {"OCXPROXY_PORT": "1", "OCXPROXY_ZDR": "1", "OCXPROXY_VENV": "/tmp/venv"}
+    assert main(["serve"], environ=environ) == 0
+    assert capsys.readouterr().err == ""
+    assert served[0].zdr is True
 
 
 async def _run(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:

@@ -168,26 +168,38 @@ def test_build_config_parses_raw_strings() -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "fragment"),
+    ("raw", "message"),
     [
-        ({"max_resident_bytes": "lots"}, "--max-resident-bytes"),
-        ({"upstream": ["ftp://x"]}, "--upstream"),
-        ({"port": "99999"}, "--port"),
-        ({"port": "eighty"}, "--port"),
-        ({"ttl": "forever"}, "--ttl"),
-        ({"zdr": "perhaps"}, "--zdr"),
-        ({"max_entries": "many"}, "--max-entries"),
-        ({"max_body_bytes": "0"}, "max_body_bytes"),
-        ({"read_timeout": "0s"}, "read_timeout"),
-        ({"log_level": "loud"}, "log level"),
+        ({"max_resident_bytes": "lots"}, "--max-resident-bytes: not a size: 'lots'"),
+        ({"upstream": ["ftp://x"]}, "--upstream: not an http(s) URL"),
+        ({"port": "99999"}, "--port: port out of range: 99999"),
+        ({"port": "eighty"}, "--port: not a port number: 'eighty'"),
+        ({"ttl": "forever"}, "--ttl: not a duration: 'forever'"),
+        ({"zdr": "perhaps"}, "--zdr: not a boolean: 'perhaps'"),
+        ({"max_entries": "many"}, "--max-entries: not a whole number: 'many'"),
+        ({"max_body_bytes": "0"}, "--max-body-bytes: must be more than 0, got 0"),
+        ({"read_timeout": "0s"}, "--read-timeout: must be more than 0, got 0"),
+        ({"log_level": "loud"}, "--log-level: unknown value 'loud' (debug, info, warning"),
+        ({"max_connections": "-1"}, "--max-connections: must not be negative, got -1"),
+        ({"durability": "sometimes"}, "--durability: unknown value 'sometimes' (ack, relaxed)"),
+        ({"shared_store": "http://v:6379"}, "--shared-store: not a redis://"),
+        ({"shared_prefix": "a b"}, "--shared-prefix: must be non-empty, without spaces"),
+        ({"health_path": "health"}, "--health-path: must start with '/'"),
     ],
 )
-def test_build_config_fails_with_one_line(raw: dict[str, Any], fragment: str) -> None:
+def test_build_config_fails_with_one_line_naming_the_flag(
+    raw: dict[str, Any], message: str
+) -> None:
+    """One style for every bad value: `--flag: what is wrong`."""
     with pytest.raises(ConfigError) as info:
         build_config(raw)
-    message = str(info.value)
-    assert fragment in message
-    assert "\n" not in message
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_build_config_names_the_source_it_is_given() -> None:
+    with pytest.raises(ConfigError, match=r"^OCXPROXY_MAX_ENTRIES: must be more than 0, got 0$"):
+        build_config({"max_entries": "0"}, sources={"max_entries": "OCXPROXY_MAX_ENTRIES"})
 
 
 def test_every_setting_has_help_env_and_default() -> None:
@@ -228,9 +240,9 @@ def test_fleet_settings_parse_and_validate() -> None:
     assert (config.max_concurrency, config.max_concurrency_per_backend) == (0, 8)
     assert config.admission_timeout == 0.0
     for raw, fragment in [
-        ({"routing": "random"}, "unknown routing"),
-        ({"health_path": "health"}, "health_path"),
-        ({"max_concurrency": "-1"}, "max_concurrency"),
+        ({"routing": "random"}, "--routing: unknown value 'random'"),
+        ({"health_path": "health"}, "--health-path"),
+        ({"max_concurrency": "-1"}, "--max-concurrency"),
         ({"max_concurrency_per_backend": "lots"}, "--max-concurrency-per-backend"),
         ({"health_interval": "often"}, "--health-interval"),
     ]:

@@ -47,9 +47,18 @@ def test_one_dialect_also_covers_the_embedded_backend() -> None:
 @pytest.mark.parametrize(
     ("raw", "fragment"),
     [
-        ({"upstream": [A], "upstream_dialect": ["completions"]}, "unknown upstream dialect"),
-        ({"upstream": [A, B], "upstream_dialect": ["chat,chat,chat"]}, "3 upstream dialects for 2"),
-        ({"upstream": [A, A], "upstream_dialect": ["chat,responses"]}, "2 upstream dialects for 1"),
+        (
+            {"upstream": [A], "upstream_dialect": ["completions"]},
+            "--upstream-dialect: unknown value",
+        ),
+        (
+            {"upstream": [A, B], "upstream_dialect": ["chat,chat,chat"]},
+            "3 dialects for 2 --upstream URLs",
+        ),
+        (
+            {"upstream": [A, A], "upstream_dialect": ["chat,responses"]},
+            "2 dialects for 1 --upstream URL",
+        ),
     ],
 )
 def test_bad_dialects_fail_with_one_line(raw: dict[str, Any], fragment: str) -> None:
