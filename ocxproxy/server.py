@@ -140,6 +140,7 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE,
         keepalive_timeout=app[PROXY].config.keepalive_timeout,  # for handed-over connections
+        auto_decompress=False,  # request bodies are decoded, bounded, by http/body.py
     )
     await runner.setup()
     try:

@@ -44,6 +44,7 @@ from ocxproxy.h1 import (
     encode_fields,
     status_line,
 )
+from ocxproxy.http.body import codings_of, decoded
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.exchange import create
 from ocxproxy.http.middleware import guarded
@@ -222,7 +223,9 @@ class FrontConnection(FlowControlled):
         reply = SocketReply(self, keep_alive=head.keep_alive and not self.front.closing)
 
         async def run(timing: Timing) -> SocketReply:
-            await create(proxy, head.headers, head.target, body, timing, reply)
+            codings = codings_of(head.headers)
+            raw = await decoded(codings, body, proxy.config.max_body_bytes) if codings else body
+            await create(proxy, head.headers, head.target, raw, timing, reply)
             return reply
 
         try:

@@ -15,16 +15,18 @@ _HOP_BY_HOP = frozenset(
         "Trailer", "Trailers", "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
     )
 )  # fmt: skip
+# A request body always goes on decoded (http/body.py), so its Content-Encoding does not.
+_NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
 
 
-def _hop_by_hop(headers: Mapping[str, str]) -> frozenset[str]:
-    """The fixed hop-by-hop fields and those the message's Connection names (RFC 9110
-    §7.6.1), lower-case."""
+def _hop_by_hop(headers: Mapping[str, str], fixed: frozenset[str] = _HOP_BY_HOP) -> frozenset[str]:
+    """The `fixed` fields and those the message's Connection names (RFC 9110 §7.6.1),
+    lower-case."""
     getall = getattr(headers, "getall", None)  # a multidict: every Connection field
     named = ",".join(getall("Connection", ())) if getall else headers.get("Connection", "")
     if not named:
-        return _HOP_BY_HOP
-    return _HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
+        return fixed
+    return fixed | {token.strip().lower() for token in named.split(",")}
 
 
 def upstream_headers(
@@ -32,7 +34,7 @@ def upstream_headers(
 ) -> CIMultiDict[str]:
     """Client headers for the backend. `identity` asks for an uncompressed answer, for the
     routes whose bodies the proxy reads."""
-    drop = _hop_by_hop(client)
+    drop = _hop_by_hop(client, _NOT_FORWARDED)
     headers: CIMultiDict[str] = CIMultiDict(
         (k, v) for k, v in client.items() if k.lower() not in drop
     )

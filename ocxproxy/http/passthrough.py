@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ocxproxy.http.body import body_chunks, check_length
+from ocxproxy.http.body import body_chunks, check_length, codings_of, read_body
 from ocxproxy.http.context import proxy_of, timing_of
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.metrics import Timing
@@ -19,6 +19,8 @@ async def passthrough(request: web.Request, *, body: bytes | None = None) -> web
     headers = upstream_headers(request.headers, proxy.config, identity=False)
     limit = proxy.config.max_body_bytes
     check_length(request, limit)
+    if body is None and request.body_exists and codings_of(request.headers):
+        body = await read_body(request, limit)  # forwarded decoded
     stream = body_chunks(request, limit) if request.body_exists and body is None else None
     # A streamed body over the limit raises PayloadTooLarge out of open(): a 413.
     async with proxy.pool.open(
