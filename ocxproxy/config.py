@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 
 ENV_PREFIX = "OCXPROXY_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the --config file; not a setting (a file cannot name one)
+# File descriptors kept out of the default --max-connections: the listening sockets, the
+# store's files, the shared store's connections, logs, an embedded backend's pipes.
+RESERVED_FDS = 64
 DIALECTS = ("responses", "chat")  # what a backend speaks; the first is the default
 
 # `serve --help` shows the settings in these groups, in this order.
@@ -135,6 +138,24 @@ def _parse_dialects(values: Sequence[str]) -> tuple[str, ...]:
     return tuple(dialect.lower() for dialect in split_list(values))
 
 
+def fd_limit() -> int | None:
+    """The process's soft RLIMIT_NOFILE; None when there is none (or no such limit here)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def connections_for_fds() -> int:
+    """The default --max-connections: what the file-descriptor limit leaves room for, each
+    client connection in flight holding a backend connection too: (limit - RESERVED_FDS) / 2.
+    0 (no bound) when the process has no limit."""
+    limit = fd_limit()
+    return 0 if limit is None else max(1, (limit - RESERVED_FDS) // 2)
+
+
 # Checks of one value: raise ValueError with what is wrong (the caller names the setting).
 
 
@@ -189,7 +210,8 @@ def setting(
     value (true/false in the environment and the file); a tuple is a list (the flag
     repeats, the environment takes a comma list, the file an array). `parse` turns the
     text (for a list: the texts) into the value (default: the text itself, parse_bool for
-    a flag); `check` raises ValueError on a value out of bounds."""
+    a flag); `check` raises ValueError on a value out of bounds. A callable default is
+    called for each Config."""
     if parse is None:
         parse = parse_bool if isinstance(default, bool) else str
     metadata = {
@@ -200,6 +222,8 @@ def setting(
         "metavar": metavar,
         "hidden": hidden,
     }
+    if callable(default):  # worked out when a Config is made (from the process's limits)
+        return field(default_factory=default, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -350,8 +374,9 @@ class Config:
         check=positive,
     )
     max_connections: int = setting(
-        512,
-        "most open client connections, 503 and close beyond (0: no bound)",
+        connections_for_fds,
+        "most open client connections, 503 and close beyond (0: no bound); the default "
+        "is (file-descriptor limit - 64) / 2, e.g. 480 under ulimit -n 1024",
         group=LIMITS,
         parse=parse_int,
         check=not_negative,
@@ -498,7 +523,7 @@ def is_hidden(setting: str) -> bool:
 
 def kind_of(setting: str) -> str:
     """flag (a bool: no value on the command line), list (repeatable) or value."""
-    default = _FIELDS[setting].default
+    default = _default(setting)
     return (
         "flag" if isinstance(default, bool) else "list" if isinstance(default, tuple) else "value"
     )
@@ -522,9 +547,15 @@ def metavar_for(setting: str) -> str:
     return _METAVARS.get(metadata["parse"], setting.split("_")[-1].upper())
 
 
+def _default(setting: str) -> Any:
+    spec = _FIELDS[setting]
+    factory = spec.default_factory
+    return spec.default if factory is dataclasses.MISSING else factory()
+
+
 def default_text(setting: str) -> str | None:
     """The default as --help shows it (64MiB, 30d), or None when there is nothing to show."""
-    default: Any = _FIELDS[setting].default
+    default: Any = _default(setting)
     if default is None or isinstance(default, bool) or default == ():
         return None
     parse = _FIELDS[setting].metadata["parse"]

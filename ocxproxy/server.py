@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
-from ocxproxy.config import Config
+from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.http import conversations, health, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import PROXY, Proxy
@@ -151,8 +151,24 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
     return Listener(runner)
 
 
+def _check_fd_room(config: Config) -> None:
+    """Warn when the connection cap lets the process run out of file descriptors: past
+    them, a new connection is closed unanswered instead of getting its 503."""
+    limit, cap = fd_limit(), config.max_connections
+    if limit is not None and (cap == 0 or cap > connections_for_fds()):
+        log.warning(
+            "--max-connections %s exceeds what the file-descriptor limit (%d) leaves room "
+            "for (%d): past that, new connections are closed unanswered. Raise the limit "
+            "(ulimit -n, LimitNOFILE=) or leave --max-connections at its default.",
+            cap or "0 (no bound)",
+            limit,
+            connections_for_fds(),
+        )
+
+
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
+    _check_fd_room(config)
     app = build_app(config)
     listener = await listen(app, config.host, config.port)
     fleet = app[PROXY].pool.fleet

@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +35,23 @@ class ServeExited(AssertionError):
 
 class Serve:
     """`ocxproxy serve` on the default (durable) configuration unless `extra` says; `env`
-    adds environment variables (e.g. OCXPROXY_SHARED_STORE)."""
+    adds environment variables (e.g. OCXPROXY_SHARED_STORE); `preexec_fn` runs in the child
+    before it starts (e.g. to lower its resource limits)."""
 
     def __init__(
-        self, upstream: str, state_dir: Path, *extra: str, env: dict[str, str] | None = None
+        self,
+        upstream: str,
+        state_dir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.args = [
             sys.executable, "-m", "ocxproxy", "serve", "--upstream", upstream,
             "--state-dir", str(state_dir), "--port", "0", "--health-interval", "0", *extra,
         ]  # fmt: skip
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.preexec_fn = preexec_fn
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.output: deque[str] = deque(maxlen=2000)  # the last lines it printed
@@ -59,6 +67,7 @@ class Serve:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=self.env,
+            preexec_fn=self.preexec_fn,
         )
         assert self.proc.stdout is not None
         async with asyncio.timeout(30):
@@ -93,6 +102,12 @@ class Serve:
         return openai.AsyncOpenAI(
             base_url=self.url + "/v1", api_key=api_key, max_retries=0, **kwargs
         )
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time the process has used."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_kib(self) -> int:
         with open(f"/proc/{self.pid}/status") as f:
