@@ -1,4 +1,4 @@
-"""The durable store at deployment scale: issue 18's figures from one run, black-box.
+"""The durable store at deployment scale: its figures from one run, black-box.
 
 Everything runs against real `python -m ocxproxy serve` processes on the default durable
 configuration (no --zdr, default budgets, each with a fresh --state-dir) in front of
@@ -26,9 +26,10 @@ bytes and fdatasyncs them every 25 ms, and each latency and throughput window is
 with the disk's own syncs in the same seconds: no durable turn is answered before its sync,
 so a window's max cannot be below the disk's worst stall in it (--no-disk-watch: off).
 
-Flags the proxy does not know yet are detected from `serve --help` (the script runs on
-stores before and after issue 18). The box has 2 cores shared with everything else running
-on it: the load generator shares them with the proxy and the backend, so figures are noisy.
+Flags the proxy does not know are detected from `serve --help` (so the script also runs
+against older versions of the proxy, for an A/B). The box has 2 cores shared with
+everything else running on it: the load generator shares them with the proxy and the
+backend, so figures are noisy.
 
     .venv/bin/python scripts/bench/bench_durable.py              # ~5 min at 100,000 records
     .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
@@ -668,7 +669,7 @@ def report(
     alloc_ratio = big.allocated / counted if counted else float("inf")
     alloc = f"{alloc_ratio:.2f}x" if counted else "∞ (the store counts 0 bytes)"
     t_ratio = durable / zdr
-    print("\n## Issue 18 figures (default durable configuration)")
+    print("\n## Figures (default durable configuration)")
     lost = f"{kills.lost} of {kills.acked} ({kills.rounds} kills)"
     if kills.chains_broken:
         lost += f"; {kills.chains_broken} chain continuations failed"

@@ -1,4 +1,4 @@
-"""What the item-id index costs (issue 13): memory per stored item, and a lookup's time.
+"""What the item-id index (for `item_reference`) costs: memory per item, and a lookup's time.
 
 Puts N turns into a memory-only Store twice, once with each turn's item ids (its output
 message, and with --ids 2 an input reasoning item too) and once without, and reports the

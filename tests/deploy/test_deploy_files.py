@@ -41,7 +41,7 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_exported() -> None:
     used = {name for t in targets() for name in metric_names(t.expr)}
     used |= {name for rule in alert_rules().values() for name in metric_names(rule["expr"])}
     assert used - exported == set()
-    # What the issue asks the dashboard to show, by the metric that shows it.
+    # What the dashboard must show, by the metric that shows it.
     for wanted in (
         "ocxproxy_requests_total",
         "ocxproxy_proxy_overhead_seconds_bucket",

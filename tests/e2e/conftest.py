@@ -12,7 +12,7 @@ from ocxproxy.upstream import local
 MODEL = local.default_model_path()
 HAVE_LLAMA = MODEL is not None and local.is_available()
 MISSING = "xllamacpp or the SmolLM2 model is not installed"
-MIN_CACHED_RATIO = 0.9  # continuation cached_tokens / input_tokens the issues ask for
+MIN_CACHED_RATIO = 0.9  # least continuation cached_tokens / input_tokens a test accepts
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -1,5 +1,5 @@
 """End-to-end against the real llama.cpp server (xllamacpp + SmolLM2-135M): the proof that
-expansion is byte-stable enough for the backend's prefix cache (issue 3, CONTRACT.md C1)."""
+expansion is byte-stable enough for the backend's prefix cache (CONTRACT.md C1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """End-to-end against the real llama.cpp server spoken to through /v1/chat/completions
-(`--upstream-dialect chat`, issue 8): the translation is deterministic enough that every
+(`--upstream-dialect chat`): the translation is deterministic enough that every
 continuation hits llama.cpp's prefix cache, streaming included."""
 
 from __future__ import annotations

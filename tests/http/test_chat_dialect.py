@@ -1,4 +1,4 @@
-"""A Chat-Completions-only backend behind the proxy (CONTRACT.md C6, issue 8): Responses in
+"""A Chat-Completions-only backend behind the proxy (CONTRACT.md C6): Responses in
 and out for the client, chat completions to the backend, with tools, tool calls, streaming
 and continuations. Real loopback servers throughout; the client is the official SDK."""
 

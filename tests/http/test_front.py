@@ -560,7 +560,7 @@ async def test_non_ascii_backend_header_bytes_reach_the_client_unchanged(
     assert (answer.status, answer.headers["X-Name"]) == (200, "café")
 
 
-# -- issue 12: hostile clients and backends, both ways into create --------------------------
+# -- hostile clients and backends, both ways into create ------------------------------------
 #
 # `way` runs a test through the front end's own create (a Content-Length body) and through
 # aiohttp's handler (a chunked body, which the front end hands over), as uvicorn runs its
@@ -699,7 +699,7 @@ async def test_fields_named_in_connection_are_removed_both_ways(
     assert b"X-Foo" not in head
 
 
-# -- issue 12: time limits and the connection cap -------------------------------------------
+# -- time limits and the connection cap -----------------------------------------------------
 
 LIMITS = {"head_timeout": 0.4, "body_timeout": 0.4, "keepalive_timeout": 0.4}
 

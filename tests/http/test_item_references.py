@@ -1,4 +1,4 @@
-"""`item_reference` input items (issue 13): resolved in the caller's scope to the stored
+"""`item_reference` input items: resolved in the caller's scope to the stored
 item, byte for byte, over JSON, SSE, the SDK's stream helper and WebSocket; every failure
 a 400 with nothing forwarded; and `previous_response_id` echoed in what the client gets."""
 

@@ -30,7 +30,7 @@ async def test_bench_durable_smoke() -> None:
     async with asyncio.timeout(100):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out[-3000:]
-    table = out[out.index("## Issue 18 figures") :]
+    table = out[out.index("## Figures (default durable configuration)") :]
     for figure in FIGURES:
         line = next((line for line in table.splitlines() if line.startswith(figure)), None)
         assert line is not None, f"no {figure!r} in:\n{table}"
@@ -50,7 +50,7 @@ async def test_bench_durable_throughput_alone() -> None:
     async with asyncio.timeout(100):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out[-3000:]
-    assert "## Issue 18 figures" not in out  # the other parts did not run
+    assert "## Figures" not in out  # the other parts did not run
     rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
     assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
     # Its last two columns: the disk canary's worst sync (ms) and stalled seconds.

@@ -1,4 +1,4 @@
-"""A checkpoint's work comes in short steps of the event loop at any store size (issue 18).
+"""A checkpoint's work comes in short steps of the event loop at any store size.
 
 Counted, not timed: with the step budget (upkeep.STEP) at zero every step is its
 smallest, and a task that runs between steps counts the work done in each: rows encoded,

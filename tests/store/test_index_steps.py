@@ -1,4 +1,4 @@
-"""The store's big maps grow in small steps at 100,000 records (issue 18).
+"""The store's big maps grow in small steps at 100,000 records.
 
 Counted, not timed: a dict grows, or is rebuilt once deletes have filled it with dummies,
 by copying every entry it holds in one step of the event loop (28 ms for the item index's

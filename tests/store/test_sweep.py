@@ -1,4 +1,4 @@
-"""The expiry sweep works in short steps of the event loop (issue 18).
+"""The expiry sweep works in short steps of the event loop.
 
 Counted, not timed: the sweep dropped every expired record of 100,000 in one step (20-34
 ms of the loop under `serve` with churn). Another task that runs between its steps counts

@@ -513,7 +513,7 @@ async def test_a_bad_chunk_is_broken_off_and_closed(
 async def test_bytes_after_the_framed_end_keep_the_connection_out_of_the_pool(
     server: ScriptedPeer, client: Http1Client, when: str
 ) -> None:
-    """The desync of issue 12: leftovers must never be read as the next request's answer."""
+    """A response desync: leftovers must never be read as the next request's answer."""
     smuggled = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
     if when == "with the answer":
         server.answer(ok(b"first") + smuggled)
