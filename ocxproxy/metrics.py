@@ -419,11 +419,12 @@ class Timing:
     """Where a request's time went; the handler subtracts it from its own wall time.
     `with timing.waiting():` brackets each wait on a backend (a plain class: a generator
     context manager costs microseconds on every chunk). Also where it went: the backend
-    and the create exchange, for the access log."""
+    and the create exchange, and the request's id (X-Request-Id), for the access log."""
 
-    __slots__ = ("_since", "backend", "exchange", "upstream")
+    __slots__ = ("_since", "backend", "exchange", "request_id", "upstream")
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str = "") -> None:
+        self.request_id = request_id
         self.upstream = 0.0  # seconds spent waiting on the backend
         self._since = 0.0
         self.backend: str | None = None  # the backend last tried

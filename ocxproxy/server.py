@@ -18,7 +18,7 @@ from ocxproxy.http import conversations, health, passthrough, responses, websock
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
-from ocxproxy.http.middleware import handle_errors
+from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store, open_store
 from ocxproxy.upstream.pool import UpstreamPool
@@ -39,6 +39,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
     app = web.Application(middlewares=[handle_errors], client_max_size=config.max_body_bytes)
     app[PROXY] = proxy
+    app.on_response_prepare.append(tag_answer)
     app[websocket.WEBSOCKETS] = weakref.WeakSet()
     app.on_shutdown.append(websocket.close_websockets)
     app.cleanup_ctx.append(_local_backend)

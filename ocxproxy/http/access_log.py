@@ -2,19 +2,17 @@
 
 Lines go straight to stdout, flushed each (the other logs go to stderr): the logging module
 would cost ~25 µs a line, most of a turn's budget. The field names are stable;
-docs/BEHAVIOR.md lists them. A line
-never carries content: no prompt or output text, no header, no key; the caller appears as
-a prefix of its scope hash (CONTRACT.md C5), and a client's X-Request-Id only if it is a
-plain token. Probe routes (/healthz, /readyz, /metrics) are not logged.
+docs/BEHAVIOR.md lists them. A line never carries content: no prompt or output text, no
+header, no key; the caller appears as a prefix of its scope hash (CONTRACT.md C5), and a
+client's X-Request-Id only if it is a plain token (http/headers.py's request_id). Probe
+routes (/healthz, /readyz, /metrics) are not logged.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
-from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,14 +39,7 @@ FIELDS = (
     "scope",
 )
 SCOPE_CHARS = 12  # of the scope's hex hash: enough to tell callers apart, nothing more
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _BARE = re.compile(r"[A-Za-z0-9._:/+-]+")  # logfmt values that need no quotes
-
-
-def request_id(headers: Mapping[str, str]) -> str:
-    """The client's X-Request-Id when it is a plain token, else a new random one."""
-    given = headers.get("X-Request-Id", "")
-    return given if _REQUEST_ID.fullmatch(given) else os.urandom(8).hex()
 
 
 class AccessLog:

@@ -355,7 +355,7 @@ async def _forward(
     reply: Reply,
 ) -> None:
     proxy = exchange.proxy
-    forwarded = upstream_headers(headers, proxy.config, identity=True)
+    forwarded = upstream_headers(headers, proxy.config, identity=True, request_id=timing.request_id)
     forwarded["Content-Type"] = "application/json"
     async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
         exchange.backend = backend

@@ -26,6 +26,7 @@ connections, a new one gets 503 and is closed.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -47,6 +48,7 @@ from ocxproxy.h1 import (
 from ocxproxy.http.body import codings_of, decoded
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.exchange import create
+from ocxproxy.http.headers import answer_request_id, request_id
 from ocxproxy.http.middleware import guarded
 from ocxproxy.metrics import Timing
 
@@ -99,7 +101,8 @@ class FrontEnd:
 def _refuse(transport: asyncio.BaseTransport, error: OcxError) -> None:
     """An error answer, then the end of the connection."""
     body = error.body()
-    fields = encode_fields([*error.headers().items(), ("Connection", "close")])
+    headers = [*error.headers().items(), ("X-Request-Id", os.urandom(8).hex())]
+    fields = encode_fields([*headers, ("Connection", "close")])
     head = status_line(error.status) + fields + b"Content-Length: %d\r\n\r\n" % len(body)
     cast(asyncio.Transport, transport).writelines((head, body))
     transport.close()
@@ -220,7 +223,9 @@ class FrontConnection(FlowControlled):
 
     async def _serve(self, head: RequestHead, body: bytes) -> None:
         proxy = self.front.proxy
-        reply = SocketReply(self, keep_alive=head.keep_alive and not self.front.closing)
+        timing = Timing(request_id(head.headers))
+        keep_alive = head.keep_alive and not self.front.closing
+        reply = SocketReply(self, timing.request_id, keep_alive=keep_alive)
 
         async def run(timing: Timing) -> SocketReply:
             codings = codings_of(head.headers)
@@ -229,7 +234,7 @@ class FrontConnection(FlowControlled):
             return reply
 
         try:
-            await guarded(proxy, "POST", ROUTE, head.headers, run, reply.fail)
+            await guarded(proxy, "POST", ROUTE, head.headers, timing, run, reply.fail)
         except (asyncio.CancelledError, ConnectionResetError):
             self.close()
             return  # connection lost
@@ -354,10 +359,11 @@ class _HandedOver(asyncio.Protocol):
 class SocketReply:
     """The Reply of a request served here: HTTP/1.1 straight onto the transport."""
 
-    __slots__ = ("conn", "keep_alive", "started", "status")
+    __slots__ = ("conn", "keep_alive", "request_id", "started", "status")
 
-    def __init__(self, conn: FrontConnection, *, keep_alive: bool) -> None:
+    def __init__(self, conn: FrontConnection, request_id: str, *, keep_alive: bool) -> None:
         self.conn = conn
+        self.request_id = request_id
         self.keep_alive = keep_alive
         self.started = False
         self.status = 0
@@ -367,6 +373,7 @@ class SocketReply:
         self.started = True
         if self.conn.front.closing:  # shutdown began while this request ran
             self.keep_alive = False
+        answer_request_id(headers, self.request_id)
         fields = encode_fields(list(headers.items()))
         close = b"" if self.keep_alive else b"Connection: close\r\n"
         return b"".join((status_line(status), fields, close, framing))

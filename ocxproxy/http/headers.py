@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import re
+from collections.abc import Mapping, MutableMapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -17,6 +19,24 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 # A request body always goes on decoded (http/body.py), so its Content-Encoding does not.
 _NOT_FORWARDED = _HOP_BY_HOP | {"content-encoding"}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """A request's id: the client's X-Request-Id when it is a plain token (letters, digits,
+    `._:-`, at most 64), else 16 new random hex digits. The answer carries it, the backend
+    request carries it and the access log line names it, so the three can be matched."""
+    given = headers.get("X-Request-Id", "")
+    return given if _REQUEST_ID.fullmatch(given) else os.urandom(8).hex()
+
+
+def answer_request_id(headers: MutableMapping[str, str], request_id: str) -> None:
+    """Set the answer's X-Request-Id to the request's; a backend's own, other id stays
+    visible as X-Upstream-Request-Id."""
+    theirs = headers.get("X-Request-Id")
+    if theirs is not None and theirs != request_id:
+        headers["X-Upstream-Request-Id"] = theirs
+    headers["X-Request-Id"] = request_id
 
 
 def _hop_by_hop(headers: Mapping[str, str], fixed: frozenset[str] = _HOP_BY_HOP) -> frozenset[str]:
@@ -30,14 +50,15 @@ def _hop_by_hop(headers: Mapping[str, str], fixed: frozenset[str] = _HOP_BY_HOP)
 
 
 def upstream_headers(
-    client: Mapping[str, str], config: Config, *, identity: bool
+    client: Mapping[str, str], config: Config, *, identity: bool, request_id: str
 ) -> CIMultiDict[str]:
-    """Client headers for the backend. `identity` asks for an uncompressed answer, for the
-    routes whose bodies the proxy reads."""
+    """Client headers for the backend, with the request's id. `identity` asks for an
+    uncompressed answer, for the routes whose bodies the proxy reads."""
     drop = _hop_by_hop(client, _NOT_FORWARDED)
     headers: CIMultiDict[str] = CIMultiDict(
         (k, v) for k, v in client.items() if k.lower() not in drop
     )
+    headers["X-Request-Id"] = request_id
     if identity:
         headers["Accept-Encoding"] = "identity"
     if config.upstream_api_key:

@@ -15,9 +15,9 @@ from typing import Protocol, TypeVar
 from aiohttp import web
 
 from ocxproxy.errors import OcxError
-from ocxproxy.http.access_log import request_id
 from ocxproxy.http.body import too_large
 from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of, scope_of
+from ocxproxy.http.headers import answer_request_id, request_id
 from ocxproxy.metrics import Timing
 
 log = logging.getLogger("ocxproxy.http")
@@ -50,6 +50,7 @@ async def guarded(
     method: str,
     route: str,
     headers: Mapping[str, str],
+    timing: Timing,
     handler: Callable[[Timing], Awaitable[A]],
     fail: Callable[[OcxError], A],
     *,
@@ -57,8 +58,8 @@ async def guarded(
 ) -> A:
     """Run a request's handler: check the client's key, turn an error into its answer
     (`fail`), count the request by route and outcome and record the proxy's overhead (wall
-    time minus the time spent waiting on the backend)."""
-    timing = Timing()
+    time minus the time spent waiting on the backend, in `timing`, which the caller made
+    with the request's id)."""
     start = time.perf_counter()
     outcome = "error"
     error: OcxError | None = None
@@ -86,7 +87,7 @@ async def guarded(
             proxy.metrics.proxy_overhead.labels(route).observe(max(elapsed - timing.upstream, 0.0))
             if proxy.access_log is not None and route not in _PROBES:
                 proxy.access_log.write(
-                    request_id=request_id(headers),
+                    request_id=timing.request_id,
                     method=method,
                     route=route,
                     status=int(outcome) if outcome.isdigit() else _NO_STATUS.get(outcome),
@@ -102,6 +103,13 @@ def error_response(error: OcxError) -> web.Response:
     return web.Response(body=error.body(), status=error.status, headers=error.headers())
 
 
+async def tag_answer(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every answer aiohttp sends carries the request's id."""
+    timing = request.get(TIMING_KEY)
+    if timing is not None:
+        answer_request_id(response.headers, timing.request_id)
+
+
 def route_of(request: web.Request) -> str:
     info = request.match_info.route.resource
     return info.canonical if info is not None else "unmatched"
@@ -110,9 +118,9 @@ def route_of(request: web.Request) -> str:
 @web.middleware
 async def handle_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     proxy = proxy_of(request)
+    timing = request[TIMING_KEY] = Timing(request_id(request.headers))
 
     async def run(timing: Timing) -> web.StreamResponse:
-        request[TIMING_KEY] = timing
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
@@ -132,6 +140,7 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
         request.method,
         route_of(request),
         request.headers,
+        timing,
         run,
         fail,
         self_timed=lambda: request.get(SELF_TIMED, False),

@@ -16,7 +16,9 @@ async def passthrough(request: web.Request, *, body: bytes | None = None) -> web
     it (then it may be sent again to another backend)."""
     proxy = proxy_of(request)
     timing = timing_of(request)
-    headers = upstream_headers(request.headers, proxy.config, identity=False)
+    headers = upstream_headers(
+        request.headers, proxy.config, identity=False, request_id=timing.request_id
+    )
     limit = proxy.config.max_body_bytes
     check_length(request, limit)
     if body is None and request.body_exists and codings_of(request.headers):

@@ -73,7 +73,9 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
     exchange = await prepare_exchange(proxy, scope, check_request(parsed), raw, remember=False)
     timing = timing_of(request)
     timing.exchange = exchange
-    headers = upstream_headers(request.headers, proxy.config, identity=False)
+    headers = upstream_headers(
+        request.headers, proxy.config, identity=False, request_id=timing.request_id
+    )
     headers["Content-Type"] = "application/json"
     async with open_upstream(exchange, request.path_qs, headers, timing) as (_, upstream):
         with timing.waiting():

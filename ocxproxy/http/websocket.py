@@ -35,8 +35,7 @@ from ocxproxy.errors import (
     UpstreamError,
     backend_error,
 )
-from ocxproxy.http.access_log import request_id
-from ocxproxy.http.context import Proxy, proxy_of, scope_of
+from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import (
     Exchange,
     open_upstream,
@@ -127,9 +126,11 @@ class Connection:
         self.proxy = proxy
         self.ws = ws
         self.scope = scope_of(request.headers)
-        self.request_id = request_id(request.headers)  # turn n logs as <id>.<n>
+        self.request_id = timing_of(request).request_id  # the upgrade's; turn n's is <id>.<n>
         self.path_qs = request.path_qs
-        self.headers = upstream_headers(request.headers, config, identity=True)
+        self.headers = upstream_headers(
+            request.headers, config, identity=True, request_id=self.request_id
+        )
         for name in [k for k in self.headers if k.lower().startswith("sec-websocket-")]:
             self.headers.popall(name, None)
         self.headers["Content-Type"] = "application/json"
@@ -207,7 +208,7 @@ class Connection:
     async def _turn(self, frame: str | bytes) -> None:
         self.turns += 1
         start = time.perf_counter()
-        timing = Timing()
+        timing = Timing(f"{self.request_id}.{self.turns}")
         outcome = TurnOutcome.CANCELLED
         prev: str | None = None
         failure: OcxError | None = None
@@ -246,7 +247,7 @@ class Connection:
             log.debug("websocket turn %d: %s", self.turns, outcome)
             if self.proxy.access_log is not None:
                 self.proxy.access_log.write(
-                    request_id=f"{self.request_id}.{self.turns}",
+                    request_id=timing.request_id,
                     method="WS",
                     route=TURN_ROUTE,
                     status=failure.status if failure is not None else None,
@@ -267,6 +268,7 @@ class Connection:
         self.proxy.metrics.ws_cache.labels(result=result).inc()
 
     async def _generate(self, exchange: Exchange, timing: Timing) -> TurnOutcome:
+        self.headers["X-Request-Id"] = timing.request_id  # one turn at a time
         async with open_upstream(exchange, self.path_qs, self.headers, timing) as (
             backend,
             upstream,

@@ -200,6 +200,94 @@ async def test_websocket_turns_log_one_line_each(
     assert third["expansion"] == "unknown" and third["backend"] is None
 
 
+HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+async def test_every_answer_carries_the_request_id_that_the_log_and_backend_have(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    capsys: pytest.CaptureFixture[str],
+    http: aiohttp.ClientSession,
+) -> None:
+    """X-Request-Id: the client's own when it is a plain token, else a new one; the same id
+    in the answer, in the access line and in the backend's request, on both ways in (the
+    front end's create path and aiohttp's routes), for successes and errors alike."""
+    proxy = await json_proxy(make_proxy, backend)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    create = {"model": "m", "input": "hi"}
+    asked = [
+        ("POST", "/responses", create, "trace-7.a:b"),  # front end, the client's id
+        ("POST", "/responses", create, None),  # front end, a new id
+        ("POST", "/responses", create, 'bad id="x"'),  # front end, an unusable id: replaced
+        ("POST", "/responses", {"input": "x", "previous_response_id": "resp_no"}, None),  # 400
+        ("GET", "/models", None, "models-1"),  # aiohttp, forwarded
+        ("GET", "/models", None, None),
+        ("DELETE", "/responses/resp_nowhere", None, "del-1"),  # aiohttp, the proxy's own 404
+    ]
+    answered = []
+    for method, path, body, given in asked:
+        headers = {**auth, **({"X-Request-Id": given} if given else {})}
+        async with http.request(method, proxy.base_url + path, json=body, headers=headers) as resp:
+            answered.append(resp.headers.getall("X-Request-Id"))
+    for (_, _, _, given), ids in zip(asked, answered, strict=True):
+        assert len(ids) == 1
+        if given is not None and " " not in given:
+            assert ids == [given]
+        else:
+            assert HEX16.fullmatch(ids[0])
+    ids = [only for (only,) in answered]
+    assert len(set(ids)) == len(ids)
+    assert [line["request_id"] for line in json_lines(capsys)] == ids
+    # The backend saw the same ids: three creates and two model lists reached it.
+    assert [seen.headers.getall("X-Request-Id") for seen in backend.seen] == [
+        [ids[0]],
+        [ids[1]],
+        [ids[2]],
+        [ids[4]],
+        [ids[5]],
+    ]
+    async with http.get(proxy.url + "/healthz") as resp:  # probes too (not logged)
+        assert HEX16.fullmatch(resp.headers["X-Request-Id"])
+
+
+async def test_refusals_carry_a_request_id(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    """A refused key (on both ways in) and a malformed request, which the front end answers
+    before any route, carry an id too."""
+    proxy = await make_proxy(backend.url, api_keys=("sk-right",))
+    wrong = {"Authorization": "Bearer sk-wrong", "X-Request-Id": "who-1"}
+    async with http.post(proxy.base_url + "/responses", json={"input": "x"}, headers=wrong) as r:
+        assert (r.status, r.headers["X-Request-Id"]) == (401, "who-1")
+    async with http.get(proxy.base_url + "/models", headers=wrong) as resp:
+        assert (resp.status, resp.headers["X-Request-Id"]) == (401, "who-1")
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n")
+    async with asyncio.timeout(5):
+        answer = await reader.read()
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert re.search(rb"\r\nX-Request-Id: [0-9a-f]{16}\r\n", answer)
+    assert backend.seen == []
+
+
+async def test_websocket_upgrade_answer_and_turns_carry_the_id(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    proxy = await json_proxy(make_proxy, backend)
+    async with http.ws_connect(
+        proxy.base_url + "/responses",
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "agent-9"},
+    ) as ws:
+        assert ws._response.headers["X-Request-Id"] == "agent-9"
+        for word in ("one", "two"):
+            await ws.send_json({"type": "response.create", "model": "m", "input": word})
+            while (await ws.receive_json(timeout=5))["type"] != "response.completed":
+                pass
+    assert [seen.headers["X-Request-Id"] for seen in backend.seen] == ["agent-9.1", "agent-9.2"]
+
+
 async def test_text_lines_are_logfmt_with_the_same_fields(
     make_proxy: MakeProxy, backend: FakeBackend, capsys: pytest.CaptureFixture[str]
 ) -> None:

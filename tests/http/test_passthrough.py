@@ -26,7 +26,7 @@ async def test_chat_completions_json(
     async with http.post(proxy.url + "/v1/chat/completions", data=raw, headers=headers) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("application/json")
-        assert resp.headers["x-request-id"] == "req_1"
+        assert resp.headers["x-upstream-request-id"] == "req_1"
         body = await resp.json()
     assert body["choices"][0]["message"]["content"] == "echo#1: hi there"
     (seen,) = backend.seen

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -584,16 +585,18 @@ async def test_backend_errors_pass_through(
     got, raw, headers = await post(http, proxy, {"model": "m", "input": "x", "stream": stream})
     assert (got, orjson.loads(raw)) == (status, body)
     assert headers["Content-Type"].startswith("application/json")
-    assert headers["x-request-id"] == "req_1"
-    rid_next = (await post(http, proxy, {"model": "m", "input": "x"}))[2]["x-request-id"]
+    assert headers["x-upstream-request-id"] == "req_1"  # the backend's own id
+    assert headers["x-request-id"] == backend.seen[0].headers["x-request-id"]  # the proxy's
+    rid_next = (await post(http, proxy, {"model": "m", "input": "x"}))[2]["x-upstream-request-id"]
     assert rid_next == "req_2"
 
 
-async def test_x_request_id_passes_through_on_streams(
+async def test_backend_request_id_passes_through_on_streams(
     proxy: ProxyHandle, http: aiohttp.ClientSession
 ) -> None:
     status, _, headers = await post(http, proxy, {"model": "m", "input": "x", "stream": True})
-    assert (status, headers["x-request-id"]) == (200, "req_1")
+    assert (status, headers["x-upstream-request-id"]) == (200, "req_1")
+    assert re.fullmatch(r"[0-9a-f]{16}", headers["x-request-id"])
     assert headers["Content-Type"] == "text/event-stream"
     assert headers["Cache-Control"] == "no-cache"
 
@@ -603,7 +606,7 @@ async def test_sdk_sees_backend_errors(proxy: ProxyHandle, backend: FakeBackend)
     with pytest.raises(openai.InternalServerError) as info:
         await proxy.client().responses.create(model="m", input="x")
     assert "scripted failure 500" in str(info.value)
-    assert info.value.response.headers["x-request-id"] == "req_1"
+    assert info.value.response.headers["x-upstream-request-id"] == "req_1"
 
 
 # -- CONTRACT.md C1.7: a client that disconnects cancels the upstream request ------------------
