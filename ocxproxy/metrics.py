@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import bisect
 import math
+import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,6 +28,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from ocxproxy import __version__
 from ocxproxy.errors import FailureReason
 
 _FAST_BUCKETS = (
@@ -190,8 +192,17 @@ def _le(bound: float) -> str:
 class _Collector:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self.build_info = GaugeMetricFamily(
+            "ocxproxy_build_info",
+            "Always 1; the labels say which ocxproxy runs on which Python",
+            labels=["version", "python", "implementation"],
+        )
+        self.build_info.add_metric(
+            [__version__, platform.python_version(), platform.python_implementation()], 1
+        )
 
     def collect(self) -> Iterator[Metric]:
+        yield self.build_info
         for value in vars(self.metrics).values():
             if isinstance(value, Counter | Histogram):
                 yield value.collect()
@@ -410,6 +421,9 @@ class Metrics:
             self.spill_failures.labels(reason=str(reason))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+        # process_*: CPU seconds, resident and virtual memory, open and max file
+        # descriptors, start time (read from /proc at scrape time; none where there is none).
+        ProcessCollector(registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

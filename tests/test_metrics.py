@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import platform
+
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ocxproxy import __version__
 from ocxproxy.metrics import Metrics
+from tests.conftest import ProxyHandle
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -92,3 +98,36 @@ def test_failure_labels_are_exported_at_zero_before_the_first_failure() -> None:
         assert got["ocxproxy_item_references_total", (("outcome", outcome),)] == 0
     for reason in ("missing", "corrupt", "write_failed", "read_failed"):
         assert got["ocxproxy_spill_failures_total", (("reason", reason),)] == 0
+
+
+async def test_metrics_carry_process_and_build_info(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    """A real proxy's /metrics: prometheus_client's process collector (this process: the
+    test runs the proxy in it) and ocxproxy_build_info = 1 naming the version and Python."""
+    async with http.get(proxy.url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    found = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    build = {"version": __version__, "python": platform.python_version()}
+    build["implementation"] = platform.python_implementation()
+    assert found["ocxproxy_build_info", tuple(sorted(build.items()))] == 1
+    values = {name: value for (name, labels), value in found.items() if not labels}
+    assert values["process_resident_memory_bytes"] > 10 * 1024**2
+    assert values["process_cpu_seconds_total"] > 0
+    assert 0 < values["process_open_fds"] <= values["process_max_fds"]
+    assert abs(values["process_start_time_seconds"] - own_start_time()) < 5
+
+
+def own_start_time() -> float:
+    """This process's start time, from /proc, without the collector's own code."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/stat") as stat:
+        started = int(stat.read().rsplit(")", 1)[1].split()[19]) / ticks
+    with open("/proc/stat") as proc:
+        boot = next(int(line.split()[1]) for line in proc if line.startswith("btime"))
+    return boot + started
