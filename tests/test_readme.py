@@ -81,3 +81,23 @@ def test_config_file_snippet_is_accepted(tmp_path: Path) -> None:
     config = build_config(raw, sources=sources)
     assert config.upstream == ("http://gpu:8000",)
     assert config.max_disk_bytes == 10 * 1024**3
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_point_at_files_and_headings_that_exist() -> None:
+    links = re.findall(r"\]\(([^)#:]+)(?:#([^)]+))?\)", README)
+    assert ("docs/BEHAVIOR.md", "metrics") in links  # the walk does see anchored links
+    broken = []
+    for path, anchor in links:
+        target = ROOT / path
+        if not target.exists():
+            broken.append(path)
+        elif anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.MULTILINE)
+            if anchor not in {slug(heading) for heading in headings}:
+                broken.append(f"{path}#{anchor}")
+    assert broken == []
