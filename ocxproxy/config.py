@@ -453,6 +453,14 @@ class Config:
         group=SECURITY,
         metavar="KEY",
     )
+    compaction_key: str | None = setting(
+        None,
+        "secret that seals compaction items (any string; 64 hex digits are the key itself). "
+        "Default: a key generated into the state dir on first start (in memory only under "
+        "--zdr). Replicas on one --shared-store must all be given the same one",
+        group=SECURITY,
+        metavar="SECRET",
+    )
     log_level: str = setting(
         "info",
         "how much the proxy logs (on stderr)",

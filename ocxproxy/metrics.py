@@ -225,6 +225,16 @@ class Metrics:
             "item_reference input items by outcome (resolved or failure reason)",
             ["outcome"],
         )
+        self.compactions = Counter(
+            "ocxproxy_compactions_total",
+            "Compactions the proxy served, by route (trigger, compact, threshold) and outcome",
+            ["route", "outcome"],
+        )
+        self.compaction_summary_tokens = Counter(
+            "ocxproxy_compaction_summary_tokens_total",
+            "Tokens of the summaries compactions sealed (the backend's output tokens)",
+            ["route"],
+        )
         self.turns_recorded = Counter(
             "ocxproxy_turns_recorded_total",
             "Turns remembered, by where they live",

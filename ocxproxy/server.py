@@ -14,13 +14,15 @@ from aiohttp import web
 from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config, connections_for_fds, fd_limit
+from ocxproxy.continuation.compaction import Sealer
 from ocxproxy.http import conversations, health, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
-from ocxproxy.store import Store, open_store
+from ocxproxy.store import Store, default_state_dir, open_store
+from ocxproxy.store.compaction_key import compaction_key
 from ocxproxy.upstream.pool import UpstreamPool
 
 log = logging.getLogger("ocxproxy")
@@ -34,6 +36,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     metrics = metrics or Metrics()
     store = open_store(config, metrics)
     proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
+    proxy.sealer = Sealer(compaction_key(config, config.state_dir or default_state_dir()))
     if config.access_log != "off":
         proxy.access_log = AccessLog(config.access_log)
     # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
@@ -52,7 +55,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_post("/v1/responses", responses.create_response)
     r.add_get("/v1/responses", websocket.responses_socket)  # upgrade, else passthrough
     r.add_post("/v1/responses/input_tokens", responses.create_sibling)
-    r.add_post("/v1/responses/compact", responses.create_sibling)
+    r.add_post("/v1/responses/compact", responses.compact_response)
     r.add_get("/v1/responses/{response_id}", responses.get_response)
     r.add_delete("/v1/responses/{response_id}", responses.delete_response)
     r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
@@ -88,6 +91,11 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Load the snapshot before serving (readyz says so); flush it on shutdown."""
     proxy = app[PROXY]
     await proxy.store.start()
+    if proxy.config.shared_store is not None:  # every replica seals with the same key
+        from ocxproxy.store.shared import SharedStore
+
+        assert isinstance(proxy.store, SharedStore)
+        await proxy.store.claim_compaction_key(proxy.sealer.fingerprint)
     heap.trim()  # what loading the index used and freed
     proxy.ready = True
     sweeper = spawn(_sweep(proxy.store), name="store-sweeper")

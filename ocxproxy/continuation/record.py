@@ -51,11 +51,13 @@ def build_turn(
     backend: str | None = None,
     affinity_key: str | None = None,
     stored: bool = True,
+    output_parts: list[bytes] | None = None,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded (one serialized item each, parsed
-    in `tail_items`), then the output items."""
+    in `tail_items`), then the output items (or `output_parts`, what later turns forward
+    in their place: a compaction item's summary message)."""
     output = response["output"]
-    parts = [*tail, *serialize_items(output)]
+    parts = [*tail, *(serialize_items(output) if output_parts is None else output_parts)]
     return Turn(
         response_id=response["id"],
         scope=scope,

@@ -12,6 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ocxproxy.config import Config
+from ocxproxy.continuation.compaction import Sealer
 from ocxproxy.continuation.locks import InFlight, Leases
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
@@ -32,6 +33,7 @@ class Proxy:
     access_log: AccessLog | None = None  # --access-log off: None
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
+    sealer: Sealer = field(default_factory=Sealer.ephemeral)  # compaction items' key
 
     def __post_init__(self) -> None:
         # A live holder renews its lease with every chunk from the backend, so a holder

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
+from ocxproxy.continuation.compaction import scan, summary_request, unseal
 from ocxproxy.continuation.conversation import conversation_id_of
 from ocxproxy.continuation.echo import echo_in_event, echo_member
 from ocxproxy.continuation.expand import (
@@ -40,7 +41,7 @@ from ocxproxy.errors import (
     StoreFailure,
     UpstreamError,
 )
-from ocxproxy.http import idempotency
+from ocxproxy.http import compaction, idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
@@ -93,6 +94,13 @@ class Exchange:
     key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     echo: tuple[str, Any] | None = None  # the member the client's Response gets patched in
+    # The input ended in a compaction trigger: `body` asks the backend for a summary
+    # (http/compaction.py answers the client), and the turn is remembered as `summary`
+    # (its message bytes) on top of `retained` (a chain starts again from the compacted
+    # window: the kept user messages, serialized and parsed).
+    compaction: bool = False
+    summary: bytes | None = None
+    retained: tuple[list[bytes], list[Any]] = ([], [])
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -114,7 +122,7 @@ class Exchange:
         else:
             assert self.target is not None  # else reason is "store_false"
             if self.record is None:  # (a conversation turn's may be put already: _append)
-                self.record = self.target.put(self._turn(response), self.parent)
+                self.record = self.target.put(self._turn(response), self._chains_on())
             self.recorded = True
         if self.idempotency_key is not None:  # after the turn, in the journal as in commit()
             self.key_entry = idempotency.complete(
@@ -132,7 +140,7 @@ class Exchange:
             if self.target is not None and self.conversation.local:
                 # Put while the conversation's record it chains on is live, so its row
                 # names it: after the append it would need its whole chain (O(length)).
-                self.record = self.target.put(turn, self.parent)
+                self.record = self.target.put(turn, self._chains_on())
             self.kept.append(self.conversation.append(self.scope, turn, items, backend))
         except OcxError as error:
             if self.record is not None and self.target is not None:  # not kept after all
@@ -148,18 +156,27 @@ class Exchange:
         if self.conversation is not None:
             self.conversation.release()
 
+    def _chains_on(self) -> Record | None:
+        """The record the turn is put on top of: none for a compaction outside a
+        conversation (its window starts a chain: later turns forward only that)."""
+        return None if self.summary is not None and self.conversation is None else self.parent
+
     def _turn(self, response: dict[str, Any]) -> Turn:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
+        tail, tail_items = self.tail, self.request.items
+        if self.summary is not None and self.conversation is None:
+            tail, tail_items = self.retained
         return build_turn(
             response=response,
             scope=self.scope,
             durable=self.durable,
-            tail=self.tail,
-            tail_items=self.request.items,
+            tail=tail,
+            tail_items=tail_items,
             backend=self.backend.url if self.backend else None,
             affinity_key=chain_key(self.affinity_key, self.parent, response),
             stored=self.request.store,
+            output_parts=None if self.summary is None else [self.summary],
         )
 
     async def commit(self) -> None:
@@ -230,6 +247,7 @@ async def prepare_exchange(
     turns live there, and a chain that started there stays there. Without `remember` (the
     siblings of create), nothing will be: a conversation is read without its lock.
     """
+    sealed, trigger = scan(request.items)
     refs = references(request.items)
     resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, {})
     # A turn holding items of a WebSocket connection's own store stays there, like a
@@ -254,7 +272,8 @@ async def prepare_exchange(
             history = await store.history(parent)
         except StoreFailure as failure:
             proxy.metrics.expansions.labels(outcome=str(failure.reason)).inc()
-            if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
+            unknown = failure.reason == FailureReason.UNKNOWN
+            if proxy.config.forward_unknown_ids and unknown and not (sealed or trigger):
                 body = raw if raw is not None else orjson.dumps(request.body)  # as it came
                 reason = str(failure.reason)
                 return Exchange(proxy, scope, request, body, None, expansion=reason, echo=echo)
@@ -262,7 +281,7 @@ async def prepare_exchange(
         parent_store, expansion = parent_store or store, "hit"
     try:
         tail: list[bytes] | None = None  # the request's own items as forwarded
-        if parent is not None or resolved:
+        if parent is not None or resolved or sealed or trigger:
             if parent is None and raw is not None:  # a first turn keeps the client's bytes
                 tail = tail_as_sent(raw, request)
             else:
@@ -270,11 +289,19 @@ async def prepare_exchange(
             if resolved:
                 tail, items = splice(tail, request.items, resolved)
                 request = replace(request, items=items)
+            if sealed:  # each reaches the backend, and the store, as its summary message
+                tail, items = unseal(proxy.sealer, scope, tail, request.items, sealed)
+                request = replace(request, items=items)
+            if trigger:  # never forwarded: the backend is asked for a summary instead
+                tail, request = tail[:-1], replace(request, items=request.items[:-1])
             if parent is not None:
                 check_call_bindings(request.items, parent)
             if held is not None and remember:
                 check_room(proxy.store, held.conversation, sum(len(part) + 1 for part in tail))
-            body = expand(request.body, history, tail)
+            if trigger:
+                body = summary_request(request.body, history, tail)
+            else:
+                body = expand(request.body, history, tail)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
         if expansion == "hit":
@@ -299,6 +326,7 @@ async def prepare_exchange(
         history_bytes=sum(map(len, history)),
         conversation=held,
         echo=echo,
+        compaction=trigger,
     )
 
 
@@ -339,7 +367,10 @@ async def create(
         timing.exchange = exchange
         exchange.idempotency_key = key
         try:
-            await _forward(exchange, headers, path_qs, timing, reply)
+            if exchange.compaction:
+                await compaction.answer(exchange, headers, path_qs, timing, reply)
+            else:
+                await _forward(exchange, headers, path_qs, timing, reply)
         finally:
             exchange.release()
     finally:

@@ -1,19 +1,30 @@
 """The `/v1/responses` routes on aiohttp: create (the turn itself is http/exchange.py's),
-its siblings `input_tokens` and `compact`, and the stored responses (CONTRACT.md C2)."""
+its siblings `input_tokens` and `compact` (served here: CONTRACT.md C10), and the stored
+responses (CONTRACT.md C2)."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from ocxproxy.continuation.compaction import (
+    TRIGGER,
+    compacted,
+    new_item,
+    retained_user_messages,
+    summarized_items,
+)
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.continuation.listing import includes_of, input_item_views, page, parse_list_query
 from ocxproxy.continuation.references import references
-from ocxproxy.errors import NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
 from ocxproxy.http.body import read_body
+from ocxproxy.http.compaction import seal, summarize
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
@@ -55,11 +66,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def create_sibling(request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses/input_tokens` and `/v1/responses/compact` take
-    `previous_response_id`, `conversation` and item references too: they are expanded and
-    resolved the same way (the backend counts or compacts the whole chain or conversation),
-    and nothing is remembered (a conversation is read without its lock). Without any of
-    them, the body passes unchanged."""
+    """`POST /v1/responses/input_tokens` takes `previous_response_id`, `conversation` and
+    item references too: they are expanded and resolved the same way (the backend counts
+    the whole chain or conversation), and nothing is remembered (a conversation is read
+    without its lock). Without any of them, the body passes unchanged."""
     proxy = proxy_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
     parsed = loads_or_none(raw)
@@ -85,6 +95,39 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
             status=upstream.status,
             headers=client_headers(upstream.headers, body_rewritten=False),
         )
+
+
+async def compact_response(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses/compact`, answered by the proxy whatever the backend (CONTRACT.md
+    C10): the context (input, previous_response_id, conversation, item references) is
+    expanded as for a create, the backend's model summarizes it, and the answer is the
+    compacted window: the newest user messages, then one sealed compaction item. Nothing
+    is remembered."""
+    proxy = proxy_of(request)
+    raw = await read_body(request, proxy.config.max_body_bytes)
+    parsed = loads_or_none(raw)
+    if not isinstance(parsed, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    items = check_request(parsed).items
+    if items and isinstance(items[-1], dict) and items[-1].get("type") == TRIGGER:
+        items = items[:-1]
+    body = {**parsed, "input": [*items, {"type": TRIGGER}]}
+    scope = scope_of(request.headers)
+    exchange = await prepare_exchange(proxy, scope, check_request(body), None, remember=False)
+    timing = timing_of(request)
+    timing.exchange = exchange
+    headers = upstream_headers(
+        request.headers, proxy.config, identity=True, request_id=timing.request_id
+    )
+    headers["Content-Type"] = "application/json"
+    summary, usage = await summarize(exchange, headers, request.path_qs, timing, route="compact")
+    output = [
+        *retained_user_messages(summarized_items(exchange.body)),
+        new_item(seal(exchange, summary)),
+    ]
+    proxy.metrics.compactions.labels(route="compact", outcome="completed").inc()
+    answer = compacted("resp_" + secrets.token_hex(24), int(time.time()), output, usage)
+    return web.json_response(answer, dumps=lambda obj: orjson.dumps(obj).decode())
 
 
 # -- stored responses (CONTRACT.md C2) ---------------------------------------------------

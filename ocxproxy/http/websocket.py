@@ -26,6 +26,7 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.continuation.compaction import response_events
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.errors import (
     InvalidRequest,
@@ -35,6 +36,7 @@ from ocxproxy.errors import (
     UpstreamError,
     backend_error,
 )
+from ocxproxy.http.compaction import compaction_turn
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import (
     Exchange,
@@ -223,7 +225,9 @@ class Connection:
                 self.proxy, self.scope, request, None, local=self.local
             )
             timing.exchange = exchange
-            if generate:
+            if exchange.compaction:
+                outcome = await self._compact(exchange, timing)
+            elif generate:
                 outcome = await self._generate(exchange, timing)
             else:
                 outcome = await self._warm_up(exchange)
@@ -289,6 +293,13 @@ class Connection:
         if exchange.recorded or last in SUCCESS_EVENTS:
             return TurnOutcome.COMPLETED
         return TurnOutcome.FAILED
+
+    async def _compact(self, exchange: Exchange, timing: Timing) -> TurnOutcome:
+        """An input ending in a compaction trigger: the proxy's own compaction (C10)."""
+        response = await compaction_turn(exchange, self.headers, self.path_qs, timing)
+        for event in response_events(response):
+            await self._send(orjson.dumps(event))
+        return TurnOutcome.COMPLETED
 
     async def _warm_up(self, exchange: Exchange) -> TurnOutcome:
         """`generate: false`: remember the input as a response of its own, generate nothing."""

@@ -38,6 +38,7 @@ from ocxproxy.store.core import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared_chains import Chains, Newest
+from ocxproxy.store.shared_checks import SharedStoreRefused
 from ocxproxy.store.shared_conversations import (
     ConversationHead,
     ConversationRecord,
@@ -143,6 +144,18 @@ class SharedStore(Store):
         (SharedStoreRefused when it does not fit) and load the scripts."""
         await super().start()
         await self.server.start(self.durability, self.start_timeout)
+
+    async def claim_compaction_key(self, fingerprint: str) -> None:
+        """Record the compaction key's fingerprint (the first replica's), or refuse to
+        start when another replica's key differs: an item it sealed would not open here."""
+        key = self.prefix + "compaction-key"
+        await self.server.command("SET", key, fingerprint, "NX")
+        recorded = await self.server.command("GET", key)
+        if recorded is not None and recorded.decode() != fingerprint:
+            raise SharedStoreRefused(
+                "shared store: this replica's --compaction-key differs from the one the "
+                "other replicas use (fingerprints differ): give every replica the same key"
+            )
 
     async def close(self) -> None:
         await self.server.close()

@@ -232,9 +232,14 @@ async def test_the_siblings_of_create_expand_a_conversation(
         async with http.post(f"{proxy.base_url}/responses/{route}", json=body, headers=AUTH) as r:
             await r.read()
         forwarded = backend.seen[-1]
-        assert forwarded.path == f"/v1/responses/{route}"
         assert "conversation" not in forwarded.json
-        assert message_texts(forwarded.json["input"]) == [
+        sent = forwarded.json["input"]
+        if route == "compact":  # served by the proxy: it asks the backend for a summary
+            assert forwarded.path == "/v1/responses" and r.status == 200
+            sent = sent[:-1]
+        else:
+            assert forwarded.path == f"/v1/responses/{route}"
+        assert message_texts(sent) == [
             "earlier", "turn", answered.output_text, "how long?",
         ]  # fmt: skip
         if route == "input_tokens":

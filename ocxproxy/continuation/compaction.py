@@ -1,0 +1,333 @@
+"""Compaction served by the proxy (CONTRACT.md C10): the summary request, the sealed
+`compaction` item, and the bytes a backend sees in its place.
+
+A compaction item's `encrypted_content` is `ocxc1.` + base64url(nonce ‖ AES-256-GCM
+ciphertext) of a small JSON document: the format version, the prompt version, the caller's
+scope (a hash of its bearer token), the model and the summary. Only a proxy holding the
+key can read it, and only for the credential that made it. Wherever an input carries one,
+the backend gets `summary_message(summary)` instead: a plain user message whose bytes
+depend on the summary alone, so every turn after a compaction forwards the same prefix.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ocxproxy.continuation.expand import expand
+from ocxproxy.errors import InvalidRequest
+
+FORMAT = 1  # of the sealed document
+PROMPT_VERSION = 1  # of COMPACTION_PROMPT; sealed with each item
+TOKEN_PREFIX = "ocxc1."
+TRIGGER = "compaction_trigger"
+COMPACTION = "compaction"
+KEY_BYTES = 32
+RETAINED_USER_BYTES = 32 * 1024  # the newest user messages a compacted window keeps verbatim
+_AAD = b"ocxproxy compaction item"
+_NONCE_BYTES = 12
+_OPENED_CACHE = 1024  # opened items kept by their encrypted_content
+
+COMPACTION_PROMPT = (
+    "Stop here: do not continue the task and do not call any tool. Write a summary of the "
+    "conversation so far that will replace it: whoever reads it must be able to carry on "
+    "the work without the earlier messages. Include the user's goals and constraints, "
+    "what has been done and decided, the files, commands, identifiers and values that "
+    "matter, the results of tool calls that are still relevant, open questions, and the "
+    "next steps. Be concise and factual; write only the summary."
+)
+SUMMARY_PREFIX = "Summary of the conversation so far (earlier turns were compacted into it):\n\n"
+_PROMPT_ITEM = orjson.dumps({"type": "message", "role": "user", "content": COMPACTION_PROMPT})
+# Fields of a create that do not apply to the proxy's own summary request.
+_NOT_FOR_SUMMARY = ("context_management", "background", "stream_options", "prompt_cache_options")
+
+
+class SealError(Exception):
+    """An item this proxy cannot open for this caller; the message says why."""
+
+
+class Sealer:
+    """Seals and opens compaction items under one key (AES-256-GCM)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a compaction key is {KEY_BYTES} bytes")
+        self._aead = AESGCM(key)
+        self.fingerprint = key_fingerprint(key)
+        self._opened: dict[str, tuple[str, bytes]] = {}  # token → (scope, summary message)
+
+    @classmethod
+    def ephemeral(cls) -> Sealer:
+        return cls(os.urandom(KEY_BYTES))
+
+    def seal(self, summary: str, *, scope: str, model: Any) -> str:
+        document = {
+            "v": FORMAT,
+            "prompt": PROMPT_VERSION,
+            "scope": scope,
+            "model": model if isinstance(model, str) else None,
+            "summary": summary,
+        }
+        nonce = os.urandom(_NONCE_BYTES)
+        sealed = self._aead.encrypt(nonce, orjson.dumps(document), _AAD)
+        return TOKEN_PREFIX + base64.urlsafe_b64encode(nonce + sealed).decode().rstrip("=")
+
+    def open(self, token: str, scope: str) -> bytes:
+        """The summary message a sealed item stands for; SealError when the item was not
+        made by this key, was altered, or belongs to another credential."""
+        found = self._opened.get(token)
+        if found is None:
+            found = self._open(token)
+            if len(self._opened) >= _OPENED_CACHE:
+                del self._opened[next(iter(self._opened))]
+            self._opened[token] = found
+        owner, message = found
+        if owner != scope:
+            raise SealError("it was made for another API key")
+        return message
+
+    def _open(self, token: str) -> tuple[str, bytes]:
+        if not token.startswith(TOKEN_PREFIX):
+            raise SealError("it was not made by this proxy")
+        body = token[len(TOKEN_PREFIX) :]
+        try:
+            raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        except ValueError:
+            raise SealError("it is not valid base64url") from None
+        if len(raw) <= _NONCE_BYTES:
+            raise SealError("it is truncated")
+        try:
+            plain = self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _AAD)
+        except InvalidTag:
+            raise SealError("it was altered, or sealed under another key") from None
+        document = orjson.loads(plain)
+        if document.get("v") != FORMAT:
+            raise SealError(f"its format {document.get('v')!r} is not supported")
+        return str(document["scope"]), summary_message(str(document["summary"]))
+
+
+def key_fingerprint(key: bytes) -> str:
+    """What replicas compare to know they share a key; it does not reveal the key."""
+    return hashlib.sha256(b"ocxproxy compaction key fingerprint\0" + key).hexdigest()[:32]
+
+
+def summary_message(summary: str) -> bytes:
+    """The bytes every backend gets in place of a compaction item: a user message that
+    depends on the summary alone (the prefix cache sees the same bytes every turn)."""
+    return orjson.dumps({"type": "message", "role": "user", "content": SUMMARY_PREFIX + summary})
+
+
+def scan(items: list[Any]) -> tuple[list[int], bool]:
+    """The indices of the compaction items among `items`, and whether the last item is a
+    compaction trigger (a trigger anywhere else is a 400). One pass, no call per item."""
+    found: list[int] = []
+    trigger = False
+    last = len(items) - 1
+    for index, item in enumerate(items):
+        if type(item) is not dict:
+            continue
+        kind = item.get("type")
+        if kind == COMPACTION:
+            found.append(index)
+        elif kind == TRIGGER:
+            if index != last:
+                raise InvalidRequest(
+                    f"input[{index}]: a 'compaction_trigger' item must be the last input item.",
+                    param="input",
+                )
+            trigger = True
+    return found, trigger
+
+
+def unseal(
+    sealer: Sealer, scope: str, parts: list[bytes], items: list[Any], indices: Iterable[int]
+) -> tuple[list[bytes], list[Any]]:
+    """The input with each compaction item at `indices` replaced by the summary message it
+    stands for (bytes and parsed item); 400 `invalid_encrypted_content` naming the first
+    item that does not open."""
+    parts, items = list(parts), list(items)
+    for index in indices:
+        item = items[index]
+        token = item.get("encrypted_content")
+        name = f"input[{index}]" + (f" ({item['id']})" if isinstance(item.get("id"), str) else "")
+        try:
+            if not isinstance(token, str):
+                raise SealError("it has no encrypted_content string")
+            message = sealer.open(token, scope)
+        except SealError as exc:
+            raise InvalidRequest(
+                f"The encrypted content of the compaction item {name} could not be "
+                f"verified: {exc}.",
+                param="input",
+                code="invalid_encrypted_content",
+            ) from None
+        parts[index] = message
+        items[index] = orjson.loads(message)
+    return parts, items
+
+
+def summary_request(body: dict[str, Any], history: list[bytes], tail: list[bytes]) -> bytes:
+    """What the backend is asked for a summary: the turn's own context (instructions,
+    tools, history and input: the prefix its cache holds) and then our prompt; one JSON
+    answer, nothing stored."""
+    fields = {k: v for k, v in body.items() if k not in _NOT_FOR_SUMMARY}
+    fields["stream"] = False
+    fields["store"] = False
+    return expand(fields, history, [*tail, _PROMPT_ITEM])
+
+
+def summarized_items(summary_body: bytes) -> list[Any]:
+    """The items a summary request summarized (its input without our prompt)."""
+    items = orjson.loads(summary_body).get("input") or []
+    return list(items[:-1])
+
+
+def summary_text(response: Any) -> str:
+    """The text of the message items of a backend's Response (empty when there is none)."""
+    texts: list[str] = []
+    output = response.get("output") if isinstance(response, dict) else None
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            continue
+        content = item.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+            continue
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict) or part.get("type") not in ("output_text", "text"):
+                continue
+            if isinstance(part.get("text"), str):
+                texts.append(part["text"])
+    return "".join(texts).strip()
+
+
+def is_summary(item: Any) -> bool:
+    content = item.get("content") if type(item) is dict else None
+    return isinstance(content, str) and content.startswith(SUMMARY_PREFIX)
+
+
+def retained_user_messages(items: Iterable[Any]) -> list[Any]:
+    """The user messages a compacted window keeps verbatim: the newest ones, up to
+    RETAINED_USER_BYTES, in their order (earlier summaries are not kept: the new one
+    covers them)."""
+    kept: list[Any] = []
+    budget = RETAINED_USER_BYTES
+    for item in reversed(list(items)):
+        if type(item) is not dict or item.get("role") != "user" or is_summary(item):
+            continue
+        if item.get("type", "message") != "message":
+            continue
+        size = len(orjson.dumps(item))
+        if size > budget:
+            break
+        budget -= size
+        kept.append(item)
+    kept.reverse()
+    return kept
+
+
+def new_item(token: str) -> dict[str, Any]:
+    return {"id": "cmp_" + secrets.token_hex(24), "type": COMPACTION, "encrypted_content": token}
+
+
+def usage_of(response: Any) -> dict[str, Any]:
+    """The summary request's usage, in the Responses shape."""
+    usage = response.get("usage") if isinstance(response, dict) else None
+    usage = usage if isinstance(usage, dict) else {}
+    input_tokens = _count(usage.get("input_tokens"))
+    output_tokens = _count(usage.get("output_tokens"))
+    details = usage.get("input_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    out_details = usage.get("output_tokens_details")
+    reasoning = _count(out_details.get("reasoning_tokens")) if isinstance(out_details, dict) else 0
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def compaction_response(
+    body: dict[str, Any],
+    response_id: str,
+    created_at: int,
+    output: list[Any],
+    usage: dict[str, Any],
+) -> dict[str, Any]:
+    """The Response of a create whose input ended in a compaction trigger."""
+    response: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "completed",
+        "completed_at": created_at,
+        "error": None,
+        "incomplete_details": None,
+        "model": body.get("model"),
+        "output": output,
+        "usage": usage,
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "metadata": body.get("metadata") or {},
+        "previous_response_id": body.get("previous_response_id"),
+        "store": body.get("store", True),
+        "background": False,
+        "truncation": body.get("truncation", "disabled"),
+    }
+    for name in ("reasoning", "text", "max_output_tokens", "prompt_cache_key", "conversation"):
+        if name in body:
+            response[name] = body[name]
+    return response
+
+
+def response_events(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A compaction Response as its stream of events, `sequence_number` from 0."""
+    pending = {**response, "status": "in_progress", "output": [], "usage": None}
+    pending.pop("completed_at", None)
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": pending},
+        {"type": "response.in_progress", "response": pending},
+    ]
+    for index, item in enumerate(response["output"]):
+        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+    events.append({"type": "response.completed", "response": response})
+    for seq, event in enumerate(events):
+        event["sequence_number"] = seq
+    return events
+
+
+def sse(events: Iterable[dict[str, Any]]) -> bytes:
+    return b"".join(
+        b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+        for event in events
+    )
+
+
+def compacted(
+    response_id: str, created_at: int, output: list[Any], usage: dict[str, Any]
+) -> dict[str, Any]:
+    """The answer of `POST /v1/responses/compact` (the SDK's CompactedResponse)."""
+    return {
+        "id": response_id,
+        "object": "response.compaction",
+        "created_at": created_at,
+        "output": output,
+        "usage": usage,
+    }

@@ -1,0 +1,143 @@
+"""Compaction answered by the proxy, over any backend (CONTRACT.md C10).
+
+The create's context is expanded as for any turn (http/exchange.py `prepare_exchange`,
+whose body then asks for a summary: continuation/compaction.py `summary_request`); the
+backend's own model writes the summary; the client gets one sealed `compaction` item. A
+create whose input ends in `compaction_trigger` is remembered like any turn, its output
+being that item (`Exchange.summary` is what later turns forward in its place).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from multidict import CIMultiDict
+
+from ocxproxy.continuation.compaction import (
+    compaction_response,
+    new_item,
+    response_events,
+    retained_user_messages,
+    sse,
+    summarized_items,
+    summary_message,
+    summary_text,
+    usage_of,
+)
+from ocxproxy.errors import OcxError, UpstreamError, backend_error
+from ocxproxy.http.context import Reply
+from ocxproxy.http.headers import upstream_headers
+from ocxproxy.metrics import Timing
+from ocxproxy.upstream.sse import loads_or_none
+
+if TYPE_CHECKING:
+    from ocxproxy.http.exchange import Exchange
+
+
+async def answer(
+    exchange: Exchange, headers: Mapping[str, str], path_qs: str, timing: Timing, reply: Reply
+) -> None:
+    """`POST /v1/responses` whose input ends in a compaction trigger: JSON or SSE."""
+    config = exchange.proxy.config
+    forwarded = upstream_headers(headers, config, identity=True, request_id=timing.request_id)
+    forwarded["Content-Type"] = "application/json"
+    response = await compaction_turn(exchange, forwarded, path_qs, timing)
+    if exchange.request.stream:
+        sse_headers = CIMultiDict(
+            {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await reply.start(200, sse_headers)
+        await reply.write(sse(response_events(response)))
+        await reply.end()
+    else:
+        json_headers = CIMultiDict({"Content-Type": "application/json"})
+        reply.answer(200, json_headers, orjson.dumps(response))
+
+
+async def compaction_turn(
+    exchange: Exchange, forwarded: Mapping[str, str], path_qs: str, timing: Timing
+) -> dict[str, Any]:
+    """Summarize, seal, remember the turn (durable before it is answered, as any turn):
+    the Response, whose output is the one compaction item. `forwarded`: the headers for
+    the backend."""
+    summary, usage = await summarize(exchange, forwarded, path_qs, timing, route="trigger")
+    proxy = exchange.proxy
+    item = new_item(seal(exchange, summary))
+    exchange.summary = summary_message(summary)
+    if exchange.conversation is None:
+        retained = retained_user_messages(summarized_items(exchange.body))
+        exchange.retained = ([orjson.dumps(message) for message in retained], retained)
+    response = compaction_response(
+        exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time()), [item], usage
+    )
+    if exchange.echo is not None:
+        name, value = exchange.echo
+        response[name] = value
+    exchange.finish(response)
+    await exchange.commit()
+    proxy.metrics.compactions.labels(route="trigger", outcome="completed").inc()
+    return response
+
+
+def seal(exchange: Exchange, summary: str) -> str:
+    return exchange.proxy.sealer.seal(
+        summary, scope=exchange.scope, model=exchange.request.body.get("model")
+    )
+
+
+async def summarize(
+    exchange: Exchange, forwarded: Mapping[str, str], path_qs: str, timing: Timing, *, route: str
+) -> tuple[str, dict[str, Any]]:
+    """Ask the backend for the summary `exchange.body` requests: its text, and the usage."""
+    proxy = exchange.proxy
+    metrics = proxy.metrics
+    try:
+        async with proxy.pool.open(
+            "POST",
+            responses_path(path_qs),
+            forwarded,
+            exchange.body,
+            timing=timing,
+            affinity_key=exchange.affinity_key,
+            preferred=exchange.parent.backend if exchange.parent else None,
+        ) as (backend, upstream):
+            exchange.backend = backend
+            with timing.waiting():
+                body = await upstream.read()
+            status = upstream.status
+        if status != 200:
+            raise backend_failure(status, body)
+        response = loads_or_none(body)
+        summary = summary_text(response)
+        if not summary:
+            raise UpstreamError("The backend's model wrote no summary text for the compaction.")
+    except OcxError:
+        metrics.compactions.labels(route=route, outcome="backend_error").inc()
+        raise
+    usage = usage_of(response)
+    metrics.compaction_summary_tokens.labels(route=route).inc(usage["output_tokens"])
+    return summary, usage
+
+
+def responses_path(path_qs: str) -> str:
+    """The create path beside the route (`…/responses/compact` → `…/responses`)."""
+    path = path_qs.partition("?")[0]
+    return path.removesuffix("/compact")
+
+
+def backend_failure(status: int, body: bytes) -> OcxError:
+    """A backend's error answer to the summary request, relayed with its status."""
+    inner = backend_error(status, body)
+    error = OcxError(
+        str(inner.get("message") or f"The backend answered {status}."),
+        param=inner.get("param") if isinstance(inner.get("param"), str) else None,
+        code=inner.get("code") if isinstance(inner.get("code"), str) else None,
+        status=status if 400 <= status < 600 else 502,
+    )
+    if isinstance(inner.get("type"), str):
+        error.type = inner["type"]
+    return error

@@ -1,0 +1,329 @@
+"""Compaction served by the proxy (CONTRACT.md C10), through real clients in front of the
+fake backend, which records every body it is sent: a create ending in
+`compaction_trigger` (JSON, SSE, WebSocket), `POST /v1/responses/compact`, compaction
+items sent back by value and through `previous_response_id`, and sealed items that must
+not open (tampered, another key, another credential)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from ocxproxy.continuation.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.http.helpers import sse_payloads, top_level_span
+from tests.http.test_websocket import connect, create
+
+Json = dict[str, Any]
+TRIGGER = {"type": "compaction_trigger"}
+HISTORY: list[Json] = [
+    {"role": "developer", "content": "You are a coding agent."},
+    {"role": "user", "content": "Rename foo to bar in main.py"},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+    {"role": "user", "content": "Now run the tests"},
+]
+
+
+def forwarded_items(backend: FakeBackend) -> list[list[Json]]:
+    return [seen.json["input"] for seen in backend.responses_seen]
+
+
+def assert_never_forwarded(backend: FakeBackend) -> None:
+    """No backend body ever held a compaction trigger or a compaction item."""
+    for seen in backend.responses_seen:
+        assert b"compaction_trigger" not in seen.body
+        assert b'"compaction"' not in seen.body
+        assert b"ocxc1." not in seen.body
+
+
+def compaction_item(output: list[Any]) -> Json:
+    assert len(output) == 1, output
+    item: Json = output[0] if isinstance(output[0], dict) else output[0].model_dump()
+    assert item["type"] == "compaction"
+    assert item["id"].startswith("cmp_")
+    assert item["encrypted_content"].startswith("ocxc1.")
+    return item
+
+
+async def test_trigger_answers_exactly_one_sealed_item(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    response = await client.responses.create(
+        model="m", input=[*HISTORY, TRIGGER], store=False, instructions="Be brief."
+    )
+    item = compaction_item(response.output)
+    assert response.status == "completed"
+    assert response.usage is not None and response.usage.output_tokens > 0
+    (sent,) = forwarded_items(backend)
+    # The context as any turn forwards it, then the proxy's prompt; never the trigger.
+    assert sent[:-1] == HISTORY
+    assert sent[-1] == {"type": "message", "role": "user", "content": COMPACTION_PROMPT}
+    body = backend.responses_seen[0].json
+    assert body["instructions"] == "Be brief." and body["stream"] is False
+    # The summary (the fake model echoes the last user text) is sealed, not readable.
+    assert "Write a summary" not in item["encrypted_content"]
+    assert_never_forwarded(backend)
+    assert proxy.metric("ocxproxy_compactions_total", route="trigger", outcome="completed") == 1
+
+
+async def test_trigger_streams_the_full_event_sequence(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, backend: FakeBackend
+) -> None:
+    body = {"model": "m", "input": [*HISTORY, TRIGGER], "stream": True, "store": False}
+    async with http.post(proxy.base_url + "/responses", json=body) as answer:
+        assert answer.status == 200
+        assert answer.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_payloads(await answer.read())
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3, 4]
+    assert events[0]["response"]["status"] == "in_progress"
+    done = compaction_item([events[3]["item"]])
+    completed = events[-1]["response"]
+    assert compaction_item(completed["output"]) == done
+    assert completed["usage"]["total_tokens"] > 0
+    assert_never_forwarded(backend)
+
+    # The SDK's stream reads the same events.
+    client = proxy.client()
+    stream = await client.responses.create(model="m", input=[*HISTORY, TRIGGER], stream=True)
+    kinds = [event.type async for event in stream]
+    assert kinds[-1] == "response.completed" and "response.output_item.done" in kinds
+
+
+async def test_a_compaction_item_sent_back_reaches_the_backend_as_its_summary(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    response = await client.responses.create(model="m", input=[*HISTORY, TRIGGER], store=False)
+    item = compaction_item(response.output)
+    summary_text = "echo#5: " + COMPACTION_PROMPT  # what the fake model wrote
+    window = [HISTORY[1], HISTORY[3], item]  # what Codex sends back: kept messages + item
+    for question in ("What next?", "And then?"):
+        await client.responses.create(
+            model="m", input=[*window, {"role": "user", "content": question}], store=False
+        )
+    first, second = backend.responses_seen[1:]
+    expected = {"type": "message", "role": "user", "content": SUMMARY_PREFIX + summary_text}
+    assert first.json["input"][2] == expected
+    # Byte-identical every time: the backend's prefix cache holds the turn before.
+    prefix = top_level_span(first.body, "input")
+    shared = prefix[: prefix.index(b"What next?")]
+    assert top_level_span(second.body, "input").startswith(shared)
+    assert_never_forwarded(backend)
+
+
+async def test_a_stored_compaction_starts_the_chain_again_from_its_window(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="m", input=HISTORY)
+    compaction = await client.responses.create(
+        model="m", previous_response_id=first.id, input=[TRIGGER]
+    )
+    item = compaction_item(compaction.output)
+    # The summary request held the whole chain.
+    summarized = forwarded_items(backend)[1]
+    assert summarized[: len(HISTORY)] == HISTORY and len(summarized) == len(HISTORY) + 2
+    # A retrieved compaction response is the item, as answered.
+    stored = await client.responses.retrieve(compaction.id)
+    assert compaction_item(stored.output) == item
+    # The next turn forwards the compacted window: kept user messages, then the summary.
+    await client.responses.create(model="m", previous_response_id=compaction.id, input="What next?")
+    after = forwarded_items(backend)[-1]
+    assert [m.get("content") for m in after[:2]] == [HISTORY[1]["content"], HISTORY[3]["content"]]
+    assert after[2]["content"].startswith(SUMMARY_PREFIX)
+    assert after[3] == {"role": "user", "content": "What next?"}
+    assert len(after) == 4  # the assistant's turn and the developer message were compacted
+    # Through an item_reference, the item resolves to the same summary bytes.
+    reference = {"type": "item_reference", "id": item["id"]}
+    await client.responses.create(
+        model="m", input=[reference, {"role": "user", "content": "x"}], store=False
+    )
+    assert forwarded_items(backend)[-1][0] == after[2]
+    assert_never_forwarded(backend)
+
+
+async def test_compact_endpoint_with_the_sdk(proxy: ProxyHandle, backend: FakeBackend) -> None:
+    client = proxy.client()
+    compacted = await client.responses.compact(
+        model="m",
+        input=HISTORY,  # type: ignore[arg-type]
+        instructions="Be brief.",
+        prompt_cache_key="session-1",
+    )
+    assert compacted.object == "response.compaction"
+    assert compacted.id and compacted.created_at > 0
+    assert compacted.usage.input_tokens > 0 and compacted.usage.output_tokens > 0
+    *kept, last = [o.model_dump(exclude_none=True, warnings=False) for o in compacted.output]
+    assert [m["content"] for m in kept] == [HISTORY[1]["content"], HISTORY[3]["content"]]
+    item = compaction_item([last])
+    sent = backend.responses_seen[0].json
+    assert sent["input"][-1]["content"] == COMPACTION_PROMPT
+    assert sent["instructions"] == "Be brief." and sent["prompt_cache_key"] == "session-1"
+    # The window fed back as input works and reaches the backend as the summary.
+    window = [*kept, item, {"role": "user", "content": "go on"}]
+    answer = await client.responses.create(model="m", input=window, store=False)
+    assert answer.output_text == "echo#4: go on"
+    assert forwarded_items(backend)[-1][2]["content"].startswith(SUMMARY_PREFIX)
+    assert_never_forwarded(backend)
+    assert proxy.metric("ocxproxy_compactions_total", route="compact", outcome="completed") == 1
+
+
+async def test_compact_endpoint_expands_previous_response_id(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="m", input=HISTORY)
+    compacted = await client.responses.compact(
+        model="m", previous_response_id=first.id, input="one more"
+    )
+    sent = forwarded_items(backend)[-1]
+    assert sent[: len(HISTORY)] == HISTORY
+    assert sent[-2] == {"role": "user", "content": "one more"}
+    assert compacted.output[-1].type == "compaction"
+
+
+async def test_sealed_items_that_do_not_open_are_refused(
+    make_proxy: MakeProxy, backend: FakeBackend, tmp_path: Path
+) -> None:
+    proxy = await make_proxy(backend.url)
+    other = await make_proxy(backend.url, state_dir=tmp_path / "other")  # its own key
+    made = await proxy.client().responses.create(model="m", input=[*HISTORY, TRIGGER])
+    item = compaction_item(made.output)
+    token = item["encrypted_content"]
+    flipped = token[:20] + ("A" if token[20] != "A" else "B") + token[21:]
+    cases = [
+        (proxy.client(), {**item, "encrypted_content": flipped}, "altered"),
+        (other.client(), item, "another key"),
+        (proxy.client("sk-test-b"), item, "another API key"),
+        (proxy.client(), {**item, "encrypted_content": "plain text"}, "not made by this proxy"),
+    ]
+    before = len(backend.responses_seen)
+    for client, sent, reason in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(
+                model="m", input=[HISTORY[1], sent, {"role": "user", "content": "hi"}]
+            )
+        error = caught.value.body
+        assert isinstance(error, dict)
+        assert error["code"] == "invalid_encrypted_content" and error["param"] == "input"
+        assert "input[1]" in error["message"] and item["id"] in error["message"]
+        assert reason in error["message"]
+    assert len(backend.responses_seen) == before  # nothing forwarded
+
+
+async def test_the_key_is_generated_once_into_the_state_dir(
+    make_proxy: MakeProxy, backend: FakeBackend, tmp_path: Path
+) -> None:
+    state = tmp_path / "shared-state"
+    first = await make_proxy(backend.url, state_dir=state)
+    key_file = state / "compaction.key"
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    made = await first.client().responses.create(model="m", input=[*HISTORY, TRIGGER])
+    item = compaction_item(made.output)
+    await first.server.close()
+    again = await make_proxy(backend.url, state_dir=state)  # a restart: same key
+    answer = await again.client().responses.create(
+        model="m", input=[item, {"role": "user", "content": "next"}], store=False
+    )
+    assert answer.output_text == "echo#2: next"
+    # A key given by the operator wins over the file, and is never written there.
+    given = await make_proxy(backend.url, state_dir=state, compaction_key="operator secret")
+    with pytest.raises(openai.BadRequestError):
+        await given.client().responses.create(model="m", input=[item], store=False)
+    assert key_file.read_text().strip() not in (b"operator secret".hex(), "operator secret")
+
+
+async def test_trigger_over_websocket(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, backend: FakeBackend
+) -> None:
+    ws = await connect(http, proxy)
+    first = await create(ws, model="m", input=HISTORY, store=False)
+    first_id = first[-1]["response"]["id"]
+    events = await create(ws, model="m", previous_response_id=first_id, input=[TRIGGER])
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    item = compaction_item(events[-1]["response"]["output"])
+    after = await create(
+        ws, model="m", previous_response_id=events[-1]["response"]["id"], input="next?"
+    )
+    assert after[-1]["type"] == "response.completed"
+    assert forwarded_items(backend)[-1][2]["content"].startswith(SUMMARY_PREFIX)
+    # The item by value on the same socket opens too.
+    by_value = await create(ws, model="m", input=[item, {"role": "user", "content": "x"}])
+    assert by_value[-1]["type"] == "response.completed"
+    assert_never_forwarded(backend)
+    await ws.close()
+
+
+async def test_a_trigger_that_is_not_last_is_refused(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client().responses.create(model="m", input=[TRIGGER, *HISTORY])
+    assert "last input item" in str(caught.value)
+    assert backend.responses_seen == []
+
+
+async def test_a_backend_error_is_relayed_and_counted(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    backend.fail_next(
+        400,
+        {
+            "error": {
+                "message": "context too long",
+                "type": "invalid_request_error",
+                "code": "context_length_exceeded",
+                "param": None,
+            }
+        },
+    )
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client().responses.create(model="m", input=[*HISTORY, TRIGGER])
+    assert "context too long" in str(caught.value)
+    assert proxy.metric("ocxproxy_compactions_total", route="trigger", outcome="backend_error") == 1
+
+
+def test_sealed_document_round_trip() -> None:
+    from ocxproxy.continuation.compaction import Sealer, summary_message
+
+    sealer = Sealer(b"k" * 32)
+    token = sealer.seal("the summary", scope="s1", model="m")
+    assert sealer.open(token, "s1") == summary_message("the summary")
+    assert orjson.loads(summary_message("x"))["content"] == SUMMARY_PREFIX + "x"
+
+
+async def test_trigger_on_a_conversation(proxy: ProxyHandle, backend: FakeBackend) -> None:
+    client = proxy.client()
+    conv = await client.conversations.create(items=[HISTORY[1]])  # type: ignore[list-item]
+    await client.responses.create(model="m", input="turn", conversation=conv.id)
+    compaction = await client.responses.create(model="m", input=[TRIGGER], conversation=conv.id)
+    compaction_item(compaction.output)
+    assert compaction.conversation is not None and compaction.conversation.id == conv.id
+    await client.responses.create(model="m", input="after", conversation=conv.id)
+    after = forwarded_items(backend)[-1]
+    assert after[-2]["content"].startswith(SUMMARY_PREFIX)
+    assert after[-1] == {"role": "user", "content": "after"}
+    assert_never_forwarded(backend)
