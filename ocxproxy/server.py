@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -131,8 +132,9 @@ class Listener:
 
     def __init__(self, runner: web.AppRunner) -> None:
         self.runner = runner
+        self.hosts = [address[0] for address in runner.addresses]
         host, port = runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     async def close(self) -> None:
         """Stop listening, let requests finish, then the cleanup contexts in reverse."""
@@ -175,11 +177,31 @@ def _check_fd_room(config: Config) -> None:
         )
 
 
+def _check_exposure(config: Config, hosts: list[str]) -> None:
+    """Warn when clients beyond this machine can reach a proxy that asks for no key."""
+    exposed = [host for host in hosts if not _is_loopback(host)]
+    if exposed and not config.api_keys:
+        log.warning(
+            "listening on %s, beyond loopback, without --api-keys: anyone who reaches the "
+            "port can use the backends and the turns stored without a key. Set --api-keys, "
+            "or --host 127.0.0.1.",
+            ", ".join(exposed),
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then shut down in order (cleanup contexts in reverse)."""
     _check_fd_room(config)
     app = build_app(config)
     listener = await listen(app, config.host, config.port)
+    _check_exposure(config, listener.hosts)
     fleet = app[PROXY].pool.fleet
     settler = spawn(heap.keep_settled(lambda: fleet.in_flight == 0), name="heap-settler")
     try:

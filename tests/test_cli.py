@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -331,3 +332,71 @@ async def test_subprocess_serves_from_env_and_stops_on_sigterm(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def _serve_until_listening(
+    *args: str, env: dict[str, str]
+) -> tuple[asyncio.subprocess.Process, str]:
+    """Start `serve`, return it and its listening line."""
+    process = await _run("serve", *args, env={"PYTHONUNBUFFERED": "1", **env})
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(20):
+            line = (await process.stdout.readline()).decode()
+    except BaseException:
+        process.kill()
+        await process.wait()
+        raise
+    return process, line
+
+
+async def _stop(process: asyncio.subprocess.Process) -> str:
+    """SIGTERM, and what the process wrote on stderr."""
+    process.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(20):
+        _, err = await process.communicate()
+    return err.decode()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_ipv6_listen_url_has_brackets_and_works(
+    backend: FakeBackend, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine")
+    args = ("--host", "::1", "--port", "0", "--upstream", backend.url, "--state-dir", str(tmp_path))
+    process, line = await _serve_until_listening(*args, env={})
+    try:
+        found = re.fullmatch(r"ocxproxy listening on (http://\[::1\]:\d+/v1)\n", line)
+        assert found, line
+        async with http.post(found[1] + "/responses", json={"model": "m", "input": "hi"}) as resp:
+            assert resp.status == 200
+    finally:
+        err = await _stop(process)
+    assert "beyond loopback" not in err
+
+
+@pytest.mark.parametrize("keys", [False, True])
+async def test_listening_beyond_loopback_without_keys_warns(
+    keys: bool, backend: FakeBackend, tmp_path: Path
+) -> None:
+    env = {"OCXPROXY_API_KEYS": "sk-a"} if keys else {}
+    args = ("--host", "0.0.0.0", "--port", "0", "--upstream", backend.url)
+    process, line = await _serve_until_listening(*args, "--state-dir", str(tmp_path), env=env)
+    err = await _stop(process)
+    assert line.startswith("ocxproxy listening on http://0.0.0.0:"), line
+    warnings = [w for w in err.splitlines() if "beyond loopback" in w]
+    if keys:
+        assert warnings == []
+    else:
+        (warning,) = warnings
+        assert "WARNING" in warning and "listening on 0.0.0.0" in warning
+        assert "--api-keys" in warning

@@ -158,9 +158,15 @@ class Durable:
             gc.enable()
         self._restored(loaded)
         # Files before the checkpoint that no live segment needs: a crash came between a
-        # checkpoint and their removal (never when the checkpoint was unreadable).
+        # checkpoint and their removal (never when the checkpoint was unreadable). And empty
+        # files earlier starts left, but the last: file numbers must only grow.
         first, live = loaded.replay_from[0], self.table.keydir.live
-        stale = [p for p in loaded.sizes if p < first and not live.get(p) and not loaded.error]
+        last = max(loaded.sizes, default=0)
+        stale = [
+            p
+            for p, size in loaded.sizes.items()
+            if not live.get(p) and ((p < first and not loaded.error) or (not size and p != last))
+        ]
         self.table.dropped(stale)
         await self.offload(self._sweep_files, j, stale)
         await self.offload(j.open_next)

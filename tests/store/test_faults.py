@@ -309,6 +309,28 @@ async def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_empty_journal_files_from_earlier_starts_are_removed(tmp_path: Path) -> None:
+    """Each start appends to a new journal file; the empty ones earlier starts left are
+    removed at the next, all but the last (file numbers only grow), and nothing is lost."""
+    store = await started(tmp_path)
+    await chain(store, "c", 2)
+    await store.close()
+    for _ in range(5):
+        store = await started(tmp_path)
+        await store.close()
+    files_left = journal_files(tmp_path)
+    assert sorted(p.stat().st_size == 0 for p in files_left.values()) == [False, True, True]
+    store = await started(tmp_path)
+    assert await resolves(store, "c1")
+    await chain(store, "d", 2)
+    assert store.journal is not None and store.journal.active > max(files_left)
+    await store.close()
+    store = await started(tmp_path)
+    assert await resolves(store, "c1") and await resolves(store, "d1")
+    assert store.check() == []
+    await store.close()
+
+
 async def test_the_preallocated_tail_of_a_killed_store_is_a_clean_end(tmp_path: Path) -> None:
     """The active journal file has room allocated past its last entry (so a commit's
     fdatasync need not touch metadata); after kill -9 those zeros are no torn tail."""
