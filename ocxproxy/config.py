@@ -366,6 +366,14 @@ class Config:
         parse=parse_duration,
         check=positive,
     )
+    shutdown_timeout: float = setting(
+        30.0,
+        "at SIGTERM, how long requests and WebSocket turns in flight may take to finish; "
+        "past it they end with a server_shutting_down error",
+        group=LIMITS,
+        parse=parse_duration,
+        check=not_negative,
+    )
     keepalive_timeout: float = setting(
         75.0,
         "how long an idle client connection stays open",

@@ -13,6 +13,7 @@
     ├── RateLimited               429 rate_limit_exceeded
     ├── StorageUnavailable        503 storage_unavailable (a turn could not be made durable,
     │                             or the shared store cannot be reached)
+    ├── ShuttingDown              503 server_shutting_down (cut at the end of a graceful stop)
     └── UpstreamError             502/504 backend unreachable, timed out or broke off
 
 Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
@@ -141,6 +142,22 @@ class RateLimited(OcxError):
     status = 429
     type = "rate_limit_exceeded"
     code = "rate_limit_exceeded"
+
+
+class ShuttingDown(OcxError):
+    """A request still running when the graceful stop's --shutdown-timeout ran out."""
+
+    status = 503
+    type = "server_error"
+    code = "server_shutting_down"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or "The server is shutting down and stopped this request before it finished; "
+            "nothing of it was stored. Retry it (another replica, or this one once it "
+            "restarts, will serve it)."
+        )
 
 
 class UpstreamError(OcxError):

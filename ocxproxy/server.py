@@ -18,7 +18,7 @@ from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.continuation.compaction import Sealer
 from ocxproxy.http import conversations, health, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
-from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.http.context import CUT_GRACE, PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
@@ -29,7 +29,6 @@ from ocxproxy.upstream.pool import UpstreamPool
 log = logging.getLogger("ocxproxy")
 
 SWEEP_INTERVAL = 60.0
-SHUTDOWN_GRACE = 10.0
 SWITCH_INTERVAL = 0.001  # seconds (sys.setswitchinterval)
 
 
@@ -45,7 +44,6 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     app[PROXY] = proxy
     app.on_response_prepare.append(tag_answer)
     app[websocket.WEBSOCKETS] = weakref.WeakSet()
-    app.on_shutdown.append(websocket.close_websockets)
     app.cleanup_ctx.append(_local_backend)
     app.cleanup_ctx.append(_store_lifecycle)
     app.cleanup_ctx.append(_upstream_session)
@@ -137,7 +135,18 @@ class Listener:
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     async def close(self) -> None:
-        """Stop listening, let requests finish, then the cleanup contexts in reverse."""
+        """Stop listening; let requests and WebSocket turns in flight finish by
+        `--shutdown-timeout`, and cut what still runs then (each ends with an error that
+        says why); then aiohttp's shutdown and the cleanup contexts in reverse. (Before
+        aiohttp's shutdown, which stops reading every connection it serves.)"""
+        app = self.runner.app
+        proxy = app[PROXY]
+        stopping = proxy.stop()
+        await asyncio.gather(
+            *(site.stop() for site in self.runner.sites),  # the front end's requests too
+            websocket.close_websockets(app),
+            stopping.finish(list(proxy.handlers)),
+        )
         await self.runner.cleanup()
 
 
@@ -149,13 +158,13 @@ async def listen(app: web.Application, host: str, port: int) -> Listener:
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=SHUTDOWN_GRACE,
+        shutdown_timeout=CUT_GRACE,  # what is left after Listener.close's own wait
         keepalive_timeout=app[PROXY].config.keepalive_timeout,  # for handed-over connections
         auto_decompress=False,  # request bodies are decoded, bounded, by http/body.py
     )
     await runner.setup()
     try:
-        await FrontSite(runner, host, port, grace=SHUTDOWN_GRACE).start()
+        await FrontSite(runner, host, port).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -3,10 +3,11 @@ caller's scope, and where a create call's answer goes (`Reply`)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -21,6 +22,33 @@ from ocxproxy.store import Store
 from ocxproxy.upstream.pool import UpstreamPool
 
 ANONYMOUS = "anonymous"
+CUT_GRACE = 1.0  # seconds a request cut at shutdown has to write its closing error
+
+
+@dataclass(slots=True)
+class Stopping:
+    """A graceful stop under way: requests in flight may run until `deadline` (loop time);
+    then `cut` is set and what still runs is cancelled, and ends with ShuttingDown."""
+
+    deadline: float
+    cut: bool = False
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    def expire(self) -> None:
+        self.cut = True
+
+    async def finish(self, tasks: Collection[asyncio.Task[Any]]) -> None:
+        """Let `tasks` (requests in flight) finish by the deadline; then cut the rest."""
+        if not tasks:
+            return
+        _, running = await asyncio.wait(tasks, timeout=self.left())
+        if running:
+            self.expire()
+            for task in running:
+                task.cancel()
+            await asyncio.wait(running, timeout=CUT_GRACE)
 
 
 @dataclass(slots=True)
@@ -34,6 +62,21 @@ class Proxy:
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
     sealer: Sealer = field(default_factory=Sealer.ephemeral)  # compaction items' key
+    stopping: Stopping | None = None  # set when a graceful stop begins
+    handlers: set[asyncio.Task[Any]] = field(default_factory=set)  # aiohttp's, in flight
+
+    def stop(self) -> Stopping:
+        """The graceful stop, begun now if it had not been: requests in flight have
+        `--shutdown-timeout` to finish."""
+        if self.stopping is None:
+            loop = asyncio.get_running_loop()
+            self.stopping = Stopping(loop.time() + self.config.shutdown_timeout)
+            loop.call_at(self.stopping.deadline, self.stopping.expire)
+        return self.stopping
+
+    def cut_by_shutdown(self) -> bool:
+        """Whether a cancellation now is the graceful stop's deadline (not a client leaving)."""
+        return self.stopping is not None and self.stopping.cut
 
     def __post_init__(self) -> None:
         # A live holder renews its lease with every chunk from the backend, so a holder

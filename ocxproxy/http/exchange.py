@@ -11,6 +11,7 @@ it cannot be. The answer goes to a `Reply` (http/context.py). No aiohttp.web her
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -37,6 +38,7 @@ from ocxproxy.errors import (
     FailureReason,
     OcxError,
     PreviousResponseNotFound,
+    ShuttingDown,
     StorageUnavailable,
     StoreFailure,
     UpstreamError,
@@ -430,6 +432,13 @@ async def relay_stream(
             await reply.write(error_event(exc.to_openai_error(), after=last))
     except OcxError as exc:  # instead of the terminal event: it cannot be acknowledged
         await reply.write(error_event(exc.to_openai_error(), after=last))
+    except asyncio.CancelledError:
+        if not exchange.proxy.cut_by_shutdown():
+            raise
+        # The graceful stop's deadline: a terminal event that says so, then the end.
+        await reply.write(error_event(ShuttingDown().to_openai_error(), after=last))
+        await reply.end()
+        raise
     await reply.end()
 
 

@@ -20,7 +20,8 @@ list does not put an agent's turns on the slow path for the rest of its connecti
 Time limits (config): a head must be complete within `head_timeout` of its first byte; a
 body may pause at most `body_timeout` between reads (both: 408 and close); an idle
 connection closes after `keepalive_timeout`. Past `max_connections` open client
-connections, a new one gets 503 and is closed.
+connections, a new one gets 503 and is closed. At a graceful stop, a request in flight has
+until `shutdown_timeout` to finish.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ocxproxy.h1 import (
     status_line,
 )
 from ocxproxy.http.body import codings_of, decoded
-from ocxproxy.http.context import PROXY, Proxy
+from ocxproxy.http.context import PROXY, Proxy, Stopping
 from ocxproxy.http.exchange import create
 from ocxproxy.http.headers import answer_request_id, request_id
 from ocxproxy.http.middleware import guarded
@@ -83,8 +84,10 @@ class FrontEnd:
         cap = self.config.max_connections
         return bool(cap) and len(self.connections) + len(self.handed) >= cap
 
-    async def shutdown(self, grace: float) -> None:
-        """Close idle connections now, let requests in flight finish within `grace`."""
+    async def shutdown(self, stopping: Stopping) -> None:
+        """Close idle connections now, let requests in flight finish by the deadline; cut
+        the rest then (each ends with ShuttingDown: a 503, or an `error` event ending its
+        stream), and close their connections."""
         self.closing = True
         busy = []
         for conn in list(self.connections):
@@ -92,8 +95,7 @@ class FrontEnd:
                 conn.close()
             else:
                 busy.append(conn.task)
-        if busy:
-            await asyncio.wait(busy, timeout=grace)
+        await stopping.finish(busy)
         for conn in list(self.connections):
             conn.close()
 
@@ -419,13 +421,13 @@ async def close_after_answer(request: web.Request, response: web.StreamResponse)
 
 
 class FrontSite(web.TCPSite):
-    """A TCPSite whose connections start on the FrontEnd. Stopping it stops listening,
-    then lets requests served here finish within `grace` (the runner then shuts aiohttp's
-    connections down, and only then the app's cleanup contexts run)."""
+    """A TCPSite whose connections start on the FrontEnd. Stopping it (once the proxy's
+    `stopping` is set) stops listening, then lets requests served here finish by the
+    deadline (the runner then shuts aiohttp's connections down, and only then the app's
+    cleanup contexts run)."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, grace: float) -> None:
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
         super().__init__(runner, host, port)
-        self.grace = grace
         server = runner.server
         assert server is not None
         self.front = FrontEnd(runner.app[PROXY], cast(Callable[[], Any], server))
@@ -441,4 +443,4 @@ class FrontSite(web.TCPSite):
 
     async def stop(self) -> None:
         await super().stop()
-        await self.front.shutdown(self.grace)
+        await self.front.shutdown(self.front.proxy.stop())

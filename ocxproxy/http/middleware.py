@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 
 from aiohttp import web
 
-from ocxproxy.errors import OcxError
+from ocxproxy.errors import OcxError, ShuttingDown
 from ocxproxy.http.body import too_large
 from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of, scope_of
 from ocxproxy.http.headers import answer_request_id, request_id
@@ -26,7 +26,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Routes that answer without a client key: liveness, readiness and metrics scrapes.
 _PROBES = frozenset(("/healthz", "/readyz", "/metrics"))
 # The status a request without a numeric outcome was answered with (none: the client left).
-_NO_STATUS = {"error": 500}
+_NO_STATUS = {"error": 500, "shutdown": ShuttingDown.status}
 # Set by a handler that records its own overhead (a WebSocket connection, per turn).
 SELF_TIMED = web.RequestKey("self_timed", bool)
 
@@ -59,7 +59,8 @@ async def guarded(
     """Run a request's handler: check the client's key, turn an error into its answer
     (`fail`), count the request by route and outcome and record the proxy's overhead (wall
     time minus the time spent waiting on the backend, in `timing`, which the caller made
-    with the request's id)."""
+    with the request's id). A request cancelled by the graceful stop's deadline ends
+    here with ShuttingDown, counted as `shutdown`."""
     start = time.perf_counter()
     outcome = "error"
     error: OcxError | None = None
@@ -74,9 +75,15 @@ async def guarded(
         outcome = str(exc.status)
         log.info("%s %s -> %d %s", method, route, exc.status, exc.code or exc.type)
         return fail(exc)
-    except (ConnectionResetError, asyncio.CancelledError):  # the client went away
-        outcome = "client_disconnected"
-        raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        if not proxy.cut_by_shutdown():  # the client went away
+            outcome = "client_disconnected"
+            raise
+        # The graceful stop's deadline: the request is over (its cancellation is taken
+        # here), and its client is told why, if its answer has not begun.
+        outcome = "shutdown"
+        error = ShuttingDown()
+        return fail(error)
     except Exception:
         log.exception("unhandled error on %s %s", method, route)
         return fail(OcxError("The proxy failed to handle the request."))
@@ -135,13 +142,22 @@ async def handle_errors(request: web.Request, handler: Handler) -> web.StreamRes
             raise ConnectionResetError("answer cut short")
         return error_response(error)
 
-    return await guarded(
-        proxy,
-        request.method,
-        route_of(request),
-        request.headers,
-        timing,
-        run,
-        fail,
-        self_timed=lambda: request.get(SELF_TIMED, False),
-    )
+    # A request in flight that the graceful stop waits for, then cuts (not a WebSocket:
+    # its turns are, http/websocket.py).
+    task = None if request.headers.get("Upgrade") else asyncio.current_task()
+    if task is not None:
+        proxy.handlers.add(task)
+    try:
+        return await guarded(
+            proxy,
+            request.method,
+            route_of(request),
+            request.headers,
+            timing,
+            run,
+            fail,
+            self_timed=lambda: request.get(SELF_TIMED, False),
+        )
+    finally:
+        if task is not None:
+            proxy.handlers.discard(task)

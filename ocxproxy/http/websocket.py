@@ -6,7 +6,10 @@ at a time in arrival order; answers (events or one `error` event) keep that orde
 connection owns a memory-only Store for its store:false turns: never written to disk,
 never resolvable from another connection or over HTTP, dropped on close. Errors are
 `error` events and the socket stays open, except for the lifetime limit and protocol
-violations (a frame over the size limit closes with 1009).
+violations (a frame over the size limit closes with 1009). At a graceful stop, the turn in
+flight may finish by `--shutdown-timeout` (frames after the stop began are refused with
+`server_shutting_down`); one still running then ends with that error; the socket closes
+with 1001.
 
 A GET without an upgrade is not WebSocket mode: it is forwarded like any other path
 (CONTRACT.md C2).
@@ -15,6 +18,7 @@ A GET without an upgrade is not WebSocket mode: it is forwarded like any other p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import secrets
@@ -32,12 +36,13 @@ from ocxproxy.errors import (
     InvalidRequest,
     OcxError,
     RateLimited,
+    ShuttingDown,
     StoreFailure,
     UpstreamError,
     backend_error,
 )
 from ocxproxy.http.compaction import compaction_turn
-from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
+from ocxproxy.http.context import PROXY, Proxy, Stopping, proxy_of, scope_of, timing_of
 from ocxproxy.http.exchange import (
     Exchange,
     open_upstream,
@@ -53,7 +58,7 @@ from ocxproxy.upstream.sse import SUCCESS_EVENTS, Event
 
 log = logging.getLogger("ocxproxy.websocket")
 
-WEBSOCKETS = web.AppKey[weakref.WeakSet[web.WebSocketResponse]]("websockets")
+WEBSOCKETS: web.AppKey[weakref.WeakSet[Connection]] = web.AppKey("websockets")
 HEARTBEAT = 30.0  # seconds between pings; a peer silent for half of it more is dropped
 QUEUE_LIMIT = 16  # response.create frames waiting behind the one in flight
 LOCAL_MAX_ENTRIES = 4096
@@ -70,6 +75,7 @@ class TurnOutcome(enum.StrEnum):
     BACKEND_ERROR = "backend_error"  # non-200 answer, unreachable, or broke off
     FAILED = "failed"  # the stream ended without a completed/incomplete response
     CANCELLED = "cancelled"  # client gone or connection limit reached mid-turn
+    SHUTDOWN = "shutdown"  # still running when the graceful stop's deadline came
 
 
 _EVICTING = frozenset((TurnOutcome.REJECTED, TurnOutcome.BACKEND_ERROR, TurnOutcome.FAILED))
@@ -84,13 +90,13 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
     request[SELF_TIMED] = True  # a connection is not one request: turns record overhead
     connection = Connection(proxy, request, ws)
     sockets = request.app[WEBSOCKETS]
-    sockets.add(ws)
+    sockets.add(connection)
     proxy.metrics.ws_open.inc()
     started = time.monotonic()
     try:
         await connection.serve()
     finally:
-        sockets.discard(ws)
+        sockets.discard(connection)
         _drop_heartbeat_hook(request)
         proxy.metrics.ws_open.dec()
         log.info(
@@ -112,10 +118,12 @@ def _drop_heartbeat_hook(request: web.Request) -> None:
 
 
 async def close_websockets(app: web.Application) -> None:
-    """on_shutdown: close every open socket (clients may reconnect elsewhere)."""
+    """The graceful stop: close every open socket once its turn in flight is over, by the
+    deadline (clients may reconnect elsewhere)."""
+    stopping = app[PROXY].stop()
     sockets = app[WEBSOCKETS]
     await asyncio.gather(
-        *[ws.close(code=WSCloseCode.GOING_AWAY, message=b"Server shutdown") for ws in sockets],
+        *[connection.shut_down(stopping) for connection in list(sockets)],
         return_exceptions=True,
     )
 
@@ -144,6 +152,9 @@ class Connection:
         )
         self.queue: asyncio.Queue[str | bytes] = asyncio.Queue(QUEUE_LIMIT)
         self.turns = 0
+        self.worker: asyncio.Task[None] | None = None
+        self.idle = asyncio.Event()  # no turn in flight
+        self.idle.set()
         self._frames_in = proxy.metrics.ws_frames.labels(direction="in")
         self._frames_out = proxy.metrics.ws_frames.labels(direction="out")
 
@@ -151,7 +162,7 @@ class Connection:
         return f"<Connection {self.turns} turns {self.queue.qsize()} queued {self.local!r}>"
 
     async def serve(self) -> None:
-        worker = spawn(self._work(), name="websocket-turns")
+        worker = self.worker = spawn(self._work(), name="websocket-turns")
         limit = asyncio.timeout(self.proxy.config.ws_max_age)
         try:
             try:
@@ -196,11 +207,28 @@ class Connection:
         await self._send_error(error)
         await self.ws.close()
 
+    async def shut_down(self, stopping: Stopping) -> None:
+        """The graceful stop: the turn in flight may finish by the deadline, else it is cut
+        (its client gets an error event saying why); then the socket closes (1001)."""
+        try:
+            async with asyncio.timeout(stopping.left()):
+                await self.idle.wait()
+        except TimeoutError:
+            stopping.expire()
+            if self.worker is not None:
+                await cancel_and_wait(self.worker)
+        await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"Server shutting down")
+
     async def _work(self) -> None:
         try:
             while True:
                 frame = await self.queue.get()
-                await self._turn(frame)
+                self.idle.clear()
+                try:
+                    await self._turn(frame)
+                finally:
+                    if self.queue.empty():  # queued frames first: each gets its answer
+                        self.idle.set()
         except ConnectionResetError:
             return  # the client is gone; the reader sees the close and ends the connection
         except Exception:
@@ -216,6 +244,11 @@ class Connection:
         failure: OcxError | None = None
         exchange: Exchange | None = None
         try:
+            if self.proxy.stopping is not None:
+                raise ShuttingDown(
+                    "The server is shutting down and starts no new turns; send this one "
+                    "on a new connection (another replica, or this one once it restarts)."
+                )
             body, generate = parse_frame(frame)
             request = check_request(body)
             prev = request.previous_response_id
@@ -239,6 +272,13 @@ class Connection:
                 else TurnOutcome.REJECTED
             )
             await self._send_error(error)
+        except asyncio.CancelledError:
+            if self.proxy.cut_by_shutdown():
+                outcome = TurnOutcome.SHUTDOWN
+                failure = ShuttingDown()
+                with contextlib.suppress(ConnectionResetError):
+                    await self._send_error(failure)
+            raise
         finally:
             if exchange is not None:
                 exchange.release()  # its conversation, when the turn ended without a response
