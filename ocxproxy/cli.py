@@ -110,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"{help_for('state_dir')} [{env_name('state_dir')}]",
     )
+    state.add_argument(
+        "--config", metavar="FILE", help=f"the serve config file, for its state-dir [{CONFIG_ENV}]"
+    )
     return parser
 
 
@@ -117,6 +120,13 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
     from ocxproxy.store import admin, default_state_dir
 
     raw = args.state_dir or environ.get(env_name("state_dir"))
+    config_file = args.config or environ.get(CONFIG_ENV)
+    if raw is None and config_file:
+        try:
+            raw = read_config_file(Path(config_file))[0].get("state_dir")
+        except ConfigError as exc:
+            print(f"ocxproxy: error: {exc}", file=sys.stderr)
+            return 2
     root = Path(raw) if raw else default_state_dir()
     if not root.is_dir():
         print(f"ocxproxy: error: no state dir at {root}", file=sys.stderr)

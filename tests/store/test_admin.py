@@ -36,6 +36,24 @@ def test_stats(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "replayed       3 entries" in out and "torn tails     0" in out
 
 
+def test_state_dir_from_the_config_file(
+    state: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`state` finds the directory `serve --config FILE` would use; flag and env win."""
+    config = tmp_path_factory.mktemp("etc") / "ocxproxy.toml"
+    config.write_text(f'state-dir = "{state}"\nport = 9000\n')
+    assert main(["state", "stats", "--config", str(config)], environ={}) == 0
+    assert "records        4" in capsys.readouterr().out
+    assert main(["state", "stats"], environ={"OCXPROXY_CONFIG": str(config)}) == 0
+    assert "records        4" in capsys.readouterr().out
+    nowhere = str(state / "nowhere")
+    assert main(["state", "stats", "--config", str(config), "--state-dir", nowhere]) == 1
+    assert f"no state dir at {nowhere}" in capsys.readouterr().err
+    config.write_text("state_dir = 'x'\n")
+    assert main(["state", "stats", "--config", str(config)], environ={}) == 2
+    assert "unknown key 'state_dir' (did you mean 'state-dir'?)" in capsys.readouterr().err
+
+
 def test_state_dir_from_the_environment(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["state", "stats"], environ={"OCXPROXY_STATE_DIR": str(state)}) == 0
     assert str(state) in capsys.readouterr().out
