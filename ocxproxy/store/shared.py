@@ -149,8 +149,8 @@ class SharedStore(Store):
         """Record the compaction key's fingerprint (the first replica's), or refuse to
         start when another replica's key differs: an item it sealed would not open here."""
         key = self.prefix + "compaction-key"
-        await self.server.command("SET", key, fingerprint, "NX")
-        recorded = await self.server.command("GET", key)
+        await self.server.command("compaction_key", "SET", key, fingerprint, "NX")
+        recorded = await self.server.command("compaction_key", "GET", key)
         if recorded is not None and recorded.decode() != fingerprint:
             raise SharedStoreRefused(
                 "shared store: this replica's --compaction-key differs from the one the "
