@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
         text = argparse.SUPPRESS if is_hidden(name) else f"{text} [{env_name(name)}]"
         group = groups[group_of(name)]
         kind = kind_of(name)
-        if kind == "flag":
-            group.add_argument(flag_name(name), action="store_const", const="true", help=text)
+        if kind == "flag":  # --no-zdr: off, whatever the config file says
+            group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, help=text)
         elif kind == "list":
             metavar = metavar_for(name)
             group.add_argument(flag_name(name), action="append", metavar=metavar, help=text)

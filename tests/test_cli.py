@@ -157,6 +157,17 @@ def test_bool_flags_take_no_value(served: list[Config]) -> None:
     assert (served[0].zdr, served[0].retain_unstored) == (True, True)
 
 
+def test_a_no_flag_turns_off_what_the_file_or_env_turned_on(
+    served: list[Config], tmp_path: Path
+) -> None:
+    path = _toml(tmp_path, "retain-unstored = true\nforward-unknown-ids = true\n")
+    environ = {"OCXPROXY_ZDR": "true"}
+    argv = ["serve", "--config", path, "--no-retain-unstored", "--no-zdr"]
+    assert main(argv, environ=environ) == 0
+    assert (served[0].retain_unstored, served[0].zdr) == (False, False)
+    assert served[0].forward_unknown_ids is True
+
+
 def _toml(tmp_path: Path, text: str) -> str:
     path = tmp_path / "ocxproxy.toml"
     path.write_text(text)
