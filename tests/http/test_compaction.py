@@ -327,3 +327,12 @@ async def test_trigger_on_a_conversation(proxy: ProxyHandle, backend: FakeBacken
     assert after[-2]["content"].startswith(SUMMARY_PREFIX)
     assert after[-1] == {"role": "user", "content": "after"}
     assert_never_forwarded(backend)
+
+
+def test_the_prompt_in_use_is_the_documented_one() -> None:
+    from ocxproxy.continuation.compaction import PROMPT_VERSION
+
+    behavior = (Path(__file__).resolve().parents[2] / "docs" / "BEHAVIOR.md").read_text()
+    assert f"> {COMPACTION_PROMPT}\n" in behavior
+    assert f"The compaction prompt (version {PROMPT_VERSION}," in behavior
+    assert SUMMARY_PREFIX.replace("\n", "\\n") in behavior
