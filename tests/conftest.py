@@ -19,7 +19,7 @@ from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY, Proxy
 from ocxproxy.server import Listener, build_app, listen
 from tests.fakes.backend import FakeBackend
-from tests.serve import Serve
+from tests.serve import SHARED_COMPACTION_KEY, Serve
 
 # Imported here, at collection, on purpose: CPython 3.11.7 can fail to compile hypothesis
 # ("AST constructor recursion depth mismatch") when it is first imported from a deep stack.
@@ -95,6 +95,8 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
         overrides.setdefault("snapshot_delay", 0.05)
         # No health probes unless a test asks: they would show up in FakeBackend.seen.
         overrides.setdefault("health_interval", 0)
+        if overrides.get("shared_store"):  # replicas on one shared store share one key
+            overrides.setdefault("compaction_key", SHARED_COMPACTION_KEY)
         config = Config(upstream=tuple(upstreams), port=0, **overrides)
         app = build_app(config)
         server = await listen(app, "127.0.0.1", 0)  # as `ocxproxy serve` does

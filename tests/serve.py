@@ -33,6 +33,9 @@ class ServeExited(AssertionError):
         self.output = output
 
 
+SHARED_COMPACTION_KEY = "the test replicas' shared compaction key"
+
+
 class Serve:
     """`ocxproxy serve` on the default (durable) configuration unless `extra` says; `env`
     adds environment variables (e.g. OCXPROXY_SHARED_STORE); `preexec_fn` runs in the child
@@ -51,6 +54,9 @@ class Serve:
             "--state-dir", str(state_dir), "--port", "0", "--health-interval", "0", *extra,
         ]  # fmt: skip
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "--shared-store" in extra or "OCXPROXY_SHARED_STORE" in self.env:
+            # Replicas on one shared store must seal compaction items with one key.
+            self.env.setdefault("OCXPROXY_COMPACTION_KEY", SHARED_COMPACTION_KEY)
         self.preexec_fn = preexec_fn
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""

@@ -95,6 +95,8 @@ def start_serve(upstream: str, state: Path, *extra: str) -> Child:
         "--log-level", "warning", "--max-resident-bytes", "1GiB", "--health-interval", "0",
         "--state-dir", str(state), *extra,
     ]  # fmt: skip
+    if "--shared-store" in extra:  # replicas on one shared store seal with one key
+        argv += ["--compaction-key", "the benchmark replicas' key"]
     return start_child(f"proxy-{state.name}", argv, r"ocxproxy listening on (http://\S+?)/v1")
 
 
