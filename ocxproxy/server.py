@@ -44,8 +44,8 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     app[PROXY] = proxy
     app.on_response_prepare.append(tag_answer)
     app[websocket.WEBSOCKETS] = weakref.WeakSet()
+    app.cleanup_ctx.append(_store_lifecycle)  # first: a state dir it cannot use refuses fast
     app.cleanup_ctx.append(_local_backend)
-    app.cleanup_ctx.append(_store_lifecycle)
     app.cleanup_ctx.append(_upstream_session)
     r = app.router
     r.add_get("/healthz", health.healthz)

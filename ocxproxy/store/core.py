@@ -74,6 +74,7 @@ class Store(KeptRecords):
         checkpoint_bytes: int = CHECKPOINT_BYTES,
         checkpoint_age: float = CHECKPOINT_AGE,
         fsync_child: bool = False,
+        make_parents: bool = True,
     ) -> None:
         if durability not in ("ack", "relaxed"):
             raise ValueError(f"unknown durability {durability!r} (ack or relaxed)")
@@ -109,13 +110,15 @@ class Store(KeptRecords):
                 checkpoint_bytes=max(4096, min(checkpoint_bytes, max_disk_bytes // 8)),
                 checkpoint_age=checkpoint_age,
                 fsync_child=fsync_child,
+                make_parents=make_parents,
             )
         self._committer: Committer | None = None
         register_gauges(self)
 
     @classmethod
     def from_config(cls, config: Config, metrics: Metrics | None = None) -> Store:
-        """The proxy's shared store: memory-only under --zdr, else backed by the state dir."""
+        """The proxy's shared store: memory-only under --zdr, else backed by the state dir
+        (the default one is created with its parents; a --state-dir needs its parent)."""
         state_dir = None if config.zdr else (config.state_dir or default_state_dir())
         return cls(
             max_resident_bytes=config.max_resident_bytes,
@@ -127,6 +130,7 @@ class Store(KeptRecords):
             durability=config.durability,
             snapshot_delay=config.snapshot_delay,
             fsync_child=True,
+            make_parents=config.state_dir is None,
         )
 
     def __repr__(self) -> str:
@@ -161,7 +165,8 @@ class Store(KeptRecords):
             return
         self._started = True
         disk, ledger = self.disk, self.ledger
-        if disk is not None and ledger is not None and await disk.load():
+        if disk is not None and ledger is not None:
+            await disk.load()  # StateDirUnusable: the proxy refuses to start
             self._committer = self.table.committer = ledger.committer = disk.committer
             self.table.journal, ledger.changed = disk.journal, disk.changed
 

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.config import ConfigError
 from ocxproxy.errors import FailureReason
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment
@@ -54,6 +55,12 @@ log = logging.getLogger("ocxproxy.store")
 
 LOG_EVERY = 10.0  # seconds between repeated write-failure warnings
 _OFFSET = operator.attrgetter("offset")
+_FIX = "or choose another --state-dir (--zdr is the mode that keeps nothing on disk)"
+
+
+class StateDirUnusable(ConfigError):
+    """The state dir cannot be taken at start-up: the proxy refuses to start rather than
+    acknowledge turns a restart would lose."""
 
 
 class Owner(Protocol):
@@ -89,8 +96,10 @@ class Durable:
         checkpoint_bytes: int,
         checkpoint_age: float,
         fsync_child: bool = False,
+        make_parents: bool = True,
     ) -> None:
         self.root = root
+        self.make_parents = make_parents  # else a missing parent is refused (a typo?)
         self.owner = owner
         self.table = table
         self.apply = apply  # a commit's outcome, to the records and segments
@@ -119,25 +128,20 @@ class Durable:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def load(self) -> bool:
+    async def load(self) -> None:
         """Take the dir, load the checkpoint and replay the journal into the store (every
-        intact chain), then start the committer and the maintainer. False: the dir is
-        unusable and the store runs memory-only."""
+        intact chain), then start the committer and the maintainer. StateDirUnusable when
+        the dir cannot be taken."""
         started = time.monotonic()
         # The fsync helper starts (~30-60 ms, most of it its interpreter's) meanwhile.
         helper = asyncio.ensure_future(self.offload(FsyncChild.spawn)) if self.fsync_child else None
         gc.disable()  # reading builds the objects the index keeps (see below)
         try:
-            opened: tuple[Journal, Loaded] | None = await self.offload(self._open, self.root)
+            j, loaded = await self.offload(self._open, self.root)
         except BaseException:
             gc.enable()
             await self._discard(helper)
             raise
-        if opened is None:
-            gc.enable()
-            await self._discard(helper)
-            return False
-        j, loaded = opened
         self.journal = j
         if loaded.error is not None:
             self.metrics.snapshot_failures.labels(reason="corrupt").inc()
@@ -185,7 +189,6 @@ class Durable:
             time.monotonic() - started, len(self.owner), len(self.table),
             keydir.live_bytes, len(keydir.sizes), loaded.entries, len(stale),
         )  # fmt: skip
-        return True
 
     async def _discard(self, helper: asyncio.Future[FsyncChild | None] | None) -> None:
         """The fsync helper started for a load that failed: told to exit, and reaped."""
@@ -196,27 +199,36 @@ class Durable:
             child.close()
             await self.offload(child.wait)
 
-    def _open(self, root: Path) -> tuple[Journal, Loaded] | None:
+    def _open(self, root: Path) -> tuple[Journal, Loaded]:
         """Blocking: take the dir, read checkpoint and journal."""
+        parent = root.parent
+        if not self.make_parents and not root.exists() and not parent.is_dir():
+            why = "is not a directory" if parent.exists() else "does not exist"
+            raise StateDirUnusable(
+                f"state dir {root} cannot be used: its parent {parent} {why}; create it "
+                f"(or mount its volume), {_FIX}"
+            )
         lock = files.DirLock(root)
         try:
             files.ensure_root(root)
             if not lock.acquire():
-                self._unusable(root, "locked", "in use by another ocxproxy process")
-                return None
+                raise StateDirUnusable(
+                    f"state dir {root} cannot be used: another ocxproxy process holds it "
+                    f"({lock.path}); stop that one, {_FIX}"
+                )
             j = Journal(root)
             j.prepare()
             loaded = j.load(repair=True)
         except OSError as exc:
             lock.release()
-            self._unusable(root, "unsafe", str(exc))
-            return None
+            why = exc.strerror or str(exc)
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise StateDirUnusable(
+                f"state dir {root} cannot be used: {why}{where}; make it a directory this "
+                f"user can write, {_FIX}"
+            ) from None
         self._lock = lock
         return j, loaded
-
-    def _unusable(self, root: Path, reason: str, detail: str) -> None:
-        self.metrics.snapshot_failures.labels(reason=reason).inc()
-        log.error("state dir %s unusable (%s): running memory-only", root, detail)
 
     def _restored(self, loaded: Loaded) -> None:
         """Where the loaded checkpoint and journal leave the checkpoint's schedule."""

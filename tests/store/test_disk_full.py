@@ -31,11 +31,12 @@ DISK = "24m"
 RESIDENT = 8 * 2**20  # --max-resident-bytes: what the proxy may keep of stored turns
 
 
-def mount_tmpfs(path: Path, size: str) -> None:
+def mount_tmpfs(path: Path, size: str, *, read_only: bool = False) -> None:
     """Mount a tmpfs of `size` at `path`; fail under CI=true, skip elsewhere, if we may not."""
     path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},ro" if read_only else f"size={size}"
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
         text=True,
         check=False,

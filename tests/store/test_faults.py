@@ -15,6 +15,7 @@ import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.store import Store, files, journal
+from ocxproxy.store.durable import StateDirUnusable
 from ocxproxy.store.journal import Journal
 from tests.store.helpers import (
     durable_ids,
@@ -283,18 +284,15 @@ async def test_crash_during_compaction(
     assert b"gone turn" not in everything  # compacted away in the end
 
 
-async def test_symlinked_journal_dir_runs_memory_only(tmp_path: Path) -> None:
+async def test_a_symlinked_journal_dir_is_refused(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     state = tmp_path / "state"
     state.mkdir()
     (state / "journal").symlink_to(elsewhere)
-    store = await started(state)
-    assert not store.durable
-    assert sample(store.metrics.snapshot_failures, reason="unsafe") == 1
-    await chain(store, "c", 2)
+    with pytest.raises(StateDirUnusable, match=f"state dir {state} cannot be used"):
+        await started(state)
     assert os.listdir(elsewhere) == []
-    await store.close()
 
 
 async def test_stale_temp_files_are_swept(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.store import Store, disk, journal
+from ocxproxy.store.durable import StateDirUnusable
 from ocxproxy.store.journal import Journal
 from ocxproxy.store.syncer import ChildGone, FsyncChild
 from tests.conftest import MakeProxy
@@ -277,11 +278,11 @@ async def test_a_store_whose_dir_is_unusable_leaves_no_helper(tmp_path: Path) ->
     # The helper starts while the dir loads; when the dir turns out locked, it goes.
     first = await started(tmp_path)
     second = make_store(tmp_path, fsync_child=True)
-    await second.start()
+    with pytest.raises(StateDirUnusable):
+        await second.start()
     assert not second.durable and second.disk is not None and second.disk.child is None
     assert helpers_of(os.getpid()) == [child_of(first).proc.pid]  # the first store's only
     await first.close()
-    await second.close()
 
 
 async def test_a_lone_turn_is_written_before_its_commit_waits(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record
 from ocxproxy.store import Store
+from ocxproxy.store.durable import StateDirUnusable
 from ocxproxy.store.output import split_output
 from tests.store.helpers import (
     Clock,
@@ -382,17 +383,20 @@ def test_split_output_round_trips() -> None:
             assert skeleton[:o] + items[-n:] + skeleton[o:] == response
 
 
-async def test_locked_state_dir_runs_memory_only(tmp_path: Path) -> None:
+async def test_a_locked_state_dir_is_refused(tmp_path: Path) -> None:
     first = make_store(tmp_path, offload=inline)
     await first.start()
     second = make_store(tmp_path, offload=inline)
-    await second.start()
+    with pytest.raises(StateDirUnusable, match="another ocxproxy process holds it"):
+        await second.start()
     assert not second.durable
-    assert sample(second.metrics.snapshot_failures, reason="locked") == 1
-    build_chain(second, 2)
-    assert await items_of(second, "r1") == expected_items("r", 2)
-    await second.close()
+    build_chain(first, 2)  # the first one keeps the dir, and writes to it
+    assert await first.flush()
     await first.close()
+    third = make_store(tmp_path, offload=inline)  # free again once the first one stopped
+    await third.start()
+    assert await items_of(third, "r1") == expected_items("r", 2)
+    await third.close()
 
 
 async def test_gauges_follow_the_tiers(tmp_path: Path) -> None:
