@@ -36,7 +36,6 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     metrics = metrics or Metrics()
     store = open_store(config, metrics)
     proxy = Proxy(config, store, UpstreamPool(config.upstream, config, metrics), metrics)
-    proxy.sealer = Sealer(compaction_key(config, config.state_dir or default_state_dir()))
     if config.access_log != "off":
         proxy.access_log = AccessLog(config.access_log)
     # The body limit is enforced while reading, in responses.read_body and by aiohttp here.
@@ -89,12 +88,18 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
 async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     """Load the snapshot before serving (readyz says so); flush it on shutdown."""
     proxy = app[PROXY]
-    await proxy.store.start()
-    if proxy.config.shared_store is not None:  # every replica seals with the same key
-        from ocxproxy.store.shared import SharedStore
+    config = proxy.config
+    await proxy.store.start()  # first: it takes the state dir, or refuses to start
+    try:
+        proxy.sealer = Sealer(compaction_key(config, config.state_dir or default_state_dir()))
+        if config.shared_store is not None:  # every replica seals with the same key
+            from ocxproxy.store.shared import SharedStore
 
-        assert isinstance(proxy.store, SharedStore)
-        await proxy.store.claim_compaction_key(proxy.sealer.fingerprint)
+            assert isinstance(proxy.store, SharedStore)
+            await proxy.store.claim_compaction_key(proxy.sealer.fingerprint)
+    except BaseException:
+        await proxy.store.close()
+        raise
     heap.trim()  # what loading the index used and freed
     proxy.ready = True
     sweeper = spawn(_sweep(proxy.store), name="store-sweeper")

@@ -90,8 +90,18 @@ async def llama_backend() -> AsyncIterator[FakeBackend]:
 async def make_proxy(tmp_path: Path) -> AsyncIterator[MakeProxy]:
     handles: list[ProxyHandle] = []
 
+    def free_state_dir() -> Path:
+        """tmp_path/state, unless a proxy of this test still holds it (a state dir takes
+        one proxy at a time): then one of its own."""
+        held = {h.app[PROXY].store.state_dir for h in handles if h.app[PROXY].store.durable}
+        path, n = tmp_path / "state", 1
+        while path in held:
+            path, n = tmp_path / f"state{n}", n + 1
+        return path
+
     async def make(*upstreams: str, **overrides: Any) -> ProxyHandle:
-        overrides.setdefault("state_dir", tmp_path / "state")
+        if "state_dir" not in overrides:
+            overrides["state_dir"] = free_state_dir()
         overrides.setdefault("snapshot_delay", 0.05)
         # No health probes unless a test asks: they would show up in FakeBackend.seen.
         overrides.setdefault("health_interval", 0)

@@ -242,6 +242,7 @@ async def test_the_key_is_generated_once_into_the_state_dir(
         model="m", input=[item, {"role": "user", "content": "next"}], store=False
     )
     assert answer.output_text == "echo#2: next"
+    await again.server.close()
     # A key given by the operator wins over the file, and is never written there.
     given = await make_proxy(backend.url, state_dir=state, compaction_key="operator secret")
     with pytest.raises(openai.BadRequestError):
