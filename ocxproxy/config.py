@@ -448,6 +448,15 @@ class Config:
     local_model: Path | None = setting(
         None, "GGUF model for the embedded backend", group=BACKENDS, parse=Path, metavar="FILE"
     )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "the model name responses and /v1/models show (repeatable: the first is the name, "
+        "the others aliases a request may use; default: the backend's own, or the embedded "
+        "model file's name without its path)",
+        group=BACKENDS,
+        parse=split_list,
+        metavar="NAME",
+    )
     api_keys: tuple[str, ...] = setting(
         (),
         "if set, clients must present one of these keys (repeatable)",

@@ -16,7 +16,7 @@ from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.continuation.compaction import Sealer
-from ocxproxy.http import conversations, health, passthrough, responses, websocket
+from ocxproxy.http import conversations, health, models, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import CUT_GRACE, PROXY, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
@@ -58,6 +58,7 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_delete("/v1/responses/{response_id}", responses.delete_response)
     r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
     conversations.add_routes(r)
+    r.add_get("/v1/models", models.list_models)
     r.add_route("*", "/{tail:.*}", passthrough.passthrough)
     return app
 
@@ -76,7 +77,9 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     backend = local.LocalBackend(model)
     url = await backend.start()
     proxy.pool.add(url)
-    log.info("embedded llama.cpp backend at %s (model %s)", url, model.name)
+    if not proxy.served_models:  # a short name, never the model file's path
+        proxy.served_models = (local.served_name(model),)
+    log.info("embedded llama.cpp backend at %s (model %s)", url, proxy.served_models[0])
     watchdog = spawn(backend.watch(), name="local-backend-watchdog")
     try:
         yield

@@ -299,7 +299,7 @@ def compaction_response(
 def response_events(response: dict[str, Any]) -> list[dict[str, Any]]:
     """A compaction Response as its stream of events, `sequence_number` from 0."""
     pending = {**response, "status": "in_progress", "output": [], "usage": None}
-    pending.pop("completed_at", None)
+    pending["completed_at"] = None
     events: list[dict[str, Any]] = [
         {"type": "response.created", "response": pending},
         {"type": "response.in_progress", "response": pending},

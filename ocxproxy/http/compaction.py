@@ -74,9 +74,7 @@ async def compaction_turn(
     response = compaction_response(
         exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time()), [item], usage
     )
-    if exchange.echo is not None:
-        name, value = exchange.echo
-        response[name] = value
+    exchange.envelope.complete(response, final=True)  # and the echoed id or conversation
     exchange.finish(response)
     await exchange.commit()
     proxy.metrics.compactions.labels(route="trigger", outcome="completed").inc()

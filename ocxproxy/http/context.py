@@ -61,6 +61,9 @@ class Proxy:
     access_log: AccessLog | None = None  # --access-log off: None
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
+    # The model names clients see (--served-model-name, or the embedded model's); ():
+    # each backend's own.
+    served_models: tuple[str, ...] = ()
     sealer: Sealer = field(default_factory=Sealer.ephemeral)  # compaction items' key
     stopping: Stopping | None = None  # set when a graceful stop begins
     handlers: set[asyncio.Task[Any]] = field(default_factory=set)  # aiohttp's, in flight
@@ -79,6 +82,7 @@ class Proxy:
         return self.stopping is not None and self.stopping.cut
 
     def __post_init__(self) -> None:
+        self.served_models = self.served_models or self.config.served_model_name
         # A live holder renews its lease with every chunk from the backend, so a holder
         # silent for longer than the backend's read timeout is failing anyway.
         self.leases = Leases(self.config.read_timeout)

@@ -23,7 +23,7 @@ import orjson
 from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.compaction import scan, summary_request, unseal
 from ocxproxy.continuation.conversation import conversation_id_of
-from ocxproxy.continuation.echo import echo_in_event, echo_member
+from ocxproxy.continuation.envelope import Envelope, Patch, written, written_event
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -95,7 +95,7 @@ class Exchange:
     kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
     key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
-    echo: tuple[str, Any] | None = None  # the member the client's Response gets patched in
+    envelope: Envelope = field(default_factory=Envelope)  # completes each Response sent
     # The input ended in a compaction trigger: `body` asks the backend for a summary
     # (http/compaction.py answers the client), and the turn is remembered as `summary`
     # (its message bytes) on top of `retained` (a chain starts again from the compacted
@@ -278,7 +278,10 @@ async def prepare_exchange(
             if proxy.config.forward_unknown_ids and unknown and not (sealed or trigger):
                 body = raw if raw is not None else orjson.dumps(request.body)  # as it came
                 reason = str(failure.reason)
-                return Exchange(proxy, scope, request, body, None, expansion=reason, echo=echo)
+                envelope = _envelope(proxy, request, echo)
+                return Exchange(
+                    proxy, scope, request, body, None, expansion=reason, envelope=envelope
+                )
             raise PreviousResponseNotFound(prev, failure.reason) from None
         parent_store, expansion = parent_store or store, "hit"
     try:
@@ -327,9 +330,13 @@ async def prepare_exchange(
         expansion=expansion,
         history_bytes=sum(map(len, history)),
         conversation=held,
-        echo=echo,
+        envelope=_envelope(proxy, request, echo),
         compaction=trigger,
     )
+
+
+def _envelope(proxy: Proxy, request: Request, echo: tuple[str, Any] | None) -> Envelope:
+    return Envelope(request.body, echo=echo, served_models=proxy.served_models)
 
 
 def open_upstream(
@@ -398,16 +405,20 @@ async def _forward(
             return
         with timing.waiting():
             body = await upstream.read()
-        echo = exchange.echo
-        if echo is not None and upstream.status == 200 and "json" in content_type:
-            body = echo_member(body, *echo)
         answer_headers = client_headers(upstream.headers, body_rewritten=False)
         # The turn is remembered, and durable, before the client can see the answer.
         if upstream.status == 200 and "json" in content_type:
             try:
-                exchange.finish(orjson.loads(body))
+                response = orjson.loads(body)
             except orjson.JSONDecodeError:
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
+            else:
+                if type(response) is dict:
+                    patch = exchange.envelope.complete(response, final=True)
+                    exchange.finish(response)  # the backend's items, as it gave them
+                    body = written(body, response, patch)
+                else:
+                    exchange.finish(response)
             await exchange.commit()
         reply.answer(upstream.status, answer_headers, body)
 
@@ -455,7 +466,7 @@ async def stream_events(
     one."""
     splitter = EventSplitter()
     repair: StreamRepair | None = None
-    echo = exchange.echo
+    envelope = exchange.envelope
     decided = False
     last: str | None = None  # the type of the last event with data
     while True:
@@ -473,7 +484,7 @@ async def stream_events(
             if not decided:
                 decided = True
                 if b'"sequence_number"' not in event.data:
-                    repair = StreamRepair()
+                    repair = StreamRepair(envelope)  # completes the Responses too
                     exchange.proxy.metrics.stream_repairs.inc()
             payload: Any = None
             if repair is not None:
@@ -482,13 +493,22 @@ async def stream_events(
             if kind is None:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 kind = payload.get("type") if isinstance(payload, dict) else None
-            if echo is not None and kind in RESPONSE_EVENTS:
-                event, payload = echo_in_event(event, payload, *echo)
+            patch: Patch | None = None
+            if kind in RESPONSE_EVENTS:
+                payload = payload if payload is not None else loads_or_none(event.data)
+                if isinstance(payload, dict) and type(payload.get("response")) is dict:
+                    final = kind in TERMINAL_EVENTS
+                    # A repaired event's Response is complete already (StreamRepair).
+                    patch = (
+                        Patch() if repair else envelope.complete(payload["response"], final=final)
+                    )
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):
-                    exchange.finish(payload.get("response"))
+                    exchange.finish(payload.get("response"))  # its items as the backend gave them
                     terminal = len(batch)
+            if patch is not None:
+                event = written_event(event, payload, patch)
             last = kind
             batch.append(event)
         if terminal >= 0:

@@ -26,6 +26,7 @@ import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
+from ocxproxy.continuation.envelope import complete_response
 from ocxproxy.continuation.locks import fingerprint, idempotency_record_id, in_progress, mismatch
 from ocxproxy.errors import InvalidRequest, StoreFailure
 from ocxproxy.http.context import Proxy, Reply
@@ -173,6 +174,7 @@ def complete(proxy: Proxy, key: Key, response: Any | None, *, durable: bool) -> 
 
 async def replay(reply: Reply, response: dict[str, Any], *, stream: bool) -> None:
     """The answer to a retry of a completed request: its response, as JSON or SSE."""
+    complete_response(response)  # kept complete; one kept before that was too
     headers = CIMultiDict({"Idempotent-Replayed": "true"})
     if not stream:
         headers["Content-Type"] = "application/json"
@@ -188,7 +190,7 @@ async def replay(reply: Reply, response: dict[str, Any], *, stream: bool) -> Non
 def _replay_stream(response: dict[str, Any]) -> bytes:
     """A stored response as SSE: its lifecycle and item events (no deltas), then the
     terminal event its status calls for."""
-    pending = {**response, "status": "in_progress", "output": []}
+    pending = {**response, "status": "in_progress", "output": [], "completed_at": None}
     events: list[tuple[str, dict[str, Any]]] = [
         ("response.created", {"response": pending}),
         ("response.in_progress", {"response": pending}),

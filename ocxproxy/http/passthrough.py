@@ -11,9 +11,12 @@ from ocxproxy.metrics import Timing
 from ocxproxy.upstream.dialect import UpstreamResponse
 
 
-async def passthrough(request: web.Request, *, body: bytes | None = None) -> web.StreamResponse:
+async def passthrough(
+    request: web.Request, *, body: bytes | None = None, capture: bool = False
+) -> web.StreamResponse:
     """Forward the request as it is. `body`: the client's body when a handler already read
-    it (then it may be sent again to another backend)."""
+    it (then it may be sent again to another backend). `capture`: the answer is read whole
+    into a web.Response that the caller may still change, rather than streamed."""
     proxy = proxy_of(request)
     timing = timing_of(request)
     headers = upstream_headers(
@@ -33,6 +36,14 @@ async def passthrough(request: web.Request, *, body: bytes | None = None) -> web
         timing=timing,
         retry=stream is None,
     ) as (_, upstream):
+        if capture:
+            with timing.waiting():
+                content = await upstream.read()
+            headers = client_headers(upstream.headers, body_rewritten=True)
+            headers.pop("Content-Length", None)
+            return web.Response(
+                status=upstream.status, reason=upstream.reason, headers=headers, body=content
+            )
         return await _relay(request, upstream, timing)
 
 

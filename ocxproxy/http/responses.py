@@ -19,6 +19,7 @@ from ocxproxy.continuation.compaction import (
     retained_user_messages,
     summarized_items,
 )
+from ocxproxy.continuation.envelope import complete_stored
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.continuation.listing import includes_of, input_item_views, page, parse_list_query
 from ocxproxy.continuation.references import references
@@ -158,7 +159,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         body = await proxy.store.response_bytes(record)
     except StoreFailure:
         raise _not_found(record.id) from None
-    return web.Response(body=body, content_type="application/json")
+    return web.Response(body=complete_stored(body), content_type="application/json")
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:

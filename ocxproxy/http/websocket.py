@@ -343,12 +343,11 @@ class Connection:
 
     async def _warm_up(self, exchange: Exchange) -> TurnOutcome:
         """`generate: false`: remember the input as a response of its own, generate nothing."""
-        response = warmup_response(
-            exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time())
-        )
+        response = warmup_response("resp_" + secrets.token_hex(24), int(time.time()))
+        exchange.envelope.complete(response, final=True)
         exchange.finish(response)  # before response.completed goes out (CONTRACT.md C1.7)
         await exchange.commit()
-        pending = {**response, "status": "in_progress"}
+        pending = {**response, "status": "in_progress", "completed_at": None}
         events = (
             ("response.created", pending),
             ("response.in_progress", pending),
@@ -417,16 +416,14 @@ def parse_frame(frame: str | bytes) -> tuple[dict[str, Any], bool]:
     return body, generate
 
 
-def warmup_response(body: dict[str, Any], response_id: str, created_at: int) -> dict[str, Any]:
-    """The response of a `generate: false` turn: nothing generated, zero usage."""
-    response: dict[str, Any] = {
+def warmup_response(response_id: str, created_at: int) -> dict[str, Any]:
+    """The response of a `generate: false` turn: nothing generated, zero usage (what it
+    echoes from the request, the exchange's Envelope fills in)."""
+    return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
         "status": "completed",
-        "error": None,
-        "incomplete_details": None,
-        "model": body.get("model"),
         "output": [],
         "usage": {
             "input_tokens": 0,
@@ -435,18 +432,7 @@ def warmup_response(body: dict[str, Any], response_id: str, created_at: int) -> 
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": 0,
         },
-        "instructions": body.get("instructions"),
-        "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice", "auto"),
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "metadata": body.get("metadata") or {},
-        "previous_response_id": body.get("previous_response_id"),
-        "store": body.get("store", True),
     }
-    for name in ("reasoning", "text", "max_output_tokens", "prompt_cache_key"):
-        if name in body:
-            response[name] = body[name]
-    return response
 
 
 def ws_error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:

@@ -30,23 +30,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
 }
 # Fields the Response object repeats from the request, with their defaults.
-_ECHOED: tuple[tuple[str, Any], ...] = (
-    ("instructions", None),
-    ("max_output_tokens", None),
-    ("metadata", {}),
-    ("parallel_tool_calls", True),
-    ("reasoning", None),
-    ("store", True),
-    ("temperature", None),
-    ("text", {"format": {"type": "text"}}),
-    ("tool_choice", "auto"),
-    ("tools", []),
-    ("top_p", None),
-    ("truncation", "disabled"),
-    ("prompt_cache_key", None),
-    ("safety_identifier", None),
-    ("user", None),
-)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -58,7 +41,6 @@ class ChatRequest:
     body: dict[str, Any]  # the chat completions request
     stream: bool  # the client asked for SSE
     model: Any  # the requested model, for a backend that names none
-    echo: dict[str, Any]  # what the Response object repeats from the request
 
     def encode(self) -> bytes:
         return orjson.dumps(self.body)
@@ -99,8 +81,7 @@ def to_chat(body: dict[str, Any]) -> ChatRequest:
     chat["stream"] = stream
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    echo = {name: body.get(name, default) for name, default in _ECHOED}
-    return ChatRequest(chat, stream, body.get("model"), echo)
+    return ChatRequest(chat, stream, body.get("model"))
 
 
 def chat_messages(items: Any, instructions: Any = None) -> list[dict[str, Any]]:

@@ -374,7 +374,6 @@ class ChatStream:
             "model": self._model,
             "output": [item.data for item in self._items if not item.open] if done else [],
             "previous_response_id": None,
-            **self.request.echo,
             "usage": usage_of(self._usage) if done else None,
         }
 

@@ -93,6 +93,12 @@ def default_model_path() -> Path | None:
     return None
 
 
+def served_name(model: Path) -> str:
+    """The name clients see for an embedded model: its file's name without the directory
+    or the `.gguf` suffix (a path would tell every client where the proxy is installed)."""
+    return model.name.removesuffix(".gguf") or "local"
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

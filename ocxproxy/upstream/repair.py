@@ -4,16 +4,20 @@ llama.cpp's events carry no `sequence_number`, `output_index` or `content_index`
 `response.created` holds a stub response; the official SDK's `responses.stream()` helper
 indexes its snapshot by those fields and fails without them. Streams that already carry
 `sequence_number` are never given to this class.
+
+Each event is decoded here anyway, so the Responses it carries are completed by the
+exchange's `Envelope` (continuation/envelope.py) and its items and parts as that module
+wants them, before the one encoding.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
 
-from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event
+from ocxproxy.continuation.envelope import Envelope, complete_item, complete_part
+from ocxproxy.upstream.sse import RESPONSE_EVENTS, TERMINAL_EVENTS, Event, encode_event
 
 # Events addressed to one content part of one output item.
 _CONTENT_EVENTS = frozenset(
@@ -29,18 +33,19 @@ _CONTENT_EVENTS = frozenset(
     )
 )
 _TEXT_EVENTS = frozenset(("response.output_text.delta", "response.output_text.done"))
-_STUB_EVENTS = frozenset(("response.created", "response.in_progress", "response.queued"))
+_ADDED = frozenset(("response.output_item.added", "response.output_item.done"))
+_PARTS = frozenset(("response.content_part.added", "response.content_part.done"))
 
 
 class StreamRepair:
-    __slots__ = ("_created_at", "_item_index", "_next_output", "_parts", "_seq")
+    __slots__ = ("_envelope", "_item_index", "_next_output", "_parts", "_seq")
 
-    def __init__(self) -> None:
+    def __init__(self, envelope: Envelope | None = None) -> None:
         self._seq = 0
         self._next_output = 0
         self._item_index: dict[str, int] = {}  # item id → output_index
         self._parts: dict[int, int] = {}  # output_index → content parts added
-        self._created_at = int(time.time())
+        self._envelope = envelope if envelope is not None else Envelope()
 
     def fix(self, event: Event) -> tuple[Event, Any]:
         """The event with the missing fields filled in, and its parsed payload."""
@@ -53,10 +58,13 @@ class StreamRepair:
         payload["sequence_number"] = self._seq
         self._seq += 1
         kind = payload.get("type")
-        if kind in _STUB_EVENTS:
-            self._complete_stub(payload.get("response"))
-        elif isinstance(kind, str) and kind.startswith("response.") and kind not in TERMINAL_EVENTS:
+        if kind in RESPONSE_EVENTS:
+            response = payload.get("response")
+            if isinstance(response, dict):  # its output items: once recorded (exchange.py)
+                self._envelope.complete(response, final=kind in TERMINAL_EVENTS)
+        elif isinstance(kind, str) and kind.startswith("response."):
             self._index(kind, payload)
+            self._complete_content(kind, payload)
         data = orjson.dumps(payload)
         return Event(encode_event(event.name or kind, data), event.name or kind, data), payload
 
@@ -84,22 +92,11 @@ class StreamRepair:
         if kind in _TEXT_EVENTS:
             payload.setdefault("logprobs", [])
 
-    def _complete_stub(self, response: Any) -> None:
-        if not isinstance(response, dict):
-            return
-        response.setdefault("object", "response")
-        response.setdefault("created_at", self._created_at)
-        response.setdefault("output", [])
-        for key, value in (
-            ("error", None),
-            ("incomplete_details", None),
-            ("instructions", None),
-            ("metadata", {}),
-            ("model", ""),
-            ("parallel_tool_calls", True),
-            ("tool_choice", "auto"),
-            ("tools", []),
-            ("temperature", None),
-            ("top_p", None),
-        ):
-            response.setdefault(key, value)
+    @staticmethod
+    def _complete_content(kind: str, payload: dict[str, Any]) -> None:
+        item, part = payload.get("item"), payload.get("part")
+        if kind in _ADDED and isinstance(item, dict):
+            done = kind == "response.output_item.done"
+            complete_item(item, "completed" if done else "in_progress")
+        elif kind in _PARTS and isinstance(part, dict):
+            complete_part(part)

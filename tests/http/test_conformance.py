@@ -1,0 +1,173 @@
+"""Every Response and event the proxy emits is valid against the Open Responses schema
+(CONTRACT.md C1.9), whatever the backend left out: the JSON answer of a create, each
+event of a stream (repaired or not), a continuation, GET, an idempotent replay, WebSocket
+frames, a conversation's turn. The checks are tests/openresponses.py's, the rules the
+official compliance suite validates with. What reaches the backend is unchanged: the
+envelope is not input."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.fakes.chat_backend import ChatBackend
+from tests.http.helpers import assert_append_only, sse_payloads
+from tests.openresponses import event_problems, response_problems
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+BODY: dict[str, Any] = {
+    "model": "smollm2",
+    "input": "Count from 1 to 3.",
+    "instructions": "Be brief.",
+    "tools": [TOOL],
+    "temperature": 0.5,
+    "metadata": {"run": "1"},
+}
+ENVELOPE_ONLY = (b"frequency_penalty", b"top_logprobs", b"service_tier", b"completed_at")
+
+
+@pytest.fixture(params=["spec", "llama", "chat"])
+async def any_proxy(
+    request: pytest.FixtureRequest, make_proxy: MakeProxy
+) -> AsyncIterator[ProxyHandle]:
+    """The proxy in front of a Responses backend with a complete stream, one with
+    llama.cpp's incomplete stream, and a Chat Completions backend."""
+    if request.param == "chat":
+        async with ChatBackend() as chat:
+            yield await make_proxy(chat.url, upstream_dialect=("chat",))
+        return
+    async with FakeBackend(stream_style=request.param) as fake:
+        yield await make_proxy(fake.url)
+
+
+async def create(
+    http: aiohttp.ClientSession, handle: ProxyHandle, body: dict[str, Any], **headers: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The terminal Response of a create, and every event when it streamed."""
+    async with http.post(handle.base_url + "/responses", json=body, headers=headers) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    if not body.get("stream"):
+        return orjson.loads(raw), []
+    events = sse_payloads(raw)
+    return events[-1]["response"], events
+
+
+def problems_of(response: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+    return response_problems(response) + [p for e in events for p in event_problems(e)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_creates_and_continuations_are_valid(
+    any_proxy: ProxyHandle, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    first, events = await create(http, any_proxy, {**BODY, "stream": stream})
+    assert problems_of(first, events) == []
+    assert first["instructions"] == "Be brief." and first["temperature"] == 0.5
+    assert first["tools"][0]["name"] == "get_weather" and first["metadata"] == {"run": "1"}
+    assert first["previous_response_id"] is None and first["model"]
+    assert isinstance(first["completed_at"], int)
+    if events:
+        assert events[0]["response"]["completed_at"] is None
+    body = {"model": "smollm2", "input": "And on?", "previous_response_id": first["id"]}
+    second, events = await create(http, any_proxy, {**body, "stream": stream})
+    assert problems_of(second, events) == []
+    assert second["previous_response_id"] == first["id"]
+    assert second["tools"] == [] and second["instructions"] is None  # only items carry over
+    async with http.get(f"{any_proxy.base_url}/responses/{second['id']}") as resp:
+        stored = await resp.json()
+    assert response_problems(stored) == []
+    assert stored == second
+
+
+async def test_what_the_backend_sees_is_unchanged(
+    make_proxy: MakeProxy, llama_backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    """The envelope is not input: a continuation's forwarded input is the previous one's
+    bytes plus the output as the backend gave it, and carries no envelope member."""
+    handle = await make_proxy(llama_backend.url)
+    response, _ = await create(http, handle, {**BODY, "stream": True})
+    for text in ("two", "three"):
+        body = {"model": "m", "input": text, "previous_response_id": response["id"]}
+        response, _ = await create(http, handle, {**body, "stream": True})
+    bodies = [seen.body for seen in llama_backend.responses_seen]
+    assert_append_only(bodies[1:])  # (the first turn's input is a string)
+    for forwarded in bodies:
+        assert not any(member in forwarded for member in ENVELOPE_ONLY), forwarded
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_idempotent_replay_is_valid(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    body = {**BODY, "stream": stream}
+    first, _ = await create(http, proxy, body, **{"Idempotency-Key": f"k-{stream}"})
+    again, events = await create(http, proxy, body, **{"Idempotency-Key": f"k-{stream}"})
+    assert again["id"] == first["id"]
+    assert problems_of(again, events) == []
+
+
+async def test_websocket_frames_are_valid(
+    make_proxy: MakeProxy, llama_backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    handle = await make_proxy(llama_backend.url)
+    url = handle.base_url.replace("http://", "ws://") + "/responses"
+    async with http.ws_connect(url) as ws:
+        frames: list[dict[str, Any]] = []
+        previous = None
+        for create_event in (
+            {"type": "response.create", **BODY, "store": False},
+            {"type": "response.create", "model": "m", "input": "more", "store": False},
+            {"type": "response.create", "model": "m", "input": "warm", "generate": False},
+        ):
+            if previous is not None:
+                create_event["previous_response_id"] = previous
+            await ws.send_str(orjson.dumps(create_event).decode())
+            while True:
+                frame = orjson.loads((await ws.receive()).data)
+                frames.append(frame)
+                if frame["type"] in ("response.completed", "error"):
+                    break
+            assert frame["type"] == "response.completed", frame
+            previous = frame["response"]["id"]
+    assert [p for f in frames for p in event_problems(f)] == []
+    completed = [f["response"] for f in frames if f["type"] == "response.completed"]
+    assert completed[1]["previous_response_id"] == completed[0]["id"]
+    assert completed[0]["store"] is False and completed[0]["temperature"] == 0.5
+
+
+async def test_a_conversation_turn_is_valid(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(proxy.base_url + "/conversations", json={}) as resp:
+        conversation = (await resp.json())["id"]
+    for stream in (False, True):
+        body = {**BODY, "conversation": conversation, "stream": stream}
+        response, events = await create(http, proxy, body)
+        assert problems_of(response, events) == []
+        assert response["conversation"] == {"id": conversation}
+
+
+async def test_a_served_model_name_is_what_clients_see(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    """The backend's own name (here fake-model's, often a path) never reaches a client:
+    responses and /v1/models show the served names."""
+    handle = await make_proxy(backend.url, served_model_name=("smollm2", "small"))
+    for requested, shown in (("small", "small"), ("gpt-4o", "smollm2")):
+        for stream in (False, True):
+            body = {"model": requested, "input": "hi", "stream": stream}
+            response, events = await create(http, handle, body)
+            assert response["model"] == shown
+            assert all(e["response"]["model"] == shown for e in events if "response" in e)
+    async with http.get(handle.base_url + "/models") as resp:
+        assert resp.status == 200
+        listing = await resp.json()
+    assert [m["id"] for m in listing["data"]] == ["smollm2", "small"]
+    assert b"fake-model" not in orjson.dumps(listing)
