@@ -290,7 +290,7 @@ def compaction_response(
         "background": False,
         "truncation": body.get("truncation", "disabled"),
     }
-    for name in ("reasoning", "text", "max_output_tokens", "prompt_cache_key", "conversation"):
+    for name in ("reasoning", "text", "max_output_tokens", "prompt_cache_key"):
         if name in body:
             response[name] = body[name]
     return response
