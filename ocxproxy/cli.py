@@ -14,6 +14,7 @@ for stats and verify, a running) proxy: 0 fine, 1 problems found or the dir is b
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -62,6 +63,14 @@ UNITS = (
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        """One line, in the style of a bad value's: `--port: expected one argument`; an
+        unknown flag names the closest real one."""
+        message = message.removeprefix("argument ")
+        if message.startswith("unrecognized arguments: "):
+            flags = ["--config", *(flag_name(name) for name in SETTINGS)]
+            unknown = message.split()[2].partition("=")[0]
+            near = difflib.get_close_matches(unknown, flags, n=1)
+            message += f" (did you mean {near[0]}?)" if near else ""
         self.exit(2, f"ocxproxy: error: {message} (see '{self.prog} --help')\n")
 
 

@@ -121,6 +121,24 @@ def test_usage_error_exits_2_with_one_line(
     assert err.startswith("ocxproxy: error:")
 
 
+@pytest.mark.parametrize(
+    ("argv", "start"),
+    [
+        (["--port"], "ocxproxy: error: --port: expected one argument"),
+        (["--max-disk-size", "1GiB"], "ocxproxy: error: unrecognized arguments: --max-disk-size"),
+    ],
+)
+def test_usage_errors_name_the_flag(
+    argv: list[str], start: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", *argv], environ={})
+    err = capsys.readouterr().err
+    assert err.startswith(start)
+    if "unrecognized" in start:
+        assert "(did you mean --max-disk-bytes?)" in err
+
+
 def test_env_is_read_and_flags_win(served: list[Config]) -> None:
     environ = {
         "OCXPROXY_UPSTREAM": "http://a:8000/v1,http://b:8000",
