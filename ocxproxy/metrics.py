@@ -137,14 +137,23 @@ class Counter(_Family[Value]):
 
 
 class Gauge(Counter):
+    def __init__(
+        self, name: str, doc: str, labelnames: Sequence[str] = (), *, until_set: bool = False
+    ) -> None:
+        super().__init__(name, doc, labelnames)
+        if until_set:  # a gauge of an optional part: no series until the part sets it
+            self.children.clear()
+
     def set(self, value: float) -> None:
         self._only.value = value
+        self.children[()] = self._only
 
     def dec(self, amount: float = 1.0) -> None:
         self._only.value -= amount
 
     def set_function(self, function: Callable[[], float]) -> None:
         self._only.function = function
+        self.children[()] = self._only
 
     def collect(self) -> Metric:
         family = GaugeMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -401,7 +410,9 @@ class Metrics:
             ["result"],
         )
         self.shared_available = Gauge(
-            "ocxproxy_shared_store_available", "1 while the shared store answers (0: unreachable)"
+            "ocxproxy_shared_store_available",
+            "1 while the shared store answers (0: unreachable); no series without one",
+            until_set=True,
         )
         # WebSocket (CONTRACT.md C3)
         self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")

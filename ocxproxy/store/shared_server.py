@@ -1,7 +1,9 @@
 """The shared tier's connection to its Valkey/Redis server: every round trip, timed per
 operation; the scripts (loaded again when the server lost them); WAIT/WAITAOF pipelined
 with a write; and availability: any Redis or OS error is StorageUnavailable (503) and the
-server is unavailable until a round trip, or the probe's PING every second, succeeds.
+server is unavailable until a round trip, or the probe's PING, succeeds. The probe PINGs
+every second that saw no answer (an idle replica too), so a server that went away is
+noticed within PROBE_EVERY + PING_TIMEOUT even when no turn runs.
 
 A turn's round trips (scripts, MGET, writes) go over one lean pipelined connection
 (shared_wire.py); redis-py checks the server at start and runs `call`s."""
@@ -9,7 +11,6 @@ A turn's round trips (scripts, MGET, writes) go over one lean pipelined connecti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -29,7 +30,8 @@ from ocxproxy.store.shared_wire import ReplyError, Wire, open_wire, pack
 
 log = logging.getLogger("ocxproxy.store.shared")
 
-PROBE_EVERY = 1.0  # seconds between probes while the server is unreachable
+PROBE_EVERY = 1.0  # seconds between probes (skipped while round trips are answered)
+PING_TIMEOUT = 2.0  # a PING unanswered this long: the server is unavailable
 UNAVAILABLE = (
     "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
 )
@@ -57,6 +59,7 @@ class Server:
         self._wait = b""  # the command that waits for replicas, packed, if asked
         self._probe: asyncio.Task[None] | None = None
         self._timers: dict[str, Any] = {}
+        self._answered = 0.0  # when a round trip last succeeded (time.monotonic())
 
     async def start(self, durability: str, patience: float) -> None:
         """Connect, check the server against the durability profile (SharedStoreRefused
@@ -89,17 +92,27 @@ class Server:
             self._redis = None
 
     async def _watch(self) -> None:
-        """Every second: cut a connection the server stopped answering on; while the
-        server is unreachable, a PING, whose first answer makes the store available
-        again (no restart needed)."""
+        """Every second: cut a connection the server stopped answering on (commands
+        waiting STALL seconds); then, on an idle connection that saw no answer within the
+        second, a PING. A PING that fails, or gets no answer within PING_TIMEOUT, makes
+        the store unavailable (an idle replica notices a server that went away); its first
+        answer makes it available again (no restart needed)."""
         while True:
             await asyncio.sleep(PROBE_EVERY)
+            now = time.monotonic()
             wire = self._wire
-            if wire is not None and wire.stalled(time.monotonic()):
+            if wire is not None and wire.stalled(now):
                 wire.close(TimeoutError("shared store stopped answering"))
-            if not self.available:  # (a PING the server leaves unanswered is cut above)
-                with contextlib.suppress(StorageUnavailable, TimeoutError):
-                    await asyncio.wait_for(self.command("ping", "PING"), PROBE_EVERY)
+            if self.available and (
+                now - self._answered < PROBE_EVERY or (wire is not None and wire.busy)
+            ):
+                continue  # answers come, or commands wait on them (a WAIT): not idle
+            try:
+                await asyncio.wait_for(self.command("ping", "PING"), PING_TIMEOUT)
+            except StorageUnavailable:
+                pass  # marked unavailable already
+            except TimeoutError:
+                self._down("ping", TimeoutError(f"no answer to PING within {PING_TIMEOUT:g} s"))
 
     # -- the lean connection: a turn's round trips ---------------------------------------
 
@@ -233,6 +246,7 @@ class Server:
         if timer is None:
             timer = self._timers[op] = self.metrics.shared_seconds.labels(op)
         timer.observe(seconds)
+        self._answered = time.monotonic()
         if not self.available:
             log.warning("shared store answers again: available")
             self.available = True

@@ -114,6 +114,11 @@ class Wire(asyncio.Protocol):
     def stalled(self, now: float) -> bool:
         return bool(self._waiting) and now - self.progress > STALL
 
+    @property
+    def busy(self) -> bool:
+        """Commands wait for their answers (the server is answering, or is stalled)."""
+        return bool(self._waiting)
+
     def close(self, exc: Exception | None = None) -> None:
         self._fail(exc or ConnectionError("shared store connection closed"))
         if self._transport is not None:

@@ -34,6 +34,9 @@ MAY_BE_EMPTY = {
     '{instance=~"$instance"}[$__rate_interval])))',
     'sum by (outcome) (rate(ocxproxy_shared_commits_total{instance=~"$instance"}'
     "[$__rate_interval]))",
+    'ocxproxy_shared_store_available{instance=~"$instance"}',
+    'sum by (instance, outcome) (rate(ocxproxy_shared_commits_total{instance=~"$instance", '
+    'outcome!="ok"}[$__rate_interval]))',
     'sum(rate(ocxproxy_shared_segment_cache_total{result="hit",instance=~"$instance"}'
     "[$__rate_interval])) / sum(rate(ocxproxy_shared_segment_cache_total"
     '{instance=~"$instance"}[$__rate_interval]))',
@@ -51,6 +54,7 @@ SELECTORS_MAY_BE_EMPTY = {
     "ocxproxy_shared_store_seconds_bucket",
     "ocxproxy_shared_commits_total",
     "ocxproxy_shared_segment_cache_total",
+    "ocxproxy_shared_store_available",  # no series without a shared store
     'ocxproxy_store_bytes{tier="shared",instance=~"$instance"}',
     'ocxproxy_store_capacity_bytes{tier="shared",instance=~"$instance"}',
 }

@@ -162,3 +162,12 @@ async def test_metrics_count_turns_not_remembered(
     after = await scrape(http, proxy)
     assert total(after, "ocxproxy_turns_not_recorded_total", reason="store_false") == 1
     assert total(after, "ocxproxy_turns_not_recorded_total", reason="failed") == 1
+
+
+async def test_without_a_shared_store_there_is_no_shared_availability_series(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    """A node on the single-node store must not look like one whose shared store is down."""
+    samples = await scrape(http, proxy)
+    assert ("ocxproxy_store_available", "") in samples
+    assert not [name for name, _ in samples if name.startswith("ocxproxy_shared_store_avail")]

@@ -6,13 +6,17 @@ keep flowing, /readyz and the metrics say so, and every replica recovers by itse
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+import time
 from typing import Any
 
 import aiohttp
 import pytest
 
 from ocxproxy.aio import spawn
+from ocxproxy.store.shared_server import PING_TIMEOUT, PROBE_EVERY
 from tests.fakes.backend import FakeBackend
 from tests.serve import Serve, respond
 from tests.shared.conftest import MakeReplicas
@@ -109,6 +113,46 @@ async def test_store_down_fails_closed_then_recovers_without_restart(
         assert text == f"echo#3: after {i}"  # the acknowledged turn survived the kill -9
         assert await metric(http, serve, "ocxproxy_shared_store_available") == 1
     assert [s.pid for s in replicas.slots] == pids  # no replica was restarted
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+async def test_an_idle_replica_notices_within_the_probe_interval(
+    valkey_server: KvServer,
+    make_replicas: MakeReplicas,
+    http: aiohttp.ClientSession,
+    how: str,
+) -> None:
+    """No turn runs: the probe alone finds the server gone (killed: refused connections;
+    stopped with SIGSTOP: PINGs left unanswered) within PROBE_EVERY + PING_TIMEOUT."""
+    replicas = await make_replicas(valkey_server.url, 1)
+    serve = replicas[0]
+    await turn(http, serve, "before the outage")
+    assert (await ready(http, serve))[0] == 200
+    if how == "killed":
+        valkey_server.kill9()
+    else:
+        os.kill(valkey_server.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+
+        async def unready() -> bool:
+            status, doc = await ready(http, serve)
+            return status == 503 and doc["store"] == "unavailable"
+
+        await until(unready, PROBE_EVERY + PING_TIMEOUT + 2.0, "an idle replica stays ready")
+        assert time.monotonic() - started <= PROBE_EVERY + PING_TIMEOUT + 2.0
+        assert await metric(http, serve, "ocxproxy_shared_store_available") == 0
+    finally:
+        if how == "stopped":
+            os.kill(valkey_server.pid, signal.SIGCONT)
+    if how == "killed":
+        await valkey_server.astart()
+
+    async def back() -> bool:
+        return (await ready(http, serve))[0] == 200
+
+    await until(back, 20, "readyz recovers by itself")
+    assert await metric(http, serve, "ocxproxy_shared_store_available") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
