@@ -26,3 +26,17 @@ async def test_bench_hotpath_prints_its_figures() -> None:
     for figures in rows.values():
         json_median, json_min, sse_median, sse_min = figures
         assert 0 < json_min <= json_median and 0 < sse_min <= sse_median, out
+
+
+async def test_bench_compaction_item_prints_its_figures() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_compaction_item.py")]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, "--n", "10", "--rounds", "2", cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(120):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out
+    rows = re.findall(
+        r"^(8k|128k) +\d+\.\d \( *\d+\.\d\) +\d+\.\d \( *\d+\.\d\) +[+-]\d+\.\d$", out, re.M
+    )
+    assert rows == ["8k", "128k"], out

@@ -125,35 +125,12 @@ def summary_message(summary: str) -> bytes:
     return orjson.dumps({"type": "message", "role": "user", "content": SUMMARY_PREFIX + summary})
 
 
-def scan(items: list[Any]) -> tuple[list[int], bool]:
-    """The indices of the compaction items among `items`, and whether the last item is a
-    compaction trigger (a trigger anywhere else is a 400). One pass, no call per item."""
-    found: list[int] = []
-    trigger = False
-    last = len(items) - 1
-    for index, item in enumerate(items):
-        if type(item) is not dict:
-            continue
-        kind = item.get("type")
-        if kind == COMPACTION:
-            found.append(index)
-        elif kind == TRIGGER:
-            if index != last:
-                raise InvalidRequest(
-                    f"input[{index}]: a 'compaction_trigger' item must be the last input item.",
-                    param="input",
-                )
-            trigger = True
-    return found, trigger
-
-
-def unseal(
-    sealer: Sealer, scope: str, parts: list[bytes], items: list[Any], indices: Iterable[int]
-) -> tuple[list[bytes], list[Any]]:
-    """The input with each compaction item at `indices` replaced by the summary message it
-    stands for (bytes and parsed item); 400 `invalid_encrypted_content` naming the first
-    item that does not open."""
-    parts, items = list(parts), list(items)
+def open_items(
+    sealer: Sealer, scope: str, items: list[Any], indices: Iterable[int]
+) -> dict[int, bytes]:
+    """The summary message each compaction item at `indices` stands for; 400
+    `invalid_encrypted_content` naming the first item that does not open."""
+    opened: dict[int, bytes] = {}
     for index in indices:
         item = items[index]
         token = item.get("encrypted_content")
@@ -161,7 +138,7 @@ def unseal(
         try:
             if not isinstance(token, str):
                 raise SealError("it has no encrypted_content string")
-            message = sealer.open(token, scope)
+            opened[index] = sealer.open(token, scope)
         except SealError as exc:
             raise InvalidRequest(
                 f"The encrypted content of the compaction item {name} could not be "
@@ -169,9 +146,46 @@ def unseal(
                 param="input",
                 code="invalid_encrypted_content",
             ) from None
-        parts[index] = message
+    return opened
+
+
+def with_summaries(items: list[Any], opened: dict[int, bytes]) -> list[Any]:
+    """`items` with the opened compaction items replaced by their summary messages."""
+    items = list(items)
+    for index, message in opened.items():
         items[index] = orjson.loads(message)
-    return parts, items
+    return items
+
+
+def replace_in_body(raw: bytes, items: list[Any], opened: dict[int, bytes]) -> bytes | None:
+    """The client's body with each opened compaction item's bytes replaced by its summary
+    message and nothing else touched: a byte search from the end (the item sits near the
+    end of a history sent by value) and one join, where re-serializing a long history
+    would cost far more. None when an item's bytes cannot be told apart: the caller then
+    builds the body item by item."""
+    view = memoryview(raw)
+    parts: list[bytes | memoryview] = []
+    end = len(raw)
+    for index in sorted(opened, reverse=True):
+        item = items[index]
+        token = item["encrypted_content"].encode()  # base64url: never escaped in JSON
+        found = raw.rfind(token, 0, end)
+        if found < 0:
+            return None
+        start = raw.rfind(b"{", 0, found)
+        close = raw.find(b"}", found + len(token), end)
+        if start < 0 or close < 0:
+            return None
+        try:
+            if orjson.loads(view[start : close + 1]) != item:
+                return None
+        except orjson.JSONDecodeError:
+            return None
+        parts += (view[close + 1 : end], opened[index])
+        end = start
+    parts.append(view[:end])
+    parts.reverse()
+    return b"".join(parts)
 
 
 def summary_request(body: dict[str, Any], history: list[bytes], tail: list[bytes]) -> bytes:

@@ -1,5 +1,6 @@
 """`item_reference` input items: which items are references, and the input with each
-replaced by the stored item it names (CONTRACT.md C1.1).
+replaced by the stored item it names (CONTRACT.md C1.1); `scan_input` finds them and the
+compaction items in the same pass.
 
 The stored item is spliced in as the bytes it was first forwarded or produced as, never
 re-encoded, so a history resent by reference reaches the backend byte-identical to the
@@ -14,26 +15,54 @@ import orjson
 
 from ocxproxy.errors import InvalidRequest
 
+_REPLACED = frozenset(("item_reference", "compaction", "compaction_trigger"))
+
 
 def references(items: list[Any]) -> dict[int, str]:
     """The references among `items` (`{"type": "item_reference", "id": …}`, the type may be
-    left out: `{"id": …}`): index → the id it names. One pass, no call per item (≈ 0.13 µs
-    an item; a byte search of the body for a hint costs more)."""
+    left out: `{"id": …}`): index → the id it names."""
+    return scan_input(items)[0]
+
+
+def scan_input(items: list[Any]) -> tuple[dict[int, str], list[int], bool]:
+    """The items the proxy replaces before forwarding, in one pass with no call per item
+    (≈ 0.13 µs an item; a byte search of the body for a hint costs more): the references
+    (index → the id it names), the `compaction` items' indices, and whether the last item
+    is a `compaction_trigger` (one anywhere else is a 400)."""
     found: dict[int, str] = {}
+    sealed: list[int] = []
+    trigger = False
     for index, item in enumerate(items):
         if type(item) is not dict:
             continue
         kind = item.get("type")
-        if kind == "item_reference" or (kind is None and "id" in item and "role" not in item):
-            item_id = item.get("id")
-            if not isinstance(item_id, str) or not item_id:
+        if kind is None:
+            if "id" in item and "role" not in item:
+                found[index] = _reference_id(item, index)
+        elif kind in _REPLACED:  # one set lookup for every other typed item
+            if kind == "item_reference":
+                found[index] = _reference_id(item, index)
+            elif kind == "compaction":
+                sealed.append(index)
+            elif index == len(items) - 1:
+                trigger = True
+            else:
                 raise InvalidRequest(
-                    f"Missing or invalid 'id' in input[{index}]: an item_reference names "
-                    "a stored item by its id.",
+                    f"input[{index}]: a 'compaction_trigger' item must be the last input item.",
                     param="input",
                 )
-            found[index] = item_id
-    return found
+    return found, sealed, trigger
+
+
+def _reference_id(item: dict[str, Any], index: int) -> str:
+    item_id = item.get("id")
+    if not isinstance(item_id, str) or not item_id:
+        raise InvalidRequest(
+            f"Missing or invalid 'id' in input[{index}]: an item_reference names "
+            "a stored item by its id.",
+            param="input",
+        )
+    return item_id
 
 
 def not_found(item_id: str) -> InvalidRequest:

@@ -21,7 +21,12 @@ from typing import Any
 import orjson
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
-from ocxproxy.continuation.compaction import scan, summary_request, unseal
+from ocxproxy.continuation.compaction import (
+    open_items,
+    replace_in_body,
+    summary_request,
+    with_summaries,
+)
 from ocxproxy.continuation.conversation import conversation_id_of
 from ocxproxy.continuation.envelope import Envelope, Patch, written, written_event
 from ocxproxy.continuation.expand import (
@@ -33,7 +38,7 @@ from ocxproxy.continuation.expand import (
     tail_as_sent,
 )
 from ocxproxy.continuation.record import build_turn, input_tokens_of, not_recordable_reason
-from ocxproxy.continuation.references import not_storable, references, splice
+from ocxproxy.continuation.references import not_storable, scan_input, splice
 from ocxproxy.errors import (
     FailureReason,
     OcxError,
@@ -249,8 +254,7 @@ async def prepare_exchange(
     turns live there, and a chain that started there stays there. Without `remember` (the
     siblings of create), nothing will be: a conversation is read without its lock.
     """
-    sealed, trigger = scan(request.items)
-    refs = references(request.items)
+    refs, sealed, trigger = scan_input(request.items)
     resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, {})
     # A turn holding items of a WebSocket connection's own store stays there, like a
     # chain that started there: its store:false content must not reach disk.
@@ -286,7 +290,15 @@ async def prepare_exchange(
         parent_store, expansion = parent_store or store, "hit"
     try:
         tail: list[bytes] | None = None  # the request's own items as forwarded
-        if parent is not None or resolved or sealed or trigger:
+        # Compaction items reach the backend, and the store, as their summary messages.
+        opened = open_items(proxy.sealer, scope, request.items, sealed) if sealed else {}
+        fast: bytes | None = None  # a first turn with no more to do: its own bytes edited
+        if opened and parent is None and not resolved and not trigger and raw is not None:
+            fast = replace_in_body(raw, request.items, opened)
+        if fast is not None:
+            body = fast
+            request = replace(request, items=with_summaries(request.items, opened))
+        elif parent is not None or resolved or opened or trigger:
             if parent is None and raw is not None:  # a first turn keeps the client's bytes
                 tail = tail_as_sent(raw, request)
             else:
@@ -294,9 +306,10 @@ async def prepare_exchange(
             if resolved:
                 tail, items = splice(tail, request.items, resolved)
                 request = replace(request, items=items)
-            if sealed:  # each reaches the backend, and the store, as its summary message
-                tail, items = unseal(proxy.sealer, scope, tail, request.items, sealed)
-                request = replace(request, items=items)
+            if opened:
+                for index, message in opened.items():
+                    tail[index] = message
+                request = replace(request, items=with_summaries(request.items, opened))
             if trigger:  # never forwarded: the backend is asked for a summary instead
                 tail, request = tail[:-1], replace(request, items=request.items[:-1])
             if parent is not None:

@@ -19,7 +19,7 @@ import pytest
 from ocxproxy.continuation.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
-from tests.http.helpers import sse_payloads, top_level_span
+from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
 from tests.http.test_websocket import connect, create
 
 Json = dict[str, Any]
@@ -337,3 +337,29 @@ def test_the_prompt_in_use_is_the_documented_one() -> None:
     assert f"> {COMPACTION_PROMPT}\n" in behavior
     assert f"The compaction prompt (version {PROMPT_VERSION}," in behavior
     assert SUMMARY_PREFIX.replace("\n", "\\n") in behavior
+
+
+@pytest.mark.parametrize("spacing", ["compact", "pretty", "nested"])
+async def test_a_stored_turn_with_an_item_splices_byte_for_byte_next_turn(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, backend: FakeBackend, spacing: str
+) -> None:
+    client = proxy.client()
+    made = await client.responses.create(model="m", input=[*HISTORY, TRIGGER], store=False)
+    item = compaction_item(made.output)
+    if spacing == "nested":  # bytes the quick edit cannot place: built item by item
+        item = {**item, "extra": {"note": "}"}}
+    body = {"model": "m", "input": [HISTORY[1], item, {"role": "user", "content": "go"}]}
+    raw = orjson.dumps(body, option=orjson.OPT_INDENT_2 if spacing == "pretty" else 0)
+    headers = {"Authorization": "Bearer sk-test-a", "Content-Type": "application/json"}
+    async with http.post(proxy.base_url + "/responses", data=raw, headers=headers) as answer:
+        assert answer.status == 200, await answer.text()
+        first = await answer.json()
+    await client.responses.create(model="m", input="more", previous_response_id=first["id"])
+    sent = backend.responses_seen[-2:]
+    assert sent[0].json["input"][1]["content"].startswith(SUMMARY_PREFIX)
+    if spacing == "pretty":  # the items as written; only the whitespace between them goes
+        before = sent[0].json["input"]
+        assert sent[1].json["input"][: len(before)] == before
+    else:
+        assert_append_only([seen.body for seen in sent])
+    assert_never_forwarded(backend)
