@@ -27,7 +27,6 @@ until `shutdown_timeout` to finish.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -49,7 +48,7 @@ from ocxproxy.h1 import (
 from ocxproxy.http.body import codings_of, decoded
 from ocxproxy.http.context import PROXY, Proxy, Stopping
 from ocxproxy.http.exchange import create
-from ocxproxy.http.headers import answer_request_id, request_id
+from ocxproxy.http.headers import answer_request_id, new_request_id, request_id
 from ocxproxy.http.middleware import guarded
 from ocxproxy.metrics import Timing
 
@@ -103,7 +102,7 @@ class FrontEnd:
 def _refuse(transport: asyncio.BaseTransport, error: OcxError) -> None:
     """An error answer, then the end of the connection."""
     body = error.body()
-    headers = [*error.headers().items(), ("X-Request-Id", os.urandom(8).hex())]
+    headers = [*error.headers().items(), ("X-Request-Id", new_request_id())]
     fields = encode_fields([*headers, ("Connection", "close")])
     head = status_line(error.status) + fields + b"Content-Length: %d\r\n\r\n" % len(body)
     cast(asyncio.Transport, transport).writelines((head, body))
