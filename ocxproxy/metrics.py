@@ -286,6 +286,17 @@ class Metrics:
             "1 while a backend is considered healthy, 0 while it is skipped",
             ["backend"],
         )
+        self.backend_ejections = Counter(
+            "ocxproxy_backend_ejections_total",
+            "Backends that passive evidence (timeouts, 5xx in a row) would take out: ejected, "
+            "or kept in because too few would be left",
+            ["backend", "outcome"],
+        )
+        self.request_faults = Counter(
+            "ocxproxy_backend_request_faults_total",
+            "5xx answers to a request body that had already got one: counted against the "
+            "request, not the backend",
+        )
         self.affinity = Counter(
             "ocxproxy_affinity_total",
             "Keyed requests by placement: hit (their backend), new (placed by load), "

@@ -14,9 +14,16 @@ and its home is remembered. A request whose home is down, or still full after th
 admission wait, goes to the least-loaded other backend and takes its key along
 ("reroute"): a chain moves once and then sticks to its new backend.
 
-Health. A connect failure, a read timeout or three 5xx answers in a row mark a backend
-down. While active probes run, only a probe brings it back; without them a request is let
-through again after a backoff (1 s, doubling up to 30 s).
+Health. Two kinds of evidence, as Envoy's outlier detection has them. A refused
+connection (or a failed probe) says the backend is not there: it is marked down. An
+answer says less: a read timeout or three 5xx answers in a row may be the requests' doing
+(a prompt too long to finish in time, an input the backend cannot take), so on that
+passive evidence a backend is *ejected* only while at most half the fleet is (never the
+last one up), and a 5xx to a request whose same body already got a 5xx counts against
+the request, not the backend (its earlier count is taken back). When every backend is out
+all the same, the ejected ones keep taking requests (panic routing) while the active
+probe decides. While active probes run, only a probe brings a backend back; without them
+a request is let through again after a backoff (1 s, doubling up to 30 s).
 
 Admission. At most `max_concurrency` backend requests in flight overall and
 `max_per_backend` on one backend (0: no bound). A request past a bound waits up to
@@ -34,6 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ocxproxy.errors import RateLimited, UpstreamError
 from ocxproxy.metrics import Metrics
@@ -42,7 +50,9 @@ log = logging.getLogger("ocxproxy.upstream")
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
-ERRORS_BEFORE_DOWN = 3  # 5xx answers in a row that mark a backend down
+ERRORS_BEFORE_DOWN = 3  # 5xx answers in a row that eject a backend
+PASSIVE_SHARE = 0.5  # the most of the fleet that passive evidence may eject
+FAULTS_KEPT = 256  # bodies that got a 5xx lately, to tell a bad request from a bad backend
 MAX_KEYS = 65536  # remembered key → backend homes (least recently used forgotten first)
 MAX_WAITING = 1024  # admission waiters when there is no overall bound
 
@@ -80,6 +90,7 @@ class Backend:
     backoff: float = BACKOFF_START
     failures: int = 0  # times it went down
     errors_in_row: int = 0  # consecutive 5xx answers
+    ejected: bool = False  # down on passive evidence only (panic routing may still use it)
 
     def is_available(self, now: float, *, probing: bool) -> bool:
         return self.healthy or (not probing and now >= self.retry_at)
@@ -129,6 +140,8 @@ class Fleet:
         self._waiting = 0  # requests waiting for a slot (on _released)
         self._watching = 0  # wait_for() callers (on _changed)
         self._released = asyncio.Event()  # a slot freed or a backend came back
+        # A digest of each request body that got a 5xx lately → the backend that gave it.
+        self._faults: OrderedDict[bytes, str] = OrderedDict()
         for limit in (Refusal.TOTAL, Refusal.BACKEND):  # exported at 0 from the start
             metrics.admission_rejected.labels(limit=str(limit))
         self._changed = asyncio.Event()  # any change of load or health
@@ -191,6 +204,8 @@ class Fleet:
             for b in self.backends
             if b.url not in exclude and b.is_available(now, probing=self.probing)
         ]
+        if not usable:  # panic: passive evidence alone never takes the whole fleet out
+            usable = [b for b in self.backends if b.ejected and b.url not in exclude]
         if not usable:
             return Refusal.DOWN
         if self.max_concurrency and self.in_flight >= self.max_concurrency:
@@ -312,7 +327,10 @@ class Fleet:
     # -- health --------------------------------------------------------------------------
 
     def mark_down(self, backend: Backend, why: str, now: float | None = None) -> None:
+        """Down on evidence that the backend is not there (a refused connection, a failed
+        probe)."""
         now = time.monotonic() if now is None else now
+        backend.ejected = False
         if backend.healthy:
             backend.failures += 1
             log.warning("backend %s is down: %s", backend.url, why)
@@ -323,23 +341,71 @@ class Fleet:
         backend.retry_at = now + backend.backoff
         backend.backoff = min(backend.backoff * 2, BACKOFF_MAX)
 
+    def eject(self, backend: Backend, why: str, now: float | None = None) -> bool:
+        """Down on passive evidence (timeouts, 5xx), unless that would take out more than
+        PASSIVE_SHARE of the fleet or its last backend up; whether it is out."""
+        if not backend.healthy:  # let through on trial, and failed again: longer backoff
+            self.mark_down(backend, why, now)
+            backend.ejected = True
+            return True
+        out = sum(b.ejected for b in self.backends)
+        up = sum(b.healthy for b in self.backends)
+        if up <= 1 or out + 1 > int(len(self.backends) * PASSIVE_SHARE):
+            log.warning("backend %s kept in despite %s: too few would be left", backend.url, why)
+            self.metrics.backend_ejections.labels(backend=backend.url, outcome="kept").inc()
+            backend.errors_in_row = 0
+            return False
+        self.mark_down(backend, why, now)
+        backend.ejected = True
+        self.metrics.backend_ejections.labels(backend=backend.url, outcome="ejected").inc()
+        return True
+
     def mark_up(self, backend: Backend) -> None:
         if not backend.healthy:
             log.info("backend %s is up again", backend.url)
             self.metrics.backend_up.labels(backend=backend.url).set(1)
             self._bump(freed=True)
         backend.healthy = True
+        backend.ejected = False
         backend.errors_in_row = 0
         backend.backoff = BACKOFF_START
 
-    def observe_status(self, backend: Backend, status: int, now: float | None = None) -> None:
-        """Passive health from an answer's status: below 500 is up; 5xx in a row is down."""
+    def observe_status(
+        self, backend: Backend, status: int, now: float | None = None, *, body: Any = None
+    ) -> None:
+        """Passive health from an answer's status: below 500 is up; 5xx in a row ejects.
+        `body`: the request's, when it was sent whole: a 5xx to a body that already got
+        one (the SDKs retry the same body) is the request's fault, not the backend's."""
         if status < 500:
             self.mark_up(backend)
             return
+        digest = _digest(body)
+        if digest is not None:
+            first = self._faults.get(digest)
+            if first is not None:  # the same request failed before: its own doing
+                self._faults.move_to_end(digest)
+                if first == backend.url and backend.errors_in_row:
+                    backend.errors_in_row -= 1  # its first failure was not the backend's
+                self.metrics.request_faults.inc()
+                return
+            self._faults[digest] = backend.url
+            while len(self._faults) > FAULTS_KEPT:
+                self._faults.popitem(last=False)
         backend.errors_in_row += 1
         if not backend.healthy or backend.errors_in_row >= ERRORS_BEFORE_DOWN:
-            self.mark_down(backend, f"{backend.errors_in_row} answers of 5xx in a row", now)
+            self.eject(backend, f"{backend.errors_in_row} answers of 5xx in a row", now)
+
+
+def _digest(body: Any) -> bytes | None:
+    """A request body's digest, when it was sent whole (bytes, or a list of bytes)."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        return hashlib.blake2b(body, digest_size=16).digest()
+    if isinstance(body, list | tuple) and all(isinstance(p, bytes) for p in body):
+        digest = hashlib.blake2b(digest_size=16)
+        for part in body:
+            digest.update(part)
+        return digest.digest()
+    return None
 
 
 def _rendezvous(key: str, url: str) -> bytes:

@@ -230,8 +230,8 @@ class UpstreamPool:
                     if request.retry:
                         continue
                     raise last_error from None
-                except TimeoutError:
-                    fleet.mark_down(backend, "no answer within the read timeout")
+                except TimeoutError:  # a long prompt may cause it: passive evidence
+                    fleet.eject(backend, "no answer within the read timeout")
                     metrics.upstream_requests.labels(backend.url, "timeout").inc()
                     raise UpstreamError(
                         "The backend did not answer in time.",
@@ -244,7 +244,7 @@ class UpstreamPool:
                         f"The backend request failed: {type(exc).__name__}."
                     ) from None
                 metrics.upstream_ttfb.labels(backend.url).observe(time.perf_counter() - start)
-                fleet.observe_status(backend, response.status)
+                fleet.observe_status(backend, response.status, body=body)
                 metrics.upstream_requests.labels(backend.url, f"{response.status // 100}xx").inc()
                 placement = first.placement
                 if placement is not None:

@@ -11,6 +11,9 @@ and a trailing ``function_call_output`` makes it answer ``echo#<n>: tool said <o
 Like llama.cpp it rejects ``previous_response_id`` (it has no state).  Prefix caching
 is simulated in ``usage.input_tokens_details.cached_tokens``.
 
+With ``rejects_images``, a request holding an ``input_image`` gets a 500 every time, as
+llama.cpp without a vision model answers it (the same body, the same error).
+
 Scripted misbehaviour for the next ``POST /v1/responses`` requests (FIFO, one entry
 consumed per request): :meth:`FakeBackend.fail_next`, :meth:`FakeBackend.hang_up_next`,
 :meth:`FakeBackend.stall_next`, :meth:`FakeBackend.status_next`.
@@ -182,9 +185,15 @@ class FakeBackend:
     """A real aiohttp server imitating a stateless Responses API backend."""
 
     def __init__(
-        self, *, stream_style: StreamStyle = "spec", delay: float = 0.0, name: str = "fake"
+        self,
+        *,
+        stream_style: StreamStyle = "spec",
+        delay: float = 0.0,
+        name: str = "fake",
+        rejects_images: bool = False,
     ) -> None:
         self.stream_style: StreamStyle = stream_style
+        self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
         self.delay = delay
         self.name = name
         self.url = ""
@@ -333,6 +342,11 @@ class FakeBackend:
         payload = await self._payload(request)
         if isinstance(payload, web.Response):
             return payload
+        if self.rejects_images and b'"input_image"' in await request.read():
+            return _json_response(
+                error_body("image input is not supported by this server", type_="server_error"),
+                500,
+            )
         if payload.get("previous_response_id") is not None:
             return _json_response(
                 error_body("'previous_response_id' is not supported", param="previous_response_id"),
@@ -371,6 +385,11 @@ class FakeBackend:
                 kind = "server_error" if action.status >= 500 else "invalid_request_error"
                 body = error_body(f"{self.name}: scripted failure {action.status}", type_=kind)
             return _json_response(body, action.status)
+        if self.rejects_images and b'"input_image"' in await request.read():
+            return _json_response(
+                error_body("image input is not supported by this server", type_="server_error"),
+                500,
+            )
         if payload.get("previous_response_id") is not None:
             return _json_response(
                 error_body("'previous_response_id' is not supported", param="previous_response_id"),

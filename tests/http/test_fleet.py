@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -363,3 +364,58 @@ def test_metrics_render_the_fleet_series() -> None:
     text = Metrics().render().decode()
     for name in ("ocxproxy_affinity_total", "ocxproxy_backend_up"):
         assert f"# TYPE {name.removesuffix('_total')}" in text
+
+
+IMAGE = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "What is in this image?"},
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+        ],
+    }
+]
+
+
+@pytest.mark.parametrize("n_backends", [1, 2])
+async def test_a_bad_request_does_not_take_the_fleet_out(
+    make_proxy: MakeProxy, n_backends: int
+) -> None:
+    """A backend that cannot take images answers 500 to the same body each time: the
+    SDK's call with its 2 retries is 3 answers of 500, which used to eject the backend
+    (the only one: 503 `no_backend_available` for the next valid requests). The
+    repeated body is the request's fault; the next valid request gets 200."""
+    async with contextlib.AsyncExitStack() as stack:
+        backends = [
+            await stack.enter_async_context(FakeBackend(name=f"b{i}", rejects_images=True))
+            for i in range(n_backends)
+        ]
+        # Probes on: only a probe would bring an ejected backend back (in 30 s).
+        handle = await make_proxy(*(b.url for b in backends), health_interval=30)
+        retrying = handle.client().with_options(max_retries=2, timeout=10)
+        with pytest.raises(openai.InternalServerError):
+            await retrying.responses.create(model="m", input=IMAGE)  # type: ignore[arg-type]
+        assert sum(len(b.responses_seen) for b in backends) == 3
+        client = handle.client()  # no retries: a 503 would show
+        for i in range(3):
+            response = await client.responses.create(model="m", input=f"valid {i}")
+            assert response.status == "completed"
+        assert all(b.healthy for b in handle.proxy.pool.fleet.backends)
+        assert handle.metric("ocxproxy_backend_request_faults_total") == 2
+
+
+async def test_passive_evidence_never_ejects_the_last_backend(make_proxy: MakeProxy) -> None:
+    """Different bodies failing with 5xx on the only backend: it stays in (its answers,
+    errors included, still reach the client) rather than every request getting 503."""
+    async with FakeBackend() as only:
+        handle = await make_proxy(only.url, health_interval=30)
+        client = handle.client()
+        for i in range(4):
+            only.fail_next(500)
+            with pytest.raises(openai.InternalServerError):
+                await client.responses.create(model="m", input=f"fails {i}")
+        response = await client.responses.create(model="m", input="fine")
+        assert response.status == "completed"
+        assert (
+            handle.metric("ocxproxy_backend_ejections_total", backend=only.url, outcome="kept") >= 1
+        )

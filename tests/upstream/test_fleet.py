@@ -239,3 +239,40 @@ async def test_admit_fails_at_once_when_nothing_is_up() -> None:
         async with asyncio.timeout(0.5):
             await f.admit("k", None)
     assert info.value.status == 503 and info.value.code == "no_backend_available"
+
+
+def test_a_5xx_to_a_body_that_already_got_one_counts_against_the_request() -> None:
+    f = fleet()
+    a = f.backends[0]
+    for _ in range(ERRORS_BEFORE_DOWN + 2):  # the SDK's retries of one bad request
+        f.observe_status(a, 500, NOW, body=b'{"input":"bad"}')
+    assert a.healthy and a.errors_in_row == 0  # the first one taken back too
+    for i in range(ERRORS_BEFORE_DOWN):  # distinct requests failing: the backend's doing
+        f.observe_status(a, 500, NOW, body=[b'{"input":', b'"%d"}' % i])
+    assert not a.healthy and a.ejected
+
+
+def test_passive_evidence_ejects_at_most_half_the_fleet_and_never_the_last() -> None:
+    f = fleet(A, B, C, "http://d:1")
+    for backend in f.backends:
+        for _ in range(ERRORS_BEFORE_DOWN):
+            f.observe_status(backend, 503, NOW)
+    assert [b.healthy for b in f.backends].count(False) == 2
+    only = fleet(A)
+    for _ in range(2 * ERRORS_BEFORE_DOWN):
+        only.observe_status(only.backends[0], 503, NOW)
+    assert not only.eject(only.backends[0], "a timeout", NOW)
+    assert only.backends[0].healthy
+    assert gauge(only, "ocxproxy_backend_ejections_total", backend=A, outcome="kept") == 3
+
+
+def test_when_every_backend_is_out_the_ejected_ones_take_requests() -> None:
+    """Panic routing: a refused connection marks B down for sure; A, out on passive
+    evidence only, keeps serving while the probe decides."""
+    f = fleet()
+    a, b = f.backends
+    assert f.eject(a, "no answer within the read timeout", NOW)
+    f.mark_down(b, "connection refused", NOW)
+    assert chosen(f, "k").backend is a
+    f.mark_down(a, "health probe failed", NOW)  # the probe's word is final
+    assert f.choose("k", None, NOW) is Refusal.DOWN
