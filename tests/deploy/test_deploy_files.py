@@ -66,6 +66,8 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_exported() -> None:
         "ocxproxy_admission_rejected_total",
         "ocxproxy_websocket_connections",
         "ocxproxy_websocket_turns_total",
+        "ocxproxy_compactions_total",
+        "ocxproxy_compaction_summary_tokens_total",
     ):
         assert any(wanted in metric_names(t.expr) for t in targets()), wanted
 

@@ -174,7 +174,7 @@ async def wait_scrapes(handle: ProxyHandle, count: int, within: float = 30.0) ->
 async def traffic(
     handle: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession, round_: int
 ) -> None:
-    """Chains in JSON and SSE, a store:false turn, spills (a tiny resident budget), a failed
+    """Chains in JSON and SSE, a store:false turn, compactions, spills (a tiny resident budget), a failed
     lookup, a lost (evicted) one, backend errors, admission rejections, WebSocket turns."""
     client = handle.client()
     padding = f"round {round_}: " + "some context that makes the turn big enough " * 30
@@ -188,6 +188,9 @@ async def traffic(
     async with client.responses.stream(model="m", input="streamed", previous_response_id=prev) as s:
         await s.get_final_response()
     await client.responses.create(model="m", input="not kept", store=False)
+    compact = [{"role": "user", "content": "long work"}, {"type": "compaction_trigger"}]
+    await client.responses.create(model="m", input=compact, store=False)  # type: ignore[arg-type]
+    await client.responses.compact(model="m", input="long work")
     for lost in ("resp_never_issued", first.id):  # unknown, then evicted
         async with http.post(
             handle.base_url + "/responses",
