@@ -174,8 +174,9 @@ async def wait_scrapes(handle: ProxyHandle, count: int, within: float = 30.0) ->
 async def traffic(
     handle: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession, round_: int
 ) -> None:
-    """Chains in JSON and SSE, a store:false turn, compactions, spills (a tiny resident budget), a failed
-    lookup, a lost (evicted) one, backend errors, admission rejections, WebSocket turns."""
+    """Chains in JSON and SSE, a store:false turn, compactions, spills (a tiny resident
+    budget), a failed lookup, a lost (evicted) one, backend errors, admission rejections,
+    WebSocket turns."""
     client = handle.client()
     padding = f"round {round_}: " + "some context that makes the turn big enough " * 30
     first = await client.responses.create(model="m", input=padding)
