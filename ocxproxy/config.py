@@ -443,7 +443,10 @@ class Config:
         check=not_negative,
     )
     forward_unknown_ids: bool = setting(
-        False, "forward unknown previous_response_ids (for stateful backends)", group=BACKENDS
+        False,
+        "forward ids the proxy does not know (previous_response_id, GET/DELETE/cancel of a "
+        "response) to the backend, for stateful backends",
+        group=BACKENDS,
     )
     local_model: Path | None = setting(
         None, "GGUF model for the embedded backend", group=BACKENDS, parse=Path, metavar="FILE"

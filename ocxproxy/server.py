@@ -18,7 +18,7 @@ from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.continuation.compaction import Sealer
 from ocxproxy.http import conversations, health, models, passthrough, responses, websocket
 from ocxproxy.http.access_log import AccessLog
-from ocxproxy.http.context import CUT_GRACE, PROXY, Proxy
+from ocxproxy.http.context import CUT_GRACE, PROXY, UNPREFIXED, V1, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
@@ -50,17 +50,28 @@ def build_app(config: Config, *, metrics: Metrics | None = None) -> web.Applicat
     r.add_get("/healthz", health.healthz)
     r.add_get("/readyz", health.readyz)
     r.add_get("/metrics", health.metrics)
-    r.add_post("/v1/responses", responses.create_response)
-    r.add_get("/v1/responses", websocket.responses_socket)  # upgrade, else passthrough
-    r.add_post("/v1/responses/input_tokens", responses.create_sibling)
-    r.add_post("/v1/responses/compact", responses.compact_response)
-    r.add_get("/v1/responses/{response_id}", responses.get_response)
-    r.add_delete("/v1/responses/{response_id}", responses.delete_response)
-    r.add_get("/v1/responses/{response_id}/input_items", responses.list_input_items)
-    conversations.add_routes(r)
-    r.add_get("/v1/models", models.list_models)
-    r.add_route("*", "/{tail:.*}", passthrough.passthrough)
+    # The API under /v1 and without it: a base URL that lacks /v1 reaches the same routes
+    # (the backend always gets /v1, context.upstream_path).
+    r.add_routes([web.route(d.method, V1 + d.path, d.handler, **d.kwargs) for d in API_ROUTES])
+    bare = r.add_routes(API_ROUTES)
+    app[UNPREFIXED] = frozenset(route.resource.canonical for route in bare if route.resource)
+    r.add_route("*", "/{tail:.*}", passthrough.passthrough)  # as it came
     return app
+
+
+API_ROUTES = [  # without their /v1 prefix
+    web.post("/responses", responses.create_response),
+    web.get("/responses", websocket.responses_socket),  # upgrade, else passthrough
+    web.post("/responses/input_tokens", responses.create_sibling),
+    web.post("/responses/compact", responses.compact_response),
+    web.get("/responses/{response_id}", responses.get_response),
+    web.delete("/responses/{response_id}", responses.delete_response),
+    web.get("/responses/{response_id}/input_items", responses.list_input_items),
+    web.post("/responses/{response_id}/cancel", responses.cancel_response),
+    *conversations.ROUTES,
+    web.get("/models", models.list_models),  # the backend's, under the served names
+    web.route("*", "/models/{model:.+}", passthrough.passthrough),
+]
 
 
 async def _local_backend(app: web.Application) -> AsyncIterator[None]:

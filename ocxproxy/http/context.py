@@ -89,6 +89,9 @@ class Proxy:
 
 
 PROXY = web.AppKey("proxy", Proxy)
+V1 = "/v1"
+# The canonical paths of the proxy's own routes as served without /v1 (server.py).
+UNPREFIXED: web.AppKey[frozenset[str]] = web.AppKey("unprefixed", frozenset)
 TIMING_KEY = web.RequestKey("timing", Timing)
 
 
@@ -98,6 +101,18 @@ def proxy_of(request: web.Request) -> Proxy:
 
 def timing_of(request: web.Request) -> Timing:
     return request[TIMING_KEY]
+
+
+def unprefixed(request: web.Request) -> bool:
+    """The request came to one of the proxy's own routes without `/v1` (a client whose
+    base URL lacks it)."""
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical in request.app.get(UNPREFIXED, ())
+
+
+def upstream_path(request: web.Request) -> str:
+    """The path and query the backend gets: under `/v1` whatever the client's base URL."""
+    return V1 + request.path_qs if unprefixed(request) else request.path_qs
 
 
 def bearer_token(headers: Mapping[str, str]) -> str | None:

@@ -146,13 +146,15 @@ def _locked(request: web.Request) -> AbstractAsyncContextManager[None]:
     )
 
 
-def add_routes(router: web.UrlDispatcher) -> None:
-    base = "/v1/conversations"
-    router.add_post(base, create_conversation)
-    router.add_get(base + "/{conversation_id}", get_conversation)
-    router.add_post(base + "/{conversation_id}", update_conversation)
-    router.add_delete(base + "/{conversation_id}", delete_conversation)
-    router.add_post(base + "/{conversation_id}/items", create_items)
-    router.add_get(base + "/{conversation_id}/items", list_items)
-    router.add_get(base + "/{conversation_id}/items/{item_id}", get_item)
-    router.add_delete(base + "/{conversation_id}/items/{item_id}", delete_item)
+_BASE = "/conversations"
+# Without their /v1 prefix: server.py serves them with and without it.
+ROUTES = [
+    web.post(_BASE, create_conversation),
+    web.get(_BASE + "/{conversation_id}", get_conversation),
+    web.post(_BASE + "/{conversation_id}", update_conversation),
+    web.delete(_BASE + "/{conversation_id}", delete_conversation),
+    web.post(_BASE + "/{conversation_id}/items", create_items),
+    web.get(_BASE + "/{conversation_id}/items", list_items),
+    web.get(_BASE + "/{conversation_id}/items/{item_id}", get_item),
+    web.delete(_BASE + "/{conversation_id}/items/{item_id}", delete_item),
+]

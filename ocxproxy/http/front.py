@@ -46,13 +46,14 @@ from ocxproxy.h1 import (
     status_line,
 )
 from ocxproxy.http.body import codings_of, decoded
-from ocxproxy.http.context import PROXY, Proxy, Stopping
+from ocxproxy.http.context import PROXY, V1, Proxy, Stopping
 from ocxproxy.http.exchange import create
 from ocxproxy.http.headers import answer_request_id, new_request_id, request_id
 from ocxproxy.http.middleware import guarded
 from ocxproxy.metrics import Timing
 
 ROUTE = "/v1/responses"
+_BARE = ROUTE.removeprefix(V1)  # a client whose base URL lacks /v1
 
 
 def _ours(head: RequestHead) -> bool:
@@ -60,7 +61,7 @@ def _ours(head: RequestHead) -> bool:
     target = head.target
     return (
         head.method == "POST"
-        and (target == ROUTE or target.startswith(ROUTE + "?"))
+        and (target in (ROUTE, _BARE) or target.startswith((ROUTE + "?", _BARE + "?")))
         and head.version == "1.1"
         and head.length is not None
         and not head.expect
@@ -227,11 +228,12 @@ class FrontConnection(FlowControlled):
         timing = Timing(request_id(head.headers))
         keep_alive = head.keep_alive and not self.front.closing
         reply = SocketReply(self, timing.request_id, keep_alive=keep_alive)
+        target = head.target if head.target.startswith(ROUTE) else V1 + head.target
 
         async def run(timing: Timing) -> SocketReply:
             codings = codings_of(head.headers)
             raw = await decoded(codings, body, proxy.config.max_body_bytes) if codings else body
-            await create(proxy, head.headers, head.target, raw, timing, reply)
+            await create(proxy, head.headers, target, raw, timing, reply)
             return reply
 
         try:

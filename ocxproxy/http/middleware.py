@@ -16,7 +16,15 @@ from aiohttp import web
 
 from ocxproxy.errors import OcxError, ShuttingDown
 from ocxproxy.http.body import too_large
-from ocxproxy.http.context import TIMING_KEY, Proxy, check_client_key, proxy_of, scope_of
+from ocxproxy.http.context import (
+    TIMING_KEY,
+    V1,
+    Proxy,
+    check_client_key,
+    proxy_of,
+    scope_of,
+    unprefixed,
+)
 from ocxproxy.http.headers import answer_request_id, request_id
 from ocxproxy.metrics import Timing
 
@@ -118,8 +126,11 @@ async def tag_answer(request: web.Request, response: web.StreamResponse) -> None
 
 
 def route_of(request: web.Request) -> str:
+    """The matched route's path, under /v1 when the client left it out (one series)."""
     info = request.match_info.route.resource
-    return info.canonical if info is not None else "unmatched"
+    if info is None:
+        return "unmatched"
+    return V1 + info.canonical if unprefixed(request) else info.canonical
 
 
 @web.middleware

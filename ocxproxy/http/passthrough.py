@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ocxproxy.http.body import body_chunks, check_length, codings_of, read_body
-from ocxproxy.http.context import proxy_of, timing_of
+from ocxproxy.http.context import proxy_of, timing_of, upstream_path
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.metrics import Timing
 from ocxproxy.upstream.dialect import UpstreamResponse
@@ -30,7 +30,7 @@ async def passthrough(
     # A streamed body over the limit raises PayloadTooLarge out of open(): a 413.
     async with proxy.pool.open(
         request.method,
-        request.path_qs,
+        upstream_path(request),
         headers,
         stream if stream is not None else body,
         timing=timing,

@@ -23,10 +23,16 @@ from ocxproxy.continuation.envelope import complete_stored
 from ocxproxy.continuation.expand import check_request
 from ocxproxy.continuation.listing import includes_of, input_item_views, page, parse_list_query
 from ocxproxy.continuation.references import references
-from ocxproxy.errors import InvalidRequest, NotFound, StorageUnavailable, StoreFailure
+from ocxproxy.errors import (
+    FailureReason,
+    InvalidRequest,
+    NotFound,
+    StorageUnavailable,
+    StoreFailure,
+)
 from ocxproxy.http.body import read_body
 from ocxproxy.http.compaction import seal, summarize
-from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of
+from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of, upstream_path
 from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
@@ -61,7 +67,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     raw = await read_body(request, proxy.config.max_body_bytes)
     reply = WebReply(request)
-    await create(proxy, request.headers, request.path_qs, raw, timing_of(request), reply)
+    await create(proxy, request.headers, upstream_path(request), raw, timing_of(request), reply)
     assert reply.response is not None
     return reply.response
 
@@ -88,7 +94,7 @@ async def create_sibling(request: web.Request) -> web.StreamResponse:
         request.headers, proxy.config, identity=False, request_id=timing.request_id
     )
     headers["Content-Type"] = "application/json"
-    async with open_upstream(exchange, request.path_qs, headers, timing) as (_, upstream):
+    async with open_upstream(exchange, upstream_path(request), headers, timing) as (_, upstream):
         with timing.waiting():
             body = await upstream.read()
         return web.Response(
@@ -121,7 +127,9 @@ async def compact_response(request: web.Request) -> web.StreamResponse:
         request.headers, proxy.config, identity=True, request_id=timing.request_id
     )
     headers["Content-Type"] = "application/json"
-    summary, usage = await summarize(exchange, headers, request.path_qs, timing, route="compact")
+    summary, usage = await summarize(
+        exchange, headers, upstream_path(request), timing, route="compact"
+    )
     output = [
         *retained_user_messages(summarized_items(exchange.body)),
         new_item(seal(exchange, summary)),
@@ -135,15 +143,20 @@ async def compact_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
-    """The caller's stored response; a store:false turn kept in memory for chaining is not
-    retrievable (as on OpenAI)."""
+    """The caller's stored response, else NotFound: these routes are the proxy's, never the
+    backend's. None only with --forward-unknown-ids, for an id the proxy does not know (the
+    backend may): the caller forwards the request. A store:false turn kept in memory for
+    chaining is not retrievable (as on OpenAI)."""
+    response_id = request.match_info["response_id"]
     try:
-        record = await proxy.store.begin(
-            scope_of(request.headers), request.match_info["response_id"]
-        )
-    except StoreFailure:
-        return None
-    return record if record.stored else None
+        record = await proxy.store.begin(scope_of(request.headers), response_id)
+    except StoreFailure as failure:
+        if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
+            return None
+        raise _not_found(response_id) from None
+    if not record.stored:
+        raise _not_found(response_id)
+    return record
 
 
 def _not_found(response_id: str) -> NotFound:
@@ -166,6 +179,8 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
     if not await proxy.store.remove(scope_of(request.headers), response_id):
+        if proxy.config.forward_unknown_ids:
+            return await passthrough(request)
         raise _not_found(response_id)
     try:
         await proxy.store.commit()  # ack mode: the delete is durable before it is answered
@@ -176,11 +191,20 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 
+async def cancel_response(request: web.Request) -> web.StreamResponse:
+    """Only a response created with `background: true` can be cancelled (as on OpenAI);
+    a stored response was not, so it is a 400, and an unknown id a 404."""
+    record = await _lookup(proxy_of(request), request)
+    if record is None:
+        return await passthrough(request)
+    raise InvalidRequest("Only responses created with background=true can be cancelled.")
+
+
 async def list_input_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     record = await _lookup(proxy, request)
     if record is None:
-        raise _not_found(request.match_info["response_id"])
+        return await passthrough(request)
     query = parse_list_query(request.query, includes_of(request.query))
     try:
         history = await proxy.store.history(record)

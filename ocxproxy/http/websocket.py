@@ -42,7 +42,15 @@ from ocxproxy.errors import (
     backend_error,
 )
 from ocxproxy.http.compaction import compaction_turn
-from ocxproxy.http.context import PROXY, Proxy, Stopping, proxy_of, scope_of, timing_of
+from ocxproxy.http.context import (
+    PROXY,
+    Proxy,
+    Stopping,
+    proxy_of,
+    scope_of,
+    timing_of,
+    upstream_path,
+)
 from ocxproxy.http.exchange import (
     Exchange,
     open_upstream,
@@ -137,7 +145,7 @@ class Connection:
         self.ws = ws
         self.scope = scope_of(request.headers)
         self.request_id = timing_of(request).request_id  # the upgrade's; turn n's is <id>.<n>
-        self.path_qs = request.path_qs
+        self.path_qs = upstream_path(request)
         self.headers = upstream_headers(
             request.headers, config, identity=True, request_id=self.request_id
         )

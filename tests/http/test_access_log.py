@@ -158,7 +158,7 @@ async def test_passthrough_and_aiohttp_routes_log_too_probes_do_not(
     async with http.delete(proxy.base_url + "/responses/resp_nowhere", headers=auth) as resp:
         assert resp.status == 404  # answered from the store alone
     models, lookup = json_lines(capsys)
-    check_common(models, "/{tail}", "GET")
+    check_common(models, "/v1/models", "GET")
     assert models["status"] == 200 and models["backend"] == backend.url
     assert models["expansion"] is None and models["input_tokens"] is None
     assert re.fullmatch(r"[0-9a-f]{16}", models["request_id"])  # the odd one was replaced
@@ -300,7 +300,7 @@ async def test_text_lines_are_logfmt_with_the_same_fields(
     assert create["route"] == "/v1/responses" and create["status"] == "200"
     assert create["backend"] == backend.url and create["expansion"] == "-"
     assert create["scope"] == SCOPE and int(create["input_tokens"]) > 0
-    assert models["route"] == "/{tail}" and models["input_tokens"] == "-"
+    assert models["route"] == "/v1/models" and models["input_tokens"] == "-"
 
 
 async def test_off_by_default(proxy: ProxyHandle, capsys: pytest.CaptureFixture[str]) -> None:
@@ -391,7 +391,7 @@ async def test_serve_writes_access_lines_to_stdout_alone(
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             _, stderr = await proc.communicate()
-    assert [line["route"] for line in lines] == ["/v1/responses", "/{tail}"]
+    assert [line["route"] for line in lines] == ["/v1/responses", "/v1/models"]
     assert all(list(line) == list(FIELDS) for line in lines)
     assert lines[0]["scope"] == "anonymous"[:SCOPE_CHARS]
     assert b"request_id" not in stderr
