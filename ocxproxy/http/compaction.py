@@ -18,6 +18,8 @@ import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.continuation.compaction import (
+    Injection,
+    binding_calls,
     compaction_response,
     new_item,
     response_events,
@@ -28,6 +30,7 @@ from ocxproxy.continuation.compaction import (
     summary_text,
     usage_of,
 )
+from ocxproxy.continuation.expand import expand
 from ocxproxy.errors import OcxError, UpstreamError, backend_error
 from ocxproxy.http.context import Reply
 from ocxproxy.http.headers import upstream_headers
@@ -81,6 +84,36 @@ async def compaction_turn(
     return response
 
 
+async def compact_first(
+    exchange: Exchange, forwarded: Mapping[str, str], path_qs: str, timing: Timing
+) -> None:
+    """`context_management`'s threshold passed: summarize the context, then make the
+    exchange forward the compacted window (the retained user messages, the summary, the
+    calls this turn's tool outputs answer) and this turn's input; the answer carries the
+    compaction item first, and the turn is remembered as a chain of its own. `forwarded`:
+    the headers for the backend."""
+    assert exchange.pending is not None and exchange.tail is not None
+    summary_body, history = exchange.pending
+    exchange.pending = None
+    summary, _ = await summarize(
+        exchange, forwarded, path_qs, timing, route="threshold", body=summary_body
+    )
+    item = new_item(seal(exchange, summary))
+    message = summary_message(summary)
+    earlier = orjson.loads(b"[" + b",".join(history) + b"]")
+    retained = retained_user_messages(earlier)
+    calls = binding_calls(earlier, exchange.request.items)
+    parts = [*map(orjson.dumps, retained), message, *map(orjson.dumps, calls)]
+    # The summary's parsed stand-in carries the item's id: an item_reference to it finds
+    # the summary message.
+    items = [*retained, {**orjson.loads(message), "id": item["id"]}, *calls]
+    exchange.retained = (parts, items)
+    exchange.summary = message
+    exchange.injection = Injection(item)
+    exchange.body = expand(exchange.request.body, [], [*parts, *exchange.tail])
+    exchange.proxy.metrics.compactions.labels(route="threshold", outcome="completed").inc()
+
+
 def seal(exchange: Exchange, summary: str) -> str:
     return exchange.proxy.sealer.seal(
         summary, scope=exchange.scope, model=exchange.request.body.get("model")
@@ -88,9 +121,16 @@ def seal(exchange: Exchange, summary: str) -> str:
 
 
 async def summarize(
-    exchange: Exchange, forwarded: Mapping[str, str], path_qs: str, timing: Timing, *, route: str
+    exchange: Exchange,
+    forwarded: Mapping[str, str],
+    path_qs: str,
+    timing: Timing,
+    *,
+    route: str,
+    body: bytes | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Ask the backend for the summary `exchange.body` requests: its text, and the usage."""
+    """Ask the backend for the summary `body` (default: `exchange.body`) requests: its
+    text, and the usage."""
     proxy = exchange.proxy
     metrics = proxy.metrics
     try:
@@ -98,7 +138,7 @@ async def summarize(
             "POST",
             responses_path(path_qs),
             forwarded,
-            exchange.body,
+            exchange.body if body is None else body,
             timing=timing,
             affinity_key=exchange.affinity_key,
             preferred=exchange.parent.backend if exchange.parent else None,

@@ -22,6 +22,9 @@ import orjson
 
 from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.compaction import (
+    Injection,
+    compact_threshold,
+    estimate_tokens,
     open_items,
     replace_in_body,
     summary_request,
@@ -65,6 +68,7 @@ from ocxproxy.upstream.sse import (
     TERMINAL_EVENTS,
     Event,
     EventSplitter,
+    encode_event,
     error_event,
     loads_or_none,
 )
@@ -108,6 +112,11 @@ class Exchange:
     compaction: bool = False
     summary: bytes | None = None
     retained: tuple[list[bytes], list[Any]] = ([], [])
+    # context_management's threshold passed: the summary request and the history it
+    # summarizes, until http/compaction.py has compacted (`body` is then the compacted
+    # window and this turn's input, and `injection` puts the item first in the answer).
+    pending: tuple[bytes, list[bytes]] | None = None
+    injection: Injection | None = None
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -172,6 +181,20 @@ class Exchange:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
         tail, tail_items = self.tail, self.request.items
+        if self.injection is not None:  # compacted first: the window, then the turn
+            window, window_items = self.retained
+            output = [item for item in response["output"] if item is not self.injection.item]
+            turn = build_turn(
+                response={**response, "output": output},
+                scope=self.scope,
+                durable=self.durable,
+                tail=[*window, *tail],
+                tail_items=[*window_items, *tail_items],
+                backend=self.backend.url if self.backend else None,
+                affinity_key=chain_key(self.affinity_key, self.parent, response),
+                stored=self.request.store,
+            )
+            return replace(turn, response=orjson.dumps(response))
         if self.summary is not None and self.conversation is None:
             tail, tail_items = self.retained
         return build_turn(
@@ -255,6 +278,12 @@ async def prepare_exchange(
     siblings of create), nothing will be: a conversation is read without its lock.
     """
     refs, sealed, trigger = scan_input(request.items)
+    threshold: int | None = None
+    managed = "context_management" in request.body  # served here, never forwarded
+    if managed:
+        threshold = compact_threshold(request.body)
+        body_fields = {k: v for k, v in request.body.items() if k != "context_management"}
+        request = replace(request, body=body_fields)
     resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, {})
     # A turn holding items of a WebSocket connection's own store stays there, like a
     # chain that started there: its store:false content must not reach disk.
@@ -288,17 +317,18 @@ async def prepare_exchange(
                 )
             raise PreviousResponseNotFound(prev, failure.reason) from None
         parent_store, expansion = parent_store or store, "hit"
+    pending: tuple[bytes, list[bytes]] | None = None
     try:
         tail: list[bytes] | None = None  # the request's own items as forwarded
         # Compaction items reach the backend, and the store, as their summary messages.
         opened = open_items(proxy.sealer, scope, request.items, sealed) if sealed else {}
         fast: bytes | None = None  # a first turn with no more to do: its own bytes edited
-        if opened and parent is None and not resolved and not trigger and raw is not None:
+        if opened and parent is None and not (resolved or trigger or managed) and raw is not None:
             fast = replace_in_body(raw, request.items, opened)
         if fast is not None:
             body = fast
             request = replace(request, items=with_summaries(request.items, opened))
-        elif parent is not None or resolved or opened or trigger:
+        elif parent is not None or resolved or opened or trigger or managed:
             if parent is None and raw is not None:  # a first turn keeps the client's bytes
                 tail = tail_as_sent(raw, request)
             else:
@@ -320,6 +350,9 @@ async def prepare_exchange(
                 body = summary_request(request.body, history, tail)
             else:
                 body = expand(request.body, history, tail)
+                # A conversation keeps its items: it is not compacted by a threshold.
+                if threshold is not None and held is None and estimate_tokens(body) > threshold:
+                    pending = (summary_request(request.body, history, tail), history)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
         if expansion == "hit":
@@ -345,6 +378,7 @@ async def prepare_exchange(
         conversation=held,
         envelope=_envelope(proxy, request, echo),
         compaction=trigger,
+        pending=pending,
     )
 
 
@@ -410,6 +444,8 @@ async def _forward(
     proxy = exchange.proxy
     forwarded = upstream_headers(headers, proxy.config, identity=True, request_id=timing.request_id)
     forwarded["Content-Type"] = "application/json"
+    if exchange.pending is not None:  # context_management's threshold passed
+        await compaction.compact_first(exchange, forwarded, path_qs, timing)
     async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
         exchange.backend = backend
         content_type = upstream.headers.get("Content-Type", "")
@@ -427,7 +463,10 @@ async def _forward(
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
             else:
                 if type(response) is dict:
+                    if exchange.injection is not None:  # compacted first: the item leads
+                        exchange.injection.into(response)
                     patch = exchange.envelope.complete(response, final=True)
+                    patch.rewrite = patch.rewrite or exchange.injection is not None
                     exchange.finish(response)  # the backend's items, as it gave them
                     body = written(body, response, patch)
                 else:
@@ -506,6 +545,15 @@ async def stream_events(
             if kind is None:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 kind = payload.get("type") if isinstance(payload, dict) else None
+            if exchange.injection is not None:  # compacted first: the item leads
+                payload = payload if payload is not None else loads_or_none(event.data)
+                if isinstance(payload, dict):
+                    for extra in exchange.injection.before(payload):
+                        data = orjson.dumps(extra)
+                        batch.append(Event(encode_event(extra["type"], data), extra["type"], data))
+                    exchange.injection.shift(payload)
+                    data = orjson.dumps(payload)
+                    event = Event(encode_event(event.name, data), event.name, data)
             patch: Patch | None = None
             if kind in RESPONSE_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)

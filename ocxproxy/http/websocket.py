@@ -41,7 +41,7 @@ from ocxproxy.errors import (
     UpstreamError,
     backend_error,
 )
-from ocxproxy.http.compaction import compaction_turn
+from ocxproxy.http.compaction import compact_first, compaction_turn
 from ocxproxy.http.context import (
     PROXY,
     Proxy,
@@ -321,6 +321,8 @@ class Connection:
 
     async def _generate(self, exchange: Exchange, timing: Timing) -> TurnOutcome:
         self.headers["X-Request-Id"] = timing.request_id  # one turn at a time
+        if exchange.pending is not None:  # context_management's threshold passed
+            await compact_first(exchange, self.headers, self.path_qs, timing)
         async with open_upstream(exchange, self.path_qs, self.headers, timing) as (
             backend,
             upstream,
@@ -344,6 +346,7 @@ class Connection:
 
     async def _compact(self, exchange: Exchange, timing: Timing) -> TurnOutcome:
         """An input ending in a compaction trigger: the proxy's own compaction (C10)."""
+        self.headers["X-Request-Id"] = timing.request_id  # one turn at a time
         response = await compaction_turn(exchange, self.headers, self.path_qs, timing)
         for event in response_events(response):
             await self._send(orjson.dumps(event))

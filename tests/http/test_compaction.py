@@ -363,3 +363,110 @@ async def test_a_stored_turn_with_an_item_splices_byte_for_byte_next_turn(
     else:
         assert_append_only([seen.body for seen in sent])
     assert_never_forwarded(backend)
+
+
+LONG = "Some context the session built up over many turns. " * 120  # ~1,600 tokens
+MANAGED = [{"type": "compaction", "compact_threshold": 1000}]
+
+
+async def test_context_management_compacts_first_then_answers(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="m", input=LONG)
+    turn = await client.responses.create(
+        model="m",
+        input="What next?",
+        previous_response_id=first.id,
+        context_management=MANAGED,  # type: ignore[arg-type]
+    )
+    assert [item.type for item in turn.output] == ["compaction", "message"]
+    compaction_item(turn.output[:1])
+    assert turn.output_text == "echo#3: What next?"
+    summarized, answered = forwarded_items(backend)[1:]
+    assert summarized[-1]["content"] == COMPACTION_PROMPT and len(summarized) == 4
+    # The turn itself ran on the compacted window: the kept user message, the summary,
+    # then the new input.
+    assert answered[0] == {"role": "user", "content": LONG}
+    assert answered[1]["content"].startswith(SUMMARY_PREFIX)
+    assert answered[2] == {"role": "user", "content": "What next?"}
+    for seen in backend.responses_seen:
+        assert "context_management" not in seen.json
+    # Continued, the chain forwards the window, this turn and its answer: byte for byte.
+    await client.responses.create(model="m", input="And then?", previous_response_id=turn.id)
+    assert_append_only([seen.body for seen in backend.responses_seen[-2:]])
+    stored = await client.responses.retrieve(turn.id)
+    assert [item.type for item in stored.output] == ["compaction", "message"]
+    assert proxy.metric("ocxproxy_compactions_total", route="threshold", outcome="completed") == 1
+    assert_never_forwarded(backend)
+
+
+async def test_context_management_in_a_stream(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, backend: FakeBackend
+) -> None:
+    body = {
+        "model": "m",
+        "input": [{"role": "user", "content": LONG}, {"role": "user", "content": "go"}],
+        "stream": True,
+        "context_management": MANAGED,
+    }
+    async with http.post(proxy.base_url + "/responses", json=body) as answer:
+        events = sse_payloads(await answer.read())
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.output_item.done",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[2]["item"]["type"] == "compaction" and events[2]["output_index"] == 0
+    rest = [e for e in events[4:] if "output_index" in e]
+    assert rest and all(e["output_index"] == 1 for e in rest)
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["compaction", "message"]
+    assert_never_forwarded(backend)
+
+
+async def test_context_management_under_its_threshold_and_malformed(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    small = await client.responses.create(
+        model="m",
+        input="short",
+        context_management=MANAGED,  # type: ignore[arg-type]
+    )
+    assert [item.type for item in small.output] == ["message"]
+    assert "context_management" not in backend.responses_seen[-1].json
+    for bad in ([{"type": "other"}], [{"type": "compaction", "compact_threshold": 10}], "x"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(
+                model="m",
+                input="x",
+                context_management=bad,  # type: ignore[arg-type]
+            )
+        assert "context_management" in str(caught.value)
+    assert len(backend.responses_seen) == 1
+
+
+async def test_context_management_over_websocket(
+    proxy: ProxyHandle, http: aiohttp.ClientSession, backend: FakeBackend
+) -> None:
+    ws = await connect(http, proxy)
+    first = await create(ws, model="m", input=LONG, store=False)
+    events = await create(
+        ws,
+        model="m",
+        input="next",
+        previous_response_id=first[-1]["response"]["id"],
+        context_management=MANAGED,
+    )
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["compaction", "message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    after = await create(ws, model="m", input="more", previous_response_id=final["id"])
+    assert after[-1]["type"] == "response.completed"
+    assert forwarded_items(backend)[-1][1]["content"].startswith(SUMMARY_PREFIX)
+    assert_never_forwarded(backend)
+    await ws.close()
