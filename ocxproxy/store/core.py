@@ -197,6 +197,9 @@ class Store(KeptRecords):
 
         In `ack` mode raises StoreFailure(WRITE_FAILED) when they could not be written:
         the turn must not be acknowledged. `relaxed` and memory-only stores return at once.
+        Without a record, call it in the step of the event loop that queued the change (as
+        the DELETE routes do): a commit that ended before the call is not waited for, so
+        its failure is not seen here.
         """
         if record is not None:
             failure = self.index.failed.get(record.id)

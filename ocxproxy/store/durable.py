@@ -247,7 +247,7 @@ class Durable:
         j.remove(stale)
         for path in j.temps():
             with contextlib.suppress(OSError):
-                path.unlink()
+                files.fs.unlink(path)
 
     async def shutdown(self, *, drain: bool) -> None:
         """Stop maintenance and the committer (after writing what is queued, with

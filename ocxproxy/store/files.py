@@ -1,8 +1,14 @@
 """Careful file primitives for the state directory: private dirs, atomic writes, reads that
 never follow a symlink or open anything but a regular file, and the single-owner lock.
 
-Blocking calls: run them in a thread. OSError passes through; spill.py and snapshot.py map
-it to their typed failures.
+Blocking calls: run them in a thread. OSError passes through; the store maps it to its
+typed failures.
+
+Every call that changes the state dir or makes a change durable (open, write, truncate,
+allocate, rename, unlink, mkdir, fsync, close of a written file) goes through `fs`, here
+and in journal.py: `os` itself, bound once. Tests bind a layer there that keeps what was
+written but not yet fsynced and drops it at a simulated power loss
+(`tests/store/powerloss.py`). Reads go to `os` directly.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import secrets
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 try:
     import fcntl
@@ -27,6 +34,25 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+class FileSystem(Protocol):
+    """The calls through which the store changes its files (the `os` module's)."""
+
+    def open(self, path: str | Path, flags: int, mode: int = 0o777, /) -> int: ...
+    def close(self, fd: int, /) -> None: ...
+    def write(self, fd: int, data: bytes | memoryview, /) -> int: ...
+    def pwrite(self, fd: int, data: bytes | memoryview, offset: int, /) -> int: ...
+    def ftruncate(self, fd: int, length: int, /) -> None: ...
+    def posix_fallocate(self, fd: int, offset: int, length: int, /) -> None: ...
+    def fsync(self, fd: int, /) -> None: ...
+    def fdatasync(self, fd: int, /) -> None: ...
+    def mkdir(self, path: str | Path, mode: int = 0o777, /) -> None: ...
+    def replace(self, src: str | Path, dst: str | Path, /) -> None: ...
+    def unlink(self, path: str | Path, /) -> None: ...
+
+
+fs: FileSystem = os  # the one seam (see the module's docstring); never checked per call
+
+
 class UnsafePath(OSError):
     """A path in the state dir is a symlink or not the kind of file expected."""
 
@@ -34,7 +60,7 @@ class UnsafePath(OSError):
 def ensure_dir(path: Path) -> bool:
     """Create `path` 0700 (True when created); an existing entry must be a real directory."""
     try:
-        os.mkdir(path, DIR_MODE)
+        fs.mkdir(path, DIR_MODE)
     except FileExistsError:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode):
@@ -45,20 +71,26 @@ def ensure_dir(path: Path) -> bool:
 
 
 def ensure_root(path: Path) -> None:
-    """The state dir itself: the operator's choice of path, created with its parents."""
+    """The state dir itself: the operator's choice of path, created with its parents, each
+    new entry fsynced in its directory (else a power loss may take the whole dir with it,
+    and every acknowledged turn in it)."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ensure_dir(path)
+        for parent in [p for p in path.parents if not p.exists()][::-1]:
+            with contextlib.suppress(FileExistsError):
+                fs.mkdir(parent)  # (the umask's mode, as `mkdir -p`)
+                fsync_dir(parent.parent)
+        if ensure_dir(path):
+            fsync_dir(path.parent)
     elif not path.is_dir():
         raise UnsafePath(errno.ENOTDIR, "not a directory", str(path))
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    fd = fs.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
     try:
-        os.fsync(fd)
+        fs.fsync(fd)
     finally:
-        os.close(fd)
+        fs.close(fd)
 
 
 def temp_name(final: Path) -> Path:
@@ -72,13 +104,13 @@ def is_temp_name(name: str) -> bool:
 def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        view = view[fs.write(fd, view) :]
 
 
 def write_at(fd: int, data: bytes, offset: int) -> None:
     view = memoryview(data)
     while view:
-        n = os.pwrite(fd, view, offset)
+        n = fs.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
@@ -95,7 +127,7 @@ def write_atomic(
     waits behind that much of it at most, not the whole file.
     """
     tmp = temp_name(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, FILE_MODE)
+    fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, FILE_MODE)
     written = unsynced = 0
     try:
         try:
@@ -104,15 +136,15 @@ def write_atomic(
                 written += len(chunk)
                 unsynced += len(chunk)
                 if sync_every and unsynced >= sync_every:
-                    os.fdatasync(fd)
+                    fs.fdatasync(fd)
                     unsynced = 0
-            os.fsync(fd)
+            fs.fsync(fd)
         finally:
-            os.close(fd)
-        os.replace(tmp, final)  # rename never follows a symlink at `final`
+            fs.close(fd)
+        fs.replace(tmp, final)  # rename never follows a symlink at `final`
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            fs.unlink(tmp)
         raise
     if sync_dir:
         fsync_dir(final.parent)

@@ -42,6 +42,8 @@ FILE_BYTES = 64 * 1024**2  # a journal file is closed (rotated) past this size
 PREALLOCATE = 4 * 1024**2  # room the active file grows by (fdatasync then suffices)
 CHECKPOINT_SYNC = 1024**2  # checkpoint bytes written between syncs (files.write_atomic)
 _NAME = re.compile(r"([0-9]{8})\.log")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class Journal:
@@ -89,7 +91,8 @@ class Journal:
 
     def load(self, *, repair: bool) -> Loaded:
         """Checkpoint, then every journal entry after it. With `repair`, a torn or corrupt
-        tail is cut off its file (truncated), so the next start does not meet it again."""
+        tail is cut off its file (truncated), so the next start does not meet it again,
+        and what was read is made durable (the files replayed, both directories)."""
         loaded = Loaded()
         try:
             raw = files.read_regular(self.root / CHECKPOINT, 1 << 40)
@@ -114,16 +117,28 @@ class Journal:
             data = files.read_regular(self.path(pack), 1 << 40)
             begin = start if pack == first else 0
             end = good_prefix(data, min(begin, len(data)), loaded, pack)
-            if end < len(data):
-                if data.count(0, end) != len(data) - end:  # not just preallocated zeros
-                    loaded.cut += 1
-                    loaded.cut_at.append((pack, end))
-                if repair:
-                    with open(self.path(pack), "r+b") as f:
-                        f.truncate(end)
-                        os.fsync(f.fileno())
+            if end < len(data) and data.count(0, end) != len(data) - end:  # not just zeros
+                loaded.cut += 1
+                loaded.cut_at.append((pack, end))
+            if repair:
+                self._settle(pack, end if end < len(data) else None)
             loaded.sizes[pack] = end
+        if repair:  # the checkpoint's name, the files' names: durable as they were read
+            files.fsync_dir(self.dir)
+            files.fsync_dir(self.root)
         return loaded
+
+    def _settle(self, pack: int, end: int | None) -> None:
+        """Cut file `pack` at `end` (a torn or corrupt tail), and sync it either way: a
+        process that died between a commit's write and its sync left entries in the page
+        cache that this start replays, and new turns will build on them."""
+        fd = files.fs.open(self.path(pack), os.O_WRONLY | _NOFOLLOW | _CLOEXEC)
+        try:
+            if end is not None:
+                files.fs.ftruncate(fd, end)
+            files.fs.fsync(fd)
+        finally:
+            files.fs.close(fd)
 
     def open_next(self) -> None:
         """Start appending to a new file after every existing one."""
@@ -139,7 +154,7 @@ class Journal:
                 fd = ready[1]
             else:
                 if ready is not None:
-                    os.close(ready[1])
+                    files.fs.close(ready[1])
                 fd = self._create(pack)
             if self._fd is not None:
                 self._retired.append((self._fd, self.size, self.allocated))
@@ -148,14 +163,14 @@ class Journal:
             self.seal_retired()
 
     def _create(self, pack: int) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        fd = os.open(self.path(pack), flags | getattr(os, "O_CLOEXEC", 0), files.FILE_MODE)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+        fd = files.fs.open(self.path(pack), flags, files.FILE_MODE)
         try:
             files.fsync_dir(self.dir)
         except OSError:
-            os.close(fd)
+            files.fs.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(self.path(pack))
+                files.fs.unlink(self.path(pack))
             raise
         return fd
 
@@ -167,7 +182,7 @@ class Journal:
             if self._ready is not None:
                 if self._ready[0] == pack:
                     return
-                os.close(self._ready[1])
+                files.fs.close(self._ready[1])
                 self._ready = None
             self._ready = (pack, self._create(pack))
 
@@ -178,12 +193,12 @@ class Journal:
             fd, size, allocated = self._retired.pop()
             try:
                 if allocated > size:
-                    os.ftruncate(fd, size)
-                    os.fsync(fd)
+                    files.fs.ftruncate(fd, size)
+                    files.fs.fsync(fd)
             except OSError:
                 pass  # zeros past the end read as a clean end
             finally:
-                os.close(fd)
+                files.fs.close(fd)
 
     def close(self) -> None:
         with self._opening:
@@ -191,7 +206,7 @@ class Journal:
                 self._retired.append((self._fd, self.size, self.allocated))
                 self._fd = None
             if self._ready is not None:
-                os.close(self._ready[1])
+                files.fs.close(self._ready[1])
                 self._ready = None
         self.seal_retired()
         with self._readers_lock:
@@ -223,13 +238,13 @@ class Journal:
             grown = at > self.allocated
             if grown:
                 room = max(PREALLOCATE, at - self.allocated)
-                os.posix_fallocate(fd, self.allocated, room)
+                files.fs.posix_fallocate(fd, self.allocated, room)
             files.write_at(fd, data, before)
             if grown:
-                os.fsync(fd)
+                files.fs.fsync(fd)
                 self.allocated += room
             else:
-                os.fdatasync(fd)
+                files.fs.fdatasync(fd)
         except OSError:
             self.cut_back(before)
             raise
@@ -244,8 +259,8 @@ class Journal:
         fd = self._fd
         if fd is None or self.active != pack or self.allocated != at or at >= FILE_BYTES:
             return
-        os.posix_fallocate(fd, at, PREALLOCATE)
-        os.fsync(fd)
+        files.fs.posix_fallocate(fd, at, PREALLOCATE)
+        files.fs.fsync(fd)
         self.allocated = at + PREALLOCATE
 
     def room(self) -> int:
@@ -267,7 +282,7 @@ class Journal:
     def rewrite(self, data: bytes, at: int) -> None:
         """Write a claimed commit's bytes at `at` and sync them (blocking: the helper died)."""
         files.write_at(self.fd, data, at)
-        os.fdatasync(self.fd)
+        files.fs.fdatasync(self.fd)
 
     @property
     def fd(self) -> int:
@@ -281,11 +296,11 @@ class Journal:
         if fd is None:
             return
         try:
-            os.ftruncate(fd, size)
+            files.fs.ftruncate(fd, size)
             self.allocated = size
         except OSError:
             self._fd = None  # the next commit opens a new file
-            os.close(fd)
+            files.fs.close(fd)
 
     def _placed(self, base: int, relative: Sequence[Any]) -> list[Any]:
         return [(self.active, base + p[0], p[1]) if p else None for p in relative]
@@ -304,7 +319,7 @@ class Journal:
         for pack in packs:
             self._forget_reader(pack)
             try:
-                os.unlink(self.path(pack))
+                files.fs.unlink(self.path(pack))
                 removed += 1
             except FileNotFoundError:
                 pass
@@ -321,8 +336,9 @@ class Journal:
         with self._readers_lock:
             fd = self._readers.get(pack)
             if fd is None:
-                flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                fd = self._readers[pack] = os.open(self.path(pack), flags)
+                fd = self._readers[pack] = os.open(
+                    self.path(pack), os.O_RDONLY | _NOFOLLOW | _CLOEXEC
+                )
             return fd
 
     def _forget_reader(self, pack: int) -> None:
