@@ -120,9 +120,30 @@ def normalize_upstream(url: str) -> str:
     except ValueError:
         raise ValueError(f"bad port in upstream URL: {url!r}") from None
     path = parts.path
+    base = _endpoint_base(path)
+    if base is not None:
+        raise ValueError(
+            f"{url} is an endpoint, not a base URL: the base URL is "
+            f"{parts.scheme}://{parts.netloc}{base} (the proxy adds /responses and the rest)"
+        )
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+_ENDPOINTS = ("/responses", "/chat/completions", "/completions", "/models", "/embeddings")
+
+
+def _endpoint_base(path: str) -> str | None:
+    """The base URL's path when `path` names an API endpoint (`/v1/responses`, also under
+    a prefix, `/gpu/v1/chat/completions`), else None (a backend may sit under any prefix)."""
+    head, v1, _ = path.partition("/v1/")
+    if v1:
+        return head + "/v1"
+    for endpoint in _ENDPOINTS:
+        if path.endswith(endpoint):
+            return path.removesuffix(endpoint) + "/v1"
+    return None
 
 
 def split_list(values: Sequence[str]) -> tuple[str, ...]:
@@ -430,7 +451,7 @@ class Config:
     )
     health_path: str = setting(
         "/health",
-        "backend path probed for health (2xx-4xx: up)",
+        "backend path probed for health (2xx-4xx: up; a 404 also needs GET /v1/models 200)",
         group=BACKENDS,
         check=_absolute_path,
         metavar="PATH",

@@ -38,6 +38,7 @@ log = logging.getLogger("ocxproxy.upstream")
 __all__ = ["Backend", "BackendRequest", "UpstreamPool", "read_chunk"]
 
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
+MODELS_PATH = "/v1/models"  # the probe's second proof when the health path is a 404
 IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 §9.2.2
 
 
@@ -113,20 +114,23 @@ class UpstreamPool:
             self.fleet.probing = False
 
     async def probe(self) -> None:
-        """One round: GET the health path of every backend; 2xx-4xx is up."""
+        """One round: GET the health path of every backend; 2xx-4xx is up, but a 404 only
+        when `GET /v1/models` answers 200 (a server without a health path, e.g. Ollama's):
+        a URL that is not a backend's base answers 404 to everything."""
         await asyncio.gather(*(self._probe(b) for b in list(self.fleet.backends)))
 
     async def _probe(self, backend: Backend) -> None:
-        headers = {}
-        if self.config.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         try:
-            async with asyncio.timeout(min(self.config.connect_timeout, PROBE_TIMEOUT)):
-                response = await self.http.request(
-                    "GET", backend.url, self.config.health_path, headers, None
-                )
-            response.close()
-            status = response.status
+            status = await self._get_status(backend, self.config.health_path)
+            if status == 404:
+                models = await self._get_status(backend, MODELS_PATH)
+                if models != 200:
+                    self.fleet.mark_down(
+                        backend,
+                        f"health probe answered 404, and {MODELS_PATH} {models}: "
+                        "is the upstream URL the backend's base URL?",
+                    )
+                    return
         except (Http1Error, TimeoutError) as exc:
             self.fleet.mark_down(backend, f"health probe failed: {type(exc).__name__}")
             return
@@ -134,6 +138,15 @@ class UpstreamPool:
             self.fleet.mark_up(backend)
         else:
             self.fleet.mark_down(backend, f"health probe answered {status}")
+
+    async def _get_status(self, backend: Backend, path: str) -> int:
+        headers = {}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        async with asyncio.timeout(min(self.config.connect_timeout, PROBE_TIMEOUT)):
+            response = await self.http.request("GET", backend.url, path, headers, None)
+        response.close()
+        return response.status
 
     # -- requests ------------------------------------------------------------------------
 
