@@ -463,6 +463,15 @@ class Config:
         parse=parse_duration,
         check=not_negative,
     )
+    context_window: int = setting(
+        0,
+        "the backends' context window in tokens (0: learn it from each backend's /props "
+        "or /v1/models)",
+        group=BACKENDS,
+        parse=parse_int,
+        check=not_negative,
+        metavar="TOKENS",
+    )
     forward_unknown_ids: bool = setting(
         False,
         "forward ids the proxy does not know (previous_response_id, GET/DELETE/cancel of a "

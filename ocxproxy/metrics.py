@@ -336,6 +336,29 @@ class Metrics:
             ["backend"],
             buckets=_RATIO_BUCKETS,
         )
+        self.context_window = Gauge(
+            "ocxproxy_backend_context_window_tokens",
+            "The context window the proxy learned for a backend (or --context-window)",
+            ["backend"],
+        )
+        self.token_counts = Counter(
+            "ocxproxy_token_counts_total",
+            "Round trips asking a backend to count a request's tokens (turns near the window)",
+            ["backend"],
+        )
+        self.truncations = Counter(
+            "ocxproxy_truncation_steps_total",
+            "truncation:auto turns that moved their chain's drop point (items dropped "
+            "from the front)",
+        )
+        self.context_refusals = Counter(
+            "ocxproxy_context_length_exceeded_total",
+            "Requests refused with context_length_exceeded before any generation, by "
+            "truncation mode",
+            ["truncation"],
+        )
+        for mode in ("disabled", "auto"):  # exported at 0 from the start
+            self.context_refusals.labels(truncation=mode)
         self.stream_repairs = Counter(
             "ocxproxy_stream_repairs_total",
             "SSE streams that lacked spec fields and were repaired",

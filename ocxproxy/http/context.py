@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 from ocxproxy.config import Config
 from ocxproxy.continuation.compaction import Sealer
 from ocxproxy.continuation.locks import InFlight, Leases
+from ocxproxy.continuation.window import TokenBook
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
@@ -80,6 +81,7 @@ class Proxy:
     def cut_by_shutdown(self) -> bool:
         """Whether a cancellation now is the graceful stop's deadline (not a client leaving)."""
         return self.stopping is not None and self.stopping.cut
+    book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
 
     def __post_init__(self) -> None:
         self.served_models = self.served_models or self.config.served_model_name

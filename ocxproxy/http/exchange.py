@@ -56,6 +56,7 @@ from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
+from ocxproxy.http.window import fit_window, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
 from ocxproxy.store import Store
@@ -117,6 +118,7 @@ class Exchange:
     # window and this turn's input, and `injection` puts the item first in the answer).
     pending: tuple[bytes, list[bytes]] | None = None
     injection: Injection | None = None
+    dropped: int = 0  # items left out at the front to fit the context window (http/window.py)
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -252,6 +254,7 @@ class Exchange:
         (total, cached), metrics, url = usage, self.proxy.metrics, self.backend.url
         metrics.input_tokens.labels(url).inc(total)
         self.input_tokens = total
+        remember_usage(self.proxy, response, url, self.body, self.dropped, total)
         if cached is not None:
             self.cached_tokens = cached
             metrics.cached_tokens.labels(url).inc(cached)
@@ -355,6 +358,9 @@ async def prepare_exchange(
                     pending = (summary_request(request.body, history, tail), history)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
+        dropped = 0
+        if remember and not trigger and pending is None:  # a compaction has its own window
+            body, dropped = await fit_window(proxy, request, parent, history, tail, body, raw)
         if expansion == "hit":
             proxy.metrics.expansions.labels(outcome="hit").inc()
         target, durable = retention(proxy, request, local, parent_store, remember)
@@ -379,6 +385,7 @@ async def prepare_exchange(
         envelope=_envelope(proxy, request, echo),
         compaction=trigger,
         pending=pending,
+        dropped=dropped,
     )
 
 

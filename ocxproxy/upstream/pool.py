@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ocxproxy.config import Config
 from ocxproxy.errors import UpstreamError
@@ -32,6 +32,7 @@ from ocxproxy.upstream.http1 import (
     Http1Response,
     Unsent,
 )
+from ocxproxy.upstream.window import Window, Windows
 
 log = logging.getLogger("ocxproxy.upstream")
 
@@ -83,6 +84,10 @@ class UpstreamPool:
         self.http = Http1Client(
             connect_timeout=config.connect_timeout, read_timeout=config.read_timeout
         )
+        auth = {"Authorization": f"Bearer {config.upstream_api_key}"}
+        self.windows = Windows(
+            self.http, metrics, config.context_window, auth if config.upstream_api_key else {}
+        )
 
     def __repr__(self) -> str:
         return f"<UpstreamPool {self.fleet!r}>"
@@ -99,6 +104,22 @@ class UpstreamPool:
 
     def is_ready(self) -> bool:
         return self.fleet.is_ready(time.monotonic())
+
+    def window_for(self, preferred: str | None) -> tuple[Backend, Window] | None:
+        """The context window a request must fit: its chain's backend's, else the smallest
+        of the backends' (upstream/window.py); None when none is known."""
+        backends = self.fleet.backends
+        if len(backends) == 1:
+            window = self.windows.of(backends[0])
+            return None if window is None or window.tokens is None else (backends[0], window)
+        candidates = [b for b in backends if b.url == preferred] or backends
+        best: tuple[Backend, Window] | None = None
+        for backend in candidates:
+            window = self.windows.of(backend)
+            tokens = window.tokens if window is not None else None
+            if tokens is not None and (best is None or tokens < cast(int, best[1].tokens)):
+                best = backend, cast(Window, window)
+        return best
 
     # -- active health -------------------------------------------------------------------
 
@@ -136,6 +157,8 @@ class UpstreamPool:
             return
         if status < 500:
             self.fleet.mark_up(backend)
+            if self.windows.stale(backend):
+                await self.windows.learn(backend)
         else:
             self.fleet.mark_down(backend, f"health probe answered {status}")
 

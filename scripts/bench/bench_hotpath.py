@@ -20,6 +20,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py            # ~20 s
     python scripts/bench/bench_hotpath.py --quick
     python scripts/bench/bench_hotpath.py --profile
+    python scripts/bench/bench_hotpath.py --context-window 1000000   # with the window check
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ async def measure(args: argparse.Namespace) -> None:
             state_dir=Path(state_dir),
             zdr=not args.durable,  # CPU only: no wait for fsync (see above)
             health_interval=0,
+            context_window=args.context_window,
         )
         proxy = build_app(config)[PROXY]
         await proxy.store.start()
@@ -222,6 +224,12 @@ def main() -> None:
         "--durable",
         action="store_true",
         help="a state dir instead of --zdr: the disk writer's threads then share the GIL",
+    )
+    parser.add_argument(
+        "--context-window",
+        type=int,
+        default=0,
+        help="a context window in tokens: every turn is then checked against it (estimated)",
     )
     args = parser.parse_args()
     if args.quick:

@@ -68,6 +68,9 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_exported() -> None:
         "ocxproxy_websocket_turns_total",
         "ocxproxy_compactions_total",
         "ocxproxy_compaction_summary_tokens_total",
+        "ocxproxy_truncation_steps_total",
+        "ocxproxy_context_length_exceeded_total",
+        "ocxproxy_token_counts_total",
     ):
         assert any(wanted in metric_names(t.expr) for t in targets()), wanted
 

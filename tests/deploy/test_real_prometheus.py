@@ -42,6 +42,11 @@ MAY_BE_EMPTY = {
     '{instance=~"$instance"}[$__rate_interval]))',
     'max(ocxproxy_store_bytes{tier="shared",instance=~"$instance"}) / '
     'max(ocxproxy_store_capacity_bytes{tier="shared",instance=~"$instance"})',
+    # Token counts: this proxy's backend tells no context window, so nothing is counted
+    # (tests/http/test_context_window.py checks them against backends that tell one).
+    'sum(rate(ocxproxy_token_counts_total{instance=~"$instance", backend=~"$backend"}'
+    '[$__rate_interval])) / sum(rate(ocxproxy_requests_total{instance=~"$instance", '
+    'route=~"/v1/responses|websocket /v1/responses"}[$__rate_interval]))',
 }
 # Selectors inside the queries (or their metric, for any selector of it) that may match
 # nothing, and why.
@@ -57,6 +62,7 @@ SELECTORS_MAY_BE_EMPTY = {
     "ocxproxy_shared_store_available",  # no series without a shared store
     'ocxproxy_store_bytes{tier="shared",instance=~"$instance"}',
     'ocxproxy_store_capacity_bytes{tier="shared",instance=~"$instance"}',
+    "ocxproxy_token_counts_total",  # as above
 }
 # Alerts the traffic provokes (their expression has series now; `for:` keeps them pending).
 FIRES = {

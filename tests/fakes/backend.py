@@ -191,7 +191,13 @@ class FakeBackend:
         delay: float = 0.0,
         name: str = "fake",
         rejects_images: bool = False,
+        window: tuple[Literal["llama", "vllm"], int] | None = None,
     ) -> None:
+        """`window`: a context window told as llama.cpp (`/props`, `/apply-template`,
+        `/tokenize`) or vLLM (`max_model_len` in `/v1/models`, `/tokenize` of messages)
+        tell it; an input past it is refused as llama.cpp refuses it. Tokens are a
+        quarter of the bytes, everywhere."""
+        self.window = window
         self.stream_style: StreamStyle = stream_style
         self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
         self.delay = delay
@@ -213,6 +219,11 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        if self.window is not None and self.window[0] == "llama":
+            app.router.add_get("/props", self._props)
+            app.router.add_post("/apply-template", self._apply_template)
+        if self.window is not None:
+            app.router.add_post("/tokenize", self._tokenize)
         app.on_response_prepare.append(self._add_request_id)
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1
@@ -335,7 +346,24 @@ class FakeBackend:
         return _json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
-        return _json_response({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+        model: Json = {"id": FAKE_MODEL, "object": "model"}
+        if self.window is not None and self.window[0] == "vllm":
+            model["max_model_len"] = self.window[1]
+        return _json_response({"object": "list", "data": [model]})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        assert self.window is not None
+        return _json_response({"default_generation_settings": {"n_ctx": self.window[1]}})
+
+    async def _apply_template(self, request: web.Request) -> web.Response:
+        payload = orjson.loads(await request.read())
+        return _json_response({"prompt": orjson.dumps(payload["messages"]).decode()})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        payload = orjson.loads(await request.read())
+        if "messages" in payload:  # vLLM
+            return _json_response({"count": _tokens(len(orjson.dumps(payload["messages"])))})
+        return _json_response({"tokens": [0] * _tokens(len(payload["content"].encode()))})
 
     async def _input_tokens(self, request: web.Request) -> web.Response:
         """`POST /v1/responses/input_tokens`, stateless: the count reveals the items seen."""
@@ -395,6 +423,12 @@ class FakeBackend:
                 error_body("'previous_response_id' is not supported", param="previous_response_id"),
                 400,
             )
+        if self.window is not None:
+            n_prompt = _tokens(len(_interpret(payload).canonical))
+            if n_prompt >= self.window[1]:
+                message = f"request ({n_prompt} tokens) exceeds the available context size"
+                error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+                return _json_response({"error": error}, 400)
         terminal = action.terminal if action is not None else None
         response, item = self._build(payload, await request.read(), terminal)
         hang_up = action.after_events if action is not None and action.kind == "hang_up" else None

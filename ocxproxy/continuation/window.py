@@ -1,0 +1,143 @@
+"""The context window (CONTRACT.md C10): how many tokens a forwarded input holds, known
+without a backend round trip on most turns, and which items `truncation: "auto"` drops.
+
+Estimates: a finished turn leaves a `Fact` behind, the tokens its backend reported (input
+and output: the next turn's history) and the bytes they stand for; the next turn adds
+its own bytes at the backend's bytes-per-token ratio. Only an estimate near the window
+is worth the backend's own count. Without a fact (the first turn of a chain here, or
+after a restart), the whole body is estimated at a low ratio, so estimates run high and a
+turn near the window is counted rather than let through.
+
+Dropping: whole items from the front of the expanded input (the instructions are not
+items: they stay). A drop point, once chosen, stays for the turns after it (each turn's
+fact carries it), so they send the same prefix and the backend's cache hits; only when
+the input no longer fits does it move, far enough to free at least a quarter of the
+window. A cut never leaves a tool output without its call: it moves to the next user
+message when there is one, else past any output at the front.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+NEAR = 0.85  # without a parent's usage, an estimate past this share of the room is counted
+STEP = 0.25  # a drop frees at least this share of the window
+OUTPUT_SHARE = 0.125  # room kept for the answer when the request sets no max_output_tokens
+LOW_RATIO = 2.0  # bytes per token assumed before a backend's usage says otherwise
+BOOK_SIZE = 100_000  # facts kept (the oldest leave first): ~100 bytes each
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    """What a finished turn tells the next one."""
+
+    tokens: int  # input + output tokens its backend reported
+    size: int  # the bytes they stand for: its forwarded body + its output (estimated)
+    dropped: int  # items dropped from the front of its expanded input
+
+
+class TokenBook:
+    """Facts of recent turns and each backend's bytes per token, in memory (a restart
+    costs each chain one estimate from bytes)."""
+
+    def __init__(self, size: int = BOOK_SIZE) -> None:
+        self.size = size
+        self.facts: dict[str, Fact] = {}
+        self.ratios: dict[str, float] = {}
+
+    def get(self, response_id: str) -> Fact | None:
+        return self.facts.get(response_id)
+
+    def put(self, response_id: str, fact: Fact) -> None:
+        facts = self.facts
+        facts[response_id] = fact
+        if len(facts) > self.size:
+            del facts[next(iter(facts))]
+
+    def learn(self, backend: str, n_bytes: int, tokens: int) -> None:
+        """A turn's forwarded body was `n_bytes` and `tokens` input tokens: the ratio,
+        smoothed over turns."""
+        if tokens <= 0 or n_bytes <= 0:
+            return
+        seen = n_bytes / tokens
+        old = self.ratios.get(backend)
+        self.ratios[backend] = seen if old is None else 0.8 * old + 0.2 * seen
+
+    def ratio(self, backend: str | None) -> float:
+        if backend is not None and backend in self.ratios:
+            return self.ratios[backend]
+        return min(self.ratios.values(), default=LOW_RATIO)
+
+
+def estimate(fact: Fact | None, size: int, ratio: float) -> tuple[int, int]:
+    """Tokens of a body of `size` bytes whose parent turn left `fact`, and by how much
+    the estimate may be off: a quarter of what was estimated from bytes (the parent's
+    tokens were reported), or, without a fact, enough to count anything near the window."""
+    if fact is None:
+        tokens = math.ceil(size / min(ratio, LOW_RATIO))
+        return tokens, math.ceil(tokens * (1 - NEAR) / NEAR)
+    added = math.ceil((size - fact.size) / ratio)
+    return max(0, fact.tokens + added), abs(added) // 4 + 16
+
+
+def room(window: int, max_output_tokens: Any) -> int:
+    """Input tokens that fit: the window less the room the answer needs."""
+    if isinstance(max_output_tokens, int) and max_output_tokens > 0:
+        reserve = min(max_output_tokens, window // 2)
+    else:
+        reserve = int(window * OUTPUT_SHARE)
+    return window - reserve
+
+
+def drop_point(
+    items: list[Any], sizes: list[int], tokens: int, dropped: int, keep: int, target: int
+) -> int | None:
+    """How many items to drop from the front of `items` (their serialized `sizes`) so
+    that the input, `tokens` long with `dropped` items dropped, is at most `target`
+    tokens; the last `keep` items (the turn in progress) are never dropped. None when
+    even that is not enough."""
+    kept_bytes = sum(sizes[dropped:])
+    if kept_bytes <= 0:
+        return None
+    per_byte = tokens / kept_bytes  # the head's tokens (instructions, tools) spread too
+    last = len(items) - keep  # the first item that must stay
+    total: float = tokens
+    cut = dropped
+    while cut < last and total > target:
+        total -= sizes[cut] * per_byte
+        cut += 1
+    if total > target:
+        return None
+    return _safe_cut(items, cut, last)
+
+
+def _safe_cut(items: list[Any], cut: int, last: int) -> int:
+    """The cut moved forward to the next user message (up to the request's own items),
+    else past any tool output at the front, whose call would be gone."""
+    for index in range(cut, last + 1):
+        if index == len(items) or _is_user_message(items[index]):
+            return index
+    while cut < len(items) and _is_output(items[cut]):
+        cut += 1
+    return cut
+
+
+def _is_user_message(item: Any) -> bool:
+    return (
+        isinstance(item, dict)
+        and item.get("role") == "user"
+        and item.get("type", "message") == "message"
+    )
+
+
+def _is_output(item: Any) -> bool:
+    kind = item.get("type") if isinstance(item, dict) else None
+    return isinstance(kind, str) and kind.endswith("_output")
+
+
+def step_target(window: int, fit: int) -> int:
+    """What a drop aims at: `fit`, less a quarter of the window, so the turns after it
+    grow into the room freed before the point has to move again."""
+    return max(0, fit - int(window * STEP))

@@ -1,0 +1,144 @@
+"""A create's input against its backend's context window (CONTRACT.md C10): estimated on
+every turn (no round trip), counted by the backend only near the window; with
+`truncation: "auto"`, whole items dropped from the front (continuation/window.py says
+how and why); with `disabled`, a counted overflow refused before any generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ocxproxy.continuation.expand import Request, expand, raw_input_items, tail_as_sent
+from ocxproxy.continuation.window import (
+    Fact,
+    drop_point,
+    estimate,
+    room,
+    step_target,
+)
+from ocxproxy.errors import InvalidRequest
+from ocxproxy.http.context import Proxy
+from ocxproxy.model import Record
+from ocxproxy.upstream.fleet import Backend
+from ocxproxy.upstream.window import Window
+
+MAX_STEPS = 4  # drop, count again: a step whose estimate fell short is followed by another
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Your input exceeds the context window of this model. "
+            "Please adjust your input and try again.",
+            param="input",
+        )
+
+
+async def fit_window(
+    proxy: Proxy,
+    request: Request,
+    parent: Record | None,
+    history: list[bytes],
+    tail: list[bytes] | None,
+    body: bytes,
+    raw: bytes | None,
+) -> tuple[bytes, int]:
+    """The body to forward, and how many items it leaves out at the front."""
+    found = proxy.pool.window_for(parent.backend if parent is not None else None)
+    if found is None:
+        return body, 0  # no window known: the backend's answer decides
+    backend, window = found
+    assert window.tokens is not None
+    book = proxy.book
+    fact = book.get(parent.id) if parent is not None else None
+    auto = request.body.get("truncation") == "auto"
+    fit = room(window.tokens, request.body.get("max_output_tokens"))
+    dropped = fact.dropped if fact is not None and auto else 0
+    items: list[bytes] | None = None
+    if dropped:
+        items = _items(request, history, tail, raw)
+        dropped = min(dropped, len(items) - 1)
+        body = expand(request.body, items[dropped:], [])
+    tokens, margin = estimate(fact, len(body), book.ratio(backend.url))
+    if tokens + margin <= fit:
+        return body, dropped  # the common case: no round trip
+    if not auto:
+        counted = await _count(proxy, backend, window, body)
+        if counted is not None and counted >= window.tokens:
+            proxy.metrics.context_refusals.labels(truncation="disabled").inc()
+            raise ContextLengthExceeded
+        return body, 0  # an estimate alone refuses nothing
+    if tokens - margin <= fit:  # it may fit: the backend's count decides
+        counted = await _count(proxy, backend, window, body)
+        tokens = counted if counted is not None else tokens
+        if tokens <= fit:
+            return body, dropped
+    if items is None:
+        items = _items(request, history, tail, raw)
+    parsed = orjson.loads(b"[" + b",".join(items) + b"]")
+    sizes = [len(item) + 1 for item in items]
+    keep = len(items) - _last_user_message(parsed)
+    target = step_target(window.tokens, fit)
+    for _ in range(MAX_STEPS):
+        cut = drop_point(parsed, sizes, tokens, dropped, keep, target)
+        if cut is None or cut >= len(items):
+            proxy.metrics.context_refusals.labels(truncation="auto").inc()
+            raise ContextLengthExceeded
+        body = expand(request.body, items[cut:], [])
+        tokens = sum(sizes[cut:]) * tokens // max(1, sum(sizes[dropped:]))
+        dropped = cut
+        counted = await _count(proxy, backend, window, body)
+        if counted is None or counted <= fit:
+            break
+        tokens = counted
+    proxy.metrics.truncations.inc()
+    return body, dropped
+
+
+def remember_usage(
+    proxy: Proxy, response: Any, backend: str, body: bytes, dropped: int, input_tokens: int
+) -> None:
+    """A finished turn's usage: the fact its continuation is estimated from, and the
+    backend's bytes per token."""
+    usage = response.get("usage")
+    output = usage.get("output_tokens") if isinstance(usage, dict) else None
+    response_id = response.get("id")
+    if not isinstance(output, int) or not isinstance(response_id, str):
+        return
+    book = proxy.book
+    book.learn(backend, len(body), input_tokens)
+    size = len(body) + int(output * book.ratio(backend))
+    book.put(response_id, Fact(input_tokens + output, size, dropped))
+
+
+def estimate_input_tokens(proxy: Proxy, parent: Record | None, body: bytes) -> int:
+    """The tokens of a forwarded body, estimated without the backend (high when unsure)."""
+    fact = proxy.book.get(parent.id) if parent is not None else None
+    tokens, margin = estimate(fact, len(body), proxy.book.ratio(parent.backend if parent else None))
+    return tokens + margin
+
+
+async def _count(proxy: Proxy, backend: Backend, window: Window, body: bytes) -> int | None:
+    return await proxy.pool.windows.count(backend, window, orjson.loads(body))
+
+
+def _items(
+    request: Request, history: list[bytes], tail: list[bytes] | None, raw: bytes | None
+) -> list[bytes]:
+    """The expanded input, one serialized item each."""
+    stored = raw_input_items(b'{"input":[' + b",".join(history) + b"]}") if history else []
+    if tail is None:
+        tail = tail_as_sent(raw, request) if raw is not None else []
+    return [*(stored or []), *tail]
+
+
+def _last_user_message(items: list[Any]) -> int:
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        if isinstance(item, dict) and item.get("role") == "user":
+            return index
+    return max(0, len(items) - 1)
