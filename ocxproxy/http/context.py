@@ -81,6 +81,7 @@ class Proxy:
     def cut_by_shutdown(self) -> bool:
         """Whether a cancellation now is the graceful stop's deadline (not a client leaving)."""
         return self.stopping is not None and self.stopping.cut
+
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
 
     def __post_init__(self) -> None:
