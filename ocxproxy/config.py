@@ -314,7 +314,8 @@ class Config:
         "ack",
         "ack: a stored turn is answered only once it is fsynced to the journal "
         "(survives kill -9 and power loss); relaxed: answered at once, written within "
-        "~2s (for disks that cannot fsync fast)",
+        "2s plus up to two journal writes, which kill -9 or power loss can lose (for "
+        "disks that cannot fsync fast)",
         group=STORE,
         parse=str.lower,
         check=Choices("ack", "relaxed"),
