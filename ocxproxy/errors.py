@@ -197,11 +197,31 @@ class StoreFailure(Exception):
         self.detail = detail
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# How backends say an input is past their context window: llama.cpp's error type and
+# message, vLLM's (and OpenAI's older) message.
+_OVERFLOW_MESSAGES = ("exceeds the available context size", "maximum context length")
+
+
+def _is_context_overflow(kind: Any, code: Any, message: str) -> bool:
+    return (
+        code == CONTEXT_LENGTH_EXCEEDED
+        or kind == "exceed_context_size_error"
+        or any(text in message for text in _OVERFLOW_MESSAGES)
+    )
+
+
+def is_context_overflow(status: int, body: bytes) -> bool:
+    """Whether a backend's error answer says the input is past its context window."""
+    return status == 400 and backend_error(status, body)["code"] == CONTEXT_LENGTH_EXCEEDED
+
+
 def backend_error(status: int, body: bytes) -> dict[str, Any]:
     """A backend's error answer as the inner OpenAI error object (the status is the
     caller's). Backends disagree on the shape: OpenAI/llama.cpp nest it under `error`
     (llama.cpp with a numeric `code`), older vLLM is flat, TGI puts a string in `error`,
-    some answer plain text."""
+    some answer plain text. An input past the backend's context window is OpenAI's
+    `context_length_exceeded` whatever the backend calls it."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -219,6 +239,9 @@ def backend_error(status: int, body: bytes) -> dict[str, Any]:
         text = body.decode("utf-8", "replace").strip()
         message = text[:500] if text and doc is None else f"The backend answered {status}."
     kind, code, param = inner.get("type"), inner.get("code"), inner.get("param")
+    if status == 400 and _is_context_overflow(kind, code, message):
+        error = to_openai_error(message, "invalid_request_error", CONTEXT_LENGTH_EXCEEDED, "input")
+        return dict(error["error"])
     fallback = "server_error" if status >= 500 else "invalid_request_error"
     shaped: dict[str, Any] = to_openai_error(
         message,

@@ -62,6 +62,7 @@ class Proxy:
     access_log: AccessLog | None = None  # --access-log off: None
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
+    book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
     # The model names clients see (--served-model-name, or the embedded model's); ():
     # each backend's own.
     served_models: tuple[str, ...] = ()
@@ -81,8 +82,6 @@ class Proxy:
     def cut_by_shutdown(self) -> bool:
         """Whether a cancellation now is the graceful stop's deadline (not a client leaving)."""
         return self.stopping is not None and self.stopping.cut
-
-    book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
 
     def __post_init__(self) -> None:
         self.served_models = self.served_models or self.config.served_model_name

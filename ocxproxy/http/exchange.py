@@ -50,6 +50,8 @@ from ocxproxy.errors import (
     StorageUnavailable,
     StoreFailure,
     UpstreamError,
+    backend_error,
+    is_context_overflow,
 )
 from ocxproxy.http import compaction, idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
@@ -461,6 +463,8 @@ async def _forward(
             return
         with timing.waiting():
             body = await upstream.read()
+        if is_context_overflow(upstream.status, body):  # in OpenAI's shape (CONTRACT.md C10)
+            body = orjson.dumps({"error": backend_error(upstream.status, body)})
         answer_headers = client_headers(upstream.headers, body_rewritten=False)
         # The turn is remembered, and durable, before the client can see the answer.
         if upstream.status == 200 and "json" in content_type:

@@ -289,12 +289,12 @@ async def test_backend_errors_keep_status_in_openai_shape(
         chat_proxy, {"model": "m", "input": "x", "stream": stream}
     )
     assert status == 400 and content_type.startswith("application/json")
-    assert orjson.loads(body) == {
+    assert orjson.loads(body) == {  # a context overflow is OpenAI's (CONTRACT.md C10)
         "error": {
             "message": LLAMA_TOO_LONG["error"]["message"],
-            "type": "exceed_context_size_error",
-            "param": None,
-            "code": None,
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": "context_length_exceeded",
         }
     }
     chat_backend.fail_next(422, {"error": "Input validation error", "error_type": "validation"})

@@ -198,3 +198,24 @@ async def test_auto_refuses_a_turn_that_alone_exceeds_the_window(
         assert status == 400
         assert answer["error"]["code"] == "context_length_exceeded"
         assert generations(backend) == 0
+
+
+async def test_a_backends_own_context_error_is_relayed_in_openai_shape(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """No window known here (no probes): the backend decides, and its llama.cpp-shaped
+    error reaches the client as OpenAI's context_length_exceeded."""
+    async with FakeBackend(window=("llama", 1000)) as backend:
+        proxy = await make_proxy(backend.url)
+        status, answer = await create(http, proxy, input=words(8000, 1))
+        assert status == 400
+        assert answer["error"]["code"] == "context_length_exceeded"
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["param"] == "input"
+        assert "context size" in answer["error"]["message"]  # the backend's own words
+        assert generations(backend) == 1
+        async with http.ws_connect(proxy.url + "/v1/responses") as ws:
+            await ws.send_json({"type": "response.create", "model": "m", "input": words(8000, 2)})
+            event = await ws.receive_json()
+        assert event["type"] == "error", event
+        assert "context_length_exceeded" in orjson.dumps(event).decode(), event
