@@ -37,6 +37,8 @@ async def test_bench_compaction_item_prints_its_figures() -> None:
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out
     rows = re.findall(
-        r"^(8k|128k) +\d+\.\d \( *\d+\.\d\) +\d+\.\d \( *\d+\.\d\) +[+-]\d+\.\d$", out, re.M
+        r"^(8k|128k) +\d+\.\d / +\d+\.\d +\d+\.\d / +\d+\.\d +[+-]\d+\.\d / +[+-]\d+\.\d$",
+        out,
+        re.M,
     )
     assert rows == ["8k", "128k"], out
