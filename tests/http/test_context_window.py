@@ -151,6 +151,7 @@ async def test_auto_drops_items_in_steps_that_keep_the_prefix(
                 body["previous_response_id"] = previous
             status, answer = await create(http, proxy, **body)
             assert status == 200, answer
+            assert answer["truncation"] == "auto"
             if answer["output"][-1]["type"] == "function_call":
                 call = answer["output"][-1]
                 status, answer = await create(
