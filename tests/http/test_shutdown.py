@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,6 +20,7 @@ from ocxproxy.aio import spawn
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.test_websocket import connect, events_of_turn, receive, send
+from tests.serve import Serve
 
 Json = dict[str, Any]
 BODY = {"model": "m", "input": "a long answer", "stream": True}
@@ -160,3 +164,25 @@ async def test_a_websocket_turn_past_the_shutdown_timeout_gets_an_error_event(
         await closing
     [line] = access_lines(capsys)
     assert (line["method"], line["outcome"]) == ("WS", "shutdown")
+
+
+async def test_sigterm_on_serve_cuts_a_long_stream_at_the_shutdown_timeout(
+    tmp_path: Path, slow: FakeBackend, processes: list[Serve]
+) -> None:
+    """The real process: the flag, SIGTERM, the closing event, the access line, exit 0."""
+    proxy = Serve(slow.url, tmp_path, "--shutdown-timeout", "1s", "--access-log", "json")
+    processes.append(proxy)
+    await proxy.start()
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(proxy.url + "/v1/responses", json=BODY) as resp,
+    ):
+        first = await resp.content.readuntil(b"\n\n")
+        os.kill(proxy.pid, signal.SIGTERM)
+        async with asyncio.timeout(10):
+            rest = await resp.content.read()
+    assert await proxy.stop() == 0
+    events = sse_events(first + rest)
+    assert (events[-1]["type"], events[-1]["code"]) == ("error", "server_shutting_down")
+    lines = [json.loads(line) for line in proxy.output if line.startswith("{")]
+    assert [(line["outcome"], line["status"]) for line in lines] == [("shutdown", 503)]
