@@ -47,7 +47,7 @@ from ocxproxy.store.shared_conversations import (
     SharedWrite,
     as_parent,
 )
-from ocxproxy.store.shared_layout import Keys, SharedRecord
+from ocxproxy.store.shared_layout import Keys, SharedRecord, compaction_key_name
 from ocxproxy.store.shared_server import Server, register_scripts
 
 __all__ = ["SharedStore"]
@@ -148,7 +148,7 @@ class SharedStore(Store):
     async def claim_compaction_key(self, fingerprint: str) -> None:
         """Record the compaction key's fingerprint (the first replica's), or refuse to
         start when another replica's key differs: an item it sealed would not open here."""
-        key = self.prefix + "compaction-key"
+        key = compaction_key_name(self.prefix)
         await self.server.command("compaction_key", "SET", key, fingerprint, "NX")
         recorded = await self.server.command("compaction_key", "GET", key)
         if recorded is not None and recorded.decode() != fingerprint:

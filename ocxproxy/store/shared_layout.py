@@ -268,6 +268,11 @@ def scope_tag(scope: str) -> bytes:
     return bytes((0x80 | len(raw),)) + raw
 
 
+def compaction_key_name(prefix: str) -> str:
+    """Where the replicas' compaction key fingerprint is kept: a setting, never expired."""
+    return prefix + "compaction-key"
+
+
 def budget_keys(prefix: str) -> tuple[bytes, bytes, bytes]:
     """The byte budget's keys: a reserved scope of length 0."""
     base = prefix.encode() + LAYOUT + b"\0"

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocxproxy.store.shared_layout import budget_keys
+from ocxproxy.store.shared_layout import budget_keys, compaction_key_name
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
 from tests.serve import Serve, output_text, respond
@@ -239,5 +239,7 @@ async def test_ttl_expires_a_chain_on_every_replica_and_in_the_store(
                 assert status == 404
         assert len(backend.responses_seen) == calls
         keys = [key async for key in client.scan_iter() if await client.exists(key)]
-    # what is left is the byte budget's bookkeeping (its own pseudo-scope, no content)
-    assert [key for key in keys if key not in budget_keys("ocx:")] == []
+    # what is left is the byte budget's bookkeeping (its own pseudo-scope, no content) and
+    # the compaction key's fingerprint (a setting the replicas share)
+    settings = {*budget_keys("ocx:"), compaction_key_name("ocx:").encode()}
+    assert [key for key in keys if key not in settings] == []
