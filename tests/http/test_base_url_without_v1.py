@@ -43,6 +43,9 @@ async def test_a_chain_of_stored_turns_through_the_sdk(
     assert len(backend.seen) == 3  # none of that reached the backend
     # The stored turns are the proxy's, under one route label whatever the base URL.
     assert proxy.metric("ocxproxy_requests_total", route="/v1/responses", outcome="200") == 3
+    by_id = "/v1/responses/{response_id}"  # two GETs and the DELETE, with /v1 or without
+    assert proxy.metric("ocxproxy_requests_total", route=by_id, outcome="200") == 3
+    assert proxy.metric("ocxproxy_requests_total", route=by_id[3:], outcome="200") == 0
 
 
 async def test_conversations_and_models_without_v1(
