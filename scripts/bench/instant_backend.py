@@ -142,7 +142,12 @@ def build_app(*, unique_item_ids: bool = False) -> web.Application:
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/v1/responses", backend.create)
     app.router.add_get("/_last", backend.last_body)
+    app.router.add_get("/health", _health)  # as real servers have: the proxy probes it
     return app
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
 
 
 async def serve(port: int, raw: bool, unique_item_ids: bool) -> None:
