@@ -101,15 +101,22 @@ class Watch:
         return syncs
 
 
+def tail(syncs: list[float]) -> tuple[int, float, float]:
+    """How many syncs (seconds), their p99 and their max (NaN for none)."""
+    if not syncs:
+        return 0, float("nan"), float("nan")
+    syncs = sorted(syncs)
+    return len(syncs), syncs[min(len(syncs) - 1, int(len(syncs) * 0.99))], syncs[-1]
+
+
 def describe(syncs: list[float]) -> str:
     """Syncs (seconds) in a line: how many, p99, max, and those over STALL."""
     if not syncs:
         return "no syncs"
-    syncs = sorted(syncs)
+    n, p99, worst = tail(syncs)
     stalls = [s for s in syncs if s > STALL]
-    p99 = syncs[min(len(syncs) - 1, int(len(syncs) * 0.99))]
     return (
-        f"{len(syncs)} syncs, p99 {p99 * 1000:,.1f} ms, max {syncs[-1] * 1000:,.0f} ms, "
+        f"{n} syncs, p99 {p99 * 1000:,.1f} ms, max {worst * 1000:,.0f} ms, "
         f"{len(stalls)} over {STALL * 1000:.0f} ms ({sum(stalls):.1f} s)"
     )
 

@@ -4,6 +4,7 @@ not judged here; a benchmark prints them), so a change that breaks it fails the 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FIGURES = (
     "continuation p99 at 80 ÷ p99 at 30 records",
     "continuation max at 80 records",
+    # the promise relative to the disk canary's syncs in the same window, at both sizes
+    "continuation p99 at 30 records vs the disk's (ack)",
+    "continuation max at 30 records vs the disk's (ack)",
+    "continuation p99 at 80 records vs the disk's (ack)",
+    "continuation max at 80 records vs the disk's (ack)",
     "acknowledged turns lost over random kill -9s",
     "durable ÷ --zdr throughput",
     "RSS at 80 records",
@@ -39,6 +45,15 @@ async def test_bench_durable_smoke() -> None:
     disk = [line for line in out.splitlines() if line.startswith("the disk's own fdatasync")]
     assert len(disk) == 2 and all(" syncs, p99 " in line for line in disk), out[-3000:]
     assert "the disk's worst sync meanwhile" in table
+    # each relative figure names its bound and the turns and syncs behind its percentile
+    relative = [line for line in table.splitlines() if " vs the disk's (ack)" in line]
+    assert len(relative) == 4, table
+    assert all(
+        re.search(
+            r" ms of \d+ turns; bound [\d.,]+ ms \(disk (p99|max) [\d.,]+ ms of \d+ syncs\)", line
+        )
+        for line in relative
+    ), relative
 
 
 async def test_bench_durable_throughput_alone() -> None:
