@@ -137,15 +137,10 @@ class InstantBackend:
         return web.json_response(info)
 
 
-async def _healthy(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
 def build_app(*, unique_item_ids: bool = False) -> web.Application:
     backend = InstantBackend(unique_item_ids=unique_item_ids)
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/v1/responses", backend.create)
-    app.router.add_get("/health", _healthy)  # the proxy's health probe (vLLM's, llama.cpp's)
     app.router.add_get("/_last", backend.last_body)
     app.router.add_get("/health", _health)  # as real servers have: the proxy probes it
     return app
