@@ -201,15 +201,15 @@ class Durable:
 
     def _open(self, root: Path) -> tuple[Journal, Loaded]:
         """Blocking: take the dir, read checkpoint and journal."""
-        parent = root.parent
-        if not self.make_parents and not root.exists() and not parent.is_dir():
-            why = "is not a directory" if parent.exists() else "does not exist"
-            raise StateDirUnusable(
-                f"state dir {root} cannot be used: its parent {parent} {why}; create it "
-                f"(or mount its volume), {_FIX}"
-            )
         lock = files.DirLock(root)
         try:
+            parent = root.parent  # stat()s below may fail too: a permission error
+            if not self.make_parents and not root.exists() and not parent.is_dir():
+                why = "is not a directory" if parent.exists() else "does not exist"
+                raise StateDirUnusable(
+                    f"state dir {root} cannot be used: its parent {parent} {why}; create it "
+                    f"(or mount its volume), {_FIX}"
+                )
             files.ensure_root(root)
             if not lock.acquire():
                 raise StateDirUnusable(

@@ -7,6 +7,10 @@ under CI=true."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -60,6 +64,52 @@ async def test_a_read_only_state_dir_refuses_to_start(
     finally:
         umount(state)
     assert f"state dir {state} " in line and "Read-only file system" in line
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A dir any user can pass through (pytest's tmp_path sits in root's private one)."""
+    path = Path(tempfile.mkdtemp())
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["dir", "parent"])
+async def test_a_state_dir_without_permission_refuses_to_start(
+    backend: FakeBackend, reachable: Path, processes: list[Serve], inside: bool
+) -> None:
+    """Not writable by the proxy's user (`inside`: nor is its parent searchable). Root
+    passes any chmod, so as root the proxy runs as `nobody` (setpriv)."""
+    base = reachable / "base"
+    state = base / "state"
+    state.mkdir(parents=True)
+    serve = Serve(backend.url, state)
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("needs setpriv (util-linux) to run the proxy as another user")
+        serve.args = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *serve.args]
+        base.chmod(0o700 if inside else 0o755)
+        state.chmod(0o755)  # root's: others may read it, not write it
+    else:
+        (base if inside else state).chmod(0o500)
+    processes.append(serve)
+    try:
+        with pytest.raises(ServeExited) as exited:
+            await serve.start()
+    finally:
+        base.chmod(0o755)
+        state.chmod(0o755)
+    assert exited.value.code == 2, exited.value.output
+    line = exited.value.output.splitlines()[-1]  # (a warning may come first: see below)
+    assert line.startswith(f"ocxproxy: error: state dir {state} cannot be used: "), line
+    assert "Permission denied" in line and "--state-dir" in line and "--zdr" in line
+    where = state if inside else state / "lock"
+    assert f"({where})" in line
+    errors = [x for x in exited.value.output.splitlines() if "error" in x.lower()]
+    assert errors == [line]  # one error; a warning (say, the fsync helper could not
+    # start: nobody may not run an interpreter under /root) is not one
 
 
 @pytest.mark.parametrize("parent", ["missing", "a file"])
