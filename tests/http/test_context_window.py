@@ -220,3 +220,35 @@ async def test_a_backends_own_context_error_is_relayed_in_openai_shape(
             event = await ws.receive_json()
         assert event["type"] == "error", event
         assert "context_length_exceeded" in orjson.dumps(event).decode(), event
+
+
+async def test_auto_over_websocket_and_store_false(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """A WebSocket chain of store:false turns (kept in the connection's memory) goes past
+    the window with truncation auto: every turn completes, the forwarded input is cut."""
+    async with FakeBackend(window=("llama", WINDOW)) as backend:
+        proxy = await windowed_proxy(make_proxy, backend)
+        async with http.ws_connect(proxy.url + "/v1/responses") as ws:
+            previous = None
+            for turn in range(40):
+                fields: dict[str, Any] = {
+                    "type": "response.create",
+                    "model": "m",
+                    "input": words(800, turn),
+                    "truncation": "auto",
+                    "store": False,
+                }
+                if previous is not None:
+                    fields["previous_response_id"] = previous
+                await ws.send_json(fields)
+                while True:
+                    event = await ws.receive_json()
+                    if event["type"] in ("response.completed", "error", "response.failed"):
+                        break
+                assert event["type"] == "response.completed", event
+                assert event["response"]["truncation"] == "auto"
+                previous = event["response"]["id"]
+        assert proxy.metric("ocxproxy_truncation_steps_total") >= 2
+        assert max(len(seen.body) for seen in backend.responses_seen) < 4 * WINDOW
+        assert forwarded_inputs(backend)[-1][0]["role"] == "user"
