@@ -64,8 +64,10 @@ async def fit_window(
         dropped = min(dropped, len(items) - 1)
         body = expand(request.body, items[dropped:], [])
     tokens, margin = estimate(fact, len(body), book.ratio(backend.url))
-    if tokens + margin <= fit:
-        return body, dropped  # the common case: no round trip
+    # The common case, no round trip: it fits (auto), or is short of the window, which
+    # is all that disabled refuses at.
+    if tokens + margin <= (fit if auto else window.tokens - 1):
+        return body, dropped
     if not auto:
         counted = await _count(proxy, backend, window, body)
         if counted is not None and counted >= window.tokens:
