@@ -18,7 +18,7 @@ from tests.conftest import MakeProxy, ProxyHandle, unavailable
 from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, MODEL, cached_ratio
 from tests.e2e.text import long_message
 
-pytestmark = [pytest.mark.llama, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.llama, pytest.mark.timeout(1200)]  # ~45 turns: minutes if loaded
 
 if not HAVE_LLAMA:
     unavailable(MISSING)
