@@ -72,7 +72,8 @@ async def test_llama_errors_pass_through_in_openai_shape(chat_proxy: ProxyHandle
     assert info.value.status_code == 400
     assert "context" in info.value.message
     error = info.value.body
-    assert isinstance(error, dict) and error["type"] == "exceed_context_size_error"
+    assert isinstance(error, dict) and error["code"] == "context_length_exceeded"
+    assert (error["type"], error["param"]) == ("invalid_request_error", "input")
 
 
 async def test_tool_history_is_accepted_and_cached(chat_proxy: ProxyHandle) -> None:

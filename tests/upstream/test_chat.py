@@ -544,11 +544,11 @@ def test_usage_mapping_defaults() -> None:
         (
             400,
             b'{"error":{"code":400,"message":"too long","type":"exceed_context_size_error"}}',
-            {
+            {  # a context overflow is OpenAI's (CONTRACT.md C10)
                 "message": "too long",
-                "type": "exceed_context_size_error",
-                "param": None,
-                "code": None,
+                "type": "invalid_request_error",
+                "param": "input",
+                "code": "context_length_exceeded",
             },
         ),
         (
