@@ -334,6 +334,26 @@ def sse(events: Iterable[dict[str, Any]]) -> bytes:
     )
 
 
+def window_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A retained user message as an item of the compacted window `/compact` answers: a
+    complete message item (id, status, content as parts), as OpenAI's window carries them.
+    The id is derived from the message, so the same window gets the same ids."""
+    content = message.get("content")
+    if isinstance(content, str):
+        content = [{"type": "input_text", "text": content}]
+    message_id = message.get("id")
+    if not isinstance(message_id, str) or not message_id:
+        message_id = "msg_" + hashlib.sha256(orjson.dumps(message)).hexdigest()[:48]
+    return {
+        **message,
+        "type": "message",
+        "id": message_id,
+        "status": "completed",
+        "role": "user",
+        "content": content,
+    }
+
+
 def compacted(
     response_id: str, created_at: int, output: list[Any], usage: dict[str, Any]
 ) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from ocxproxy.continuation.compaction import (
     new_item,
     retained_user_messages,
     summarized_items,
+    window_message,
 )
 from ocxproxy.continuation.envelope import complete_stored
 from ocxproxy.continuation.expand import check_request
@@ -115,6 +116,9 @@ async def compact_response(request: web.Request) -> web.StreamResponse:
     parsed = loads_or_none(raw)
     if not isinstance(parsed, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    model = parsed.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("Missing required parameter: 'model'.", param="model")
     items = check_request(parsed).items
     if items and isinstance(items[-1], dict) and items[-1].get("type") == TRIGGER:
         items = items[:-1]
@@ -131,7 +135,7 @@ async def compact_response(request: web.Request) -> web.StreamResponse:
         exchange, headers, upstream_path(request), timing, route="compact"
     )
     output = [
-        *retained_user_messages(summarized_items(exchange.body)),
+        *map(window_message, retained_user_messages(summarized_items(exchange.body))),
         new_item(seal(exchange, summary)),
     ]
     proxy.metrics.compactions.labels(route="compact", outcome="completed").inc()

@@ -21,6 +21,7 @@ from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
 from tests.http.test_websocket import connect, create
+from tests.openresponses import item_problems
 
 Json = dict[str, Any]
 TRIGGER = {"type": "compaction_trigger"}
@@ -170,7 +171,11 @@ async def test_compact_endpoint_with_the_sdk(proxy: ProxyHandle, backend: FakeBa
     assert compacted.id and compacted.created_at > 0
     assert compacted.usage.input_tokens > 0 and compacted.usage.output_tokens > 0
     *kept, last = [o.model_dump(exclude_none=True, warnings=False) for o in compacted.output]
-    assert [m["content"] for m in kept] == [HISTORY[1]["content"], HISTORY[3]["content"]]
+    texts = [HISTORY[1]["content"], HISTORY[3]["content"]]
+    assert [m["content"] for m in kept] == [[{"type": "input_text", "text": t}] for t in texts]
+    # Complete items, as OpenAI's window carries them (the Open Responses schema's rules).
+    assert [item_problems(m, f"output[{i}]") for i, m in enumerate(kept)] == [[], []]
+    assert all(m["id"].startswith("msg_") and m["status"] == "completed" for m in kept)
     item = compaction_item([last])
     sent = backend.responses_seen[0].json
     assert sent["input"][-1]["content"] == COMPACTION_PROMPT
@@ -182,6 +187,16 @@ async def test_compact_endpoint_with_the_sdk(proxy: ProxyHandle, backend: FakeBa
     assert forwarded_items(backend)[-1][2]["content"].startswith(SUMMARY_PREFIX)
     assert_never_forwarded(backend)
     assert proxy.metric("ocxproxy_compactions_total", route="compact", outcome="completed") == 1
+
+
+async def test_compact_endpoint_needs_a_model(proxy: ProxyHandle, backend: FakeBackend) -> None:
+    async with aiohttp.ClientSession() as http:
+        url = proxy.url + "/v1/responses/compact"
+        async with http.post(url, json={"input": HISTORY}) as answer:
+            assert answer.status == 400
+            error = (await answer.json())["error"]
+    assert error["param"] == "model" and error["type"] == "invalid_request_error"
+    assert backend.responses_seen == []
 
 
 async def test_compact_endpoint_expands_previous_response_id(
