@@ -36,6 +36,20 @@ _FAST_BUCKETS = (
 )  # fmt: skip
 _SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+# Why a continuation's prefix was not cached (upstream/misses.py explains each), in the
+# order a shortfall is explained: what the proxy itself did to the prefix first (a failed
+# or impossible restore, a compaction, a moved drop point), then where the turn went, then
+# what happened to the backend, then the prompt's own start.
+CACHE_MISS_REASONS = (
+    "restore_failed",
+    "fingerprint_mismatch",
+    "compacted",
+    "truncated",
+    "rerouted",
+    "backend_restarted",
+    "diverged",
+    "evicted",
+)
 _SPILL_FAILURES = (
     FailureReason.MISSING,
     FailureReason.CORRUPT,
@@ -336,6 +350,26 @@ class Metrics:
             ["backend"],
             buckets=_RATIO_BUCKETS,
         )
+        # Continuations whose cached tokens fell short of their chain's prefix, by reason
+        # (upstream/misses.py), out of those compared.
+        self.cache_checks = Counter(
+            "ocxproxy_cache_checks_total",
+            "Continuations whose reported cached tokens were compared with the prefix "
+            "their previous turn left in the backend's cache",
+        )
+        self.cache_misses = Counter(
+            "ocxproxy_cache_miss_total",
+            "Continuations whose cached tokens fell short of the expected prefix, by reason",
+            ["reason"],
+        )
+        self.cache_missed_tokens = Counter(
+            "ocxproxy_cache_missed_tokens_total",
+            "Prefix tokens the backend computed again on those continuations, by reason",
+            ["reason"],
+        )
+        for reason in CACHE_MISS_REASONS:  # exported at 0 from the start
+            self.cache_misses.labels(reason=reason)
+            self.cache_missed_tokens.labels(reason=reason)
         self.context_window = Gauge(
             "ocxproxy_backend_context_window_tokens",
             "The context window the proxy learned for a backend (or --context-window)",

@@ -87,7 +87,12 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
         raise local.LocalBackendError(local.MISSING_MESSAGE)
     backend = local.LocalBackend(model)
     url = await backend.start()
-    proxy.pool.add(url)
+    served = proxy.pool.add(url)
+
+    def restarted() -> None:  # a new epoch: what it cached is gone (upstream/misses.py)
+        served.restarts += 1
+
+    backend.on_restart = restarted
     if not proxy.served_models:  # a short name, never the model file's path
         proxy.served_models = (local.served_name(model),)
     log.info("embedded llama.cpp backend at %s (model %s)", url, proxy.served_models[0])

@@ -20,6 +20,7 @@ from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
+from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
 
 ANONYMOUS = "anonymous"
@@ -63,6 +64,7 @@ class Proxy:
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
+    cache_book: CacheBook = field(default_factory=CacheBook)  # where turns left their prefix
     # The model names clients see (--served-model-name, or the embedded model's); ():
     # each backend's own.
     served_models: tuple[str, ...] = ()

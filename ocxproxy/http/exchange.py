@@ -58,6 +58,7 @@ from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
+from ocxproxy.http.warm import check_cache
 from ocxproxy.http.window import fit_window, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
@@ -121,6 +122,9 @@ class Exchange:
     pending: tuple[bytes, list[bytes]] | None = None
     injection: Injection | None = None
     dropped: int = 0  # items left out at the front to fit the context window (http/window.py)
+    # What warm resume knew before sending that explains a cache miss (http/warm.py):
+    # restore_failed, fingerprint_mismatch.
+    cache_note: str | None = None
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -264,6 +268,7 @@ class Exchange:
             if self.parent is not None:
                 metrics.continuation_input_tokens.labels(url).inc(total)
                 metrics.continuation_cached_tokens.labels(url).inc(cached)
+        check_cache(self, response, total, cached)
 
 
 async def prepare_exchange(

@@ -91,6 +91,12 @@ class Backend:
     failures: int = 0  # times it went down
     errors_in_row: int = 0  # consecutive 5xx answers
     ejected: bool = False  # down on passive evidence only (panic routing may still use it)
+    restarts: int = 0  # times its process was started again (the embedded backend's watchdog)
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever the backend may have lost its cache: it was down, or restarted."""
+        return self.failures + self.restarts
 
     def is_available(self, now: float, *, probing: bool) -> bool:
         return self.healthy or (not probing and now >= self.retry_at)

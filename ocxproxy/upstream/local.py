@@ -25,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -158,9 +159,12 @@ class LocalBackend:
         restart_backoff: float = _RESTART_BACKOFF,
         parallel: int = 1,
         cache_ram_mib: int = CACHE_RAM_MIB,
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         """`parallel` slots split `ctx` between them; `cache_ram_mib=0` turns off the host-RAM
-        prompt cache (a GPU server without one keeps only what its slots hold)."""
+        prompt cache (a GPU server without one keeps only what its slots hold).
+        `on_restart` is called after each restart by the watchdog (its cache is gone)."""
+        self.on_restart = on_restart
         self.model_path = Path(model_path)
         self.parallel = parallel
         self.cache_ram_mib = cache_ram_mib
@@ -288,6 +292,8 @@ class LocalBackend:
                     continue
                 self.restarts += 1
                 self._state = "running"
+                if self.on_restart is not None:
+                    self.on_restart()
                 log.info("embedded llama.cpp restarted (pid %s) at %s", self.pid, self.url)
                 restarted = True
                 break

@@ -96,8 +96,10 @@ class UpstreamPool:
     def backends(self) -> list[Backend]:
         return self.fleet.backends
 
-    def add(self, url: str) -> None:
-        self.fleet.add(url).dialect = self.config.dialect_of(url)
+    def add(self, url: str) -> Backend:
+        backend = self.fleet.add(url)
+        backend.dialect = self.config.dialect_of(url)
+        return backend
 
     async def close(self) -> None:
         self.http.close()

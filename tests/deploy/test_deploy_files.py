@@ -71,6 +71,8 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_exported() -> None:
         "ocxproxy_truncation_steps_total",
         "ocxproxy_context_length_exceeded_total",
         "ocxproxy_token_counts_total",
+        "ocxproxy_cache_miss_total",
+        "ocxproxy_cache_checks_total",
     ):
         assert any(wanted in metric_names(t.expr) for t in targets()), wanted
 

@@ -288,6 +288,10 @@ class FakeBackend:
         self.cancelled = 0
         self._stats.history.clear()
 
+    def forget_cache(self) -> None:
+        """Drop the simulated prefix cache, as a restarted or displaced backend would."""
+        self._stats.history.clear()
+
     async def wait_for(self, predicate: Callable[[], bool], within: float = 5.0) -> None:
         """Wait until ``predicate()`` holds, e.g. ``lambda: fb.cancelled >= 1`` or
         ``lambda: len(fb.responses_seen) == 2``; re-checked whenever ``seen`` or
