@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
-    from ocxproxy.store import admin, default_state_dir
+    from ocxproxy.store import default_state_dir
+    from ocxproxy.store.local import admin
 
     raw = args.state_dir or environ.get(env_name("state_dir"))
     config_file = args.config or environ.get(CONFIG_ENV)

@@ -1,5 +1,5 @@
 """The cyclic GC over a large, long-lived heap (`serve`, and a checkpoint, which settles
-just before it captures the index and freezes the capture: store/durable.py).
+just before it captures the index and freezes the capture: store/local/durable.py).
 
 The store's index (per record: a Record, a chain link, a response Segment) holds no
 reference cycle and is freed by reference counting, yet every full collection traverses

@@ -112,7 +112,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         proxy.sealer = Sealer(compaction_key(config, config.state_dir or default_state_dir()))
         if config.shared_store is not None:  # every replica seals with the same key
-            from ocxproxy.store.shared import SharedStore
+            from ocxproxy.store.shared.store import SharedStore
 
             assert isinstance(proxy.store, SharedStore)
             await proxy.store.claim_compaction_key(proxy.sealer.fingerprint)

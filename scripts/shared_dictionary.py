@@ -1,5 +1,5 @@
 """Trains the zstd dictionary the shared tier compresses its values with and writes it to
-ocxproxy/store/shared_dictionary.py, with its SHA-256.
+ocxproxy/store/shared/dictionary.py, with its SHA-256.
 
 Most of a small turn is structure that every turn repeats: the item shapes of the Responses
 API, and the response object's fields (model, tools, parameters, usage). A dictionary of
@@ -32,9 +32,9 @@ import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ocxproxy.store.shared_layout import payload  # noqa: E402
+from ocxproxy.store.shared.layout import payload  # noqa: E402
 
-MODULE = ROOT / "ocxproxy" / "store" / "shared_dictionary.py"
+MODULE = ROOT / "ocxproxy" / "store" / "shared" / "dictionary.py"
 SIZE = 4096
 SAMPLES = 4000
 
@@ -211,7 +211,7 @@ def module_text(dictionary: bytes) -> str:
     lines = [encoded[i : i + 90] for i in range(0, len(encoded), 90)]
     body = "\n".join(f'    b"{line}"' for line in lines)
     return (
-        '"""The zstd dictionary of the shared tier\'s values (shared_layout.py), written by\n'
+        '"""The zstd dictionary of the shared tier\'s values (layout.py), written by\n'
         'scripts/shared_dictionary.py: do not edit. A new dictionary is a new layout."""\n\n'
         "import base64\n\n"
         f'SHA256 = "{hashlib.sha256(dictionary).hexdigest()}"\n'
@@ -226,7 +226,7 @@ def main() -> None:
     text = module_text(train())
     if args.check:
         same = MODULE.read_text() == text
-        print("shared_dictionary.py is " + ("up to date" if same else "out of date"))
+        print("store/shared/dictionary.py is " + ("up to date" if same else "out of date"))
         sys.exit(0 if same else 1)
     MODULE.write_text(text)
     print(f"wrote {MODULE.relative_to(ROOT)} ({SIZE} bytes, sha256 {text.split(chr(34))[7]})")

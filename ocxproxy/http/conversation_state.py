@@ -7,7 +7,7 @@ record; segments are shared, so appending a turn adds one segment (and journals 
 only) and deleting an item rewrites only the segment that holds it.
 Used by the routes (http/conversations.py) and by a create turn's `ConversationTurn`
 (http/conversation_turn.py). With a shared store, the conversation and its writes are on
-the server instead (store/shared_conversations.py): each write names the version it was
+the server instead (store/shared/conversations.py): each write names the version it was
 computed from, so one made after its lock lapsed and the conversation changed is refused
 (409 `conversation_changed`).
 """
@@ -45,7 +45,7 @@ from ocxproxy.errors import (
 )
 from ocxproxy.model import Record, Segment
 from ocxproxy.store import Store
-from ocxproxy.store.shared_conversations import (
+from ocxproxy.store.shared.conversations import (
     ConversationRecord,
     SharedConversations,
     conversation_record,

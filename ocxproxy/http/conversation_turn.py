@@ -1,6 +1,6 @@
 """A conversation's lock, for a create turn (`ConversationTurn`, `open_turn`) and for the
 routes' writes (`locked`): process memory on a single node (continuation/locks.py), a lease
-on the server with a shared store (store/shared_conversations.py). The turn's append is
+on the server with a shared store (store/shared/conversations.py). The turn's append is
 here too: checked against what the turn read, so a conversation changed meanwhile (the
 lock lapsed and another writer got in) is a 409 and keeps nothing of the turn.
 """
@@ -30,7 +30,7 @@ from ocxproxy.http.conversation_state import (
 )
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import Store
-from ocxproxy.store.shared_conversations import (
+from ocxproxy.store.shared.conversations import (
     ConversationRecord,
     SharedConversations,
     conversation_record,
@@ -39,7 +39,7 @@ from ocxproxy.store.shared_conversations import (
     shared_conversations,
     staged_write,
 )
-from ocxproxy.store.shared_leases import SharedLease, ttl_of
+from ocxproxy.store.shared.leases import SharedLease, ttl_of
 
 log = logging.getLogger("ocxproxy.responses")
 

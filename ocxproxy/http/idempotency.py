@@ -8,7 +8,7 @@ key) holding the body's fingerprint and the response: it persists like the turn 
 answers (store:true), or stays in memory (store:false). Keys in flight are process memory.
 Only a response the proxy would remember is kept: a retry of a failed request runs again.
 With a shared store, a store:true request's key lives on the server instead
-(store/shared_conversations.py), so every replica answers alike: in flight, a key with a
+(store/shared/conversations.py), so every replica answers alike: in flight, a key with a
 TTL (renewed while the request runs, so a killed replica's lapses); completed, the
 entry, written with the turn. A store:false one stays in its replica (its fingerprint is
 a digest of content that must not leave the process).
@@ -31,12 +31,12 @@ from ocxproxy.continuation.locks import fingerprint, idempotency_record_id, in_p
 from ocxproxy.errors import InvalidRequest, StoreFailure
 from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.model import Record
-from ocxproxy.store.shared_conversations import (
+from ocxproxy.store.shared.conversations import (
     SharedConversations,
     shared_conversations,
     staged_write,
 )
-from ocxproxy.store.shared_leases import quietly, ttl_of
+from ocxproxy.store.shared.leases import quietly, ttl_of
 from ocxproxy.upstream.sse import encode_event
 
 HEADER = "Idempotency-Key"

@@ -1,25 +1,28 @@
 """The continuation store: records of remembered responses and the segments they share.
 
 Owns memory and disk state; never imports aiohttp, ocxproxy.http or ocxproxy.upstream.
-Every way a lookup can fail is a StoreFailure with a FailureReason. Store (core.py) does
-every change and owns the records (records.py; kept.py its KeptRecords part, the records
-it keeps for conversations and Idempotency-Keys); segments.py's SegmentTable alone changes
-segments (resident.py the memory tier, keydir.py where their bytes are); ledger.py queues
+Every way a lookup can fail is a StoreFailure with a FailureReason. Two implementations:
+local/ (one node: memory and the journal) and shared/ (Valkey/Redis); beside them what
+both use: records.py (the records' index and expiry; items.py the item index, shards.py
+its shards), resident.py (the memory tier's LRU), output.py (items cut out of an output),
+compaction_key.py (the compaction sealing key).
+local/: Store (store.py) does every change and owns the records (kept.py its KeptRecords
+part, the records it keeps for conversations and Idempotency-Keys); segments.py's
+SegmentTable alone changes segments (keydir.py where their bytes are); ledger.py queues
 a durable record's journal entries and applies each commit's outcome; durable.py owns the
-files, the committer (disk.py) and the checkpoint. journal.py holds the files (journal,
-packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding of the
-index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py the stats
-and gauges.
-The shared tier (--shared-store, shared.py: SharedStore, a Store on Valkey/Redis; its
-layout and scripts in shared_layout.py, its connection and round trips in
-shared_server.py, its start-up checks in shared_checks.py) is
-imported only when asked for: its client is an extra (ocxproxy[shared]).
+files, the committer (committer.py) and the checkpoint. journal.py holds the files
+(journal, packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding
+of the index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py
+the stats and gauges.
+shared/ (--shared-store, store.py: SharedStore, a Store on Valkey/Redis; its layout and
+scripts in layout.py, its connection and round trips in server.py, its start-up checks
+in checks.py) is imported only when asked for: its client is an extra (ocxproxy[shared]).
 Public surface: Store, StoreStats, default_state_dir, open_store.
 """
 
 from ocxproxy.config import Config, ConfigError
 from ocxproxy.metrics import Metrics
-from ocxproxy.store.core import Store, StoreStats, default_state_dir
+from ocxproxy.store.local.store import Store, StoreStats, default_state_dir
 
 __all__ = ["Store", "StoreStats", "default_state_dir", "open_store"]
 
@@ -29,7 +32,7 @@ def open_store(config: Config, metrics: Metrics | None = None) -> Store:
     if config.shared_store is None:
         return Store.from_config(config, metrics)
     try:
-        from ocxproxy.store.shared import SharedStore
+        from ocxproxy.store.shared.store import SharedStore
     except ImportError:
         raise ConfigError(
             "--shared-store needs the Valkey/Redis client: pip install 'ocxproxy[shared]'"

@@ -75,7 +75,7 @@ from disk_canary import Watch, describe
 from loopback import RawClient
 
 sys.path.insert(0, str(ROOT))
-from ocxproxy.store import shared_layout as layout
+from ocxproxy.store.shared import layout
 from tests.shared.servers import KvServer
 
 TARGET_BYTES = 32 * 1024  # ~8k tokens
@@ -381,7 +381,7 @@ def value_bytes(kv: Any, key: bytes) -> int:
 
 
 def kind_of(key: bytes, prefix: bytes = b"ocx:") -> str:
-    """A key's kind in the layout (shared_layout.py): after the prefix, the layout's tag
+    """A key's kind in the layout (layout.py): after the prefix, the layout's tag
     and the scope (its length, the high bit set for text; then its bytes), one letter;
     the budget's keys are `other`."""
     at = len(prefix) + len(layout.LAYOUT)

@@ -115,7 +115,8 @@ def _time_steps() -> None:
     sys.modules["uvloop"] = None  # type: ignore[assignment]  # (server.run: asyncio's loop)
     # The store's calls that a large dict or commit could make long, each timed: a
     # watchdog's sample may land just after a GC pass, in the frame that set it off.
-    from ocxproxy.store import disk, items, records, resident, segments
+    from ocxproxy.store import items, records, resident
+    from ocxproxy.store.local import committer, segments
 
     targets: list[tuple[Any, str]] = [
         (records.Records, "add"),  # (by id, then by item id)
@@ -126,7 +127,7 @@ def _time_steps() -> None:
         (segments.SegmentTable, "release"),
         (resident.ResidentTier, "admit"),
         (resident.ResidentTier, "evict_over_budget"),
-        (disk, "encode"),
+        (committer, "encode"),
     ]
     for owner, name in targets:
         _time_calls(owner, name)

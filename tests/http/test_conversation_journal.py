@@ -18,7 +18,8 @@ from ocxproxy.aio import spawn
 from ocxproxy.cli import main
 from ocxproxy.errors import NotFound
 from ocxproxy.http import conversation_state
-from ocxproxy.store import Store, codec
+from ocxproxy.store import Store
+from ocxproxy.store.local import codec
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import Serve, create

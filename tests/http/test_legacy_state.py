@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from ocxproxy.cli import main
-from ocxproxy.store import codec
+from ocxproxy.store.local import codec
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import Serve, create

@@ -1,5 +1,5 @@
 """BEGIN sends a chain's newest digests only (shared_layout.WINDOW); a replica takes the
-older ones from the chains it read or wrote before (store/shared_chains.py), else asks
+older ones from the chains it read or wrote before (store/shared/chains.py), else asks
 the server once (LRANGE). What it builds is the whole history, from any replica."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import shared_layout as layout
-from ocxproxy.store.shared import SharedStore
+from ocxproxy.store.shared import layout
+from ocxproxy.store.shared.store import SharedStore
 from tests.shared.servers import KvServer
 from tests.shared.test_store import MakeStore, chain_of, make_store, turn
 

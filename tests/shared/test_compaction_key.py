@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.cli import main
-from ocxproxy.store.shared_checks import SharedStoreRefused
+from ocxproxy.store.shared.checks import SharedStoreRefused
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.shared.conftest import require

@@ -20,10 +20,10 @@ import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
 from ocxproxy.http import idempotency
-from ocxproxy.store import shared_conversations
-from ocxproxy.store.shared import SharedStore
-from ocxproxy.store.shared_conversation_scripts import kept_keys
-from ocxproxy.store.shared_layout import LAYOUT
+from ocxproxy.store.shared import conversations
+from ocxproxy.store.shared.conversation_scripts import kept_keys
+from ocxproxy.store.shared.layout import LAYOUT
+from ocxproxy.store.shared.store import SharedStore
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
@@ -228,12 +228,12 @@ async def test_a_turn_whose_previous_turns_chain_is_evicted_meanwhile_is_still_s
 def test_an_entry_written_before_entries_were_framed_is_still_read() -> None:
     data = b'{"role":"user","content":"hello"},{"id":"msg_1","type":"message"}'
     meta = orjson.dumps([["item_a", "msg_1"], 2, ["call_1"], [["msg_1", 34, 66]]])
-    packed = shared_conversations._pack(data)
-    old = shared_conversations._HEAD.pack(1, len(meta)) + meta + packed
-    segment, ids = shared_conversations.decode_entry(old)
+    packed = conversations._pack(data)
+    old = conversations._HEAD.pack(1, len(meta)) + meta + packed
+    segment, ids = conversations.decode_entry(old)
     assert (segment.data, segment.n_items, ids) == (data, 2, ["item_a", "msg_1"])
     assert segment.call_ids == {"call_1"} and segment.item_ids.span("msg_1") == (34, 66)
-    new = shared_conversations.encode_entry(segment, ids)
+    new = conversations.encode_entry(segment, ids)
     assert new[:1] != old[:1] and len(new) < len(old)
-    again, same = shared_conversations.decode_entry(new)
+    again, same = conversations.decode_entry(new)
     assert (again.data, again.key, again.call_ids, same) == (data, segment.key, {"call_1"}, ids)

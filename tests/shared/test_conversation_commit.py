@@ -1,5 +1,5 @@
 """A conversation turn's commit on the shared store: its response's record and its
-conversation's append are one script (TURN, store/shared_conversation_scripts.py), so
+conversation's append are one script (TURN, store/shared/conversation_scripts.py), so
 they are kept together or not at all, in one round trip and one AOF write (one fsync with
 appendfsync always); the lease taken with the read lives in the server's memory only, so
 nothing is fsynced before the backend is called (docs/BEHAVIOR.md, "Conversations,
@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.shared_layout import Keys
+from ocxproxy.store.shared.layout import Keys
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.shared.conftest import MakeReplicas

@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
 from ocxproxy.model import Segment
-from ocxproxy.store import shared_conversations
-from ocxproxy.store.shared import SharedStore
-from ocxproxy.store.shared_conversations import encode_entry
+from ocxproxy.store.shared import conversations
+from ocxproxy.store.shared.conversations import encode_entry
+from ocxproxy.store.shared.store import SharedStore
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -437,14 +437,14 @@ async def test_a_replica_reads_only_the_entries_appended_since_its_last_read(
     append), not the whole conversation; a deleted item (a rewrite) sends it all again."""
     a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
     decoded = 0
-    decode = shared_conversations.decode_entry
+    decode = conversations.decode_entry
 
     def counting(value: bytes) -> Any:
         nonlocal decoded
         decoded += 1
         return decode(value)
 
-    monkeypatch.setattr(shared_conversations, "decode_entry", counting)
+    monkeypatch.setattr(conversations, "decode_entry", counting)
     client = a.client()
     conv = await client.conversations.create(items=[user("hello")])
     for n in range(8):
@@ -537,13 +537,13 @@ async def test_the_lock_is_free_when_the_answer_arrives(
     """With a slow release (0.3 s), the next write or turn on another replica, sent the
     moment the previous answer arrived, still finds the conversation free: a route's
     write and a turn that appends nothing (store:false) release before they answer."""
-    release = shared_conversations.SharedConversations.release
+    release = conversations.SharedConversations.release
 
     async def slow(self: Any, *args: Any) -> None:
         await asyncio.sleep(0.3)
         await release(self, *args)
 
-    monkeypatch.setattr(shared_conversations.SharedConversations, "release", slow)
+    monkeypatch.setattr(conversations.SharedConversations, "release", slow)
     a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
     ca, cb = a.client(), b.client()
     conv = await ca.conversations.create()

@@ -1,4 +1,4 @@
-"""The shared tier's item index (store/shared_layout.py): item id -> the record whose own
+"""The shared tier's item index (store/shared/layout.py): item id -> the record whose own
 segment holds it, for `item_reference` from any replica. One hash per scope and span of
 expiry times, not one key per item; it expires on the server with its records, counts in
 the byte budget, and a DELETE makes the response's items unresolvable everywhere."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import shared_layout as layout
+from ocxproxy.store.shared import layout
 from tests.shared.servers import KvServer
 from tests.shared.test_store import SCOPE_A, MakeStore, make_store, raw_client, turn
 

@@ -1,4 +1,4 @@
-"""The shared tier's layout (store/shared_layout.py) on its own: key names, the dictionary
+"""The shared tier's layout (store/shared/layout.py) on its own: key names, the dictionary
 the values are compressed with, the encoding of values. The same layout on a real server:
 tests/shared/test_store.py."""
 
@@ -10,17 +10,16 @@ import orjson
 import pytest
 
 from ocxproxy.model import ItemIds, Segment
-from ocxproxy.store import shared_dictionary
-from ocxproxy.store import shared_layout as layout
-from ocxproxy.store.shared_layout import LAYOUT, Keys
+from ocxproxy.store.shared import dictionary, layout
+from ocxproxy.store.shared.layout import LAYOUT, Keys
 
 SCOPE = hashlib.sha256(b"token").hexdigest()[:32]  # as http/context.py makes one
 
 
 def test_the_dictionary_is_the_one_the_layout_was_made_with() -> None:
     # A new dictionary is a new layout: change LAYOUT (and this digest) with it.
-    digest = hashlib.sha256(shared_dictionary.DICTIONARY).hexdigest()
-    assert digest == shared_dictionary.SHA256 == layout.DICTIONARY_SHA256
+    digest = hashlib.sha256(dictionary.DICTIONARY).hexdigest()
+    assert digest == dictionary.SHA256 == layout.DICTIONARY_SHA256
 
 
 def test_key_names_carry_the_layout_tag_and_the_scope_in_raw_bytes() -> None:

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.shared_server import PING_TIMEOUT, PROBE_EVERY
+from ocxproxy.store.shared.server import PING_TIMEOUT, PROBE_EVERY
 from tests.fakes.backend import FakeBackend
 from tests.serve import Serve, respond
 from tests.shared.conftest import MakeReplicas

@@ -16,8 +16,8 @@ import aiohttp
 import redis.asyncio as redis
 import zstandard
 
-from ocxproxy.store import shared_dictionary
-from ocxproxy.store.shared_layout import LAYOUT
+from ocxproxy.store.shared import dictionary as shared_dictionary
+from ocxproxy.store.shared.layout import LAYOUT
 from tests.serve import respond
 from tests.shared.conftest import MakeKvServer, MakeReplicas
 from tests.shared.test_replicas import KEY_A, KEY_B, auth, turn
@@ -41,7 +41,7 @@ def expanded(blob: bytes) -> bytes:
 
 
 def scope_of(key: bytes) -> bytes:
-    """The scope part of a key name (shared_layout.py: prefix, layout tag, the scope's
+    """The scope part of a key name (layout.py: prefix, layout tag, the scope's
     length with the high bit set for text, the scope)."""
     at = len(b"ocx:") + len(LAYOUT)
     return key[at : at + 1 + (key[at] & 0x7F)]

@@ -1,4 +1,4 @@
-"""SharedStore (store/shared.py) against a real Valkey / redis-server 7.0: chains across
+"""SharedStore (store/shared/store.py) against a real Valkey / redis-server 7.0: chains across
 replicas, forks, deletes, item references, expiry, privacy, start-up checks, failures."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from redis.exceptions import ResponseError
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
-from ocxproxy.store import shared_checks
-from ocxproxy.store.shared import SharedStore
-from ocxproxy.store.shared_checks import SharedStoreRefused
-from ocxproxy.store.shared_layout import LAYOUT, Keys, budget_keys
+from ocxproxy.store.shared import checks
+from ocxproxy.store.shared.checks import SharedStoreRefused
+from ocxproxy.store.shared.layout import LAYOUT, Keys, budget_keys
+from ocxproxy.store.shared.store import SharedStore
 from tests.shared.servers import KvServer
 from tests.store.helpers import Clock, sample
 
@@ -342,7 +342,7 @@ async def test_kept_records_stay_in_the_process_and_never_reach_the_server(
     make_store: MakeStore,
 ) -> None:
     """`keep` serves only a store:false Idempotency-Key's response (memory); shared
-    conversations and keys have their own keys (shared_conversations.py)."""
+    conversations and keys have their own keys (conversations.py)."""
     a, b = await make_store(), await make_store()
     with pytest.raises(StoreFailure) as refused:
         a.keep("conv_1", "scope-a", (), b"{}", created_at=0.0)
@@ -473,7 +473,7 @@ async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
     # On a loaded 2-core box a replica's fsync can outlast the 1 s default, so the timeout
     # here must mean "no replica" (provoked by stopping it); 3 s stays under the wire's 5 s
     # stall cut-off, which would count the commit as unavailable instead.
-    monkeypatch.setattr(shared_checks, "WAIT_TIMEOUT_MS", 3000)
+    monkeypatch.setattr(checks, "WAIT_TIMEOUT_MS", 3000)
     client = await raw_client(kv_server)
     await client.config_set("repl-diskless-sync-delay", 0)  # sync the replica at once
     replica = await make_kv_server(

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.store.shared import SharedStore
+from ocxproxy.store.shared.store import SharedStore
 from tests.shared.conftest import require
 from tests.shared.servers import KvServer
 from tests.shared.test_store import turn

@@ -1,4 +1,4 @@
-"""The shared tier's lean connection (store/shared_wire.py) on real servers: the URLs the
+"""The shared tier's lean connection (store/shared/wire.py) on real servers: the URLs the
 start-up checks accept (password and ACL user, a db number, TLS), commands pipelined by
 concurrent callers each getting their own answer (a cancelled caller included), a server
 that stops answering or answers garbage is cut off and answered 503, and it heals."""
@@ -18,9 +18,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.errors import StorageUnavailable
-from ocxproxy.store import shared_wire
-from ocxproxy.store.shared import SharedStore
-from ocxproxy.store.shared_checks import SharedStoreRefused
+from ocxproxy.store.shared import wire as shared_wire
+from ocxproxy.store.shared.checks import SharedStoreRefused
+from ocxproxy.store.shared.store import SharedStore
 from tests.shared.servers import KvServer, free_port
 from tests.shared.test_store import chain_of, turn
 

@@ -116,7 +116,7 @@ def journal_files(state_dir: Path) -> dict[int, Path]:
 
 def checkpoint_ids(state_dir: Path) -> list[str]:
     """Record ids the checkpoint alone names (no journal replay)."""
-    from ocxproxy.store import codec, journal
+    from ocxproxy.store.local import codec, journal
 
     loaded = codec.Loaded()
     codec.load_checkpoint((state_dir / journal.CHECKPOINT).read_bytes(), loaded)
@@ -125,7 +125,7 @@ def checkpoint_ids(state_dir: Path) -> list[str]:
 
 def durable_ids(state_dir: Path) -> list[str]:
     """Record ids a start-up would load: checkpoint plus journal (read only)."""
-    from ocxproxy.store.journal import Journal
+    from ocxproxy.store.local.journal import Journal
 
     return list(Journal(state_dir).load(repair=False).records)
 

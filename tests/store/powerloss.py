@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ocxproxy.store import files
+from ocxproxy.store.local import files
 
 
 class Mode(enum.Enum):

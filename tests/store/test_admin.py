@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ocxproxy.cli import main
-from ocxproxy.store import files
-from ocxproxy.store.journal import Journal
+from ocxproxy.store.local import files
+from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import inline, journal_files, make_store, make_turn
 
 

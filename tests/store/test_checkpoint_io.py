@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ocxproxy.store import files, journal, upkeep
-from ocxproxy.store.journal import Journal
+from ocxproxy.store.local import files, journal, upkeep
+from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import checkpoint_ids, durable_ids, make_store, make_turn
 
 

@@ -18,9 +18,10 @@ import pytest
 
 from ocxproxy import heap
 from ocxproxy.model import Record, Segment
-from ocxproxy.store import Store, codec, durable, upkeep
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.segments import SegmentTable
+from ocxproxy.store import Store
+from ocxproxy.store.local import codec, durable, upkeep
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.segments import SegmentTable
 from tests.store.helpers import checkpoint_ids, make_store, make_turn
 
 N = 3000

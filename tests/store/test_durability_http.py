@@ -17,8 +17,8 @@ import openai
 import orjson
 import pytest
 
-from ocxproxy.store import files
-from ocxproxy.store.syncer import FsyncChild
+from ocxproxy.store.local import files
+from ocxproxy.store.local.syncer import FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.store.helpers import durable_ids

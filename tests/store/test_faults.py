@@ -14,9 +14,10 @@ import orjson
 import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import Store, files, journal
-from ocxproxy.store.durable import StateDirUnusable
-from ocxproxy.store.journal import Journal
+from ocxproxy.store import Store
+from ocxproxy.store.local import files, journal
+from ocxproxy.store.local.durable import StateDirUnusable
+from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import (
     durable_ids,
     inline,

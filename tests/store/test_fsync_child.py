@@ -1,6 +1,6 @@
-"""The journal's fsync helper process (store/syncer.py, store/fsync_child.py): commits are
-written and synced by it (never on the event loop), its errors fail the commit, the store
-falls back to a thread when it dies, and it never outlives the proxy."""
+"""The journal's fsync helper process (store/local/syncer.py, store/local/fsync_child.py):
+commits are written and synced by it (never on the event loop), its errors fail the commit,
+the store falls back to a thread when it dies, and it never outlives the proxy."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from ocxproxy.errors import StoreFailure
-from ocxproxy.store import Store, disk, journal
-from ocxproxy.store.durable import StateDirUnusable
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.syncer import ChildGone, FsyncChild
+from ocxproxy.store import Store
+from ocxproxy.store.local import committer, journal
+from ocxproxy.store.local.durable import StateDirUnusable
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.serve import Serve
@@ -362,7 +363,7 @@ async def test_the_journal_file_grows_ahead_of_its_commits(
     then for the file's growth synced in a thread: every commit behind it waits too. The
     room grows ahead instead, in a thread, while commits go on through the helper."""
     monkeypatch.setattr(journal, "PREALLOCATE", 16 * 1024)
-    monkeypatch.setattr(disk, "GROW_BELOW", 8 * 1024)
+    monkeypatch.setattr(committer, "GROW_BELOW", 8 * 1024)
     slow, grown = counted(monkeypatch, Journal, "write"), counted(monkeypatch, Journal, "grow")
     store = await started(tmp_path)
     await chain(store, "warm", 1)  # the new file's first room: no room yet, a slow commit

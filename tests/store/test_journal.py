@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_ITEMS, ItemIds, Segment
-from ocxproxy.store import codec, journal
-from ocxproxy.store.codec import DEL, PUT, SEG, Loaded
-from ocxproxy.store.journal import Journal
+from ocxproxy.store.local import codec, journal
+from ocxproxy.store.local.codec import DEL, PUT, SEG, Loaded
+from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import HYPOTHESIS
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store.core import NEVER
+from ocxproxy.store.local.store import NEVER
 from tests.store.helpers import Clock, make_store, make_turn
 
 

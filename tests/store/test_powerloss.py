@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ocxproxy.store import files, journal
+from ocxproxy.store.local import files, journal
 from tests.store.helpers import durable_ids, inline, make_store, make_turn
 from tests.store.powerloss import Mode, PowerLossFS, installed
 

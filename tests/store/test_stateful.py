@@ -42,9 +42,10 @@ from ocxproxy.aio import cancel_and_wait
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Segment
-from ocxproxy.store import Store, files, records
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.upkeep import DISK_KEEP
+from ocxproxy.store import Store, records
+from ocxproxy.store.local import files
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.upkeep import DISK_KEEP
 from tests.store.helpers import (
     HYPOTHESIS,
     Clock,

@@ -16,7 +16,7 @@ from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.store.durable import StateDirUnusable
+from ocxproxy.store.local.durable import StateDirUnusable
 from ocxproxy.store.output import split_output
 from tests.store.helpers import (
     Clock,
@@ -443,11 +443,11 @@ async def test_state_dir_is_private_and_defaults_to_the_user_state_dir(
 
     from ocxproxy import store as store_module
     from ocxproxy.config import Config
-    from ocxproxy.store import core
+    from ocxproxy.store.local import store as local_store
 
     assert store_module.default_state_dir() == platformdirs.user_state_path("ocxproxy")
     root = tmp_path / "deep" / "state"
-    monkeypatch.setattr(core, "default_state_dir", lambda: root)
+    monkeypatch.setattr(local_store, "default_state_dir", lambda: root)
     store = Store.from_config(Config(snapshot_delay=0.01))
     assert store.state_dir == root
     await store.start()

@@ -16,7 +16,7 @@ import pytest
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store.core import SWEEP_DROPS
+from ocxproxy.store.local.store import SWEEP_DROPS
 from ocxproxy.store.records import CHUNK
 from tests.store.helpers import Clock, inline, make_store, make_turn, sample
 

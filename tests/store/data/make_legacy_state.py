@@ -25,7 +25,8 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path.cwd()))
-from ocxproxy.store import Store, codec
+from ocxproxy.store import Store
+from ocxproxy.store.local import codec
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import Serve, create

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ocxproxy.model import Record, Segment
-from ocxproxy.store import codec
+from ocxproxy.store.local import codec
 from ocxproxy.store.shards import Shards
 
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one

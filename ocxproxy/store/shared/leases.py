@@ -1,4 +1,4 @@
-"""A conversation's lease on the shared store (store/shared_conversations.py's keys).
+"""A conversation's lease on the shared store (store/shared/conversations.py's keys).
 
 Its TTL on the server is short (HEARTBEAT, or --read-timeout when shorter) and a task
 renews it every third of that while the holder lives, up to the lease's own end: the
@@ -18,7 +18,7 @@ from typing import Any
 
 from ocxproxy.aio import spawn
 from ocxproxy.errors import OcxError, StoreFailure
-from ocxproxy.store.shared_conversations import SharedConversations
+from ocxproxy.store.shared.conversations import SharedConversations
 
 HEARTBEAT = 10.0  # seconds: the longest a dead replica holds a lease or an in-flight key
 

@@ -19,7 +19,7 @@ another's; then a kind and a name:
     {prefix}{LAYOUT}\\0 + chains, bytes, total   the byte budget's bookkeeping (no content)
 
 Values are zstd frames (without the magic number: the byte before says what follows)
-with the dictionary in shared_dictionary.py (the structure every
+with the dictionary in dictionary.py (the structure every
 turn repeats: a turn of a few hundred bytes compresses to a third), raw when that is not
 smaller; a segment's digest is over its raw items, so it is checked after decompressing.
 
@@ -47,9 +47,9 @@ from typing import Any
 import orjson
 
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store.shared_frame import frame as frame  # (shared_conversations.py's too)
-from ocxproxy.store.shared_frame import payload as payload  # (scripts/shared_dictionary.py)
-from ocxproxy.store.shared_frame import unframe as unframe
+from ocxproxy.store.shared.frame import frame as frame  # (conversations.py's too)
+from ocxproxy.store.shared.frame import payload as payload  # (scripts/shared_dictionary.py)
+from ocxproxy.store.shared.frame import unframe as unframe
 
 # A new layout, or a new dictionary, is a new tag: keys written under another are not read.
 LAYOUT = b"\x03"

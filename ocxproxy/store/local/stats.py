@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ocxproxy.store.core import Store
-    from ocxproxy.store.durable import Durable
+    from ocxproxy.store.local.durable import Durable
+    from ocxproxy.store.local.store import Store
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ every second that saw no answer (an idle replica too), so a server that went awa
 noticed within PROBE_EVERY + PING_TIMEOUT even when no turn runs.
 
 A turn's round trips (scripts, MGET, writes) go over one lean pipelined connection
-(shared_wire.py); redis-py checks the server at start and runs `call`s."""
+(wire.py); redis-py checks the server at start and runs `call`s."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from redis.exceptions import RedisError, ResponseError
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.store import shared_layout as layout
-from ocxproxy.store.shared_checks import SharedStoreRefused, connect
-from ocxproxy.store.shared_wire import ReplyError, Wire, open_wire, pack
+from ocxproxy.store.shared import layout
+from ocxproxy.store.shared.checks import SharedStoreRefused, connect
+from ocxproxy.store.shared.wire import ReplyError, Wire, open_wire, pack
 
 log = logging.getLogger("ocxproxy.store.shared")
 
@@ -42,7 +42,7 @@ _SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in _SO
 
 def register_scripts(sources: dict[str, str]) -> None:
     """Scripts other modules of the shared tier run by name with `script` or `write`
-    (shared_conversations.py's), loaded with these."""
+    (conversations.py's), loaded with these."""
     _SOURCES.update(sources)
     _SHAS.update({name: hashlib.sha1(s.encode()).hexdigest() for name, s in sources.items()})
 

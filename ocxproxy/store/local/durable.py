@@ -1,5 +1,5 @@
 """The disk side of a store with a state dir (`Durable`): the directory's lock, the
-journal, its committer (disk.py), the checkpoint and the maintenance that schedules it,
+journal, its committer (committer.py), the checkpoint and the maintenance that schedules it,
 and whether the disk takes writes (`available`).
 
 It owns no record and no segment state: it is given work (entries to commit, a checkpoint
@@ -34,13 +34,13 @@ from ocxproxy.config import ConfigError
 from ocxproxy.errors import FailureReason
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment
-from ocxproxy.store import files, journal
-from ocxproxy.store.codec import NOP, Loaded
-from ocxproxy.store.disk import Committer, Offload, Outcome
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.segments import SegmentTable
-from ocxproxy.store.syncer import FsyncChild
-from ocxproxy.store.upkeep import (
+from ocxproxy.store.local import files, journal
+from ocxproxy.store.local.codec import NOP, Loaded
+from ocxproxy.store.local.committer import Committer, Offload, Outcome
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.segments import SegmentTable
+from ocxproxy.store.local.syncer import FsyncChild
+from ocxproxy.store.local.upkeep import (
     COMPACT_BATCH,
     COMPACT_BELOW,
     COMPACT_BYTES,

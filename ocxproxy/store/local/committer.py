@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.journal import PREALLOCATE, Journal, encode
-from ocxproxy.store.syncer import ChildGone, FsyncChild
+from ocxproxy.store.local.journal import PREALLOCATE, Journal, encode
+from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
 

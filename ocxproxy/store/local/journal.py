@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import files
-from ocxproxy.store.codec import (
+from ocxproxy.store.local import files
+from ocxproxy.store.local.codec import (
     FRAME,
     META,
     SEG,

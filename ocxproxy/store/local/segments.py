@@ -18,13 +18,13 @@ from typing import Any
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment
-from ocxproxy.store import codec
-from ocxproxy.store.codec import SEG, Loaded
-from ocxproxy.store.disk import Committer, Offload, Outcome
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.keydir import Keydir
+from ocxproxy.store.local import codec
+from ocxproxy.store.local.codec import SEG, Loaded
+from ocxproxy.store.local.committer import Committer, Offload, Outcome
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.keydir import Keydir
+from ocxproxy.store.local.restore import rebuild
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.restore import rebuild
 from ocxproxy.store.shards import Shards
 
 log = logging.getLogger("ocxproxy.store")

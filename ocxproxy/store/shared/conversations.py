@@ -1,7 +1,7 @@
 """Conversations, their lease and Idempotency-Keys on the shared Valkey/Redis server
 (--shared-store), so that every replica serves them alike.
 
-Keys, under the caller's scope hash (CONTRACT.md C5), beside shared_layout.py's:
+Keys, under the caller's scope hash (CONTRACT.md C5), beside layout.py's:
 
     {prefix}{scope}:conv:{id}          hash: `head` (created_at, metadata, backend), `ver`,
                                        `resp` (the response id of the last turn appended)
@@ -20,7 +20,7 @@ store's COMMIT with the append), so the turn's items and its response are kept t
 or not at all. Leases (in the server's memory only: no fsync) and in-flight keys expire,
 so a replica killed mid-turn holds nothing for longer than its lease. A conversation
 never expires (as on one node); it and completed keys count in the byte budget but are
-never evicted by it (shared_conversation_scripts.py, which holds the scripts).
+never evicted by it (conversation_scripts.py, which holds the scripts).
 
 A turn on a conversation is stored as a response whose chain is the conversation's last
 turn's chain plus its own segment (`as_parent`), so a conversation costs its items' bytes
@@ -41,12 +41,12 @@ import zstandard
 
 from ocxproxy.errors import ConversationLocked, FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store import shared_layout as layout
-from ocxproxy.store.shared_conversation_scripts import SHAS, WRITES, kept_keys
-from ocxproxy.store.shared_layout import Keys, SharedRecord
+from ocxproxy.store.shared import layout
+from ocxproxy.store.shared.conversation_scripts import SHAS, WRITES, kept_keys
+from ocxproxy.store.shared.layout import Keys, SharedRecord
 
 if TYPE_CHECKING:
-    from ocxproxy.store.shared_server import Server
+    from ocxproxy.store.shared.server import Server
 
 _CACHED_BYTES = 64 * 1024 * 1024  # conversations' items a replica keeps between turns
 _HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON

@@ -22,10 +22,10 @@ import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Record
-from ocxproxy.store import codec
-from ocxproxy.store.codec import DEL, PUT, SEG
-from ocxproxy.store.disk import Committer, Outcome
-from ocxproxy.store.segments import SegmentTable
+from ocxproxy.store.local import codec
+from ocxproxy.store.local.codec import DEL, PUT, SEG
+from ocxproxy.store.local.committer import Committer, Outcome
+from ocxproxy.store.local.segments import SegmentTable
 
 
 class Owner(Protocol):

@@ -2,7 +2,7 @@
 
 The same interface as the single-node Store, which it extends: the handlers cannot tell
 them apart. Durable turns (store:true) live on the server (layout and scripts:
-shared_layout.py); what must stay in the process (store:false turns kept with
+layout.py); what must stay in the process (store:false turns kept with
 --retain-unstored) lives in the inherited memory-only Store, never on the server.
 
 Round trips: `begin` (a continuation, GET, input_items) is one script returning the
@@ -32,14 +32,13 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
-from ocxproxy.store import shared_conversation_scripts
-from ocxproxy.store import shared_layout as layout
-from ocxproxy.store.core import KEPT_PREFIXES, Store
+from ocxproxy.store.local.store import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.shared_chains import Chains, Newest
-from ocxproxy.store.shared_checks import SharedStoreRefused
-from ocxproxy.store.shared_conversations import (
+from ocxproxy.store.shared import conversation_scripts, layout
+from ocxproxy.store.shared.chains import Chains, Newest
+from ocxproxy.store.shared.checks import SharedStoreRefused
+from ocxproxy.store.shared.conversations import (
     ConversationHead,
     ConversationRecord,
     Joined,
@@ -47,14 +46,14 @@ from ocxproxy.store.shared_conversations import (
     SharedWrite,
     as_parent,
 )
-from ocxproxy.store.shared_layout import Keys, SharedRecord, compaction_key_name
-from ocxproxy.store.shared_server import Server, register_scripts
+from ocxproxy.store.shared.layout import Keys, SharedRecord, compaction_key_name
+from ocxproxy.store.shared.server import Server, register_scripts
 
 __all__ = ["SharedStore"]
 
 log = logging.getLogger("ocxproxy.store.shared")
 
-register_scripts(shared_conversation_scripts.SCRIPTS)
+register_scripts(conversation_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000

@@ -1,5 +1,5 @@
 """The server-side scripts of shared conversations, their lease and Idempotency-Keys
-(store/shared_conversations.py runs them; Lua by EVALSHA, Redis 7.0 and Valkey alike).
+(store/shared/conversations.py runs them; Lua by EVALSHA, Redis 7.0 and Valkey alike).
 
 What is kept (a conversation's hash and items list, a completed Idempotency-Key) counts
 in the byte budget (--shared-max-bytes) beside the response chains, in four keys of the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ocxproxy.store import shared_layout as layout
+from ocxproxy.store.shared import layout
 
 # The write scripts' shared part. KEYS[1..4]: kept (by expiry), their bytes, their total,
 # the budget's total. ARGV[1..3]: the TTL (ms) of what the write keeps (0: it never

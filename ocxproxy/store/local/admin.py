@@ -17,9 +17,9 @@ from typing import Any
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store import codec, files, journal
-from ocxproxy.store.codec import Loaded
-from ocxproxy.store.journal import Journal
+from ocxproxy.store.local import codec, files, journal
+from ocxproxy.store.local.codec import Loaded
+from ocxproxy.store.local.journal import Journal
 
 
 @dataclass(slots=True)

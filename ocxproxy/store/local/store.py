@@ -24,18 +24,18 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
-from ocxproxy.store.codec import Loaded
-from ocxproxy.store.disk import Committer, Offload
-from ocxproxy.store.durable import Durable
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.kept import KEPT_PREFIXES, KeptRecords
-from ocxproxy.store.ledger import Ledger
+from ocxproxy.store.local.codec import Loaded
+from ocxproxy.store.local.committer import Committer, Offload
+from ocxproxy.store.local.durable import Durable
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.kept import KEPT_PREFIXES, KeptRecords
+from ocxproxy.store.local.ledger import Ledger
+from ocxproxy.store.local.segments import SegmentTable
+from ocxproxy.store.local.stats import StoreStats, register_gauges, stats_of
+from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, STEP
 from ocxproxy.store.output import split_output
 from ocxproxy.store.records import NEVER, Records
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.segments import SegmentTable
-from ocxproxy.store.stats import StoreStats, register_gauges, stats_of
-from ocxproxy.store.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, STEP
 
 __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 
@@ -434,7 +434,7 @@ class Store(KeptRecords):
         """Index and journal drift, for tests and `state verify`; call it while idle (it
         reads the journal directory, blocking). Empty when refcounts, byte counts, files
         and locations agree."""
-        from ocxproxy.store.check import check_store
+        from ocxproxy.store.local.check import check_store
 
         return check_store(self)
 

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, Record, Segment, chain_of
+from ocxproxy.store.local.upkeep import DISK_KEEP
 from ocxproxy.store.records import NEVER, Records
-from ocxproxy.store.upkeep import DISK_KEEP
 
 if TYPE_CHECKING:
-    from ocxproxy.store.disk import Committer
-    from ocxproxy.store.ledger import Ledger
+    from ocxproxy.store.local.committer import Committer
+    from ocxproxy.store.local.ledger import Ledger
+    from ocxproxy.store.local.segments import SegmentTable
     from ocxproxy.store.resident import ResidentTier
-    from ocxproxy.store.segments import SegmentTable
     from ocxproxy.store.shards import Shards
 
 KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response

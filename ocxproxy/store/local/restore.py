@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ocxproxy.model import Chain, Record, Segment
-from ocxproxy.store.codec import IDS, Loaded, conversation_ids
-from ocxproxy.store.keydir import Keydir
+from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
+from ocxproxy.store.local.keydir import Keydir
 
 
 def rebuild(

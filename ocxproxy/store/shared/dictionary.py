@@ -1,4 +1,4 @@
-"""The zstd dictionary of the shared tier's values (shared_layout.py), written by
+"""The zstd dictionary of the shared tier's values (layout.py), written by
 scripts/shared_dictionary.py: do not edit. A new dictionary is a new layout."""
 
 import base64

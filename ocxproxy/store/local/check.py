@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ocxproxy.store.journal import Journal
-from ocxproxy.store.keydir import SEG_OVERHEAD
+from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.keydir import SEG_OVERHEAD
 
 if TYPE_CHECKING:
-    from ocxproxy.store.core import Store
+    from ocxproxy.store.local.store import Store
 
 
 def check_store(store: Store) -> list[str]:
