@@ -14,6 +14,11 @@ fact carries it), so they send the same prefix and the backend's cache hits; onl
 the input no longer fits does it move, far enough to free at least a quarter of the
 window. A cut never leaves a tool output without its call: it moves to the next user
 message when there is one, else past any output at the front.
+
+A turn in progress that alone does not fit (a long tool loop after the last user
+message) is cut inside, as the front is: everything before its user message goes, then
+its oldest whole items after that message (`skipped`), never a call without its output
+nor an output without its call; the instructions and the user message stay.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Fact:
     tokens: int  # input + output tokens its backend reported
     size: int  # the bytes they stand for: its forwarded body + its output (estimated)
     dropped: int  # items dropped from the front of its expanded input
+    skipped: int = 0  # items dropped after the item at `dropped` (its turn's user message)
 
 
 class TokenBook:
@@ -111,6 +117,75 @@ def drop_point(
     if total > target:
         return None
     return _safe_cut(items, cut, last)
+
+
+def kept(items: list[Any], dropped: int, skipped: int) -> list[Any]:
+    """What a cut leaves of `items`: from `dropped` on, less the `skipped` items after the
+    first of them."""
+    if not skipped:
+        return items[dropped:]
+    return [*items[dropped : dropped + 1], *items[dropped + 1 + skipped :]]
+
+
+def kept_sizes(sizes: list[int], dropped: int, skipped: int) -> list[int]:
+    """`sizes` with the items a cut leaves out at 0 (so sums over any range count only
+    what is forwarded)."""
+    start = dropped + 1
+    return [*[0] * dropped, *sizes[dropped:start], *[0] * skipped, *sizes[start + skipped :]]
+
+
+def inner_point(
+    items: list[Any], sizes: list[int], tokens: int, start: int, skipped: int, target: int
+) -> int | None:
+    """The turn in progress alone, `items[start:]` less the `skipped` items after its user
+    message at `start`, is `tokens` long: how many items after that message to leave out
+    (the oldest first) so that it is at most `target` tokens. The last item stays, with
+    its call or output; None when even that is not enough."""
+    kept_bytes = sum(sizes[start:]) - sum(sizes[start + 1 : start + 1 + skipped])
+    if kept_bytes <= 0:
+        return None
+    per_byte = tokens / kept_bytes
+    pairs = _pairs(items, start + 1)
+    last = _paired(pairs, len(items) - 1, forward=False)  # the last item and its call stay
+    total: float = tokens
+    cut = start + 1 + skipped
+    while cut < last and total > target:
+        total -= sizes[cut] * per_byte
+        cut += 1
+    cut = _paired(pairs, cut, forward=True)  # past the output whose call is gone
+    if cut > last:
+        return None
+    total = tokens - sum(sizes[start + 1 + skipped : cut]) * per_byte
+    return cut - start - 1 if total <= target else None
+
+
+def _pairs(items: list[Any], start: int) -> list[tuple[int, int]]:
+    """The positions of each tool call from `start` on and of its output."""
+    calls: dict[Any, int] = {}
+    pairs: list[tuple[int, int]] = []
+    for index in range(start, len(items)):
+        item = items[index]
+        call_id = item.get("call_id") if isinstance(item, dict) else None
+        if call_id is None:
+            continue
+        if _is_output(item):
+            if call_id in calls:
+                pairs.append((calls[call_id], index))
+        else:
+            calls.setdefault(call_id, index)
+    return pairs
+
+
+def _paired(pairs: list[tuple[int, int]], cut: int, *, forward: bool) -> int:
+    """The nearest cut from `cut` on (or back) that parts no call from its output."""
+    while True:
+        straddled = [pair for pair in pairs if pair[0] < cut <= pair[1]]
+        if not straddled:
+            return cut
+        if forward:
+            cut = max(second for _, second in straddled) + 1
+        else:
+            cut = min(first for first, _ in straddled)
 
 
 def _safe_cut(items: list[Any], cut: int, last: int) -> int:

@@ -121,7 +121,10 @@ class Exchange:
     # window and this turn's input, and `injection` puts the item first in the answer).
     pending: tuple[bytes, list[bytes]] | None = None
     injection: Injection | None = None
-    dropped: int = 0  # items left out at the front to fit the context window (http/window.py)
+    # Items left out to fit the context window (http/window.py): at the front, and after
+    # the first item kept (the turn's user message, when the turn alone is too long).
+    dropped: int = 0
+    skipped: int = 0
     # What warm resume knew before sending that explains a cache miss (http/warm.py):
     # restore_failed, fingerprint_mismatch.
     cache_note: str | None = None
@@ -260,7 +263,8 @@ class Exchange:
         (total, cached), metrics, url = usage, self.proxy.metrics, self.backend.url
         metrics.input_tokens.labels(url).inc(total)
         self.input_tokens = total
-        remember_usage(self.proxy, response, url, self.body, self.dropped, total)
+        cut = (self.dropped, self.skipped)
+        remember_usage(self.proxy, response, url, self.body, cut, total)
         if cached is not None:
             self.cached_tokens = cached
             metrics.cached_tokens.labels(url).inc(cached)
@@ -365,9 +369,11 @@ async def prepare_exchange(
                     pending = (summary_request(request.body, history, tail), history)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
-        dropped = 0
+        dropped = skipped = 0
         if remember and not trigger and pending is None:  # a compaction has its own window
-            body, dropped = await fit_window(proxy, request, parent, history, tail, body, raw)
+            body, dropped, skipped = await fit_window(
+                proxy, request, parent, history, tail, body, raw
+            )
         if expansion == "hit":
             proxy.metrics.expansions.labels(outcome="hit").inc()
         target, durable = retention(proxy, request, local, parent_store, remember)
@@ -393,6 +399,7 @@ async def prepare_exchange(
         compaction=trigger,
         pending=pending,
         dropped=dropped,
+        skipped=skipped,
     )
 
 

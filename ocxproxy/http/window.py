@@ -15,6 +15,9 @@ from ocxproxy.continuation.window import (
     Fact,
     drop_point,
     estimate,
+    inner_point,
+    kept,
+    kept_sizes,
     room,
     step_target,
 )
@@ -46,66 +49,88 @@ async def fit_window(
     tail: list[bytes] | None,
     body: bytes,
     raw: bytes | None,
-) -> tuple[bytes, int]:
-    """The body to forward, and how many items it leaves out at the front."""
+) -> tuple[bytes, int, int]:
+    """The body to forward, and the cut it makes: how many items it leaves out at the
+    front, and how many after the first item it keeps (the turn's user message)."""
     found = proxy.pool.window_for(parent.backend if parent is not None else None)
     if found is None:
-        return body, 0  # no window known: the backend's answer decides
+        return body, 0, 0  # no window known: the backend's answer decides
     backend, window = found
     assert window.tokens is not None
     book = proxy.book
     fact = book.get(parent.id) if parent is not None else None
     auto = request.body.get("truncation") == "auto"
     fit = room(window.tokens, request.body.get("max_output_tokens"))
-    dropped = fact.dropped if fact is not None and auto else 0
+    dropped, skipped = (fact.dropped, fact.skipped) if fact is not None and auto else (0, 0)
     items: list[bytes] | None = None
-    if dropped:
+    if dropped or skipped:
         items = _items(request, history, tail, raw)
         dropped = min(dropped, len(items) - 1)
-        body = expand(request.body, items[dropped:], [])
+        skipped = min(skipped, max(0, len(items) - dropped - 2))
+        body = expand(request.body, kept(items, dropped, skipped), [])
     tokens, margin = estimate(fact, len(body), book.ratio(backend.url))
     # The common case, no round trip: it fits (auto), or is short of the window, which
     # is all that disabled refuses at.
     if tokens + margin <= (fit if auto else window.tokens - 1):
-        return body, dropped
+        return body, dropped, skipped
     if not auto:
         counted = await _count(proxy, backend, window, body)
         if counted is not None and counted >= window.tokens:
             proxy.metrics.context_refusals.labels(truncation="disabled").inc()
             raise ContextLengthExceeded
-        return body, 0  # an estimate alone refuses nothing
+        return body, 0, 0  # an estimate alone refuses nothing
     if tokens - margin <= fit:  # it may fit: the backend's count decides
         counted = await _count(proxy, backend, window, body)
         tokens = counted if counted is not None else tokens
         if tokens <= fit:
-            return body, dropped
+            return body, dropped, skipped
     if items is None:
         items = _items(request, history, tail, raw)
     parsed = orjson.loads(b"[" + b",".join(items) + b"]")
     sizes = [len(item) + 1 for item in items]
-    keep = len(items) - _last_user_message(parsed)
+    last_user = _last_user_message(parsed)
     target = step_target(window.tokens, fit)
     for _ in range(MAX_STEPS):
-        cut = drop_point(parsed, sizes, tokens, dropped, keep, target)
-        if cut is None or cut >= len(items):
-            proxy.metrics.context_refusals.labels(truncation="auto").inc()
-            raise ContextLengthExceeded
-        body = expand(request.body, items[cut:], [])
-        tokens = sum(sizes[cut:]) * tokens // max(1, sum(sizes[dropped:]))
-        dropped = cut
+        forwarded = sum(kept_sizes(sizes, dropped, skipped))
+        cut = drop_point(
+            parsed,
+            kept_sizes(sizes, dropped, skipped),
+            tokens,
+            dropped,
+            len(items) - last_user,
+            target,
+        )
+        if cut is not None and cut < len(items):
+            dropped, skipped = cut, 0
+        else:  # the turn in progress alone is too long: cut inside it
+            if last_user != dropped:
+                dropped, skipped = last_user, 0
+            at_turn = sum(kept_sizes(sizes, dropped, skipped)) * tokens // max(1, forwarded)
+            inner = inner_point(parsed, sizes, at_turn, dropped, skipped, target)
+            if inner is None:
+                proxy.metrics.context_refusals.labels(truncation="auto").inc()
+                raise ContextLengthExceeded
+            skipped = inner
+        body = expand(request.body, kept(items, dropped, skipped), [])
+        tokens = sum(kept_sizes(sizes, dropped, skipped)) * tokens // max(1, forwarded)
         counted = await _count(proxy, backend, window, body)
         if counted is None or counted <= fit:
             break
         tokens = counted
     proxy.metrics.truncations.inc()
-    return body, dropped
+    return body, dropped, skipped
 
 
 def remember_usage(
-    proxy: Proxy, response: Any, backend: str, body: bytes, dropped: int, input_tokens: int
+    proxy: Proxy,
+    response: Any,
+    backend: str,
+    body: bytes,
+    cut: tuple[int, int],
+    input_tokens: int,
 ) -> None:
     """A finished turn's usage: the fact its continuation is estimated from, and the
-    backend's bytes per token."""
+    backend's bytes per token. `cut`: the items its body left out (`fit_window`'s)."""
     usage = response.get("usage")
     output = usage.get("output_tokens") if isinstance(usage, dict) else None
     response_id = response.get("id")
@@ -114,7 +139,7 @@ def remember_usage(
     book = proxy.book
     book.learn(backend, len(body), input_tokens)
     size = len(body) + int(output * book.ratio(backend))
-    book.put(response_id, Fact(input_tokens + output, size, dropped))
+    book.put(response_id, Fact(input_tokens + output, size, *cut))
 
 
 def estimate_input_tokens(proxy: Proxy, parent: Record | None, body: bytes) -> int:

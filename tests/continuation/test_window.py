@@ -11,6 +11,9 @@ from ocxproxy.continuation.window import (
     TokenBook,
     drop_point,
     estimate,
+    inner_point,
+    kept,
+    kept_sizes,
     room,
     step_target,
 )
@@ -98,3 +101,31 @@ def test_a_cut_never_leaves_an_output_without_its_call() -> None:
 def test_a_turn_that_cannot_fit_is_none() -> None:
     items = [user("a"), user("b")]
     assert drop_point(items, [100, 900], tokens=1000, dropped=0, keep=1, target=500) is None
+
+
+def test_a_turn_too_long_alone_loses_its_oldest_pairs() -> None:
+    items = [user("a"), user("task"), call("1"), output("1"), call("2"), output("2")]
+    items += [call("3"), output("3")]
+    sizes = [100] * len(items)
+    # From the turn's user message (index 1) on: 700 tokens, 450 wanted.
+    skipped = inner_point(items, sizes, tokens=700, start=1, skipped=0, target=450)
+    assert skipped == 4  # whole pairs: calls 1 and 2 with their outputs
+    assert kept(items, 1, skipped) == [user("task"), call("3"), output("3")]
+    assert kept_sizes(sizes, 1, skipped) == [0, 100, 0, 0, 0, 0, 100, 100]
+    # A cut already made stays; the next one goes on from it.
+    assert inner_point(items, sizes, tokens=300, start=1, skipped=4, target=250) is None
+
+
+def test_a_cut_inside_a_turn_never_parts_parallel_calls() -> None:
+    items = [user("task"), call("1"), call("2"), output("1"), output("2"), call("3")]
+    items.append(output("3"))
+    sizes = [100] * len(items)
+    skipped = inner_point(items, sizes, tokens=700, start=0, skipped=0, target=550)
+    assert skipped == 4  # one call was enough; both parallel calls and outputs go
+    # The last output keeps its call; a parallel pair around it stays whole.
+    items = [user("task"), call("1"), call("2"), output("1"), output("2")]
+    assert (
+        inner_point(items, [10, 10, 10, 10, 1000], tokens=1040, start=0, skipped=0, target=500)
+        is None
+    )
+    assert inner_point(items, [100] * 5, tokens=500, start=0, skipped=0, target=100) is None

@@ -7,7 +7,8 @@ and reveal which history it was given::
     echo#<n_items>: <last user text>
 
 ``CALL:<name>`` in the last user text makes it answer with a ``function_call`` item,
-and a trailing ``function_call_output`` makes it answer ``echo#<n>: tool said <output>``.
+and a trailing ``function_call_output`` makes it answer ``echo#<n>: tool said <output>``,
+or call again when the output holds ``CALL:<name>`` (a tool loop).
 Like llama.cpp it rejects ``previous_response_id`` (it has no state).  Prefix caching
 is simulated in ``usage.input_tokens_details.cached_tokens``.
 
@@ -167,6 +168,9 @@ def _interpret(payload: Json) -> _Turn:
     last = items[-1] if items else None
     if isinstance(last, dict) and last.get("type") == "function_call_output":
         output = _content_text(last.get("output"), ("input_text", "output_text", "text"))
+        again = _CALL_RE.search(output)
+        if again:
+            return _Turn(n, None, again.group(1), canonical)
         return _Turn(n, f"echo#{n}: tool said {output}", None, canonical)
     match = _CALL_RE.search(last_user)
     if match:

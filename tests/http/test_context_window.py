@@ -252,3 +252,97 @@ async def test_auto_over_websocket_and_store_false(
         assert proxy.metric("ocxproxy_truncation_steps_total") >= 2
         assert max(len(seen.body) for seen in backend.responses_seen) < 4 * WINDOW
         assert forwarded_inputs(backend)[-1][0]["role"] == "user"
+
+
+def assert_paired(items: list[Any]) -> None:
+    """Every tool output forwarded with its call, and every call with its output (but the
+    last item's)."""
+    calls = [i["call_id"] for i in items if i.get("type") == "function_call"]
+    outputs = [i["call_id"] for i in items if i.get("type") == "function_call_output"]
+    assert set(outputs) <= set(calls), items
+    assert set(calls) - set(outputs) <= {items[-1].get("call_id")}, items
+
+
+TASK = "Fix the failing test. CALL:run"
+
+
+async def test_auto_cuts_inside_a_tool_loop_that_alone_exceeds_the_window(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """One agentic turn (a user message, then a tool loop over previous_response_id)
+    grows to three windows: every step completes; the backend gets the instructions, the
+    turn's user message and its newest calls with their outputs, and the cut inside the
+    turn moves in steps that keep the prefix between them."""
+    async with FakeBackend(window=("llama", WINDOW)) as backend:
+        proxy = await windowed_proxy(make_proxy, backend)
+        fields: dict[str, Any] = {"truncation": "auto", "instructions": "You are terse."}
+        earlier = [{"role": "user", "content": "An earlier question."}]
+        status, answer = await create(http, proxy, input=earlier, **fields)
+        assert status == 200, answer
+        status, answer = await create(
+            http, proxy, input=TASK, previous_response_id=answer["id"], **fields
+        )
+        for step in range(3 * 4 * WINDOW // 700):
+            assert status == 200, answer
+            call = answer["output"][-1]
+            assert call["type"] == "function_call", answer
+            output = words(600, step) + " CALL:run"
+            status, answer = await create(
+                http,
+                proxy,
+                previous_response_id=answer["id"],
+                input=[
+                    {"type": "function_call_output", "call_id": call["call_id"], "output": output}
+                ],
+                **fields,
+            )
+        assert status == 200, answer
+        sent = [seen.body for seen in backend.responses_seen]
+        inputs = forwarded_inputs(backend)
+        for items in inputs[1:]:
+            assert_paired(items)
+            assert any(i.get("content") == TASK for i in items)  # the turn's user message
+        assert all(orjson.loads(body)["instructions"] == "You are terse." for body in sent)
+        assert inputs[-1][0]["content"] == TASK  # the earlier turn is gone, then the oldest calls
+        assert inputs[-1][1]["type"] == "function_call"
+        assert max(len(body) for body in sent) < 4 * WINDOW
+        moved = [
+            n
+            for n, (before, after) in enumerate(itertools.pairwise(sent), 1)
+            if not top_level_span(after, "input").startswith(top_level_span(before, "input")[:-1])
+        ]
+        assert len(moved) == proxy.metric("ocxproxy_truncation_steps_total") >= 3
+        assert min(b - a for a, b in itertools.pairwise(moved)) >= 3, moved
+        assert proxy.metric("ocxproxy_context_length_exceeded_total", truncation="auto") == 0
+
+
+async def test_auto_cuts_inside_a_tool_loop_sent_in_full(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """The same loop as Codex sends it over HTTP: store:false, the whole turn by value each
+    time; a last output that alone exceeds the window is still refused, unforwarded."""
+    async with FakeBackend(window=("llama", WINDOW)) as backend:
+        proxy = await windowed_proxy(make_proxy, backend)
+        history: list[Any] = [{"role": "user", "content": TASK}]
+        fields: dict[str, Any] = {"truncation": "auto", "instructions": "You are terse."}
+        for step in range(3 * 4 * WINDOW // 700):
+            status, answer = await create(http, proxy, input=history, store=False, **fields)
+            assert status == 200, answer
+            call = answer["output"][-1]
+            assert call["type"] == "function_call", answer
+            output = words(600, step) + " CALL:run"
+            history += [
+                call,
+                {"type": "function_call_output", "call_id": call["call_id"], "output": output},
+            ]
+        for items in forwarded_inputs(backend):
+            assert_paired(items)
+            assert items[0]["content"] == TASK
+        assert max(len(seen.body) for seen in backend.responses_seen) < 4 * WINDOW
+        assert proxy.metric("ocxproxy_context_length_exceeded_total", truncation="auto") == 0
+        before = generations(backend)
+        history[-1] = {**history[-1], "output": words(5 * WINDOW, 99)}
+        status, answer = await create(http, proxy, input=history, store=False, **fields)
+        assert status == 400, answer
+        assert answer["error"]["code"] == "context_length_exceeded"
+        assert generations(backend) == before
