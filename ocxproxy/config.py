@@ -294,6 +294,14 @@ class Config:
         parse=parse_bytes,
         check=positive,
     )
+    large_segment_bytes: int = setting(
+        8 * 1024,
+        "a turn's stored items this large compressed go to a file of their own (named by "
+        "their SHA-256), which the journal's compaction never copies",
+        group=STORE,
+        parse=parse_bytes,
+        check=positive,
+    )
     max_entries: int = setting(
         100_000, "most stored responses kept", group=STORE, parse=parse_int, check=positive
     )

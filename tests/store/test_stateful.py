@@ -68,7 +68,10 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 TTL = 100.0
-TEXTS = st.sampled_from(["hi", "hello", "a longer message " * 3, "x" * 60, "CALL"])
+# NOISE: a text zstd barely shrinks, so its turn's segment passes LARGE (a file of its own)
+NOISE = random.Random(7).randbytes(400).hex()
+LARGE = 512  # compressed bytes from which a segment gets its own file, here
+TEXTS = st.sampled_from(["hi", "hello", "a longer message " * 3, "x" * 60, "CALL", NOISE])
 SCOPES = ("scope-a", "scope-b")
 
 
@@ -146,6 +149,7 @@ class StoreMachine(RuleBasedStateMachine):
             ttl=TTL,
             clock=self.clock,
             checkpoint_bytes=self.checkpoint_bytes,
+            large_segment_bytes=LARGE,
             offload=inline,
             metrics=self.metrics,
         )
@@ -427,7 +431,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.commit_all()
                 self.run(self.store.flush())
             elif during == "turns":
-                for i, text in enumerate(("hi", "x" * 60, "hello")):
+                for i, text in enumerate(("hi", NOISE, "hello")):
                     self._put(None, text, True, SCOPES[i % 2], ack=i != 1)
             elif during == "deletes":
                 live = [r for r, e in self.model.items() if e.durable and not e.never]
@@ -629,7 +633,7 @@ def test_power_losses() -> None:
 
 def walk(m: StoreMachine, rng: random.Random, losses: int) -> None:
     """Random rules of `m`, with a power loss every few, until `losses` happened."""
-    texts = ["hi", "hello", "a longer message " * 3, "x" * 60, "CALL"]
+    texts = ["hi", "hello", "a longer message " * 3, "x" * 60, "CALL", NOISE]
     ids: list[str] = []
     convs: list[str] = []
     while m.layer.losses < losses:

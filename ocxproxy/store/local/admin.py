@@ -2,8 +2,8 @@
 
 All three read the checkpoint and replay the journal as start-up does, without changing
 anything (a torn tail is reported, not cut). verify also reads every live segment back
-and checks its digest. gc removes journal files no live segment needs and temp files,
-and refuses while a proxy holds the dir's lock.
+and checks its digest (segment files too). gc removes journal files and segment files no
+live segment needs and temp files, and refuses while a proxy holds the dir's lock.
 Blocking, synchronous; failures come back as text lines, never as tracebacks.
 """
 
@@ -17,9 +17,10 @@ from typing import Any
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store.local import codec, files, journal
+from ocxproxy.store.local import codec, files, journal, segment_files
 from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.journal import Journal
+from ocxproxy.store.local.segment_files import FILES
 
 
 @dataclass(slots=True)
@@ -44,6 +45,12 @@ class StateReport:
         used = {s.pack for s in self.live.values()}
         return sorted(p for p in self.loaded.sizes if p < first and p not in used)
 
+    @property
+    def unneeded_files(self) -> list[str]:
+        """Keys of the segment files on disk that no live segment needs."""
+        used = {s.key for s in self.live.values() if s.pack == FILES}
+        return [key for key in segment_files.on_disk(self.root) if key not in used]
+
     def lines(self) -> list[str]:
         ld = self.loaded
         out = [f"state dir      {self.root}"]
@@ -59,6 +66,10 @@ class StateReport:
         out.append(f"records        {len(ld.records)}")
         out.append(f"segments       {len(self.live)} ({raw} bytes, {live_bytes} compressed)")
         out.append(f"journal        {len(ld.sizes)} files, {self.journal_bytes} bytes")
+        own = [s for s in self.live.values() if s.pack == FILES]
+        own_bytes = sum(s.length for s in own)
+        out.append(f"segment files  {len(own)} ({own_bytes} bytes), unneeded "
+                   f"{len(self.unneeded_files)}")  # fmt: skip
         out.append(f"replayed       {ld.entries} entries after the checkpoint")
         out.append(f"torn tails     {ld.cut}")
         out.append(f"unneeded files {len(self.unneeded)}")
@@ -78,7 +89,7 @@ def inspect(root: Path) -> StateReport:
         if row[3] <= now:
             continue
         needed = [*(codec.chain_sids(row) or (-1,)), row[5]]  # None: its parent is gone
-        if any(sid not in segments or segments[sid].pack not in report.loaded.sizes
+        if any(sid not in segments or not _present(segments[sid], report.loaded)
                for sid in needed):  # fmt: skip
             report.missing.append(row[0])
             continue
@@ -88,6 +99,11 @@ def inspect(root: Path) -> StateReport:
             report.bad_ids.append(row[0])
     report.temps = j.temps()
     return report
+
+
+def _present(segment: Segment, loaded: Loaded) -> bool:
+    """Is the file that holds `segment`'s bytes there (as far as the index knows)?"""
+    return segment.pack == FILES or segment.pack in loaded.sizes
 
 
 def _ids_agree(row: list[Any], chain: list[Segment]) -> bool:
@@ -143,6 +159,7 @@ def gc(root: Path) -> list[Path]:
         doomed = list(report.temps)
         if report.loaded.error is None:  # without a usable checkpoint keep every file
             doomed += [j.path(p) for p in report.unneeded]
+            doomed += [segment_files.path(root, k) for k in report.unneeded_files]
         removed = []
         for path in doomed:
             try:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ocxproxy.store.local import segment_files
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.keydir import SEG_OVERHEAD
+from ocxproxy.store.local.segment_files import FILES
 
 if TYPE_CHECKING:
     from ocxproxy.store.local.store import Store
@@ -39,7 +41,7 @@ def check_store(store: Store) -> list[str]:
             problems.append(f"{key} durable {segment.durable} ({segment.durable_refs}) != {want}")
         if segment.on_disk and not segment.durable:
             problems.append(f"{key} is store:false content in the journal")
-        if segment.on_disk and (
+        if segment.pack > FILES and (
             segment.pack not in packs or packs[segment.pack][0].get(key) is not segment
         ):
             problems.append(f"{key} located in journal file {segment.pack} but not indexed there")
@@ -93,6 +95,28 @@ def check_store(store: Store) -> list[str]:
                     problems.append(f"{key} unreadable in journal file {pack}: {exc}")
         for pack in on_disk - set(packs):
             problems.append(f"journal file {pack} on disk but not indexed")
+        problems += _check_files(store, j)
     finally:
         j.close()
+    return problems
+
+
+def _check_files(store: Store, j: Journal) -> list[str]:
+    """Segments in files of their own: each indexed one there and whole, its bytes counted,
+    and no file that is neither needed nor waiting for its removal."""
+    problems: list[str] = []
+    keydir, segments = store.table.keydir, store.segments()
+    own = [s for s in segments.values() if s.pack == FILES]
+    if sorted(s.key for s in own) != sorted(keydir.files):
+        problems.append("segment files indexed disagree with the segments located in them")
+    if sum(s.length + SEG_OVERHEAD for s in own) != keydir.live.get(FILES, 0):
+        problems.append("segment files: live byte count drifted")
+    for segment in own:
+        try:
+            j.read(segment.key, segment.size, FILES, 0, segment.length)
+        except Exception as exc:  # a StoreFailure, reported as drift
+            problems.append(f"{segment.key} unreadable in its segment file: {exc}")
+    for key in segment_files.on_disk(j.root):
+        if key not in keydir.files and key not in keydir.gone:
+            problems.append(f"segment file {key} on disk but neither needed nor to be removed")
     return problems

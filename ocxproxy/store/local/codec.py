@@ -5,7 +5,10 @@ does the file handling).
 An entry is `<length u32><crc32 u32><type u8><payload>`; the crc covers the type and the
 payload, so a torn or corrupt entry is detected and replay stops at the last good one.
 
-    SEG  <meta length u16><meta JSON><zstd blob>    a segment and its bytes
+    SEG  <meta length u16><meta JSON><zstd blob>    a segment and its bytes (a large one's
+                                                    meta ends with its blob's length, and
+                                                    the blob is its own file instead:
+                                                    segment_files.py)
     PUT  <record row JSON>                          a record (its chain by segment sid;
                                                     a conversation's: its item ids too)
     DEL  <record id JSON>                           a record dropped
@@ -31,6 +34,7 @@ import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment
+from ocxproxy.store.local.segment_files import FILES
 
 SEG, PUT, DEL, NOP = 1, 2, 3, 4
 HEAD, SEGS, RECS, END = 11, 12, 13, 14
@@ -71,6 +75,8 @@ def segment_row(segment: Segment) -> list[Any]:
     items = list(segment.item_ids) if segment.item_ids else []  # (id, start, end) tuples
     return [segment.sid, segment.key, segment.size, segment.n_items, ids, items]
 
+
+FILE_ROW = 7  # a SEG entry's meta: segment_row() and the length of the segment's own file
 
 IDS = 11  # a record row's field past the 11 every row has: a conversation's item ids
 
@@ -175,8 +181,11 @@ class Loaded:
         if kind == SEG:
             (n,) = META.unpack_from(payload, 0)
             row = orjson.loads(payload[2 : 2 + n])
-            start = offset + FRAME.size + 2 + n
-            info = parse_segment(row, pack, start, len(payload) - 2 - n)
+            if len(row) == FILE_ROW:  # its bytes are in its own file, this long
+                info = parse_segment(row[:-1], FILES, 0, row[-1])
+            else:
+                start = offset + FRAME.size + 2 + n
+                info = parse_segment(row, pack, start, len(payload) - 2 - n)
             self.segments[info.sid] = info
             self.next_sid = max(self.next_sid, info.sid + 1)
         elif kind == PUT:

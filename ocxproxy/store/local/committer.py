@@ -23,9 +23,9 @@ the first gap, so a commit counts only with every commit before it), and when on
 every later one in flight fails with it and the file is cut back to where the failed one
 began. The file's room grows ahead: once less than GROW_BELOW is left, a thread
 allocates and syncs the next PREALLOCATE bytes while commits go on (`Journal.grow`).
-Anything else (a large commit, a new file, room used up before it grew, no helper) waits
-until no commit is in flight and no growth is under way, then is encoded, written and
-synced in a thread.
+Anything else (a large commit, one with a segment that gets its own file, a new file, room
+used up before it grew, no helper) waits until no commit is in flight and no growth is
+under way, then is encoded, written and synced in a thread.
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight). The room's growth
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.local.journal import PREALLOCATE, Journal, encode
+from ocxproxy.store.local.journal import PREALLOCATE, Journal
 from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
@@ -172,9 +172,9 @@ class Committer:
             or self.queued_bytes > INLINE_BYTES
         ):
             return
-        encoded = encode(self._jobs)
-        if len(encoded[0]) <= self.journal.room():  # else the committer grows the file
-            self._fly(child, *self._take(), *encoded)
+        data, relative, own = self.journal.encode(self._jobs)
+        if not own and len(data) <= self.journal.room():  # else the committer writes it
+            self._fly(child, *self._take(), data, relative)
 
     def waiter(self, future: asyncio.Future[OSError | None]) -> asyncio.Future[OSError | None]:
         """A future of one turn's own, resolved with the commit `future` stands for. Unlike
@@ -231,9 +231,10 @@ class Committer:
             journal, child = self.journal, self.child
             encoded = None
             if child is not None and raw <= INLINE_BYTES:
-                encoded = encode(outcome.jobs)
-                if len(encoded[0]) <= journal.room():
-                    self._fly(child, outcome, future, *encoded)
+                encoded = journal.encode(outcome.jobs)
+                data, relative, own = encoded
+                if not own and len(data) <= journal.room():
+                    self._fly(child, outcome, future, data, relative)
                     return future
             await self._quiesce()
             pack, before = journal.active, journal.size

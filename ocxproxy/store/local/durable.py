@@ -12,7 +12,8 @@ journal since the last one passes `checkpoint_bytes` or `checkpoint_age`, encode
 chunks between which the event loop runs. Journal files before the checkpoint that hold
 few live segments are compacted (their live segments re-appended) and then removed; a
 journal file is removed only when a checkpoint captured after its last live segment left
-it is durable.
+it is durable, and so is a large segment's own file (segment_files.py) after its segment
+left; compaction never copies those.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import gc
 import logging
 import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +35,7 @@ from ocxproxy.config import ConfigError
 from ocxproxy.errors import FailureReason
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment
-from ocxproxy.store.local import files, journal
+from ocxproxy.store.local import files, journal, segment_files
 from ocxproxy.store.local.codec import NOP, Loaded
 from ocxproxy.store.local.committer import Committer, Offload, Outcome
 from ocxproxy.store.local.journal import Journal
@@ -97,8 +98,10 @@ class Durable:
         checkpoint_age: float,
         fsync_child: bool = False,
         make_parents: bool = True,
+        large_segment_bytes: int = segment_files.LARGE,
     ) -> None:
         self.root = root
+        self.large = large_segment_bytes  # compressed bytes that get a segment its own file
         self.make_parents = make_parents  # else a missing parent is refused (a typo?)
         self.owner = owner
         self.table = table
@@ -172,7 +175,10 @@ class Durable:
             if not live.get(p) and ((p < first and not loaded.error) or (not size and p != last))
         ]
         self.table.dropped(stale)
-        await self.offload(self._sweep_files, j, stale)
+        # Segment files no entry names: written for a commit that did not count, or no
+        # longer needed by a checkpoint when a crash came before their removal.
+        files_kept = None if loaded.error else self.table.keydir.files
+        await self.offload(self._sweep_files, j, stale, files_kept)
         await self.offload(j.open_next)
         self.table.sized(j.active, 0)
         if helper is not None:
@@ -216,7 +222,7 @@ class Durable:
                     f"state dir {root} cannot be used: another ocxproxy process holds it "
                     f"({lock.path}); stop that one, {_FIX}"
                 )
-            j = Journal(root)
+            j = Journal(root, large=self.large)
             j.prepare()
             loaded = j.load(repair=True)
         except OSError as exc:
@@ -243,8 +249,11 @@ class Durable:
             self.checkpoint_size = (self.root / journal.CHECKPOINT).lstat().st_size
 
     @staticmethod
-    def _sweep_files(j: Journal, stale: list[int]) -> None:
+    def _sweep_files(j: Journal, stale: list[int], needed: Collection[str] | None) -> None:
         j.remove(stale)
+        if needed is not None:
+            on_disk = segment_files.on_disk(j.root)
+            segment_files.remove(j.root, [k for k in on_disk if k not in needed])
         for path in j.temps():
             with contextlib.suppress(OSError):
                 files.fs.unlink(path)
@@ -426,6 +435,10 @@ class Durable:
         if doomed:
             await committer.run_locked(j.remove, doomed)
             self.table.dropped(doomed)
+        if self.table.keydir.gone:
+            async with committer.quiet():  # (no commit lands a segment meanwhile)
+                keys = self.table.keydir.unneeded(capture)
+                self.table.keydir.removed(await self.offload(segment_files.remove, j.root, keys))
         log.debug("checkpoint %d: %d records, %d bytes", capture, n_recs, size)
         return True
 
@@ -446,4 +459,6 @@ class Durable:
     def disk_bytes(self) -> int:
         j = self.journal
         room = j.allocated - j.size if j is not None and self.committer is not None else 0
-        return sum(self.table.keydir.sizes.values()) + self.checkpoint_size + max(room, 0)
+        keydir = self.table.keydir
+        own = keydir.live.get(segment_files.FILES, 0)  # (a segment's file, and its SEG entry)
+        return sum(keydir.sizes.values()) + own + self.checkpoint_size + max(room, 0)

@@ -5,6 +5,7 @@ checkpoint.
                                compressed bytes of each new segment live in its entry,
                                read back later with one pread at a known offset
     checkpoint                 the index at a journal position, written atomically
+    segments/<sha256>.zst      a large segment's compressed bytes (segment_files.py)
 
 Every call here blocks: the store runs them in a thread. OSError passes through from the
 write side (the store turns it into a failed commit); reads and replay never raise for bad
@@ -24,7 +25,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store.local import files
+from ocxproxy.store.local import files, segment_files
 from ocxproxy.store.local.codec import (
     FRAME,
     META,
@@ -36,6 +37,7 @@ from ocxproxy.store.local.codec import (
     good_prefix,
     load_checkpoint,
 )
+from ocxproxy.store.local.segment_files import FILES, LARGE
 
 CHECKPOINT = "checkpoint"
 FILE_BYTES = 64 * 1024**2  # a journal file is closed (rotated) past this size
@@ -50,8 +52,9 @@ class Journal:
     """The journal directory and checkpoint of one state dir. Not thread-safe: one writer
     thread appends (the store's committer) while reads may run in others (pread only)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, large: int = LARGE) -> None:
         self.root = root
+        self.large = large  # compressed bytes from which a segment gets its own file
         self.dir = root / "journal"
         self.active = 0  # the file appended to
         self.size = 0  # the end of its entries
@@ -79,14 +82,16 @@ class Journal:
 
     def temps(self) -> list[Path]:
         out = [p for p in self.root.iterdir() if files.is_temp_name(p.name)]
-        if self.dir.is_dir():
-            out += [p for p in self.dir.iterdir() if files.is_temp_name(p.name)]
+        for d in (self.dir, segment_files.directory(self.root)):
+            if d.is_dir():
+                out += [p for p in d.iterdir() if files.is_temp_name(p.name)]
         return out
 
     # -- start-up ------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        if files.ensure_dir(self.dir):
+        made = files.ensure_dir(self.dir)
+        if files.ensure_dir(segment_files.directory(self.root)) or made:
             files.fsync_dir(self.root)
 
     def load(self, *, repair: bool) -> Loaded:
@@ -216,17 +221,26 @@ class Journal:
 
     # -- the write side (the committer's) -----------------------------------------------
 
+    def encode(self, jobs: Sequence[tuple[int, Any]]) -> Encoded:
+        return encode(jobs, self.large)
+
     def append(self, jobs: Sequence[tuple[int, Any]]) -> list[Any]:
         """encode() and write() one commit (blocking: the committer's thread)."""
-        return self.write(*encode(jobs))
+        return self.write(*self.encode(jobs))
 
-    def write(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
-        """Write one commit's encoded entries with one write and one fdatasync (blocking).
+    def write(
+        self, data: bytes, relative: Sequence[Any], blobs: Sequence[tuple[str, bytes]] = ()
+    ) -> list[Any]:
+        """Write one commit's encoded entries with one write and one fdatasync (blocking),
+        after the files of its large segments (`blobs`), which its entries name.
 
         `relative` is encode()'s; returns, per job, (pack, offset, length) of a SEG's blob,
         else None. On OSError nothing of the commit counts: the file is cut back to where
-        it was (or, when that fails too, abandoned for a new one).
+        it was (or, when that fails too, abandoned for a new one); segment files it wrote
+        are named by no entry (start-up removes them).
         """
+        if blobs:
+            segment_files.write(self.root, blobs)
         if self._fd is None or self.size >= FILE_BYTES:
             self._open(self.active + 1)
         fd, before = self._fd, self.size
@@ -303,7 +317,10 @@ class Journal:
             files.fs.close(fd)
 
     def _placed(self, base: int, relative: Sequence[Any]) -> list[Any]:
-        return [(self.active, base + p[0], p[1]) if p else None for p in relative]
+        return [
+            None if not p else (FILES, 0, p[1]) if p[0] < 0 else (self.active, base + p[0], p[1])
+            for p in relative
+        ]
 
     def rotate(self) -> tuple[int, int]:
         """Append to a new file from now on (no I/O when `ready_next` made it); the old one
@@ -356,7 +373,10 @@ class Journal:
     def read(self, key: str, size: int, pack: int, offset: int, length: int) -> bytes:
         """The verified bytes of a segment, or StoreFailure."""
         try:
-            blob = self.read_blob(pack, offset, length)
+            if pack == FILES:
+                blob = segment_files.read(self.root, key, length)
+            else:
+                blob = self.read_blob(pack, offset, length)
         except FileNotFoundError:
             raise StoreFailure(FailureReason.MISSING, key) from None
         except OSError as exc:
@@ -383,21 +403,34 @@ class Journal:
         return out
 
 
-def encode(jobs: Sequence[tuple[int, Any]]) -> tuple[bytes, list[Any]]:
+Encoded = tuple[bytes, list[Any], list[tuple[str, bytes]]]
+
+
+def encode(jobs: Sequence[tuple[int, Any]], large: int = LARGE) -> Encoded:
     """Frame one commit's entries, compressing a SEG's data when it has no blob yet.
 
     A job is (SEG, (row, data or None, blob or None)), (PUT, bytes), (DEL, bytes) or
-    (NOP, b""). Returns the bytes and, per job, (offset in them, length) of a SEG's blob,
-    else None.
+    (NOP, b""). Returns the bytes; per job, (offset in them, length) of a SEG's blob,
+    (-1, length) of one that goes to its own file (`large` compressed bytes or more),
+    else None; and the (key, blob) of those files.
     """
     chunks: list[bytes] = []
     places: list[Any] = []
+    own: list[tuple[str, bytes]] = []
     at = 0
     for kind, job in jobs:
         if kind == SEG:
             row, data, blob = job
             if blob is None:
                 blob = compressor().compress(data)
+                if len(blob) >= large:
+                    own.append((row[1], blob))
+                    meta = orjson.dumps([*row, len(blob)])
+                    places.append((-1, len(blob)))
+                    entry = frame(kind, META.pack(len(meta)) + meta)
+                    chunks.append(entry)
+                    at += len(entry)
+                    continue
             meta = orjson.dumps(row)
             payload = b"".join((META.pack(len(meta)), meta, blob))
             places.append((at + FRAME.size + 2 + len(meta), len(blob)))
@@ -407,4 +440,4 @@ def encode(jobs: Sequence[tuple[int, Any]]) -> tuple[bytes, list[Any]]:
         entry = frame(kind, payload)
         chunks.append(entry)
         at += len(entry)
-    return b"".join(chunks), places
+    return b"".join(chunks), places, own

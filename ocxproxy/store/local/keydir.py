@@ -2,20 +2,25 @@
 the bytes its live segments take, its size, when a segment last left it, and the keys of
 the segments placed there (compaction's list of what to look at: a segment that left
 stays listed until its file goes, at most as many as those still there once the file is
-sparse enough to compact). Store owns the one Keydir and calls it whenever a segment's
-location changes."""
+sparse enough to compact). Segments in files of their own (segment_files.py, "file"
+FILES) are counted in `live` like a journal file's, listed in `files`, and, once none
+needs a file, in `gone` until it is removed. Store owns the one Keydir and calls it
+whenever a segment's location changes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
 from ocxproxy.model import Segment
+from ocxproxy.store.local.segment_files import FILES
 
 SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 
 
 class Keydir:
-    __slots__ = ("captures", "keys", "left_at", "live", "live_bytes", "located", "sizes")
+    __slots__ = (
+        "captures", "files", "gone", "keys", "left_at", "live", "live_bytes", "located", "sizes",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.located = 0  # segments whose bytes the journal holds
@@ -25,16 +30,25 @@ class Keydir:
         self.keys: dict[int, list[str]] = {}  # file -> keys of the segments placed there
         self.live_bytes = 0
         self.captures = 0  # checkpoints captured
+        self.files: dict[str, None] = {}  # keys of the segments in files of their own
+        self.gone: dict[str, int] = {}  # files no segment needs -> capture number they left at
+
+    def _listed(self, pack: int) -> list[str]:
+        keys = self.keys.get(pack)
+        if keys is None:
+            keys = self.keys[pack] = []
+        return keys
 
     def locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
         segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
         self.located += 1
         self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
         self.live_bytes += length + SEG_OVERHEAD
-        keys = self.keys.get(pack)
-        if keys is None:
-            keys = self.keys[pack] = []
-        keys.append(segment.key)
+        if pack == FILES:
+            self.files[segment.key] = None
+            self.gone.pop(segment.key, None)
+        else:
+            self._listed(pack).append(segment.key)
 
     def restored(self, segments: Iterable[Segment]) -> None:
         """Start-up: count `segments`, whose locations were read from the journal, as
@@ -43,10 +57,13 @@ class Keydir:
         for segment in segments:
             length = segment.length + SEG_OVERHEAD
             live[segment.pack] = live.get(segment.pack, 0) + length
-            listed = keys.get(segment.pack)
-            if listed is None:
-                listed = keys[segment.pack] = []
-            listed.append(segment.key)
+            if segment.pack == FILES:
+                self.files[segment.key] = None
+            else:
+                listed = keys.get(segment.pack)
+                if listed is None:
+                    listed = keys[segment.pack] = []
+                listed.append(segment.key)
             total += length
             n += 1
         self.live_bytes += total
@@ -59,8 +76,20 @@ class Keydir:
         self.located -= 1
         self.live[pack] -= segment.length + SEG_OVERHEAD
         self.live_bytes -= segment.length + SEG_OVERHEAD
-        self.left_at[pack] = self.captures
+        if pack == FILES:
+            del self.files[segment.key]
+            self.gone[segment.key] = self.captures
+        else:
+            self.left_at[pack] = self.captures
         segment.pack = -1
+
+    def unneeded(self, capture: int) -> list[str]:
+        """Keys of the files no segment has needed since before `capture`."""
+        return [key for key, left in self.gone.items() if left < capture]
+
+    def removed(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.gone.pop(key, None)
 
     def drop(self, pack: int) -> None:
         self.live.pop(pack, None)
@@ -80,8 +109,10 @@ class Keydir:
         return out
 
     def placed(self, before: int) -> list[tuple[int, list[str]]]:
-        """(file, the keys listed for it) for each file before `before`, in order."""
-        return [(p, keys) for p, keys in sorted(self.keys.items()) if p < before]
+        """(file, the keys listed for it) for each file before `before`, in order, after
+        those in files of their own."""
+        journal = [(p, keys) for p, keys in sorted(self.keys.items()) if p < before]
+        return [(FILES, list(self.files)), *journal]
 
     def removable(self, before: int, capture: int) -> list[int]:
         """Files before `before` that no live segment has needed since `capture`."""
@@ -94,9 +125,10 @@ class Keydir:
     def packs(
         self, segments: Mapping[str, Segment]
     ) -> dict[int, tuple[dict[str, Segment], int, int]]:
-        """Journal file -> (segments located there, their bytes as counted, its size)."""
+        """Journal file -> (segments located there, their bytes as counted, its size);
+        segments in files of their own are not listed."""
         held: dict[int, dict[str, Segment]] = {p: {} for p in self.sizes}
         for segment in segments.values():
-            if segment.pack >= 0:
+            if segment.pack > FILES:
                 held.setdefault(segment.pack, {})[segment.key] = segment
         return {p: (held[p], self.live.get(p, 0), self.sizes.get(p, -1)) for p in held}

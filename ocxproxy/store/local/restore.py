@@ -12,6 +12,7 @@ from typing import Any
 from ocxproxy.model import Chain, Record, Segment
 from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
 from ocxproxy.store.local.keydir import Keydir
+from ocxproxy.store.local.segment_files import FILES
 
 
 def rebuild(
@@ -24,7 +25,7 @@ def rebuild(
     by_sid: dict[int, Segment] = {}
     sizes, known = loaded.sizes, segments.get
     for sid, seg in loaded.segments.items():
-        if seg.pack not in sizes:
+        if seg.pack not in sizes and seg.pack != FILES:
             continue  # its journal file is gone
         same_bytes = known(seg.key)
         if same_bytes is None:

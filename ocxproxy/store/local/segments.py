@@ -24,6 +24,7 @@ from ocxproxy.store.local.committer import Committer, Offload, Outcome
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.restore import rebuild
+from ocxproxy.store.local.segment_files import FILES
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shards import Shards
 
@@ -101,12 +102,16 @@ class SegmentTable:
             self._admit(copy)
             return copy
         ghost = self._ghosts.pop(copy.key, None)
-        if durable and ghost is not None and ghost[0] in self.keydir.sizes:
+        if durable and ghost is not None and self._still_there(copy.key, ghost[0]):
             copy.sid = ghost[3]
             self.keydir.locate(copy, *ghost[:3])
         else:
             copy.lost = str(FailureReason.EVICTED)
         return copy
+
+    def _still_there(self, key: str, pack: int) -> bool:
+        """Are a forgotten segment's bytes still where they were (file `pack`)?"""
+        return key in self.keydir.gone if pack == FILES else pack in self.keydir.sizes
 
     def take(self, segment: Segment, durable: bool) -> Segment:
         """`segment` for a new record: interned when it is new (or was forgotten)."""

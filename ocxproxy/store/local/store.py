@@ -30,6 +30,7 @@ from ocxproxy.store.local.durable import Durable
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.kept import KEPT_PREFIXES, KeptRecords
 from ocxproxy.store.local.ledger import Ledger
+from ocxproxy.store.local.segment_files import LARGE
 from ocxproxy.store.local.segments import SegmentTable
 from ocxproxy.store.local.stats import StoreStats, register_gauges, stats_of
 from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, STEP
@@ -75,6 +76,7 @@ class Store(KeptRecords):
         checkpoint_age: float = CHECKPOINT_AGE,
         fsync_child: bool = False,
         make_parents: bool = True,
+        large_segment_bytes: int = LARGE,
     ) -> None:
         if durability not in ("ack", "relaxed"):
             raise ValueError(f"unknown durability {durability!r} (ack or relaxed)")
@@ -111,6 +113,7 @@ class Store(KeptRecords):
                 checkpoint_age=checkpoint_age,
                 fsync_child=fsync_child,
                 make_parents=make_parents,
+                large_segment_bytes=large_segment_bytes,
             )
         self._committer: Committer | None = None
         register_gauges(self)
@@ -131,6 +134,7 @@ class Store(KeptRecords):
             snapshot_delay=config.snapshot_delay,
             fsync_child=True,
             make_parents=config.state_dir is None,
+            large_segment_bytes=config.large_segment_bytes,
         )
 
     def __repr__(self) -> str:
