@@ -368,6 +368,28 @@ class Config:
         parse=parse_int,
         check=not_negative,
     )
+    max_background: int = setting(
+        16,
+        "most background responses running at once; the rest wait queued (0: no bound)",
+        group=LIMITS,
+        parse=parse_int,
+        check=not_negative,
+    )
+    background_queue: int = setting(
+        256,
+        "most background responses waiting to run, 429 beyond",
+        group=LIMITS,
+        parse=parse_int,
+        check=not_negative,
+    )
+    background_log_bytes: int = setting(
+        64 * 1024**2,
+        "memory for background responses' event logs (streams kept to be resumed, at "
+        "least 10 minutes after their end within this budget)",
+        group=LIMITS,
+        parse=parse_bytes,
+        check=positive,
+    )
     ws_max_age: float = setting(
         3600.0,
         "WebSocket connection lifetime",

@@ -482,6 +482,36 @@ class Metrics:
             "1 while the shared store answers (0: unreachable); no series without one",
             until_set=True,
         )
+        # Background responses (CONTRACT.md C11)
+        self.background_jobs = Gauge(
+            "ocxproxy_background_responses",
+            "Background responses not finished yet, by status (queued, in_progress)",
+            ["status"],
+        )
+        self.background_finished = Counter(
+            "ocxproxy_background_finished_total",
+            "Background responses finished, by final status",
+            ["status"],
+        )
+        self.background_refused = Counter(
+            "ocxproxy_background_refused_total",
+            "Background creates refused with 429: the queue was full",
+        )
+        self.background_resumes = Counter(
+            "ocxproxy_background_resumes_total",
+            "Streams of a background response opened by GET ?stream=true",
+        )
+        self.background_cancels = Counter(
+            "ocxproxy_background_cancels_total",
+            "Background responses cancelled (a second cancel of one is not counted)",
+        )
+        self.background_lost = Counter(
+            "ocxproxy_background_lost_total",
+            "Background responses found unfinished at start (their process died): failed",
+        )
+        self.background_log_bytes = Gauge(
+            "ocxproxy_background_log_bytes", "Bytes of background event logs kept"
+        )
         # WebSocket (CONTRACT.md C3)
         self.ws_open = Gauge("ocxproxy_websocket_connections", "Open WebSocket connections")
         self.ws_frames = Counter(
@@ -501,6 +531,8 @@ class Metrics:
         )
         # Known failure labels start at 0: a series born at 1 shows no increase(), so an
         # alert on the first failure of a kind would never fire.
+        for status in ("completed", "incomplete", "failed", "cancelled"):
+            self.background_finished.labels(status=status)
         self.expansions.labels(outcome="hit")
         self.item_references.labels(outcome="resolved")
         for reason in FailureReason:

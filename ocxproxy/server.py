@@ -119,6 +119,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     except BaseException:
         await proxy.store.close()
         raise
+    await proxy.backgrounds.load()  # a background response left running is failed now
     heap.trim()  # what loading the index used and freed
     proxy.ready = True
     sweeper = spawn(_sweep(proxy.store), name="store-sweeper")
@@ -127,6 +128,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
     finally:
         proxy.ready = False
         await cancel_and_wait(sweeper)
+        await proxy.backgrounds.close()
         await proxy.store.close()
 
 
@@ -169,7 +171,7 @@ class Listener:
         await asyncio.gather(
             *(site.stop() for site in self.runner.sites),  # the front end's requests too
             websocket.close_websockets(app),
-            stopping.finish(list(proxy.handlers)),
+            stopping.finish([*proxy.handlers, *proxy.backgrounds.running()]),
         )
         await self.runner.cleanup()
 

@@ -133,7 +133,7 @@ class Patch:
 class Envelope:
     """The members one create request's Responses are completed with."""
 
-    __slots__ = ("_body", "_created_at", "_defaults", "_echo", "_requested", "_served")
+    __slots__ = ("_body", "_created_at", "_defaults", "_echo", "_pinned", "_requested", "_served")
 
     def __init__(
         self,
@@ -145,6 +145,7 @@ class Envelope:
     ) -> None:
         self._body = body if body is not None else {}
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
+        self._pinned: dict[str, Any] | None = None  # members that win over the backend's
         self._defaults: dict[str, Any] | None = None  # built when a member is missing
         self._created_at = int(time.time()) if created_at is None else created_at
         requested = self._body.get("model")
@@ -159,6 +160,11 @@ class Envelope:
     @property
     def echo(self) -> tuple[str, Any] | None:
         return self._echo
+
+    def pin(self, **members: Any) -> None:
+        """Members every Response gets whatever the backend says: a background
+        response's are the proxy's id and `background: true` (http/background.py)."""
+        self._pinned = members
 
     def complete(self, response: dict[str, Any], *, final: bool) -> Patch:
         """Fill in the members of `response` (a Response object, changed in place), not
@@ -209,6 +215,10 @@ class Envelope:
             self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
         if response["tools"] and _complete_tools(response["tools"]):
             patch.rewrite = True
+        if self._pinned is not None:
+            for name, value in self._pinned.items():
+                if response.get(name, _MISSING) != value:
+                    self._replace(response, patch, name, value)
         if self._echo is not None:
             name, value = self._echo
             given = response.get(name, _MISSING)

@@ -20,6 +20,8 @@ from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
+from ocxproxy.store.background import Backgrounds
+from ocxproxy.store.local.background import LocalBackgrounds
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
 
@@ -54,6 +56,15 @@ class Stopping:
 
 
 @dataclass(slots=True)
+class BackgroundRuns:
+    """Background runs (http/background.py): at most `--max-background` at once
+    (`slots`, None: no bound), and how many wait for one."""
+
+    slots: asyncio.Semaphore | None
+    waiting: int = 0
+
+
+@dataclass(slots=True)
 class Proxy:
     config: Config
     store: Store
@@ -71,6 +82,8 @@ class Proxy:
     sealer: Sealer = field(default_factory=Sealer.ephemeral)  # compaction items' key
     stopping: Stopping | None = None  # set when a graceful stop begins
     handlers: set[asyncio.Task[Any]] = field(default_factory=set)  # aiohttp's, in flight
+    backgrounds: Backgrounds = field(init=False)  # background responses' status and logs
+    background_runs: BackgroundRuns = field(init=False)
 
     def stop(self) -> Stopping:
         """The graceful stop, begun now if it had not been: requests in flight have
@@ -90,6 +103,15 @@ class Proxy:
         # A live holder renews its lease with every chunk from the backend, so a holder
         # silent for longer than the backend's read timeout is failing anyway.
         self.leases = Leases(self.config.read_timeout)
+        config = self.config
+        self.backgrounds = LocalBackgrounds(
+            self.metrics,
+            state_dir=self.store.state_dir if config.shared_store is None else None,
+            log_bytes=config.background_log_bytes,
+            ttl=config.ttl,
+        )
+        limit = config.max_background
+        self.background_runs = BackgroundRuns(asyncio.Semaphore(limit) if limit else None)
 
 
 PROXY = web.AppKey("proxy", Proxy)

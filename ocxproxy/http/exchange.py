@@ -434,6 +434,11 @@ async def create(
     Idempotency-Key, a retry is answered from the first run (http/idempotency.py)."""
     scope = scope_of(headers)
     request = parse_request(raw)
+    if request.body.get("background") not in (None, False):
+        from ocxproxy.http import background  # (it builds on this module)
+
+        await background.start(proxy, headers, path_qs, raw, request, timing, reply)
+        return
     key = idempotency.key_of(headers, scope, raw, stored=request.store)
     done = await idempotency.begin(proxy, key) if key is not None else None
     try:
@@ -447,7 +452,7 @@ async def create(
             if exchange.compaction:
                 await compaction.answer(exchange, headers, path_qs, timing, reply)
             else:
-                await _forward(exchange, headers, path_qs, timing, reply)
+                await forward(exchange, headers, path_qs, timing, reply)
         finally:
             exchange.release()
     finally:
@@ -455,7 +460,7 @@ async def create(
             idempotency.end(proxy, key)
 
 
-async def _forward(
+async def forward(
     exchange: Exchange,
     headers: Mapping[str, str],
     path_qs: str,

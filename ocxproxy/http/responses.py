@@ -31,6 +31,7 @@ from ocxproxy.errors import (
     StorageUnavailable,
     StoreFailure,
 )
+from ocxproxy.http import background
 from ocxproxy.http.body import read_body
 from ocxproxy.http.compaction import seal, summarize
 from ocxproxy.http.context import Proxy, proxy_of, scope_of, timing_of, upstream_path
@@ -38,6 +39,7 @@ from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
+from ocxproxy.store.background import STORED, Job
 from ocxproxy.upstream.sse import loads_or_none
 
 
@@ -167,9 +169,24 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.")
 
 
+def _job(proxy: Proxy, request: web.Request) -> Job | None:
+    """The caller's background response of that id, while it is kept as one."""
+    return proxy.backgrounds.get(scope_of(request.headers), request.match_info["response_id"])
+
+
 async def get_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    record = await _lookup(proxy, request)
+    if _truthy(request.query.get("stream")):
+        return await _stream_again(proxy, request)
+    job = _job(proxy, request)
+    if job is not None and job.status not in STORED:  # (completed: the store's, as any)
+        return web.Response(body=job.response, content_type="application/json")
+    try:
+        record = await _lookup(proxy, request)
+    except NotFound:
+        if job is None:
+            raise
+        return web.Response(body=job.response, content_type="application/json")  # evicted
     if record is None:
         return await passthrough(request)
     try:
@@ -177,6 +194,45 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     except StoreFailure:
         raise _not_found(record.id) from None
     return web.Response(body=complete_stored(body), content_type="application/json")
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.lower() in ("true", "1")
+
+
+async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`GET /v1/responses/{id}?stream=true[&starting_after=N]`: a background response's
+    events after N (all of them without), then each as it comes, to the end."""
+    text = request.query.get("starting_after")
+    after = -1
+    if text is not None:
+        try:
+            after = int(text)
+        except ValueError:
+            raise InvalidRequest(
+                "Invalid 'starting_after': expected an integer.", param="starting_after"
+            ) from None
+    job = _job(proxy, request)
+    if job is None or not job.stream:
+        if job is None:
+            await _lookup(proxy, request)  # an unknown id is a 404
+        raise InvalidRequest(
+            "This response cannot be streamed: only a response created with "
+            "background=true and stream=true can be.",
+            param="stream",
+        )
+    if job.log is None:
+        raise InvalidRequest(
+            "This response's events are no longer kept (they are kept at least 10 "
+            "minutes after it ends); retrieve it without stream.",
+            param="stream",
+        )
+    proxy.metrics.background_resumes.inc()
+    reply = WebReply(request)
+    await reply.start(200, CIMultiDict(background.SSE_HEADERS))
+    await background.follow(job, reply, after)
+    assert reply.response is not None
+    return reply.response
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:
@@ -196,9 +252,15 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
 
 
 async def cancel_response(request: web.Request) -> web.StreamResponse:
-    """Only a response created with `background: true` can be cancelled (as on OpenAI);
-    a stored response was not, so it is a 400, and an unknown id a 404."""
-    record = await _lookup(proxy_of(request), request)
+    """Only a response created with `background: true` can be cancelled (as on OpenAI):
+    a running one is cancelled, an ended one answered as it is (CONTRACT.md C11); any
+    other stored response is a 400, and an unknown id a 404."""
+    proxy = proxy_of(request)
+    job = _job(proxy, request)
+    if job is not None:
+        body = await background.cancel(proxy, job)
+        return web.Response(body=body, content_type="application/json")
+    record = await _lookup(proxy, request)
     if record is None:
         return await passthrough(request)
     raise InvalidRequest("Only responses created with background=true can be cancelled.")

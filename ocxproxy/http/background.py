@@ -1,0 +1,318 @@
+"""Background responses (CONTRACT.md C11): `background: true` on `POST /v1/responses`.
+
+`start` answers at once with the Response (`queued`, `background: true`, the proxy's
+own id) and runs the turn itself, as the same create turn a client's streamed request
+is (http/exchange.py: expansion, conversations, affinity, Idempotency-Key, the turn
+remembered before it is told finished), with the request's `background` taken out and
+`stream: true` put in: the backend never sees `background`. The turn's answer goes to a
+`JobReply`, which keeps the Response's status and, for `stream: true`, the event log
+(store/background.py), renumbered from 0: `response.created` (queued) is the proxy's,
+the backend's first lifecycle event becomes `response.in_progress`, then its events up
+to the terminal one. `follow` streams a log from a sequence number and then the live
+turn to its end; `cancel` stops the run (the backend request is closed with it) and
+keeps nothing of the turn.
+
+At most `--max-background` run at once; the rest wait `queued`, up to
+`--background-queue` of them (429 beyond).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict
+
+from ocxproxy.aio import spawn
+from ocxproxy.continuation.expand import Request, check_request
+from ocxproxy.errors import InvalidRequest, OcxError, RateLimited, ShuttingDown
+from ocxproxy.http import idempotency
+from ocxproxy.http.context import Proxy, Reply, scope_of
+from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
+from ocxproxy.metrics import Timing
+from ocxproxy.store.background import IN_PROGRESS, QUEUED, TERMINAL, Job
+from ocxproxy.upstream.sse import TERMINAL_EVENTS, EventSplitter, encode_event, loads_or_none
+
+log = logging.getLogger("ocxproxy.background")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+JSON_HEADERS = {"Content-Type": "application/json"}
+CANCEL_WAIT = 1.0  # seconds a cancel waits for the run to let go of its backend request
+_SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*-?\d+')
+_LIFECYCLE = ("response.created", "response.in_progress", "response.queued")
+
+
+async def start(
+    proxy: Proxy,
+    headers: Mapping[str, str],
+    path_qs: str,
+    raw: bytes,
+    request: Request,
+    timing: Timing,
+    reply: Reply,
+) -> None:
+    """`POST /v1/responses` with `background: true`."""
+    if request.body.get("background") is not True:
+        raise InvalidRequest(
+            "Invalid type for 'background': expected a boolean.", param="background"
+        )
+    if not request.store:
+        raise InvalidRequest(
+            "Background mode requires store=true: a background response is kept so it can "
+            "be polled, streamed again and cancelled.",
+            param="background",
+        )
+    if proxy.background_runs.waiting >= proxy.config.background_queue:
+        proxy.metrics.background_refused.inc()
+        raise RateLimited(
+            "Too many background responses are waiting to run; retry later.",
+        )
+    scope = scope_of(headers)
+    key = idempotency.key_of(headers, scope, raw, stored=True)
+    done = await idempotency.begin(proxy, key) if key is not None else None
+    if done is not None:  # answered before: the same response again
+        try:
+            await idempotency.replay(reply, done, stream=request.stream)
+        finally:
+            assert key is not None
+            idempotency.end(proxy, key)
+        return
+    body = {name: value for name, value in request.body.items() if name != "background"}
+    body["stream"] = True
+    forwarded = orjson.dumps(body)
+    try:
+        exchange = await prepare_exchange(proxy, scope, check_request(body), forwarded)
+    except BaseException:
+        if key is not None:
+            idempotency.end(proxy, key)
+        raise
+    exchange.idempotency_key = key
+    response_id = "resp_" + secrets.token_hex(24)
+    exchange.envelope.pin(id=response_id, background=True)
+    first = {"id": response_id, "status": QUEUED, "output": []}
+    exchange.envelope.complete(first, final=False)
+    first_bytes = orjson.dumps(first)
+    job = Job(response_id, scope, QUEUED, first_bytes, request.stream)
+    book = proxy.backgrounds
+    book.open(job)
+    if job.log is not None:
+        book.append(job, _event("response.created", 0, first))
+    copied = CIMultiDict(headers)
+    job.task = spawn(
+        _run(proxy, exchange, job, copied, path_qs, timing.request_id),
+        name=f"background-{response_id}",
+    )
+    await book.commit()  # the create is answered once the response is kept
+    if request.stream:
+        await reply.start(200, CIMultiDict(SSE_HEADERS))
+        await follow(job, reply, -1)
+    else:
+        reply.answer(200, CIMultiDict(JSON_HEADERS), first_bytes)
+
+
+def _event(kind: str, sequence_number: int, response: Any) -> bytes:
+    payload = {"type": kind, "sequence_number": sequence_number, "response": response}
+    return encode_event(kind, orjson.dumps(payload))
+
+
+async def follow(job: Job, reply: Reply, after: int) -> None:
+    """The events of `job`'s log after `after`, then each as it comes, to the end."""
+    at = after + 1
+    while True:
+        events = job.log
+        if events is None:
+            break
+        if at < len(events.events):
+            batch = events.events[at:]
+            at += len(batch)
+            await reply.write(b"".join(batch))
+            continue
+        if events.closed:
+            break
+        await events.changed()
+    await reply.end()
+
+
+async def cancel(proxy: Proxy, job: Job) -> bytes:
+    """`POST /v1/responses/{id}/cancel`: the Response, `cancelled` unless it had ended."""
+    task = job.task
+    if not job.terminal and task is not None:
+        job.cancelling = True
+        task.cancel()
+        await asyncio.wait([task], timeout=CANCEL_WAIT)
+    cancelled(proxy, job)  # (a run that did not end in time is cut all the same)
+    await proxy.backgrounds.commit()
+    return job.response
+
+
+async def _run(
+    proxy: Proxy,
+    exchange: Exchange,
+    job: Job,
+    headers: CIMultiDict[str],
+    path_qs: str,
+    request_id: str,
+) -> None:
+    """The turn of a background response, once a slot is free, to its end."""
+    book, runs = proxy.backgrounds, proxy.background_runs
+    reply = JobReply(proxy, job)
+    try:
+        runs.waiting += 1
+        try:
+            if runs.slots is not None:
+                await runs.slots.acquire()
+        finally:
+            runs.waiting -= 1
+        try:
+            await forward(exchange, headers, path_qs, Timing(request_id), reply)
+            if not job.terminal:  # (forward ends every stream with a terminal or error event)
+                reply.fail("server_error", "The backend's stream ended before it finished.")
+        finally:
+            if runs.slots is not None:
+                runs.slots.release()
+    except asyncio.CancelledError:
+        if exchange.recorded and not job.terminal:  # cut once stored: not kept after all
+            proxy.store.delete(job.scope, job.id)
+        if job.cancelling:
+            cancelled(proxy, job)
+        else:
+            stopped = ShuttingDown()
+            reply.fail(stopped.code, stopped.message)
+        await book.commit()
+        raise
+    except OcxError as error:
+        reply.fail(error.code or "server_error", error.message)
+    except Exception:
+        log.exception("background response %s failed", job.id)
+        reply.fail("server_error", "The proxy failed running this background response.")
+    finally:
+        exchange.release()
+        if exchange.idempotency_key is not None:
+            idempotency.end(proxy, exchange.idempotency_key)
+    await book.commit()
+
+
+def cancelled(proxy: Proxy, job: Job) -> None:
+    if job.terminal:
+        return
+    response = _loads(job.response)
+    response["status"] = "cancelled"
+    proxy.metrics.background_cancels.inc()
+    proxy.backgrounds.moved(job, "cancelled", orjson.dumps(response))
+
+
+def _loads(data: bytes) -> dict[str, Any]:
+    value = loads_or_none(data)
+    return value if type(value) is dict else {}
+
+
+class JobReply:
+    """The Reply of a background run: its events become the job's status and log."""
+
+    def __init__(self, proxy: Proxy, job: Job) -> None:
+        self.proxy = proxy
+        self.job = job
+        self.splitter = EventSplitter()
+        self.started = False  # the backend's first lifecycle event has been seen
+
+    def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """A JSON answer: the backend's error (or a backend that does not stream)."""
+        payload = loads_or_none(body)
+        if status == 200 and type(payload) is dict and payload.get("object") == "response":
+            self._terminal(str(payload.get("status")), payload)
+            return
+        error = payload.get("error") if type(payload) is dict else None
+        message = error.get("message") if type(error) is dict else None
+        code = error.get("code") if type(error) is dict else None
+        self.fail(
+            code if isinstance(code, str) else "server_error",
+            message if isinstance(message, str) else f"The backend answered {status}.",
+        )
+
+    async def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        pass
+
+    async def write(self, data: bytes) -> None:
+        for event in self.splitter.feed(data):
+            if event.data and event.data != b"[DONE]":
+                self._event(event.name, event.data)
+
+    async def end(self) -> None:
+        pass
+
+    def _event(self, name: str | None, data: bytes) -> None:
+        job, book = self.job, self.proxy.backgrounds
+        if job.terminal:
+            return
+        kind = name
+        payload: Any = None
+        if kind is None or kind in _LIFECYCLE or kind in TERMINAL_EVENTS or kind == "error":
+            payload = loads_or_none(data)
+            if type(payload) is not dict:
+                return
+            kind = payload.get("type")
+        if kind in _LIFECYCLE:
+            if self.started:
+                return  # one `response.in_progress` in the log
+            self.started = True
+            response = payload.get("response")
+            if type(response) is dict:
+                response["status"] = IN_PROGRESS
+                book.moved(job, IN_PROGRESS, orjson.dumps(response))
+                self._append("response.in_progress", None, response)
+            return
+        if kind in TERMINAL_EVENTS:
+            response = payload.get("response")
+            if type(response) is dict:
+                self._terminal(kind.removeprefix("response."), response, data)
+            return
+        if kind == "error":
+            error = payload.get("error")
+            error = error if type(error) is dict else payload
+            self.fail(str(error.get("code") or "server_error"), str(error.get("message")))
+            return
+        if not self.started:
+            self.started = True
+            book.moved(job, IN_PROGRESS)
+        self._append(kind, data, None)
+
+    def _append(self, kind: str | None, data: bytes | None, response: Any) -> None:
+        """An event into the log, numbered next."""
+        job = self.job
+        if job.log is None:
+            return
+        seq = len(job.log.events)
+        if data is None:
+            event = _event(kind or "", seq, response)
+        else:
+            numbered, count = _SEQUENCE.subn(b'"sequence_number":%d' % seq, data, count=1)
+            if not count:
+                payload = _loads(data)
+                payload["sequence_number"] = seq
+                numbered = orjson.dumps(payload)
+            event = encode_event(kind, numbered)
+        self.proxy.backgrounds.append(job, event)
+
+    def _terminal(self, status: str, response: dict[str, Any], data: bytes | None = None) -> None:
+        if status not in TERMINAL:
+            status = "failed"
+        response["status"] = status
+        kind = "response." + status
+        if data is not None:
+            self._append(kind, data, None)
+        else:
+            self._append(kind, None, response)
+        self.proxy.backgrounds.moved(self.job, status, orjson.dumps(response))
+
+    def fail(self, code: str, message: str) -> None:
+        """The run ended without the backend's terminal event: `failed`, with why."""
+        if self.job.terminal:
+            return
+        response = _loads(self.job.response)
+        response["error"] = {"code": code, "message": message}
+        self._terminal("failed", response)

@@ -1,0 +1,119 @@
+"""Background responses' bookkeeping (CONTRACT.md C11): each one's status and latest
+Response, and the event log a stream replays from.
+
+`Backgrounds` is the interface the request path uses; `store/local/background.py`'s
+`LocalBackgrounds` implements it on one node.
+
+The event log is process memory: the bytes of each SSE event by `sequence_number`,
+kept `LOG_KEPT` seconds after the terminal event within `--background-log-bytes`
+(a running response's log is never dropped), then only the final Response remains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+QUEUED, IN_PROGRESS = "queued", "in_progress"
+TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
+STORED = frozenset({"completed", "incomplete"})  # the store keeps their final Response
+LOG_KEPT = 600.0  # seconds an event log outlives its terminal event (within the budget)
+LOST = "background_lost"
+
+
+class EventLog:
+    """A background response's SSE events, in order (index = sequence_number), and the
+    waiters that follow it."""
+
+    __slots__ = ("_changed", "closed", "events", "size")
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.size = 0
+        self.closed = False  # the terminal event (or the end: cancelled, lost) is in
+        self._changed: asyncio.Future[None] | None = None
+
+    def append(self, event: bytes) -> None:
+        self.events.append(event)
+        self.size += len(event)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    async def changed(self) -> None:
+        """Until the next append or close."""
+        if self._changed is None:
+            self._changed = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._changed)
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One background response."""
+
+    id: str
+    scope: str
+    status: str
+    response: bytes  # the latest Response (JSON)
+    stream: bool  # created with stream:true: its events can be streamed again
+    created: float = field(default_factory=time.time)
+    ended: float | None = None
+    log: EventLog | None = None
+    task: asyncio.Task[Any] | None = None  # the run (http/background.py), while it runs
+    cancelling: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class Backgrounds(Protocol):
+    """What the request path asks of background bookkeeping, local or shared."""
+
+    def open(self, job: Job) -> None:
+        """A new background response (queued)."""
+
+    def get(self, scope: str, response_id: str) -> Job | None: ...
+
+    def append(self, job: Job, event: bytes) -> None:
+        """An event of `job`'s stream (its sequence_number is the log's length)."""
+
+    def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
+        """`job` is now `status` (its Response `response`, when given)."""
+
+    async def commit(self) -> None:
+        """Until every change so far is durable (a no-op without a state dir)."""
+
+    async def load(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def running(self) -> list[asyncio.Task[Any]]: ...
+
+
+def lost_response(response: bytes) -> bytes:
+    """The Response of a background response whose run was lost: failed, typed."""
+    try:
+        body = orjson.loads(response)
+    except orjson.JSONDecodeError:
+        body = {}
+    if type(body) is not dict:
+        body = {}
+    body["status"] = "failed"
+    body["error"] = {
+        "code": "server_error",
+        "message": f"{LOST}: the proxy running this background response stopped before "
+        "it finished.",
+    }
+    return orjson.dumps(body)

@@ -1,0 +1,226 @@
+"""Background responses' bookkeeping on one node (store/background.py's `Backgrounds`):
+in process memory and, on a durable store, in `background.jsonl` in the state dir: one
+JSON line per status change (the Response with it only when the store will not hold the
+final one: queued, failed, cancelled), fdatasynced in a thread by `commit`. At start
+`load` folds the file, turns a response left queued or in progress by a process that
+died into `failed` (`background_lost`), and rewrites the file with what is still kept."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ocxproxy.metrics import Metrics
+from ocxproxy.store.background import (
+    IN_PROGRESS,
+    LOG_KEPT,
+    QUEUED,
+    STORED,
+    TERMINAL,
+    EventLog,
+    Job,
+    lost_response,
+)
+
+log = logging.getLogger("ocxproxy.background")
+
+FILE = "background.jsonl"
+
+
+class LocalBackgrounds:
+    """Background bookkeeping in process memory, journaled to `background.jsonl` when
+    `state_dir` is given."""
+
+    def __init__(
+        self, metrics: Metrics, *, state_dir: Path | None, log_bytes: int, ttl: float
+    ) -> None:
+        self.metrics = metrics
+        self.path = state_dir / FILE if state_dir is not None else None
+        self.log_bytes = log_bytes
+        self.ttl = ttl  # how long a response the store does not keep stays here
+        self.jobs: dict[tuple[str, str], Job] = {}
+        self.ended: deque[Job] = deque()  # terminal jobs, oldest first
+        self.log_size = 0  # bytes of every event log kept
+        self._pending: list[bytes] = []
+        self._writing: asyncio.Lock | None = None
+        metrics.background_jobs.labels(status=QUEUED).set_function(lambda: self._count(QUEUED))
+        metrics.background_jobs.labels(status=IN_PROGRESS).set_function(
+            lambda: self._count(IN_PROGRESS)
+        )
+        metrics.background_log_bytes.set_function(lambda: self.log_size)
+
+    def _count(self, status: str) -> int:
+        return sum(1 for job in self.jobs.values() if job.status == status)
+
+    def open(self, job: Job) -> None:
+        self._prune()
+        self.jobs[job.scope, job.id] = job
+        if job.stream:
+            job.log = EventLog()
+        self._journal(job, job.response)
+
+    def get(self, scope: str, response_id: str) -> Job | None:
+        return self.jobs.get((scope, response_id))
+
+    def append(self, job: Job, event: bytes) -> None:
+        """An event of `job`'s stream (its sequence_number is the log's length)."""
+        if job.log is None:
+            return
+        job.log.append(event)
+        self.log_size += len(event)
+        if self.log_size > self.log_bytes:
+            self._prune(over_budget=True)
+
+    def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
+        if job.terminal:
+            return
+        job.status = status
+        if response is not None:
+            job.response = response
+        if status in TERMINAL:
+            job.ended = time.time()
+            job.task = None
+            if job.log is not None:
+                job.log.close()
+            self.ended.append(job)
+            self.metrics.background_finished.labels(status=status).inc()
+        self._journal(job, None if status in STORED or status == IN_PROGRESS else job.response)
+
+    def _journal(self, job: Job, response: bytes | None) -> None:
+        if self.path is None:
+            return
+        entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": job.status}
+        if job.stream:
+            entry["stream"] = True
+        if response is not None:
+            entry["response"] = orjson.Fragment(response)
+        self._pending.append(orjson.dumps(entry) + b"\n")
+
+    async def commit(self) -> None:
+        if self.path is None or not self._pending:
+            return
+        if self._writing is None:
+            self._writing = asyncio.Lock()
+        async with self._writing:  # the lines queued meanwhile go in the next write
+            lines, self._pending = self._pending, []
+            if lines:
+                await asyncio.to_thread(_append, self.path, b"".join(lines))
+
+    def _prune(self, *, over_budget: bool = False) -> None:
+        """Drop the event logs past LOG_KEPT (or, over the budget, the oldest ended
+        ones), and the jobs the store answers for, or past the TTL."""
+        now = time.time()
+        while self.ended:
+            job = self.ended[0]
+            assert job.ended is not None
+            old = now - job.ended
+            over = over_budget and self.log_size > self.log_bytes
+            if job.log is not None and (old > LOG_KEPT or over):
+                self.log_size -= job.log.size
+                job.log = None
+            if job.log is not None:
+                break
+            if job.status in STORED or old > self.ttl:
+                self.jobs.pop((job.scope, job.id), None)
+                self.ended.popleft()
+            elif over or old > LOG_KEPT:
+                self.ended.popleft()  # kept (its final Response) until a restart's load
+            else:
+                break
+
+    def running(self) -> list[asyncio.Task[Any]]:
+        return [job.task for job in self.jobs.values() if job.task is not None]
+
+    async def load(self) -> None:
+        """Fold the journal: a response left queued or in progress is failed now."""
+        if self.path is None:
+            return
+        entries = await asyncio.to_thread(_read, self.path)
+        now = time.time()
+        lost = 0
+        for entry in entries:
+            key = (entry["scope"], entry["id"])
+            job = self.jobs.get(key)
+            if job is None:
+                job = Job(
+                    entry["id"], entry["scope"], entry["status"], b"{}", entry.get("stream", False)
+                )
+                self.jobs[key] = job
+            job.status = entry["status"]
+            if "response" in entry:
+                job.response = orjson.dumps(entry["response"])
+        for key, job in list(self.jobs.items()):
+            if job.status in STORED:
+                del self.jobs[key]
+            elif not job.terminal:
+                job.status, job.response = "failed", lost_response(job.response)
+                lost += 1
+            job.ended = now
+            self.ended.append(job)
+        if lost:
+            log.warning("%d background responses were left running by a stop: failed", lost)
+            self.metrics.background_lost.inc(lost)
+        lines = [
+            orjson.dumps(
+                {
+                    "id": job.id,
+                    "scope": job.scope,
+                    "status": job.status,
+                    "response": orjson.Fragment(job.response),
+                }
+            )
+            + b"\n"
+            for job in self.jobs.values()
+        ]
+        await asyncio.to_thread(_rewrite, self.path, b"".join(lines))
+
+    async def close(self) -> None:
+        await self.commit()
+
+
+def _append(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, data)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in data.splitlines():
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:  # a torn last line: the write never finished
+            continue
+        if type(entry) is dict and isinstance(entry.get("id"), str):
+            entries.append(entry)
+    return entries
+
+
+def _rewrite(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,210 @@
+"""Background mode (CONTRACT.md C11) through the `openai` SDK against a real proxy and the
+fake backend: create answers at once, polls see queued/in_progress → completed, streams
+resume after any event, cancel stops the backend request, store:false is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+
+pytestmark = pytest.mark.asyncio
+
+
+async def until_ended(client: openai.AsyncOpenAI, response_id: str, within: float = 10.0) -> Any:
+    async with asyncio.timeout(within):
+        while True:
+            response = await client.responses.retrieve(response_id)
+            if response.status not in ("queued", "in_progress"):
+                return response
+            await asyncio.sleep(0.05)
+
+
+async def test_create_answers_at_once_and_a_poll_sees_it_finish(
+    make_proxy: MakeProxy,
+) -> None:
+    async with FakeBackend(delay=0.4) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        started = time.perf_counter()
+        created = await client.responses.create(model="m", input="hello", background=True)
+        assert time.perf_counter() - started < 2.0  # the turn itself takes ~4 s
+        assert created.status in ("queued", "in_progress")
+        assert created.background is True
+        assert created.id.startswith("resp_")
+        polled = await client.responses.retrieve(created.id)
+        assert polled.status in ("queued", "in_progress")
+        done = await until_ended(client, created.id)
+        assert done.status == "completed"
+        assert done.id == created.id and done.background is True
+        assert done.output_text == "echo#1: hello"
+        # The backend got a plain streamed request.
+        (seen,) = backend.responses_seen
+        assert "background" not in seen.json and seen.json["stream"] is True
+        # Then it is a stored response like any other: continued, listed, deleted.
+        follow_up = await client.responses.create(
+            model="m", input="again", previous_response_id=created.id
+        )
+        assert follow_up.output_text == "echo#3: again"
+        items = await client.responses.input_items.list(created.id)
+        assert [item.type for item in items.data] == ["message"]
+        assert proxy.metric("ocxproxy_background_finished_total", status="completed") == 1
+
+
+async def test_store_false_is_refused_naming_background(proxy: ProxyHandle) -> None:
+    client = proxy.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(model="m", input="x", background=True, store=False)
+    assert caught.value.body["param"] == "background"  # type: ignore[index]
+
+
+async def test_cancel_stops_the_backend_and_keeps_nothing(make_proxy: MakeProxy) -> None:
+    async with FakeBackend(delay=0.5) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        created = await client.responses.create(model="m", input="long", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        started = time.perf_counter()
+        cancelled = await client.responses.cancel(created.id)
+        assert time.perf_counter() - started < 1.0
+        assert cancelled.status == "cancelled" and cancelled.id == created.id
+        await backend.wait_for(lambda: backend.cancelled == 1, within=2.0)
+        again = await client.responses.cancel(created.id)
+        assert again.model_dump() == cancelled.model_dump()
+        assert (await client.responses.retrieve(created.id)).status == "cancelled"
+        with pytest.raises(openai.BadRequestError):  # nothing to continue from
+            await client.responses.create(model="m", input="more", previous_response_id=created.id)
+        assert proxy.metric("ocxproxy_background_cancels_total") == 1
+
+
+async def test_cancelling_a_finished_one_returns_it_as_it_is(proxy: ProxyHandle) -> None:
+    client = proxy.client()
+    created = await client.responses.create(model="m", input="quick", background=True)
+    done = await until_ended(client, created.id)
+    assert done.status == "completed"
+    assert (await client.responses.cancel(created.id)).status == "completed"
+    foreground = await client.responses.create(model="m", input="fg")
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.cancel(foreground.id)
+
+
+def sequence(events: list[Any]) -> list[int]:
+    return [event.sequence_number for event in events]
+
+
+async def test_a_stream_resumes_after_any_event_gap_free(make_proxy: MakeProxy) -> None:
+    async with FakeBackend(delay=0.05) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        stream = await client.responses.create(
+            model="m", input="stream me", background=True, stream=True
+        )
+        first: list[Any] = []
+        async for event in stream:
+            first.append(event)
+            if len(first) == 3:
+                break
+        await stream.close()
+        assert sequence(first) == [0, 1, 2]
+        assert first[0].type == "response.created" and first[0].response.status == "queued"
+        assert first[1].type == "response.in_progress"
+        response_id = first[0].response.id
+        rest = [
+            event
+            async for event in await client.responses.retrieve(
+                response_id, stream=True, starting_after=2
+            )
+        ]
+        assert sequence(rest) == list(range(3, 3 + len(rest)))
+        assert rest[-1].type == "response.completed"
+        assert rest[-1].response.id == response_id
+        assert rest[-1].response.output_text == "echo#1: stream me"
+        # The whole log again, now the turn is over: the same events.
+        replay = [
+            event async for event in await client.responses.retrieve(response_id, stream=True)
+        ]
+        assert [e.model_dump() for e in replay] == [e.model_dump() for e in first + rest]
+        # The SDK's helper replays from 0 and filters by itself.
+        async with client.responses.stream(response_id=response_id, starting_after=5) as helper:
+            tail = [event async for event in helper]
+            final = await helper.get_final_response()
+        assert sequence(tail) == sequence(replay)[6:]
+        assert final.output_text == "echo#1: stream me"
+        assert proxy.metric("ocxproxy_background_resumes_total") == 3
+
+
+async def test_streaming_a_response_not_made_to_be_streamed_is_a_400(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    client = proxy.client()
+    plain = await client.responses.create(model="m", input="x")
+    polled = await client.responses.create(model="m", input="y", background=True)
+    for response_id in (plain.id, polled.id):
+        async with http.get(
+            f"{proxy.base_url}/responses/{response_id}?stream=true",
+            headers={"Authorization": "Bearer sk-test-a"},
+        ) as answer:
+            assert answer.status == 400
+            assert (await answer.json())["error"]["param"] == "stream"
+    async with http.get(
+        f"{proxy.base_url}/responses/resp_unknown?stream=true",
+        headers={"Authorization": "Bearer sk-test-a"},
+    ) as answer:
+        assert answer.status == 404
+
+
+async def test_a_backend_error_fails_the_response(proxy: ProxyHandle, backend: FakeBackend) -> None:
+    backend.fail_next(500)
+    client = proxy.client()
+    created = await client.responses.create(model="m", input="x", background=True)
+    done = await until_ended(client, created.id)
+    assert done.status == "failed"
+    assert done.error is not None and done.error.message
+
+
+async def test_another_key_does_not_see_it(proxy: ProxyHandle) -> None:
+    created = await proxy.client().responses.create(model="m", input="x", background=True)
+    other = proxy.client(api_key="sk-test-b")
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.cancel(created.id)
+
+
+async def test_beyond_max_background_they_wait_queued(make_proxy: MakeProxy) -> None:
+    async with FakeBackend(delay=0.1) as backend:
+        proxy = await make_proxy(backend.url, max_background=1, background_queue=1)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="1", background=True)
+        second = await client.responses.create(model="m", input="2", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        assert (await client.responses.retrieve(second.id)).status == "queued"
+        with pytest.raises(openai.RateLimitError):
+            await client.responses.create(model="m", input="3", background=True)
+        assert proxy.metric("ocxproxy_background_refused_total") == 1
+        assert (await until_ended(client, first.id)).status == "completed"
+        assert (await until_ended(client, second.id)).status == "completed"
+
+
+async def test_the_create_body_reaches_the_backend_without_background(
+    proxy: ProxyHandle, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    body = {"model": "m", "input": "x", "background": True, "metadata": {"k": "v"}}
+    async with http.post(
+        f"{proxy.base_url}/responses",
+        data=orjson.dumps(body),
+        headers={"Authorization": "Bearer sk-test-a", "Content-Type": "application/json"},
+    ) as answer:
+        created = await answer.json()
+    assert created["background"] is True and created["metadata"] == {"k": "v"}
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    forwarded = backend.responses_seen[0].json
+    assert forwarded == {"model": "m", "input": "x", "metadata": {"k": "v"}, "stream": True}

@@ -1,0 +1,99 @@
+"""Background responses through a real `python -m ocxproxy serve` process (CONTRACT.md
+C11): killed with -9 mid-turn, a response is `failed` (`background_lost`) once the
+proxy is back, never `in_progress` forever; finished ones keep their status; a graceful
+stop lets a running one finish within the shutdown timeout, or fails it past it."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from tests.fakes.backend import FakeBackend
+from tests.http.test_background import until_ended
+from tests.serve import Serve
+
+
+async def test_a_response_running_at_kill_9_is_failed_after_restart(
+    tmp_path: Path, processes: list[Serve]
+) -> None:
+    state = tmp_path / "state"
+    async with FakeBackend() as backend:
+        first = Serve(backend.url, state)
+        processes.append(first)
+        await first.start()
+        client = first.client()
+        done = await client.responses.create(model="m", input="quick", background=True)
+        assert (await until_ended(client, done.id)).status == "completed"
+        backend.stall_next(60)
+        backend.stall_next(60)
+        cancelled = await client.responses.create(model="m", input="cut", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2, within=10)
+        await client.responses.cancel(cancelled.id)
+        running = await client.responses.create(model="m", input="slow", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 3, within=10)
+        await client.close()
+        assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
+
+        second = Serve(backend.url, state)
+        processes.append(second)
+        await second.start()
+        client = second.client()
+        lost = await client.responses.retrieve(running.id)
+        assert lost.status == "failed" and lost.background is True
+        assert lost.error is not None and lost.error.code == "server_error"
+        assert lost.error.message.startswith("background_lost")
+        assert (await client.responses.retrieve(cancelled.id)).status == "cancelled"
+        assert (await client.responses.cancel(running.id)).status == "failed"  # as it is
+        assert (await client.responses.retrieve(done.id)).output_text == "echo#1: quick"
+        await client.close()
+        assert await second.stop(signal.SIGTERM) == 0
+
+
+async def test_a_graceful_stop_lets_a_running_one_finish(
+    tmp_path: Path, processes: list[Serve]
+) -> None:
+    state = tmp_path / "state"
+    async with FakeBackend(delay=0.1) as backend:
+        first = Serve(backend.url, state, "--shutdown-timeout", "10")
+        processes.append(first)
+        await first.start()
+        client = first.client()
+        created = await client.responses.create(model="m", input="finish me", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
+        await client.close()
+        assert await first.stop(signal.SIGTERM) == 0
+
+        second = Serve(backend.url, state)
+        processes.append(second)
+        await second.start()
+        client = second.client()
+        finished = await until_ended(client, created.id)
+        assert finished.status == "completed"
+        assert finished.output_text == "echo#1: finish me"
+        await client.close()
+        assert await second.stop(signal.SIGTERM) == 0
+
+
+async def test_past_the_shutdown_timeout_a_running_one_is_failed(
+    tmp_path: Path, processes: list[Serve]
+) -> None:
+    state = tmp_path / "state"
+    async with FakeBackend(delay=2.0) as backend:
+        first = Serve(backend.url, state, "--shutdown-timeout", "0.5")
+        processes.append(first)
+        await first.start()
+        client = first.client()
+        created = await client.responses.create(model="m", input="too slow", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
+        await client.close()
+        assert await first.stop(signal.SIGTERM) == 0
+
+        second = Serve(backend.url, state)
+        processes.append(second)
+        await second.start()
+        client = second.client()
+        failed = await client.responses.retrieve(created.id)
+        assert failed.status == "failed"
+        assert failed.error is not None and failed.error.code == "server_shutting_down"
+        await client.close()
+        assert await second.stop(signal.SIGTERM) == 0
