@@ -405,12 +405,6 @@ def compact_threshold(body: dict[str, Any]) -> int | None:
     return None
 
 
-def estimate_tokens(body: bytes) -> int:
-    """About how many tokens a forwarded body's prompt renders to: 4 bytes a token, the
-    usual ratio for English and code (cheap: no tokenizer, no round trip)."""
-    return len(body) // 4
-
-
 def binding_calls(history: list[Any], items: list[Any]) -> list[Any]:
     """The tool calls of `history` that `items`' tool outputs answer: a compacted window
     keeps them, so no output reaches a backend without its call."""

@@ -35,30 +35,52 @@ BOOK_SIZE = 100_000  # facts kept (the oldest leave first): ~100 bytes each
 
 
 @dataclass(frozen=True, slots=True)
+class Cut:
+    """The items a forwarded input leaves out: `dropped` at the front of the expanded
+    input, `skipped` after the first item kept (its turn's user message). `mark` is a hash
+    of that first kept item's bytes: a later input is cut the same way only if it still
+    has that item there."""
+
+    dropped: int = 0
+    skipped: int = 0
+    mark: int = 0
+
+    @property
+    def items(self) -> int:
+        """How many items are left out (it grows whenever the cut moves)."""
+        return self.dropped + self.skipped
+
+
+NO_CUT = Cut()
+
+
+@dataclass(frozen=True, slots=True)
 class Fact:
     """What a finished turn tells the next one."""
 
     tokens: int  # input + output tokens its backend reported
     size: int  # the bytes they stand for: its forwarded body + its output (estimated)
-    dropped: int  # items dropped from the front of its expanded input
-    skipped: int = 0  # items dropped after the item at `dropped` (its turn's user message)
+    cut: Cut = NO_CUT  # the items its body left out
 
 
 class TokenBook:
     """Facts of recent turns and each backend's bytes per token, in memory (a restart
-    costs each chain one estimate from bytes)."""
+    costs each chain one estimate from bytes). A fact is kept under the key its next turn
+    looks it up by: the response id, a conversation's id, or the caller's
+    `prompt_cache_key` for inputs sent in full (http/window.py `book_keys`)."""
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
         self.facts: dict[str, Fact] = {}
         self.ratios: dict[str, float] = {}
 
-    def get(self, response_id: str) -> Fact | None:
-        return self.facts.get(response_id)
+    def get(self, key: str) -> Fact | None:
+        return self.facts.get(key)
 
-    def put(self, response_id: str, fact: Fact) -> None:
+    def put(self, key: str, fact: Fact) -> None:
         facts = self.facts
-        facts[response_id] = fact
+        facts.pop(key, None)  # a key put again is the newest
+        facts[key] = fact
         if len(facts) > self.size:
             del facts[next(iter(facts))]
 

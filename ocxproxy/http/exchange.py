@@ -24,7 +24,6 @@ from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.compaction import (
     Injection,
     compact_threshold,
-    estimate_tokens,
     open_items,
     replace_in_body,
     summary_request,
@@ -42,6 +41,7 @@ from ocxproxy.continuation.expand import (
 )
 from ocxproxy.continuation.record import build_turn, input_tokens_of, not_recordable_reason
 from ocxproxy.continuation.references import not_storable, scan_input, splice
+from ocxproxy.continuation.window import NO_CUT, Cut
 from ocxproxy.errors import (
     FailureReason,
     OcxError,
@@ -59,7 +59,7 @@ from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_t
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
 from ocxproxy.http.warm import check_cache
-from ocxproxy.http.window import fit_window, remember_usage
+from ocxproxy.http.window import book_keys, fit_window, passes_threshold, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
 from ocxproxy.store import Store
@@ -121,10 +121,8 @@ class Exchange:
     # window and this turn's input, and `injection` puts the item first in the answer).
     pending: tuple[bytes, list[bytes]] | None = None
     injection: Injection | None = None
-    # Items left out to fit the context window (http/window.py): at the front, and after
-    # the first item kept (the turn's user message, when the turn alone is too long).
-    dropped: int = 0
-    skipped: int = 0
+    cut: Cut = NO_CUT  # items left out to fit the context window (http/window.py)
+    book_key: str | None = None  # where the turn's window fact is kept (BookKeys.put)
     # What warm resume knew before sending that explains a cache miss (http/warm.py):
     # restore_failed, fingerprint_mismatch.
     cache_note: str | None = None
@@ -263,8 +261,7 @@ class Exchange:
         (total, cached), metrics, url = usage, self.proxy.metrics, self.backend.url
         metrics.input_tokens.labels(url).inc(total)
         self.input_tokens = total
-        cut = (self.dropped, self.skipped)
-        remember_usage(self.proxy, response, url, self.body, cut, total)
+        remember_usage(self.proxy, response, url, self.body, self.cut, total, self.book_key)
         if cached is not None:
             self.cached_tokens = cached
             metrics.cached_tokens.labels(url).inc(cached)
@@ -332,6 +329,7 @@ async def prepare_exchange(
             raise PreviousResponseNotFound(prev, failure.reason) from None
         parent_store, expansion = parent_store or store, "hit"
     pending: tuple[bytes, list[bytes]] | None = None
+    keys = book_keys(scope, request, parent, conversation_id)
     try:
         tail: list[bytes] | None = None  # the request's own items as forwarded
         # Compaction items reach the backend, and the store, as their summary messages.
@@ -365,15 +363,17 @@ async def prepare_exchange(
             else:
                 body = expand(request.body, history, tail)
                 # A conversation keeps its items: it is not compacted by a threshold.
-                if threshold is not None and held is None and estimate_tokens(body) > threshold:
+                if (
+                    threshold is not None
+                    and held is None
+                    and await passes_threshold(proxy, parent, keys.get, body, threshold)
+                ):
                     pending = (summary_request(request.body, history, tail), history)
         else:  # nothing to splice in: forwarded as the client sent it
             body = raw if raw is not None else orjson.dumps(request.body)
-        dropped = skipped = 0
+        cut = NO_CUT
         if remember and not trigger and pending is None:  # a compaction has its own window
-            body, dropped, skipped = await fit_window(
-                proxy, request, parent, history, tail, body, raw
-            )
+            body, cut = await fit_window(proxy, request, parent, keys.get, history, tail, body, raw)
         if expansion == "hit":
             proxy.metrics.expansions.labels(outcome="hit").inc()
         target, durable = retention(proxy, request, local, parent_store, remember)
@@ -398,8 +398,8 @@ async def prepare_exchange(
         envelope=_envelope(proxy, request, echo),
         compaction=trigger,
         pending=pending,
-        dropped=dropped,
-        skipped=skipped,
+        cut=cut,
+        book_key=keys.put,
     )
 
 

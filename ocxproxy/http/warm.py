@@ -33,11 +33,11 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
             miss = miss_of(
                 served,
                 fact.tokens,
-                fact.dropped + fact.skipped,  # grows whenever the cut moves
+                fact.cut.items,
                 backend=backend.url,
                 epoch=backend.epoch,
                 head=head,
-                dropped=exchange.dropped + exchange.skipped,
+                dropped=exchange.cut.items,
                 compacted=exchange.injection is not None or exchange.compaction,
                 note=exchange.cache_note,
                 input_tokens=input_tokens,

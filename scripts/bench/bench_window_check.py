@@ -45,11 +45,11 @@ async def measure(window: int, state: Path) -> float:
         response=None,  # type: ignore[arg-type]
         backend=BACKEND,
     )
-    proxy.book.put("resp_1", Fact(30_000, 120_000, 0))
+    proxy.book.put("resp_1", Fact(30_000, 120_000))
     body = b"x" * 120_100
     start = time.perf_counter()
     for _ in range(N):
-        await fit_window(proxy, request, parent, [], [b"{}"], body, raw)
+        await fit_window(proxy, request, parent, "resp_1", [], [b"{}"], body, raw)
     return (time.perf_counter() - start) / N * 1e6
 
 

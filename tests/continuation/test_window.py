@@ -40,7 +40,7 @@ def output(call_id: str) -> dict[str, Any]:
 
 
 def test_estimate_adds_new_bytes_to_the_parents_reported_tokens() -> None:
-    fact = Fact(tokens=1000, size=4000, dropped=0)
+    fact = Fact(tokens=1000, size=4000)
     tokens, margin = estimate(fact, 4400, ratio=4.0)
     assert tokens == 1100
     assert margin == 100 // 4 + 16
@@ -62,8 +62,8 @@ def test_the_book_learns_a_ratio_and_forgets_the_oldest() -> None:
     book.learn("b", 3000, 1000)
     assert 3.0 < book.ratio("b") < 4.0
     for n in range(3):
-        book.put(f"r{n}", Fact(n, n, 0))
-    assert book.get("r0") is None and book.get("r2") == Fact(2, 2, 0)
+        book.put(f"r{n}", Fact(n, n))
+    assert book.get("r0") is None and book.get("r2") == Fact(2, 2)
 
 
 def test_room_keeps_space_for_the_answer() -> None:

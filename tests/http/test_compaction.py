@@ -485,3 +485,25 @@ async def test_context_management_over_websocket(
     assert forwarded_items(backend)[-1][1]["content"].startswith(SUMMARY_PREFIX)
     assert_never_forwarded(backend)
     await ws.close()
+
+
+async def test_the_threshold_uses_the_chains_real_token_count(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    """Long instructions the backend does not count (the fake counts input items only):
+    by its bytes the turn is far past the threshold, by the chain's reported tokens far
+    short of it. The count the window is checked with decides: no compaction."""
+    client = proxy.client()
+    instructions = "Be exact. " * 800  # 8000 bytes
+    first = await client.responses.create(model="m", input="hi", instructions=instructions)
+    assert first.usage is not None and first.usage.input_tokens < 100
+    second = await client.responses.create(
+        model="m",
+        input="again",
+        instructions=instructions,
+        previous_response_id=first.id,
+        context_management=MANAGED,  # type: ignore[arg-type]
+    )
+    assert [item.type for item in second.output] == ["message"]
+    assert len(backend.responses_seen) == 2  # no summary request
+    assert proxy.metric("ocxproxy_compactions_total", route="threshold", outcome="completed") == 0

@@ -320,11 +320,16 @@ async def test_auto_cuts_inside_a_tool_loop_sent_in_full(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     """The same loop as Codex sends it over HTTP: store:false, the whole turn by value each
-    time; a last output that alone exceeds the window is still refused, unforwarded."""
+    time, with its session's prompt_cache_key: the cut stays between steps as on a chain;
+    a last output that alone exceeds the window is still refused, unforwarded."""
     async with FakeBackend(window=("llama", WINDOW)) as backend:
         proxy = await windowed_proxy(make_proxy, backend)
         history: list[Any] = [{"role": "user", "content": TASK}]
-        fields: dict[str, Any] = {"truncation": "auto", "instructions": "You are terse."}
+        fields: dict[str, Any] = {
+            "truncation": "auto",
+            "instructions": "You are terse.",
+            "prompt_cache_key": "session-1",
+        }
         for step in range(3 * 4 * WINDOW // 700):
             status, answer = await create(http, proxy, input=history, store=False, **fields)
             assert status == 200, answer
@@ -338,7 +343,15 @@ async def test_auto_cuts_inside_a_tool_loop_sent_in_full(
         for items in forwarded_inputs(backend):
             assert_paired(items)
             assert items[0]["content"] == TASK
-        assert max(len(seen.body) for seen in backend.responses_seen) < 4 * WINDOW
+        sent = [seen.body for seen in backend.responses_seen]
+        assert max(len(body) for body in sent) < 4 * WINDOW
+        moved = [
+            n
+            for n, (before, after) in enumerate(itertools.pairwise(sent), 1)
+            if not top_level_span(after, "input").startswith(top_level_span(before, "input")[:-1])
+        ]
+        assert len(moved) == proxy.metric("ocxproxy_truncation_steps_total") >= 3
+        assert min(b - a for a, b in itertools.pairwise(moved)) >= 3, moved
         assert proxy.metric("ocxproxy_context_length_exceeded_total", truncation="auto") == 0
         before = generations(backend)
         history[-1] = {**history[-1], "output": words(5 * WINDOW, 99)}
@@ -346,3 +359,22 @@ async def test_auto_cuts_inside_a_tool_loop_sent_in_full(
         assert status == 400, answer
         assert answer["error"]["code"] == "context_length_exceeded"
         assert generations(backend) == before
+
+
+async def test_conversation_turns_are_estimated_from_their_real_counts(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """A conversation grows past half the window by the backend's count, past all of it by the
+    byte estimate of a turn that knows no real count: each turn finds the count the
+    conversation's last turn reported, so none asks the backend to count."""
+    async with FakeBackend(window=("llama", WINDOW)) as backend:
+        proxy = await windowed_proxy(make_proxy, backend)
+        async with http.post(proxy.url + "/v1/conversations", json={}) as resp:
+            conversation = (await resp.json())["id"]
+        for turn in range(7):
+            status, answer = await create(
+                http, proxy, input=words(1000, turn), conversation=conversation
+            )
+            assert status == 200, answer
+        assert answer["usage"]["input_tokens"] > WINDOW * 0.6
+        assert counted(backend) == 0
