@@ -210,7 +210,7 @@ async def delete(store: Store, conversation: Conversation) -> None:
     if shared is not None:
         await _write_shared(shared, conversation, conversation.meta, [], "delete")
         return
-    store.delete(conversation.record.scope, conversation.id, kept=True)
+    store.delete_nowait(conversation.record.scope, conversation.id, kept=True)
     await _commit(store, None)
 
 

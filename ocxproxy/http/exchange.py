@@ -169,7 +169,7 @@ class Exchange:
             self.kept.append(self.conversation.append(self.scope, turn, items, backend))
         except OcxError as error:
             if self.record is not None and self.target is not None:  # not kept after all
-                self.target.delete(self.scope, self.record.id)
+                self.target.delete_nowait(self.scope, self.record.id)
                 self.record = None
             self.failure = error
             changed = error.code == "conversation_changed"

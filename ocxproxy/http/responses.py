@@ -155,7 +155,7 @@ async def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
     chaining is not retrievable (as on OpenAI)."""
     response_id = request.match_info["response_id"]
     try:
-        record = await proxy.store.begin(scope_of(request.headers), response_id)
+        record = await proxy.store.lookup(scope_of(request.headers), response_id)
     except StoreFailure as failure:
         if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
             return None
@@ -238,7 +238,7 @@ async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamRespons
 async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
-    if not await proxy.store.remove(scope_of(request.headers), response_id):
+    if not await proxy.store.delete(scope_of(request.headers), response_id):
         if proxy.config.forward_unknown_ids:
             return await passthrough(request)
         raise _not_found(response_id)

@@ -32,7 +32,7 @@ async def resolve_items(
     for index, item_id in refs.items():
         for store, unstored in stores:
             try:
-                record = await store.locate_item(scope, item_id, unstored=unstored)
+                record = await store.find_item(scope, item_id, unstored=unstored)
             except StoreFailure:
                 continue
             wanted.setdefault(store, []).append((index, record, item_id))
@@ -71,10 +71,10 @@ async def resolve_previous(
     """The caller's previous response, over WebSocket from the connection's own store first."""
     if local is not None:
         try:
-            return local, local.lookup(scope, prev)
+            return local, local.lookup_nowait(scope, prev)
         except StoreFailure:
             pass
-    return proxy.store, await proxy.store.begin(scope, prev)
+    return proxy.store, await proxy.store.lookup(scope, prev)
 
 
 def retention(

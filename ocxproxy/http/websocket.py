@@ -292,7 +292,7 @@ class Connection:
                 exchange.release()  # its conversation, when the turn ended without a response
             self.proxy.metrics.ws_turns.labels(outcome=str(outcome)).inc()
             if prev is not None and outcome in _EVICTING:
-                self.local.delete(self.scope, prev)  # OpenAI's rule for a failed turn
+                self.local.delete_nowait(self.scope, prev)  # OpenAI's rule for a failed turn
             elapsed = time.perf_counter() - start
             overhead = max(elapsed - timing.upstream, 0.0)
             self.proxy.metrics.proxy_overhead.labels(route=TURN_ROUTE).observe(overhead)
@@ -312,7 +312,7 @@ class Connection:
 
     def _count_cache(self, prev: str) -> None:
         try:
-            self.local.lookup(self.scope, prev)
+            self.local.lookup_nowait(self.scope, prev)
         except StoreFailure:
             result = "miss"
         else:

@@ -17,14 +17,18 @@ the stats and gauges.
 shared/ (--shared-store, store.py: SharedStore, a Store on Valkey/Redis; its layout and
 scripts in layout.py, its connection and round trips in server.py, its start-up checks
 in checks.py) is imported only when asked for: its client is an extra (ocxproxy[shared]).
-Public surface: Store, StoreStats, default_state_dir, open_store.
+interface.py declares what `http/` may call on either (StoreInterface).
+Public surface: Store, StoreInterface, StoreStats, default_state_dir, open_store.
 """
+
+from typing import TYPE_CHECKING
 
 from ocxproxy.config import Config, ConfigError
 from ocxproxy.metrics import Metrics
+from ocxproxy.store.interface import StoreInterface
 from ocxproxy.store.local.store import Store, StoreStats, default_state_dir
 
-__all__ = ["Store", "StoreStats", "default_state_dir", "open_store"]
+__all__ = ["Store", "StoreInterface", "StoreStats", "default_state_dir", "open_store"]
 
 
 def open_store(config: Config, metrics: Metrics | None = None) -> Store:
@@ -38,3 +42,10 @@ def open_store(config: Config, metrics: Metrics | None = None) -> Store:
             "--shared-store needs the Valkey/Redis client: pip install 'ocxproxy[shared]'"
         ) from None
     return SharedStore.from_config(config, metrics)
+
+
+if TYPE_CHECKING:  # mypy: both implementations provide the interface
+    from ocxproxy.store.shared.store import SharedStore
+
+    def _implements(local: Store, shared: SharedStore) -> list[StoreInterface]:
+        return [local, shared]

@@ -3,7 +3,7 @@
 Puts N turns into a memory-only Store twice, once with each turn's item ids (its output
 message, and with --ids 2 an input reasoning item too) and once without, and reports the
 difference in traced memory per indexed item: the index slot, the id string kept with the
-segment, and its span. Then times Store.find_item + item_bytes on the full store.
+segment, and its span. Then times Store.find_item_nowait + item_bytes on the full store.
 
     .venv/bin/python scripts/bench/bench_item_index.py [--turns 100000] [--ids 1|2] [--resend L]
 """
@@ -109,7 +109,7 @@ def main() -> None:
     async def lookups() -> float:
         start = time.perf_counter()
         for item_id in picks:
-            record = store.find_item("scope", item_id)
+            record = store.find_item_nowait("scope", item_id)
             await store.item_bytes([(record, item_id)])
         return (time.perf_counter() - start) / len(picks)
 

@@ -365,7 +365,7 @@ async def test_websocket_items_of_its_own_store_resolve_there_only(
     scope = scope_of({"Authorization": f"Bearer {KEY}"})
     for rid in (done["response"]["id"], again["response"]["id"]):
         with pytest.raises(StoreFailure):
-            handle.proxy.store.lookup(scope, rid)
+            handle.proxy.store.lookup_nowait(scope, rid)
     async with http.ws_connect(handle.base_url + "/responses", headers=headers) as ws:
         await ws.send_str(
             orjson.dumps(

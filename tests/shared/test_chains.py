@@ -27,7 +27,7 @@ def asked(store: SharedStore) -> int:
 
 
 async def history_of(store: SharedStore, rid: str) -> list[str]:
-    record = await store.begin("scope-a", rid)
+    record = await store.lookup("scope-a", rid)
     items = orjson.loads(b"[" + b",".join(await store.history(record)) + b"]")
     return [item["content"] for item in items if item.get("role") == "user"]
 
@@ -43,7 +43,7 @@ async def test_a_replica_asks_for_older_digests_once_per_chain(make_store: MakeS
     assert asked(a) == 0
     assert await history_of(b, ids[-1]) == said(ids)  # b never saw it: one LRANGE
     assert asked(b) == 1
-    parent = await a.begin("scope-a", ids[-1])
+    parent = await a.lookup("scope-a", ids[-1])
     await chain_of(a, parent, ["r-next"])
     assert await history_of(b, "r-next") == said([*ids, "r-next"])  # held: BEGIN's window
     assert await history_of(b, ids[3]) == said(ids[:4])  # a prefix of one it holds
@@ -58,7 +58,7 @@ async def test_a_fork_off_a_long_chain_replays_its_own_history(make_store: MakeS
     await chain_of(a, None, ids)
     assert await history_of(b, ids[-1]) == said(ids)
     fork_at = ids[layout.WINDOW + 1]  # a sibling of what follows it: a new chain
-    await chain_of(a, await a.begin("scope-a", fork_at), ["f1", "f2"])
+    await chain_of(a, await a.lookup("scope-a", fork_at), ["f1", "f2"])
     cut = ids.index(fork_at) + 1
     assert await history_of(b, "f2") == said([*ids[:cut], "f1", "f2"])
     assert await history_of(b, ids[-1]) == said(ids)
@@ -71,14 +71,14 @@ async def test_a_chain_gone_from_the_server_is_evicted_though_held_here(
     a = await make_store()
     ids = [f"r{n}" for n in range(1, length + 1)]
     await chain_of(a, None, ids)
-    record = await a.begin("scope-a", ids[-1])
+    record = await a.lookup("scope-a", ids[-1])
     client = aioredis.Redis.from_url(kv_server.url)
     try:
         assert await client.delete(record.chain) == 1  # as the byte budget would
     finally:
         await client.aclose()
     with pytest.raises(StoreFailure) as caught:
-        await a.begin("scope-a", ids[-1])
+        await a.lookup("scope-a", ids[-1])
     assert caught.value.reason == FailureReason.EVICTED
     with pytest.raises(StoreFailure) as caught:
         await a.commit(a.put(turn("r-late", "late"), record))
@@ -122,7 +122,7 @@ async def test_a_record_held_here_and_deleted_elsewhere_is_gone_here(make_store:
     sent = begins(a)
     assert await history_of(a, "r2") == said(["r1", "r2"])
     assert sent == [0]  # held here: BEGIN still reads the record
-    assert await b.remove("scope-a", "r2")
+    assert await b.delete("scope-a", "r2")
     with pytest.raises(StoreFailure) as caught:
-        await a.begin("scope-a", "r2")
+        await a.lookup("scope-a", "r2")
     assert caught.value.reason == FailureReason.UNKNOWN

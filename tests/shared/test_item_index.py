@@ -47,7 +47,7 @@ async def test_items_of_many_turns_share_one_hash_with_the_records_ttl(
     # It lives as long as its records, and at most an eighth of the TTL longer.
     assert all(100_000 - 5_000 < ttl <= 100_000 + 12_500 for ttl in found.values())
     for n in range(6):
-        record = await b.locate_item("scope-a", f"msg_{n:032x}")
+        record = await b.find_item("scope-a", f"msg_{n:032x}")
         assert record.id == f"r{n}"
         (data,) = await b.item_bytes([(record, f"msg_{n:032x}")])
         assert f"msg_{n:032x}".encode() in data
@@ -60,12 +60,12 @@ async def test_a_deleted_response_leaves_its_items_unresolvable_everywhere(
     first = a.put(turn("r1", "one", item_id="msg_1"), None)
     await a.commit(first)
     await a.commit(a.put(turn("r2", "two", item_id="msg_2"), first))
-    assert (await b.locate_item("scope-a", "msg_2")).id == "r2"
-    assert await a.remove("scope-a", "r2")
+    assert (await b.find_item("scope-a", "msg_2")).id == "r2"
+    assert await a.delete("scope-a", "r2")
     with pytest.raises(StoreFailure) as caught:
-        await b.locate_item("scope-a", "msg_2")
+        await b.find_item("scope-a", "msg_2")
     assert caught.value.reason == FailureReason.UNKNOWN
-    assert (await b.locate_item("scope-a", "msg_1")).id == "r1"
+    assert (await b.find_item("scope-a", "msg_1")).id == "r1"
 
 
 async def test_the_newest_holder_wins_across_replicas_with_other_ttls(
@@ -73,9 +73,9 @@ async def test_the_newest_holder_wins_across_replicas_with_other_ttls(
 ) -> None:
     short, long = await make_store(ttl=100.0), await make_store(ttl=1000.0)
     await short.commit(short.put(turn("r1", "one", item_id="msg_1"), None))
-    assert (await long.locate_item("scope-a", "msg_1")).id == "r1"
+    assert (await long.find_item("scope-a", "msg_1")).id == "r1"
     await long.commit(long.put(turn("r2", "again", item_id="msg_1"), None))
-    assert (await short.locate_item("scope-a", "msg_1")).id == "r2"
+    assert (await short.find_item("scope-a", "msg_1")).id == "r2"
 
 
 async def test_index_entries_expire_on_the_server_with_their_records(
@@ -84,11 +84,11 @@ async def test_index_entries_expire_on_the_server_with_their_records(
     brief, lasting = await make_store(ttl=1.0), await make_store(ttl=60.0)
     await brief.commit(brief.put(turn("r1", "one", item_id="msg_1"), None))
     await lasting.commit(lasting.put(turn("r2", "two", item_id="msg_2"), None))
-    assert (await lasting.locate_item("scope-a", "msg_1")).id == "r1"
+    assert (await lasting.find_item("scope-a", "msg_1")).id == "r1"
     assert len(await index_keys(kv_server)) == 3  # two buckets and their directory
     await asyncio.sleep(2.2)  # past r1's expiry and its bucket's end (1/8 s later at most)
     with pytest.raises(StoreFailure) as caught:
-        await lasting.locate_item("scope-a", "msg_1")
+        await lasting.find_item("scope-a", "msg_1")
     assert caught.value.reason == FailureReason.UNKNOWN
     assert len(await index_keys(kv_server)) == 2  # r1's bucket expired on the server
     await brief.commit(brief.put(turn("r3", "three", item_id="msg_3"), None))
@@ -99,8 +99,8 @@ async def test_index_entries_expire_on_the_server_with_their_records(
         await client.aclose()
     live = await index_keys(kv_server)
     assert len(ends) == 2 and all(SCOPE_A.bucket(int(e)) in live for e in ends)
-    assert (await lasting.locate_item("scope-a", "msg_3")).id == "r3"
-    assert (await brief.locate_item("scope-a", "msg_2")).id == "r2"
+    assert (await lasting.find_item("scope-a", "msg_3")).id == "r3"
+    assert (await brief.find_item("scope-a", "msg_2")).id == "r2"
 
 
 async def test_the_index_counts_in_the_byte_budget(make_store: MakeStore) -> None:

@@ -113,14 +113,14 @@ async def test_a_chain_alternating_between_replicas_replays_the_same_bytes(
     for n in range(9):
         store = replicas[n % 3]
         if parent is not None:
-            parent = await store.begin("scope-a", parent.id)
+            parent = await store.lookup("scope-a", parent.id)
             bodies.append(b",".join(await store.history(parent)))
         record = store.put(turn(f"resp_{n}", f"turn {n}"), parent)
         await store.commit(record)
         parent = record
     for before, after in itertools.pairwise(bodies):
         assert after.startswith(before + b",")  # append-only byte prefix
-    final = await b.begin("scope-a", "resp_8")
+    final = await b.lookup("scope-a", "resp_8")
     assert final.n_items == 18
     assert b",".join(await b.history(final)) == b",".join(
         turn(f"resp_{n}", f"turn {n}").items for n in range(9)
@@ -138,16 +138,16 @@ async def test_begin_takes_cached_segments_and_fetches_only_missing_ones(
     def fetches() -> int:
         return sum(b.metrics.shared_seconds.labels("fetch").counts)
 
-    await b.begin("scope-a", "r3")  # cold: BEGIN sent the newest two, one MGET for r1's
+    await b.lookup("scope-a", "r3")  # cold: BEGIN sent the newest two, one MGET for r1's
     assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (3, 0, 1)
-    await b.begin("scope-a", "r3")  # all cached now
+    await b.lookup("scope-a", "r3")  # all cached now
     assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (3, 3, 1)
-    parent = await a.begin("scope-a", "r3")
+    parent = await a.lookup("scope-a", "r3")
     await chain_of(a, parent, ["r4"])
-    await b.begin("scope-a", "r4")  # one new segment, sent along with BEGIN: no MGET
+    await b.lookup("scope-a", "r4")  # one new segment, sent along with BEGIN: no MGET
     assert (sample(cache, result="miss"), sample(cache, result="hit"), fetches()) == (4, 6, 1)
     b.cache = type(b.cache)(b.cache.max_bytes)  # forgotten: one MGET for the two oldest
-    await b.begin("scope-a", "r4")
+    await b.lookup("scope-a", "r4")
     assert fetches() == 2
 
 
@@ -156,10 +156,10 @@ async def test_a_segment_missing_between_cached_ones_is_fetched_into_its_place(
 ) -> None:
     a, b = await make_store(), await make_store()
     await chain_of(a, None, [f"r{n}" for n in range(1, 7)])
-    before = b",".join(await a.history(await a.begin("scope-a", "r6")))
-    full = await b.begin("scope-a", "r6")  # every segment cached in b
+    before = b",".join(await a.history(await a.lookup("scope-a", "r6")))
+    full = await b.lookup("scope-a", "r6")  # every segment cached in b
     b.cache.remove(full.segments[2])  # one in the middle forgotten, those after it not
-    record = await b.begin("scope-a", "r6")
+    record = await b.lookup("scope-a", "r6")
     assert sum(b.metrics.shared_seconds.labels("fetch").counts) == 2  # r1's MGET, then r3's
     assert [s.key for s in record.segments] == [s.key for s in full.segments]
     assert b",".join(await b.history(record)) == before
@@ -172,7 +172,7 @@ async def test_a_response_object_round_trips_with_its_output_cut_out(
     a, b = await make_store(), await make_store()
     t = turn("r1", "hello", item_id="msg_1")
     await a.commit(a.put(t, None))
-    record = await b.begin("scope-a", "r1")
+    record = await b.lookup("scope-a", "r1")
     assert record.output_at is not None  # stored once, in the segment
     assert await b.response_bytes(record) == t.response
 
@@ -180,18 +180,18 @@ async def test_a_response_object_round_trips_with_its_output_cut_out(
 async def test_siblings_off_one_parent_fork_the_chain(make_store: MakeStore) -> None:
     a, b = await make_store(), await make_store()
     root = await chain_of(a, None, ["r1", "r2"])
-    pa, pb = await a.begin("scope-a", root.id), await b.begin("scope-a", root.id)
+    pa, pb = await a.lookup("scope-a", root.id), await b.lookup("scope-a", root.id)
     left, right = a.put(turn("left", "L"), pa), b.put(turn("right", "R"), pb)
     await a.commit(left)
     await b.commit(right)  # the chain grew meanwhile: a fork
-    got_left, got_right = await b.begin("scope-a", "left"), await a.begin("scope-a", "right")
+    got_left, got_right = await b.lookup("scope-a", "left"), await a.lookup("scope-a", "right")
     base = turn("r1", "user says r1").items + b"," + turn("r2", "user says r2").items
     assert b",".join(await b.history(got_left)) == base + b"," + turn("left", "L").items
     assert b",".join(await a.history(got_right)) == base + b"," + turn("right", "R").items
     assert got_left.chain != got_right.chain  # type: ignore[attr-defined]
     # Each goes on along its own chain.
     deeper = await chain_of(b, got_right, ["right2"])
-    again = await a.begin("scope-a", deeper.id)
+    again = await a.lookup("scope-a", deeper.id)
     assert b",".join(await a.history(again)).startswith(base + b"," + turn("right", "R").items)
     assert len(again.segments) == 4
 
@@ -199,36 +199,36 @@ async def test_siblings_off_one_parent_fork_the_chain(make_store: MakeStore) -> 
 async def test_a_delete_on_one_replica_is_seen_by_every_other(make_store: MakeStore) -> None:
     a, b = await make_store(), await make_store()
     await chain_of(a, None, ["r1", "r2"])
-    await b.begin("scope-a", "r2")
-    assert await a.remove("scope-a", "r2")
+    await b.lookup("scope-a", "r2")
+    assert await a.delete("scope-a", "r2")
     with pytest.raises(StoreFailure) as caught:
-        await b.begin("scope-a", "r2")
+        await b.lookup("scope-a", "r2")
     assert caught.value.reason == FailureReason.UNKNOWN
-    assert not await b.remove("scope-a", "r2")
-    assert (await b.begin("scope-a", "r1")).n_items == 2  # the parent stays
+    assert not await b.delete("scope-a", "r2")
+    assert (await b.lookup("scope-a", "r1")).n_items == 2  # the parent stays
 
 
 async def test_another_scope_never_sees_a_record_or_an_item(make_store: MakeStore) -> None:
     a, b = await make_store(), await make_store()
     await a.commit(a.put(turn("r1", "secret", item_id="msg_1"), None))
     with pytest.raises(StoreFailure):
-        await b.begin("scope-b", "r1")
+        await b.lookup("scope-b", "r1")
     with pytest.raises(StoreFailure):
-        await b.locate_item("scope-b", "msg_1")
-    assert not await b.remove("scope-b", "r1")
-    assert (await b.begin("scope-a", "r1")).id == "r1"
+        await b.find_item("scope-b", "msg_1")
+    assert not await b.delete("scope-b", "r1")
+    assert (await b.lookup("scope-a", "r1")).id == "r1"
 
 
 async def test_an_item_reference_resolves_on_another_replica(make_store: MakeStore) -> None:
     a, b = await make_store(), await make_store()
     t = turn("r1", "hello", item_id="msg_1")
     await a.commit(a.put(t, None))
-    record = await b.locate_item("scope-a", "msg_1")
+    record = await b.find_item("scope-a", "msg_1")
     (data,) = await b.item_bytes([(record, "msg_1")])
     assert orjson.loads(data)["id"] == "msg_1"
     assert t.items.endswith(data)
     with pytest.raises(StoreFailure):
-        await b.locate_item("scope-a", "msg_unknown")
+        await b.find_item("scope-a", "msg_unknown")
 
 
 async def test_a_store_false_turn_never_reaches_the_server(
@@ -236,10 +236,10 @@ async def test_a_store_false_turn_never_reaches_the_server(
 ) -> None:
     a = await make_store()
     stored = await chain_of(a, None, ["r1"])
-    parent = await a.begin("scope-a", stored.id)
+    parent = await a.lookup("scope-a", stored.id)
     secret = a.put(turn("r2", "MARKER-unstored", durable=False, item_id="msg_x"), parent)
     await a.commit(secret)
-    assert (await a.begin("scope-a", "r2")).id == "r2"  # kept in this process
+    assert (await a.lookup("scope-a", "r2")).id == "r2"  # kept in this process
     client = await raw_client(kv_server)
     try:
         keys = [k async for k in client.scan_iter(match="*")]
@@ -251,7 +251,7 @@ async def test_a_store_false_turn_never_reaches_the_server(
     assert not any(b"MARKER" in v for v in values)  # zstd frames: check decompressed too
     b = await make_store()
     with pytest.raises(StoreFailure):
-        await b.begin("scope-a", "r2")
+        await b.lookup("scope-a", "r2")
 
 
 async def test_an_expired_record_is_gone_everywhere(make_store: MakeStore) -> None:
@@ -264,7 +264,7 @@ async def test_an_expired_record_is_gone_everywhere(make_store: MakeStore) -> No
     await chain_of(a, None, ["r1"])
     clock.now += 61
     with pytest.raises(StoreFailure) as caught:
-        await b.begin("scope-a", "r1")
+        await b.lookup("scope-a", "r1")
     assert caught.value.reason == FailureReason.EXPIRED
     assert sample(b.metrics.store_evictions, reason="expired") == 1
 
@@ -285,7 +285,7 @@ async def test_keys_carry_ttls_and_a_commit_extends_its_chain(
     assert all(ttl <= 100_000 for key, ttl in ttls.items() if key.startswith(SCOPE_A.base + b"r"))
     # A child living longer keeps its whole chain alive as long (never shortening a TTL).
     longer = await make_store(ttl=1000.0)
-    await chain_of(longer, await longer.begin("scope-a", "r2"), ["r3"])
+    await chain_of(longer, await longer.lookup("scope-a", "r2"), ["r3"])
     first = hashlib.sha256(turn("r1", "user says r1").items).hexdigest()
     client = await raw_client(kv_server)
     try:
@@ -308,9 +308,9 @@ async def test_past_the_byte_budget_the_oldest_chains_go_whole(
     assert evicted >= 6
     assert max(a.shared_bytes, b.shared_bytes) <= 2000
     with pytest.raises(StoreFailure) as caught:
-        await a.begin("scope-a", "c0-2")
+        await a.lookup("scope-a", "c0-2")
     assert caught.value.reason == FailureReason.EVICTED
-    assert (await a.begin("scope-a", "c11-2")).n_items == 4  # the newest stay
+    assert (await a.lookup("scope-a", "c11-2")).n_items == 4  # the newest stay
     client = await raw_client(kv_server)
     try:  # the evicted chains' segments are gone from the server, not just unreachable
         segments = [k async for k in client.scan_iter(match=SCOPE_A.base + b"s*")]
@@ -334,7 +334,7 @@ async def test_a_corrupt_segment_fails_its_digest(
     finally:
         await client.aclose()
     with pytest.raises(StoreFailure) as caught:
-        await b.begin("scope-a", "r1")
+        await b.lookup("scope-a", "r1")
     assert caught.value.reason == FailureReason.CORRUPT
 
 
@@ -352,7 +352,7 @@ async def test_kept_records_stay_in_the_process_and_never_reach_the_server(
     with pytest.raises(StoreFailure):
         b.record("scope-a", "idem_1")
     with pytest.raises(StoreFailure):
-        await b.begin("scope-a", "idem_1")
+        await b.lookup("scope-a", "idem_1")
 
 
 async def test_a_server_down_fails_closed_and_recovers_without_restart(
@@ -362,7 +362,7 @@ async def test_a_server_down_fails_closed_and_recovers_without_restart(
     parent = await chain_of(a, None, ["r1"])
     kv_server.close()
     with pytest.raises(StorageUnavailable):
-        await a.begin("scope-a", "r1")
+        await a.lookup("scope-a", "r1")
     assert not a.available
     assert sample(a.metrics.shared_available) == 0
     pending = a.put(turn("r2", "lost"), parent)
@@ -378,9 +378,9 @@ async def test_a_server_down_fails_closed_and_recovers_without_restart(
             break
         await asyncio.sleep(0.1)
     assert a.available  # the probe saw it
-    assert (await a.begin("scope-a", "r1")).id == "r1"
+    assert (await a.lookup("scope-a", "r1")).id == "r1"
     with pytest.raises(StoreFailure):
-        await a.begin("scope-a", "r2")  # never acknowledged, never stored
+        await a.lookup("scope-a", "r2")  # never acknowledged, never stored
 
 
 @pytest.mark.parametrize(
@@ -442,10 +442,10 @@ async def test_connections_from_before_a_server_restart_are_not_a_failure(
 ) -> None:
     a = await make_store()
     await chain_of(a, None, ["r1"])
-    await asyncio.gather(*(a.begin("scope-a", "r1") for _ in range(8)))  # 8 pooled connections
+    await asyncio.gather(*(a.lookup("scope-a", "r1") for _ in range(8)))  # 8 pooled connections
     kv_server.kill9()
     await kv_server.astart()
-    found = await asyncio.gather(*(a.begin("scope-a", "r1") for _ in range(8)))
+    found = await asyncio.gather(*(a.lookup("scope-a", "r1") for _ in range(8)))
     assert {record.id for record in found} == {"r1"}
     assert a.available
 
@@ -453,7 +453,7 @@ async def test_connections_from_before_a_server_restart_are_not_a_failure(
 async def test_a_commit_run_twice_writes_once(make_store: MakeStore, kv_server: KvServer) -> None:
     a = await make_store()
     parent = await chain_of(a, None, ["r1"])
-    child = a.put(turn("r2", "once"), await a.begin("scope-a", parent.id))
+    child = a.put(turn("r2", "once"), await a.lookup("scope-a", parent.id))
     await a.commit(child)
     again = await a._commit(child, parent)  # as after a reply lost on the way back
     assert again == child.chain  # type: ignore[attr-defined]
@@ -462,7 +462,7 @@ async def test_a_commit_run_twice_writes_once(make_store: MakeStore, kv_server: 
         assert await client.llen(again) == 2
     finally:
         await client.aclose()
-    assert len((await a.begin("scope-a", "r2")).segments) == 2
+    assert len((await a.lookup("scope-a", "r2")).segments) == 2
 
 
 async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
@@ -495,7 +495,7 @@ async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
         await store.start()
         try:
             await store.commit(store.put(turn("r1", "held twice"), None))
-            assert await store.remove("scope-a", "r1")
+            assert await store.delete("scope-a", "r1")
             replica.stop()
             with pytest.raises(StoreFailure) as caught:  # WAIT(AOF) times out at 0 replicas
                 await store.commit(store.put(turn("r2", "held once"), None))
@@ -518,7 +518,7 @@ async def test_a_unix_socket_url_serves_like_tcp(
     await b.start()
     try:
         await chain_of(a, None, ["r1", "r2"])
-        assert len((await b.begin("scope-a", "r2")).segments) == 2
+        assert len((await b.lookup("scope-a", "r2")).segments) == 2
     finally:
         await a.close()
         await b.close()
@@ -558,7 +558,7 @@ async def test_a_response_replays_byte_identically_from_another_replica(
     for t in turns:
         await a.commit(a.put(t, None))
     for t in turns:
-        record = await b.begin("scope-a", t.response_id)
+        record = await b.lookup("scope-a", t.response_id)
         assert await b.response_bytes(record) == t.response
     client = await raw_client(kv_server)
     try:
@@ -591,5 +591,5 @@ async def test_data_under_another_layout_is_not_read(
     b = await make_store()
     for rid in ("r1", "r2"):
         with pytest.raises(StoreFailure) as caught:
-            await b.begin("scope-a", rid)
+            await b.lookup("scope-a", rid)
         assert caught.value.reason == FailureReason.UNKNOWN

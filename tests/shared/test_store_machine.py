@@ -119,7 +119,7 @@ class SharedMachine(RuleBasedStateMachine):
         rid = self.new_id()
         expect = self.model.get(parent)
         try:
-            record = self.run(store.begin(expect.scope if expect else "scope-a", parent))
+            record = self.run(store.lookup(expect.scope if expect else "scope-a", parent))
         except StoreFailure as failure:
             assert self.failure_of(parent, "scope-a" if expect is None else expect.scope) == (
                 failure.reason
@@ -133,7 +133,7 @@ class SharedMachine(RuleBasedStateMachine):
     def lookup(self, rid: str, replica: int, scope: str) -> None:
         store = self.replicas[replica]
         try:
-            record = self.run(store.begin(scope, rid))
+            record = self.run(store.lookup(scope, rid))
         except StoreFailure as failure:
             assert failure.reason == self.failure_of(rid, scope), rid
             return
@@ -146,7 +146,7 @@ class SharedMachine(RuleBasedStateMachine):
     def delete(self, rid: str, replica: int) -> None:
         expect = self.model.get(rid)
         scope = expect.scope if expect else "scope-a"
-        removed = self.run(self.replicas[replica].remove(scope, rid))
+        removed = self.run(self.replicas[replica].delete(scope, rid))
         assert removed == (expect is not None)  # an expired one is still on the server
         self.model.pop(rid, None)
 
@@ -159,7 +159,7 @@ class SharedMachine(RuleBasedStateMachine):
         holder = self.items[key]
         store = self.replicas[replica]
         try:
-            record = self.run(store.locate_item(*key))
+            record = self.run(store.find_item(*key))
         except StoreFailure as failure:
             assert self.failure_of(holder, expect.scope) == failure.reason
             return

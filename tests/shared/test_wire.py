@@ -47,7 +47,7 @@ async def test_a_password_an_acl_user_and_a_db_number_in_the_url(make_kv_server:
             await b.start()
             try:
                 await chain_of(a, None, [f"r{db}-1", f"r{db}-2"])
-                assert len((await b.begin("scope-a", f"r{db}-2")).segments) == 2
+                assert len((await b.lookup("scope-a", f"r{db}-2")).segments) == 2
             finally:
                 await a.close()
                 await b.close()
@@ -72,7 +72,7 @@ async def test_concurrent_commands_share_the_connection_each_its_own_answer(
             await a.commit(a.put(turn(rid, f"says {rid}"), None))
 
         async def begin(rid: str) -> str:
-            return (await b.begin("scope-a", rid)).id
+            return (await b.lookup("scope-a", rid)).id
 
         calls = [asyncio.ensure_future(begin(rid)) for rid in ids * 3]
         calls[7].cancel()  # a caller gone while its command is on the wire
@@ -84,7 +84,7 @@ async def test_concurrent_commands_share_the_connection_each_its_own_answer(
                 assert isinstance(result, asyncio.CancelledError)
             else:
                 assert result == rid
-        assert (await b.begin("scope-a", "r39")).id == "r39"  # still in step
+        assert (await b.lookup("scope-a", "r39")).id == "r39"  # still in step
     finally:
         await a.close()
         await b.close()
@@ -124,7 +124,7 @@ async def test_a_server_that_stops_answering_is_cut_off_then_heals(
         os.kill(server.pid, signal.SIGSTOP)  # the process hangs: the socket stays open
         try:
             with pytest.raises(StorageUnavailable):
-                await asyncio.wait_for(store.begin("scope-a", "r1"), 4.0)
+                await asyncio.wait_for(store.lookup("scope-a", "r1"), 4.0)
             assert not store.available
         finally:
             os.kill(server.pid, signal.SIGCONT)
@@ -133,7 +133,7 @@ async def test_a_server_that_stops_answering_is_cut_off_then_heals(
                 break
             await asyncio.sleep(0.1)
         assert store.available  # the probe's PING on a new connection
-        assert (await store.begin("scope-a", "r1")).id == "r1"
+        assert (await store.lookup("scope-a", "r1")).id == "r1"
     finally:
         await store.close()
 
@@ -202,8 +202,8 @@ async def test_a_rediss_url_speaks_tls(make_kv_server: MakeKv, tmp_path: Path) -
     await b.start()
     try:
         await chain_of(a, None, ["r1", "r2"])
-        assert len((await b.begin("scope-a", "r2")).segments) == 2  # the same server
-        assert (await a.begin("scope-a", "r2")).id == "r2"
+        assert len((await b.lookup("scope-a", "r2")).segments) == 2  # the same server
+        assert (await a.lookup("scope-a", "r2")).id == "r2"
     finally:
         await a.close()
         await b.close()

@@ -98,7 +98,7 @@ async def test_compaction_scans_and_moves_in_short_steps(
     store, records = await filled(tmp_path)
     assert await store.flush()  # the journal so far is before the checkpoint
     for record in records[: int(N * 0.7)]:  # its files are mostly garbage now
-        store.delete(record.scope, record.id)
+        store.delete_nowait(record.scope, record.id)
     await store.commit()
     monkeypatch.setattr(upkeep, "STEP", 0.0)
     monkeypatch.setattr(durable, "SCAN", 256)

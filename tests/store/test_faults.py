@@ -37,7 +37,7 @@ async def chain(store: Store, prefix: str, n: int, *, commit: bool = True) -> No
 
 
 async def resolves(store: Store, response_id: str) -> bool:
-    history = await store.history(store.lookup("scope-a", response_id))
+    history = await store.history(store.lookup_nowait("scope-a", response_id))
     items = orjson.loads(b"[" + b",".join(history) + b"]")
     prefix = response_id.rstrip("0123456789")
     n = int(response_id[len(prefix) :]) + 1
@@ -46,7 +46,7 @@ async def resolves(store: Store, response_id: str) -> bool:
 
 async def reason_of(store: Store, response_id: str) -> FailureReason:
     with pytest.raises(StoreFailure) as info:
-        await store.history(store.lookup("scope-a", response_id))
+        await store.history(store.lookup_nowait("scope-a", response_id))
     return info.value.reason
 
 
@@ -77,10 +77,10 @@ async def test_disk_full_during_append(tmp_path: Path, monkeypatch: pytest.Monke
     assert sample(store.metrics.store_available) == 0
     assert store.metrics.journal_lag.get() == 0  # nothing left waiting
     with pytest.raises(StoreFailure):  # never acknowledged, so never served
-        store.lookup("scope-a", "doomed7")
+        store.lookup_nowait("scope-a", "doomed7")
     assert len(store) == 2 and store.stats().resident_bytes <= 400
     assert await resolves(store, "safe1")  # continuations from stored state keep working
-    child = store.put(make_turn("child", "on top"), store.lookup("scope-a", "safe1"))
+    child = store.put(make_turn("child", "on top"), store.lookup_nowait("scope-a", "safe1"))
     with pytest.raises(StoreFailure):
         await store.commit(child)
     assert store.check() == []
@@ -163,7 +163,7 @@ async def test_corrupt_segment_bytes_fail_their_chains_only(tmp_path: Path) -> N
     store = await started(tmp_path, max_resident_bytes=100)
     await chain(store, "bad", 3)
     await chain(store, "good", 3)
-    victim = store.lookup("scope-a", "bad0").segments[0]
+    victim = store.lookup_nowait("scope-a", "bad0").segments[0]
     assert victim.data is None and victim.on_disk
     flip(journal_files(tmp_path)[victim.pack], victim.offset + victim.length // 2)
     assert await reason_of(store, "bad2") == FailureReason.CORRUPT
@@ -184,7 +184,7 @@ async def test_torn_journal_tail_is_cut_and_counted(tmp_path: Path) -> None:
     assert sample(store.metrics.journal_cut) == 1
     assert await resolves(store, "c2")
     with pytest.raises(StoreFailure):
-        store.lookup("scope-a", "c3")
+        store.lookup_nowait("scope-a", "c3")
     await chain(store, "d", 2)
     assert store.check() == []
     await store.close()
@@ -207,7 +207,7 @@ async def test_corrupt_entry_mid_journal_cuts_the_rest_of_its_file(tmp_path: Pat
     assert await resolves(store, "a1")
     for lost in ("b0", "b1", "b2"):
         with pytest.raises(StoreFailure):
-            store.lookup("scope-a", lost)
+            store.lookup_nowait("scope-a", lost)
     assert store.check() == []
     await store.close()
 
@@ -215,7 +215,7 @@ async def test_corrupt_entry_mid_journal_cuts_the_rest_of_its_file(tmp_path: Pat
 async def test_journal_without_checkpoint(tmp_path: Path) -> None:
     store = await started(tmp_path)
     await chain(store, "c", 5)
-    assert store.delete("scope-a", "c4")
+    assert store.delete_nowait("scope-a", "c4")
     await store.commit()
     await store.abandon()
     assert not (tmp_path / journal.CHECKPOINT).exists()
@@ -253,7 +253,7 @@ async def test_crash_during_compaction(
     await chain(store, "gone", 6)
     assert await store.flush()  # file 1 is now before the checkpoint
     for i in range(6):
-        store.delete("scope-a", f"gone{i}")
+        store.delete_nowait("scope-a", f"gone{i}")
     await store.commit()
     old = set(journal_files(tmp_path))
 

@@ -83,7 +83,7 @@ def test_nor_of_the_records_that_share_one_id() -> None:
     assert largest_dict(store.index.items) <= MOST
     # and the newest still comes first, after the oldest went and the newest was added
     for record in store.records()[: N // 2]:
-        store.delete("scope-a", record.id)
+        store.delete_nowait("scope-a", record.id)
     newest = store.put(turn("last", "msg_x"), None)
     holders = store.index.items.holders("scope-a", "msg_x")
     assert holders[0] is newest and len(holders) == N // 2 + 1

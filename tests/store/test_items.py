@@ -47,7 +47,7 @@ def turn(
 
 
 async def resolve(store: Store, item_id: str, scope: str = "scope-a", **kw: Any) -> Any:
-    record = store.find_item(scope, item_id, **kw)
+    record = store.find_item_nowait(scope, item_id, **kw)
     (data,) = await store.item_bytes([(record, item_id)])
     return orjson.loads(data)
 
@@ -55,15 +55,15 @@ async def resolve(store: Store, item_id: str, scope: str = "scope-a", **kw: Any)
 async def test_an_output_item_resolves_to_its_bytes_in_its_scope_only() -> None:
     store = make_store(None)
     store.put(turn("r1", "msg_1"), None)
-    record = store.find_item("scope-a", "msg_1")
+    record = store.find_item_nowait("scope-a", "msg_1")
     (data,) = await store.item_bytes([(record, "msg_1")])
     assert data == orjson.dumps(message("msg_1", "a r1"))  # exactly the stored bytes
     for scope in ("scope-b", "anonymous"):
         with pytest.raises(StoreFailure) as info:
-            store.find_item(scope, "msg_1")
+            store.find_item_nowait(scope, "msg_1")
         assert info.value.reason == FailureReason.UNKNOWN
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_nope")
+        store.find_item_nowait("scope-a", "msg_nope")
     assert store.check() == []
 
 
@@ -78,7 +78,7 @@ async def test_store_false_items_resolve_only_where_unstored_ones_may() -> None:
     store = make_store(None)
     store.put(turn("r1", "msg_1", stored=False, durable=False), None)
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_1")
+        store.find_item_nowait("scope-a", "msg_1")
     assert await resolve(store, "msg_1", unstored=True) == message("msg_1", "a r1")
 
 
@@ -88,13 +88,13 @@ async def test_the_newest_live_holder_wins_and_deleting_it_falls_back() -> None:
     # A later turn resent msg_1 in full (as an input item with its id): it holds it too.
     resent = message("msg_1", "a r1")
     new = store.put(turn("r2", "msg_2", inputs=[resent]), None)
-    assert store.find_item("scope-a", "msg_1") is new
-    assert store.delete("scope-a", "r2")
-    assert store.find_item("scope-a", "msg_1") is old
+    assert store.find_item_nowait("scope-a", "msg_1") is new
+    assert store.delete_nowait("scope-a", "r2")
+    assert store.find_item_nowait("scope-a", "msg_1") is old
     assert store.check() == []
-    assert store.delete("scope-a", "r1")
+    assert store.delete_nowait("scope-a", "r1")
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_1")
+        store.find_item_nowait("scope-a", "msg_1")
     assert len(store.items) == 0 and store.check() == []
 
 
@@ -105,12 +105,12 @@ async def test_a_holder_whose_bytes_were_dropped_is_passed_over() -> None:
     older = store.put(turn("r1", "msg_1"), None)
     resent = message("msg_1", "a r1")
     newer = store.put(turn("r2", "msg_2", inputs=[resent], stored=False, durable=False), None)
-    assert store.find_item("scope-a", "msg_1", unstored=True) is newer
+    assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is newer
     await store.history(older)  # recently used: the newer turn's bytes go first
     store.resident.max_bytes = store.resident.bytes - older.response.size - 1
     store._enforce_bounds()
     assert newer.segments[-1].data is None and older.segments[-1].data is not None
-    assert store.find_item("scope-a", "msg_1", unstored=True) is older
+    assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is older
     assert await resolve(store, "msg_1", unstored=True) == resent
 
 
@@ -118,8 +118,8 @@ async def test_items_of_a_chain_resolve_while_the_record_that_added_them_lives()
     store = make_store(None)
     r1 = store.put(turn("r1", "msg_1"), None)
     store.put(turn("r2", "msg_2"), r1)  # continues r1: holds msg_1's segment too
-    assert store.find_item("scope-a", "msg_1") is r1
-    assert store.find_item("scope-a", "msg_2").id == "r2"
+    assert store.find_item_nowait("scope-a", "msg_1") is r1
+    assert store.find_item_nowait("scope-a", "msg_2").id == "r2"
 
 
 async def test_expired_and_evicted_records_take_their_items_with_them() -> None:
@@ -129,11 +129,11 @@ async def test_expired_and_evicted_records_take_their_items_with_them() -> None:
     store.put(turn("r2", "msg_2"), None)
     store.put(turn("r3", "msg_3"), None)  # evicts r1 (max_entries)
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_1")
-    assert store.find_item("scope-a", "msg_2").id == "r2"
+        store.find_item_nowait("scope-a", "msg_1")
+    assert store.find_item_nowait("scope-a", "msg_2").id == "r2"
     clock.now += 101
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_2")
+        store.find_item_nowait("scope-a", "msg_2")
     assert await store.sweep() == 1  # r3; r2 went when its item was looked up
     assert len(store) == 0 and len(store.items) == 0 and store.check() == []
 
@@ -143,8 +143,8 @@ async def test_a_reused_response_id_reindexes() -> None:
     store.put(turn("r1", "msg_1"), None)
     store.put(turn("r1", "msg_other"), None)
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_1")
-    assert store.find_item("scope-a", "msg_other").id == "r1"
+        store.find_item_nowait("scope-a", "msg_1")
+    assert store.find_item_nowait("scope-a", "msg_other").id == "r1"
     assert store.check() == []
 
 
@@ -153,7 +153,7 @@ async def test_items_of_records_taken_from_another_store_resolve() -> None:
     shared = make_store(None)
     parent = local.put(turn("r1", "msg_1"), None)
     shared.put(turn("r2", "msg_2"), parent)  # the parent's segments are adopted
-    child = shared.lookup("scope-a", "r2")
+    child = shared.lookup_nowait("scope-a", "r2")
     assert child.segments[0].item_ids.ids == ("msg_1",)
     assert await resolve(shared, "msg_2") == message("msg_2", "a r2")
 
@@ -177,8 +177,8 @@ async def test_item_ids_survive_a_restart_and_resolve_from_disk(
     for i in range(5):
         assert await resolve(store, f"msg_{i}") == message(f"msg_{i}", f"a r{i}")
     with pytest.raises(StoreFailure):
-        store.find_item("scope-a", "msg_gone", unstored=True)  # store:false: never on disk
+        store.find_item_nowait("scope-a", "msg_gone", unstored=True)  # store:false: never on disk
     with pytest.raises(StoreFailure):
-        store.find_item("scope-b", "msg_1")
+        store.find_item_nowait("scope-b", "msg_1")
     assert store.check() == []
     await store.close()

@@ -24,14 +24,14 @@ async def test_a_kept_record_is_no_response_and_outlives_every_ttl(tmp_path: Pat
     store = make_store(tmp_path, clock=clock)
     conv = store.keep("conv_a", "scope-a", (segment("hi"),), b"{}", created_at=clock.now)
     with pytest.raises(StoreFailure):
-        store.lookup("scope-a", "conv_a")  # not a response: no chain, GET or delete by it
-    assert not store.delete("scope-a", "conv_a")
+        store.lookup_nowait("scope-a", "conv_a")  # not a response: no chain, GET or delete by it
+    assert not store.delete_nowait("scope-a", "conv_a")
     with pytest.raises(StoreFailure):
         store.record("scope-b", "conv_a")  # another credential's: unknown
     clock.now += 10 * 365 * 86400
     assert await store.sweep() == 0
     assert store.record("scope-a", "conv_a") is conv and conv.expires_at == NEVER
-    assert store.delete("scope-a", "conv_a", kept=True)
+    assert store.delete_nowait("scope-a", "conv_a", kept=True)
     with pytest.raises(StoreFailure):
         store.record("scope-a", "conv_a")
 
@@ -48,7 +48,7 @@ async def test_rewriting_shares_segments_with_the_responses_on_top(tmp_path: Pat
     assert again.segments == response.segments  # the same objects: stored once
     assert await store.history(again) == await store.history(response)
     assert store.check() == []
-    store.delete("scope-a", "conv_a", kept=True)
+    store.delete_nowait("scope-a", "conv_a", kept=True)
     assert await store.history(response)  # the response keeps what it holds
     assert store.check() == []
 
@@ -97,5 +97,5 @@ async def test_kept_records_persist_and_stay_pinned(tmp_path: Path) -> None:
     assert await again.history(restored) == [segment("a").data]
     assert await again.history(again.record("scope-a", "conv_empty")) == []
     with pytest.raises(StoreFailure):  # the cap of one took the response, not the conversation
-        again.lookup("scope-a", "resp_1")
+        again.lookup_nowait("scope-a", "resp_1")
     await again.close()

@@ -170,7 +170,7 @@ def test_what_start_up_replays_is_made_durable_before_it_is_built_on(
                 raise Crash
 
             layer.fsync = die  # type: ignore[method-assign]
-            store.put(make_turn("r2", "two"), store.lookup("scope-a", "r1"))
+            store.put(make_turn("r2", "two"), store.lookup_nowait("scope-a", "r1"))
             assert store._committer is not None
             try:
                 await store._committer.write()
@@ -184,7 +184,7 @@ def test_what_start_up_replays_is_made_durable_before_it_is_built_on(
         async def continued_then_power_lost() -> None:
             store = make_store(state, offload=inline)
             await store.start()
-            parent = store.lookup("scope-a", "r2")  # replayed from the page cache
+            parent = store.lookup_nowait("scope-a", "r2")  # replayed from the page cache
             await store.commit(store.put(make_turn("r3", "three"), parent))
             layer.lose(Mode.LOSE)
             await store.abandon()

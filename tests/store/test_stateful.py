@@ -184,7 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store is not None
         exp = self.model[response_id]
         try:
-            record = self.store.lookup(exp.scope, response_id)
+            record = self.store.lookup_nowait(exp.scope, response_id)
             history = self.run(self.store.history(record))
         except StoreFailure as failure:
             alive = exp.created + TTL > self.clock.now
@@ -239,7 +239,7 @@ class StoreMachine(RuleBasedStateMachine):
             return parent
         exp = self.model[parent]
         try:  # background maintenance may have evicted it (small caps) since
-            record = self.store.lookup(exp.scope, parent)
+            record = self.store.lookup_nowait(exp.scope, parent)
         except StoreFailure:
             assert not exp.must
             return parent
@@ -276,7 +276,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store is not None
         other = SCOPES[1] if self.model[response_id].scope == SCOPES[0] else SCOPES[0]
         try:
-            self.store.lookup(other, response_id)
+            self.store.lookup_nowait(other, response_id)
         except StoreFailure:
             pass
         else:
@@ -287,7 +287,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store is not None
         exp = self.model[response_id]
         try:
-            record = self.store.lookup(exp.scope, response_id)
+            record = self.store.lookup_nowait(exp.scope, response_id)
             body = self.run(self.store.response_bytes(record))
         except StoreFailure:
             return
@@ -299,7 +299,7 @@ class StoreMachine(RuleBasedStateMachine):
     def delete(self, response_id: str, ack: bool) -> None:
         assert self.store is not None
         exp = self.model[response_id]
-        self.store.delete(exp.scope, response_id)
+        self.store.delete_nowait(exp.scope, response_id)
         exp.must, exp.never, exp.committed, exp.deleted = False, True, False, True
         if ack:
             self.commit_all()
@@ -571,7 +571,7 @@ class StoreMachine(RuleBasedStateMachine):
         conv = self.conversations[conv_id]
         if conv.states[-1] is None:
             return
-        assert self.store.delete(conv.scope, conv_id, kept=True)
+        assert self.store.delete_nowait(conv.scope, conv_id, kept=True)
         conv.states.append(None)
         if ack:
             self.commit_queued()

@@ -61,7 +61,7 @@ def expected_items(prefix: str, n: int) -> list[Any]:
 
 
 async def items_of(store: Store, record_id: str, scope: str = "scope-a") -> list[Any]:
-    history = await store.history(store.lookup(scope, record_id))
+    history = await store.history(store.lookup_nowait(scope, record_id))
     items: list[Any] = orjson.loads(b"[" + b",".join(history) + b"]")
     return items
 
@@ -91,7 +91,7 @@ async def test_past_the_byte_cap_segments_leave_memory_not_the_store(tmp_path: P
         assert store.stats().resident_bytes <= 600
     assert sample(store.metrics.spill_reads) > 0
     original = make_turn("r7", "turn 7 of r").response
-    assert await store.response_bytes(store.lookup("scope-a", "r7")) == original
+    assert await store.response_bytes(store.lookup_nowait("scope-a", "r7")) == original
     assert store.check() == []
     await store.close()
 
@@ -104,7 +104,7 @@ async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path) -> N
     assert all(p.stat().st_size == 0 for p in journal_files(tmp_path).values())
     assert sample(store.metrics.store_evictions, reason="resident_bytes") > 0
     with pytest.raises(StoreFailure) as info:
-        await store.history(store.lookup("scope-a", "private19"))
+        await store.history(store.lookup_nowait("scope-a", "private19"))
     assert info.value.reason == FailureReason.EVICTED
     assert checkpoint_ids(tmp_path) == []
     assert store.check() == []
@@ -125,7 +125,7 @@ async def test_disk_cap_evicts_the_oldest_segments(tmp_path: Path) -> None:
     assert occupied <= 10_000
     assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
     with pytest.raises(StoreFailure) as info:
-        await store.history(store.lookup("scope-a", "old9"))
+        await store.history(store.lookup_nowait("scope-a", "old9"))
     assert info.value.reason == FailureReason.EVICTED
     assert await items_of(store, "new9") == expected_items("new", 10)
     assert store.check() == []
@@ -143,10 +143,10 @@ async def test_restart_serves_every_chain_from_disk(tmp_path: Path) -> None:
     assert len(store) == 9 and store.stats().resident_bytes == 0
     assert await items_of(store, "a5") == expected_items("a", 6)
     assert await items_of(store, "b2") == expected_items("b", 3)
-    assert store.lookup("scope-a", "a5").has_call_id("nope") is False
+    assert store.lookup_nowait("scope-a", "a5").has_call_id("nope") is False
     with pytest.raises(StoreFailure):
-        store.lookup("scope-b", "a5")  # another credential
-    parent = store.lookup("scope-a", "a5")
+        store.lookup_nowait("scope-b", "a5")  # another credential
+    parent = store.lookup_nowait("scope-a", "a5")
     store.put(make_turn("a6", "turn 6 of a"), parent)
     assert await items_of(store, "a6") == expected_items("a", 7)
     assert store.check() == []
@@ -173,8 +173,8 @@ async def test_crash_after_a_checkpoint_replays_the_journal_after_it(tmp_path: P
     await store.start()
     records = build_chain(store, 5)
     await store.flush()
-    store.delete("scope-a", "r4")
-    store.delete("scope-a", "r3")
+    store.delete_nowait("scope-a", "r4")
+    store.delete_nowait("scope-a", "r3")
     x = store.put(make_turn("x", "later"), records[2])
     await store.commit(x)
     await store.abandon()  # the deletes and "x" are only in the journal
@@ -194,10 +194,10 @@ async def test_delete_is_journaled_and_compaction_drops_its_bytes(tmp_path: Path
     build_chain(store, 9, prefix="gone")
     await store.flush()
     for i in range(9):
-        assert store.delete("scope-a", f"gone{i}")
-    assert not store.delete("scope-a", "gone0")
+        assert store.delete_nowait("scope-a", f"gone{i}")
+    assert not store.delete_nowait("scope-a", "gone0")
     with pytest.raises(StoreFailure):
-        store.lookup("scope-a", "gone8")
+        store.lookup_nowait("scope-a", "gone8")
     await store.commit()
     assert durable_ids(tmp_path) == ["keep0", "keep1", "keep2"]
     await store.flush()
@@ -213,8 +213,8 @@ async def test_delete_is_journaled_and_compaction_drops_its_bytes(tmp_path: Path
 async def test_delete_in_another_scope_is_refused(tmp_path: Path) -> None:
     store = make_store(None)
     build_chain(store, 1)
-    assert not store.delete("scope-b", "r0")
-    assert store.lookup("scope-a", "r0")
+    assert not store.delete_nowait("scope-b", "r0")
+    assert store.lookup_nowait("scope-a", "r0")
 
 
 async def test_ttl_and_max_entries(tmp_path: Path) -> None:
@@ -225,7 +225,7 @@ async def test_ttl_and_max_entries(tmp_path: Path) -> None:
         await store.commit(record)
     assert sorted(r.id for r in store.records()) == ["r2", "r3", "r4"]
     with pytest.raises(StoreFailure) as info:
-        store.lookup("scope-a", "r0")
+        store.lookup_nowait("scope-a", "r0")
     assert info.value.reason == FailureReason.EVICTED
     assert sample(store.metrics.store_evictions, reason="max_entries") == 2
     await store.close()
@@ -240,7 +240,7 @@ async def test_ttl_and_max_entries(tmp_path: Path) -> None:
     build_chain(store2, 2)
     clock.now += 11
     with pytest.raises(StoreFailure) as info:
-        store2.lookup("scope-a", "r1")
+        store2.lookup_nowait("scope-a", "r1")
     assert info.value.reason == FailureReason.EXPIRED
     assert await store2.sweep() == 1 and len(store2) == 0
 
@@ -253,7 +253,7 @@ async def test_memory_only_store_writes_nothing(tmp_path: Path) -> None:
     await store.close()
     assert os.listdir(tmp_path) == []
     with pytest.raises(StoreFailure) as info:
-        await store.history(store.lookup("scope-a", "r9"))
+        await store.history(store.lookup_nowait("scope-a", "r9"))
     assert info.value.reason == FailureReason.EVICTED
 
 
@@ -263,7 +263,7 @@ async def test_a_parent_deleted_mid_turn_still_chains(tmp_path: Path) -> None:
     records = build_chain(store, 4)
     await store.flush()
     for i in range(4):
-        store.delete("scope-a", f"r{i}")
+        store.delete_nowait("scope-a", f"r{i}")
     child = store.put(make_turn("r4", "turn 4 of r"), records[3])
     assert await items_of(store, "r4") == expected_items("r", 5)
     await store.flush()
@@ -288,7 +288,7 @@ async def test_a_reused_response_id_replaces_its_record_cleanly(tmp_path: Path) 
     store = make_store(tmp_path)
     first = store.put(make_turn("r0", "hello"), None)
     again = store.put(make_turn("r0", "hello"), None)
-    assert store.lookup("scope-a", "r0") is again is not first
+    assert store.lookup_nowait("scope-a", "r0") is again is not first
     assert store.check() == []
     assert await items_of(store, "r0") == [
         {"role": "user", "content": "hello"},
@@ -298,7 +298,7 @@ async def test_a_reused_response_id_replaces_its_record_cleanly(tmp_path: Path) 
             "content": [{"type": "output_text", "text": "echo: hello"}],
         },
     ]
-    assert store.delete("scope-a", "r0")
+    assert store.delete_nowait("scope-a", "r0")
     assert store.check() == []
 
 
@@ -323,7 +323,7 @@ async def test_content_shared_with_a_deleted_stored_turn_leaves_the_disk(
         store.put(make_turn("filler", "other words", durable=False), None)
         await store.flush()
         assert segment.data is None
-    assert store.delete("scope-a", "public")
+    assert store.delete_nowait("scope-a", "public")
     await store.flush()
     await store.flush()  # compaction, then the second checkpoint lets the file go
     assert not segment.on_disk and store.stats().disk_segments == 0
@@ -335,7 +335,7 @@ async def test_content_shared_with_a_deleted_stored_turn_leaves_the_disk(
     assert store.stats().disk_segments == 0  # not written again for store:false holders
     if demoted:  # its bytes were only on disk: the store:false chain is gone, and says so
         with pytest.raises(StoreFailure):
-            await store.history(store.lookup("scope-a", "private"))
+            await store.history(store.lookup_nowait("scope-a", "private"))
     else:
         assert await items_of(store, "private") == [
             {"role": "user", "content": "same words"},
@@ -515,14 +515,14 @@ async def test_a_turn_acknowledged_after_its_twin_was_deleted_uncommitted_surviv
     store = make_store(tmp_path, offload=inline)
     await store.start()
     store.put(make_turn("r1", "same", answer="same"), None)
-    assert store.delete("scope-a", "r1")
+    assert store.delete_nowait("scope-a", "r1")
     twin = store.put(make_turn("r2", "same", answer="same"), None)
     await store.commit(twin)  # acknowledged
     await store.close()
     reopened = make_store(tmp_path, offload=inline)
     await reopened.start()
     assert sample(reopened.metrics.spill_failures, reason="missing") == 0
-    record = reopened.lookup("scope-a", "r2")
+    record = reopened.lookup_nowait("scope-a", "r2")
     assert len(await reopened.history(record)) == 1
     assert reopened.check() == []
     await reopened.close()

@@ -46,7 +46,7 @@ async def test_a_sweep_drops_a_few_records_a_step_and_the_rest_still_fail_as_exp
             gone.append(N + 2 - len(store))
             if len(gone) == 2:  # the newest expired record is not swept yet: it fails
                 with pytest.raises(StoreFailure) as info:
-                    store.lookup("scope-a", f"r{N - 1}")
+                    store.lookup_nowait("scope-a", f"r{N - 1}")
                 failures.append(info.value.reason)
             await asyncio.sleep(0)
 
@@ -62,7 +62,7 @@ async def test_a_sweep_drops_a_few_records_a_step_and_the_rest_still_fail_as_exp
     assert [r.id for r in store.records()] == ["conv_a", "fresh"]  # the pinned one stays
     assert store.record("scope-a", "conv_a") is conv
     with pytest.raises(StoreFailure) as info:
-        store.lookup("scope-a", "r0")
+        store.lookup_nowait("scope-a", "r0")
     assert info.value.reason == FailureReason.EXPIRED
     assert sample(store.metrics.store_evictions, reason="expired") == N
     assert store.check() == []

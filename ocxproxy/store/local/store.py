@@ -53,9 +53,10 @@ def default_state_dir() -> Path:
 class Store(KeptRecords):
     """Records by id, their shared segments, and where segment bytes are.
 
-    `put`, `lookup` and `delete` are synchronous and never touch disk; `sweep` works in
-    short steps of the event loop; `history` and `response_bytes` only leave the event
-    loop when a segment is not resident. With a `state_dir`, `start()` loads the
+    `put` and the `_nowait` forms of `lookup`, `find_item`, `delete` are synchronous and
+    never touch disk (the interface's awaited forms answer with them at once); `sweep`
+    works in short steps of the event loop; `history` and `response_bytes` only leave the
+    event loop when a segment is not resident. With a `state_dir`, `start()` loads the
     checkpoint and journal and starts the committer.
     """
 
@@ -230,7 +231,7 @@ class Store(KeptRecords):
 
     # -- lookups -------------------------------------------------------------------------
 
-    def lookup(self, scope: str, response_id: str) -> Record:
+    def lookup_nowait(self, scope: str, response_id: str) -> Record:
         """The caller's record for `response_id`, or StoreFailure (another scope = unknown)."""
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
@@ -248,14 +249,14 @@ class Store(KeptRecords):
 
     # The handlers' way in (awaited: a shared store's answers take a round trip; here
     # they return at once).
-    async def begin(self, scope: str, response_id: str) -> Record:
-        return self.lookup(scope, response_id)
+    async def lookup(self, scope: str, response_id: str) -> Record:
+        return self.lookup_nowait(scope, response_id)
 
-    async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
-        return self.find_item(scope, item_id, unstored=unstored)
+    async def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+        return self.find_item_nowait(scope, item_id, unstored=unstored)
 
-    async def remove(self, scope: str, response_id: str) -> bool:
-        return self.delete(scope, response_id)
+    async def delete(self, scope: str, response_id: str) -> bool:
+        return self.delete_nowait(scope, response_id)
 
     async def history(self, record: Record) -> list[bytes]:
         """The chain's segment bytes, oldest first (empty segments left out)."""
@@ -274,7 +275,7 @@ class Store(KeptRecords):
         """The stored response object, with its output items put back when they were cut."""
         return await self.table.response_bytes(record)
 
-    def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+    def find_item_nowait(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest live record of `scope` whose turn added an item with this id (one a
         client did not ask to store only with `unstored`), or StoreFailure."""
         found, expired = self.index.holder(scope, item_id, self.clock(), unstored=unstored)
@@ -334,7 +335,7 @@ class Store(KeptRecords):
         self._enforce_bounds()
         return record
 
-    def delete(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
+    def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
         """Forget a record (one `keep` wrote when `kept`; journaled: `await commit()`
         before acknowledging)."""
         record = self._records.get(response_id)

@@ -5,7 +5,7 @@ them apart. Durable turns (store:true) live on the server (layout and scripts:
 layout.py); what must stay in the process (store:false turns kept with
 --retain-unstored) lives in the inherited memory-only Store, never on the server.
 
-Round trips: `begin` (a continuation, GET, input_items) is one script returning the
+Round trips: `lookup` (a continuation, GET, input_items) is one script returning the
 record and its chain's newest digests (a chain's list only grows, a fork being another
 chain, so the older ones this replica read or wrote before are still the server's; a
 chain it does not know that far costs one LRANGE more), plus one MGET of the segments
@@ -164,11 +164,11 @@ class SharedStore(Store):
 
     # -- lookups -------------------------------------------------------------------------
 
-    async def begin(self, scope: str, response_id: str) -> Record:
+    async def lookup(self, scope: str, response_id: str) -> Record:
         """The caller's record (a turn kept in this process, else the server's), with
         every segment of its chain in hand."""
         with contextlib.suppress(StoreFailure):
-            return self.lookup(scope, response_id)
+            return self.lookup_nowait(scope, response_id)
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = self._keys_of(scope)
@@ -180,11 +180,11 @@ class SharedStore(Store):
         value, window, tail = found
         return await self._build(keys, response_id, value, window, tail)
 
-    async def locate_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
+    async def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest record whose own segment holds the item (kept here, else the
         server's); only that segment is fetched: the record serves `item_bytes` alone."""
         with contextlib.suppress(StoreFailure):
-            return self.find_item(scope, item_id, unstored=unstored)
+            return self.find_item_nowait(scope, item_id, unstored=unstored)
         keys = self._keys_of(scope)
         args = (layout.item_field(item_id), keys.base)
         found = await self.server.script("item", (keys.buckets(),), args)
@@ -436,9 +436,9 @@ class SharedStore(Store):
         if expired:
             self.metrics.store_evictions.labels(reason="shared_expired").inc(expired)
 
-    async def remove(self, scope: str, response_id: str) -> bool:
+    async def delete(self, scope: str, response_id: str) -> bool:
         """Forget a response (kept here, else on the server); True when there was one."""
-        if self.delete(scope, response_id):
+        if self.delete_nowait(scope, response_id):
             return True
         if response_id.startswith(KEPT_PREFIXES):
             return False
