@@ -45,7 +45,7 @@ def new_store(state: Path, **overrides: object) -> Store:
 
 
 async def history_of(store: Store, record_id: str, scope: str = "scope-a") -> list[bytes]:
-    return await store.history(store.lookup(scope, record_id))
+    return await store.history(store.lookup_nowait(scope, record_id))
 
 
 def test_a_large_segment_is_its_own_file_named_by_its_digest(tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_a_file_goes_only_once_a_durable_checkpoint_no_longer_needs_it(tmp_path:
         gone = store.put(make_turn("gone", noise(40_000, 6)), None)
         await store.commit()
         assert len(own_files(tmp_path)) == 2
-        assert store.delete("scope-a", "gone")
+        assert store.delete_nowait("scope-a", "gone")
         await store.commit()
         assert gone.segments[-1].key in own_files(tmp_path)  # the index that drops it is not
         assert await store.flush()
@@ -203,7 +203,7 @@ def test_the_same_bytes_again_after_a_delete(tmp_path: Path) -> None:
         store = new_store(tmp_path)
         await store.start()
         await store.commit(store.put(make_turn("a", big, answer="same"), None))
-        assert store.delete("scope-a", "a")
+        assert store.delete_nowait("scope-a", "a")
         await store.commit()
         await store.commit(store.put(make_turn("b", big, answer="same"), None))
         assert await store.flush()
@@ -249,7 +249,7 @@ def test_compaction_never_copies_a_large_segment(
         await store.flush()
         for i in range(60):
             if i % 3 and i % 4:  # most small ones go: their files turn sparse
-                assert store.delete("scope-a", f"r{i}")
+                assert store.delete_nowait("scope-a", f"r{i}")
         await store.commit()
         for _ in range(3):
             await store.flush()
