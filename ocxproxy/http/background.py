@@ -177,7 +177,7 @@ async def _run(
                 runs.slots.release()
     except asyncio.CancelledError:
         if exchange.recorded and not job.terminal:  # cut once stored: not kept after all
-            proxy.store.delete(job.scope, job.id)
+            proxy.store.delete_nowait(job.scope, job.id)
         if job.cancelling:
             cancelled(proxy, job)
         else:
