@@ -275,6 +275,23 @@ def _count(value: Any) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
+def add_usage(usage: dict[str, Any], extra: dict[str, Any], sign: int = 1) -> dict[str, Any]:
+    """`usage` (a backend's, in the Responses shape) with `extra` (`usage_of`'s) added,
+    or taken out with `sign` -1: its other members kept."""
+    summed = dict(usage)
+    for name in ("input_tokens", "output_tokens", "total_tokens"):
+        summed[name] = max(0, _count(usage.get(name)) + sign * extra[name])
+    for details, name in (
+        ("input_tokens_details", "cached_tokens"),
+        ("output_tokens_details", "reasoning_tokens"),
+    ):
+        own = usage.get(details)
+        own = dict(own) if isinstance(own, dict) else {}
+        own[name] = max(0, _count(own.get(name)) + sign * extra[details][name])
+        summed[details] = own
+    return summed
+
+
 def compaction_response(
     body: dict[str, Any],
     response_id: str,
@@ -429,11 +446,14 @@ class Injection:
     """Puts a compaction item first in a streamed Response made by the backend: its
     `output_item.added`/`done` go before the first event that is about the output, later
     `sequence_number`s and `output_index`es move up, and each terminal Response carries
-    the item first. Works on parsed payloads, changed in place."""
+    the item first, and in its usage the summary request's (`usage`: both are billed in
+    this one response). Works on parsed payloads, changed in place."""
 
-    def __init__(self, item: dict[str, Any]) -> None:
+    def __init__(self, item: dict[str, Any], usage: dict[str, Any]) -> None:
         self.item = item
+        self.usage = usage
         self.placed = False
+        self.billed: dict[str, Any] | None = None  # the usage `into` wrote
 
     def before(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         """The events that go before this one (the item's, once)."""
@@ -465,3 +485,13 @@ class Injection:
         output = response.get("output")
         if isinstance(output, list) and (not output or output[0] is not self.item):
             output.insert(0, self.item)
+        usage = response.get("usage")
+        if isinstance(usage, dict) and usage is not self.billed:
+            self.billed = response["usage"] = add_usage(usage, self.usage)
+
+    def own(self, response: dict[str, Any]) -> dict[str, Any]:
+        """`response` with the turn's own usage, as its backend reported it."""
+        usage = response.get("usage")
+        if not isinstance(usage, dict) or usage is not self.billed:
+            return response
+        return {**response, "usage": add_usage(usage, self.usage, sign=-1)}

@@ -95,7 +95,7 @@ async def compact_first(
     assert exchange.pending is not None and exchange.tail is not None
     summary_body, history = exchange.pending
     exchange.pending = None
-    summary, _ = await summarize(
+    summary, usage = await summarize(
         exchange, forwarded, path_qs, timing, route="threshold", body=summary_body
     )
     item = new_item(seal(exchange, summary))
@@ -109,7 +109,7 @@ async def compact_first(
     items = [*retained, {**orjson.loads(message), "id": item["id"]}, *calls]
     exchange.retained = (parts, items)
     exchange.summary = message
-    exchange.injection = Injection(item)
+    exchange.injection = Injection(item, usage)
     exchange.body = expand(exchange.request.body, [], [*parts, *exchange.tail])
     exchange.proxy.metrics.compactions.labels(route="threshold", outcome="completed").inc()
 

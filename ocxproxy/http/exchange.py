@@ -255,6 +255,8 @@ class Exchange:
             ) from None
 
     def observe_usage(self, response: Any) -> None:
+        if self.injection is not None:  # the turn's own: its billed usage has the summary's
+            response = self.injection.own(response)
         usage = input_tokens_of(response)
         if usage is None or self.backend is None:
             return

@@ -37,6 +37,13 @@ def forwarded_items(backend: FakeBackend) -> list[list[Json]]:
     return [seen.json["input"] for seen in backend.responses_seen]
 
 
+def billed_input_tokens(backend: FakeBackend, requests: int) -> int:
+    """The input tokens the fake reported for its last `requests` requests (it counts
+    a quarter of the input items' JSON)."""
+    seen = backend.responses_seen[-requests:]
+    return sum(max(1, (len(orjson.dumps(s.json["input"])) + 3) // 4) for s in seen)
+
+
 def assert_never_forwarded(backend: FakeBackend) -> None:
     """No backend body ever held a compaction trigger or a compaction item."""
     for seen in backend.responses_seen:
@@ -398,6 +405,12 @@ async def test_context_management_compacts_first_then_answers(
     assert [item.type for item in turn.output] == ["compaction", "message"]
     compaction_item(turn.output[:1])
     assert turn.output_text == "echo#3: What next?"
+    # Billed in this one response: the summary request's tokens and the turn's.
+    assert turn.usage is not None
+    assert turn.usage.input_tokens == billed_input_tokens(backend, 2)
+    own_output = (len(b"echo#3: What next?") + 3) // 4
+    assert turn.usage.output_tokens > own_output  # and the summary's
+    assert turn.usage.total_tokens == turn.usage.input_tokens + turn.usage.output_tokens
     summarized, answered = forwarded_items(backend)[1:]
     assert summarized[-1]["content"] == COMPACTION_PROMPT and len(summarized) == 4
     # The turn itself ran on the compacted window: the kept user message, the summary,
@@ -412,6 +425,7 @@ async def test_context_management_compacts_first_then_answers(
     assert_append_only([seen.body for seen in backend.responses_seen[-2:]])
     stored = await client.responses.retrieve(turn.id)
     assert [item.type for item in stored.output] == ["compaction", "message"]
+    assert stored.usage == turn.usage
     assert proxy.metric("ocxproxy_compactions_total", route="threshold", outcome="completed") == 1
     assert_never_forwarded(backend)
 
@@ -440,6 +454,7 @@ async def test_context_management_in_a_stream(
     assert rest and all(e["output_index"] == 1 for e in rest)
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["compaction", "message"]
+    assert final["usage"]["input_tokens"] == billed_input_tokens(backend, 2)
     assert_never_forwarded(backend)
 
 
