@@ -19,7 +19,9 @@ scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
   4. start-up: a SIGTERM (timed), then a fresh start on the big store, timed to /readyz 200.
   5. throughput: 16 closed-loop clients for --throughput-duration s, durable and --zdr in
      --throughput-rounds ABBA rounds, each run counted until its graceful stop completes
-     (until the state is durable); durable ÷ zdr of the pooled runs.
+     (until the state is durable); durable ÷ zdr of the pooled runs, and the CPU time the
+     proxy and its fsync helper used per turn in each window (from /proc: CPU time, not
+     wall time, so the other load on a shared box is not counted), durable ÷ zdr.
 
 Beside all of it, a canary in the state dirs' file system (disk_canary.Watch) writes 550
 bytes and fdatasyncs them every 25 ms, and each latency and throughput window is reported
@@ -39,6 +41,8 @@ backend, so figures are noisy.
     .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
     .venv/bin/python scripts/bench/bench_durable.py --only-throughput   # part 5 alone
     .venv/bin/python scripts/bench/bench_durable.py --only-latency      # part 1 alone
+    .venv/bin/python scripts/bench/bench_durable.py --only-rss --turn-bytes 1000 \
+        --chain-turns 10 --unique-item-ids       # part 2 alone: ~1 KB turns, chains of 10
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from benchkit import (  # noqa: E402
     Child,
     Summary,
     add_common_options,
+    cpu_seconds,
     raise_priority,
     start_backend,
     start_child,
@@ -245,7 +250,13 @@ async def start_proxy(upstream: str, state: Path, name: str, *extra: str) -> Pro
 
 
 async def closed_loop(
-    http: Http, clients: int, chain_turns: int, *, turns: int = 0, seconds: float = 0.0
+    http: Http,
+    clients: int,
+    chain_turns: int,
+    *,
+    turns: int = 0,
+    seconds: float = 0.0,
+    turn_bytes: int = 0,
 ) -> tuple[int, int]:
     """`clients` chains back to back, each restarting after `chain_turns` turns, until
     `turns` turns were sent or `seconds` passed. (turns acknowledged, failures)."""
@@ -269,7 +280,9 @@ async def closed_loop(
             for turn in range(chain_turns):
                 if not more():
                     return
-                status, rid = await http.create(turn_body(head, f"client {n} turn {turn}"))
+                text = f"client {n} turn {turn} "
+                text += "x" * (turn_bytes - len(text))  # (no padding when turn_bytes is 0)
+                status, rid = await http.create(turn_body(head, text))
                 if rid is None:
                     done[1] += 1
                     if status == 0:
@@ -402,11 +415,13 @@ class Filled:
     failures: int
 
 
-async def fill_store(backend: str, state: Path, records: int) -> Filled:
+async def fill_store(backend: str, state: Path, records: int, args: argparse.Namespace) -> Filled:
     proxy = await start_proxy(backend, state, f"proxy-{records}")
     http = Http(proxy.child.url)
     start = time.perf_counter()
-    made, failures = await closed_loop(http, 16, 100, turns=records)
+    made, failures = await closed_loop(
+        http, 16, args.chain_turns, turns=records, turn_bytes=args.turn_bytes
+    )
     fill = time.perf_counter() - start
     progress(f"{made:,} records in {fill:.1f} s ({made / fill:,.0f}/s)")
     await settle(proxy, 60)
@@ -520,6 +535,7 @@ class Throughput:
     failures: int
     window: float
     stop: float
+    cpu: float = 0.0  # CPU seconds the proxy and its fsync helper used in the window
     disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
 
     @property
@@ -543,16 +559,38 @@ async def throughput(
 ) -> Throughput:
     proxy = await start_proxy(backend, state, f"proxy-{label}", *extra)
     http = Http(proxy.child.url)
-    start = time.monotonic()
+    start, cpu = time.monotonic(), family_cpu(proxy.pid)
     turns, failures = await closed_loop(http, 16, 100, seconds=args.throughput_duration)
-    end = time.monotonic()
+    end, cpu = time.monotonic(), family_cpu(proxy.pid) - cpu
     http.close()
     stop = proxy.stop()
     window = end - start
     progress(f"{label}: {turns / window:,.0f} turns/s in the window, graceful stop {stop:.2f} s")
     return Throughput(
-        label, turns, failures, window, stop, watch.between(start, end) if watch else []
+        label, turns, failures, window, stop, cpu, watch.between(start, end) if watch else []
     )
+
+
+def family_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children (the fsync helper), as
+    the kernel counts them: CPU time, not wall time, so the other load on a shared box
+    does not count against either configuration."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    total = 0.0
+    for p in (pid, *children):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+    return total
+
+
+def cpu_per_turn(runs: list[Throughput], label: str) -> float:
+    """CPU seconds per acknowledged turn of every run of a configuration together."""
+    mine = [t for t in runs if t.label == label]
+    return sum(t.cpu for t in mine) / max(1, sum(t.turns for t in mine))
 
 
 async def throughput_rounds(
@@ -599,11 +637,12 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
             f"{t.tps:,.0f}",
             disk_max(t.disk),
             f"{sum(s for s in t.disk if s > STALL):.1f}" if t.disk else "-",
+            f"{t.cpu / max(1, t.turns) * 1e6:,.0f}",
         ]
         for t in tput
     ]
     headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
-    headers += ["turns/s incl. stop", "disk max sync ms", "disk stalled s"]
+    headers += ["turns/s incl. stop", "disk max sync ms", "disk stalled s", "CPU µs/turn"]
     print(table(headers, rows))
     if any(t.disk for t in tput):
         print(
@@ -611,6 +650,12 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
             f"{STALL * 1000:.0f} ms, summed: durable turns wait those out, --zdr ones do not)"
         )
     print(f"durable ÷ --zdr: {durable / zdr:.2f}x ({durable:,.0f} / {zdr:,.0f} turns/s)")
+    cpu_zdr, cpu_durable = cpu_per_turn(tput, "--zdr"), cpu_per_turn(tput, "durable")
+    print(
+        f"CPU per turn (the proxy and its fsync helper, process CPU time in the window), "
+        f"durable ÷ --zdr: {cpu_durable / cpu_zdr:.2f}x "
+        f"({cpu_durable * 1e6:,.0f} / {cpu_zdr * 1e6:,.0f} µs)"
+    )
     return zdr, durable
 
 
@@ -769,9 +814,12 @@ async def measure(
         tput = await throughput_rounds(backend, root, args, watch)
         report_throughput(tput)
         return
+    if args.only_rss:
+        await rss_only(backend, root, args)
+        return
     filled = [
-        await fill_store(backend, root / "small", args.small_records),
-        await fill_store(backend, root / "big", args.records),
+        await fill_store(backend, root / "small", args.small_records, args),
+        await fill_store(backend, root / "big", args.records, args),
     ]
     progress("measuring latency" + (" (one store after the other)" if args.sequential else ""))
     small, big = await latency_windows(filled, args, watch)
@@ -794,6 +842,34 @@ async def measure(
     report(small, big, kills, startup, loaded, stop, tput, args)
 
 
+async def rss_only(backend: str, root: Path, args: argparse.Namespace) -> None:
+    """Part 2 alone: the big store filled, its writes settled, its RSS at once and
+    --rss-wait s later (the proxy trims its heap every 30 s)."""
+    f = await fill_store(backend, root / "big", args.records, args)
+    await settle(f.proxy, 120)
+    rss = [status_kib(f.proxy.pid, "VmRSS") / 1024]
+    await asyncio.sleep(args.rss_wait)
+    rss.append(status_kib(f.proxy.pid, "VmRSS") / 1024)
+    counted = disk_tiers(await f.proxy.metrics())
+    on_disk = sum(v for tier, v in counted.items() if tier not in MEMORY_TIERS)
+    allocated = allocated_bytes(f.proxy.state)
+    hwm = status_kib(f.proxy.pid, "VmHWM") / 1024
+    f.http.close()
+    f.proxy.stop()
+    print(f"\n## RSS at {f.made:,} records ({args.turn_bytes or 'short'}-byte user texts, chains "
+          f"of {args.chain_turns}), default budgets")  # fmt: skip
+    rows = [
+        [f"RSS at {f.made:,} records", "≤ 200 MiB",
+         f"{rss[0]:,.0f} MiB settled, {rss[1]:,.0f} MiB {args.rss_wait:g} s later "
+         f"(peak {hwm:,.0f})",
+         verdict(max(rss) <= 200)],
+        ["state dir allocated ÷ bytes the store counts", "≤ 1.5x",
+         f"{allocated / on_disk:.2f}x ({mib(allocated)} / {mib(on_disk)})" if on_disk else "-",
+         verdict(bool(on_disk) and allocated / on_disk <= 1.5)],
+    ]  # fmt: skip
+    print(table(["figure", "target", "measured", ""], rows))
+
+
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     flags = serve_flags()
@@ -804,7 +880,7 @@ async def run(args: argparse.Namespace) -> None:
         + (" (--durability default)" if durability else " (no --durability flag: older store)")
         + f"; instant backend; seed {args.seed}"
     )
-    backend = await asyncio.to_thread(start_backend)
+    backend = await asyncio.to_thread(start_backend, unique_item_ids=args.unique_item_ids)
     try:
         with tempfile.TemporaryDirectory(prefix="bench_durable_", dir=args.tmp) as tmp:
             root = Path(tmp)
@@ -839,6 +915,23 @@ def main() -> None:
     )
     parser.add_argument(
         "--only-latency", action="store_true", help="only part 1, latency at both sizes"
+    )
+    parser.add_argument(
+        "--only-rss", action="store_true", help="only part 2: the big store's RSS once filled"
+    )
+    parser.add_argument(
+        "--turn-bytes", type=int, default=0, help="user text per filling turn (default: short)"
+    )
+    parser.add_argument(
+        "--chain-turns", type=int, default=100, help="turns per chain while filling"
+    )
+    parser.add_argument(
+        "--unique-item-ids",
+        action="store_true",
+        help="the backend gives each output item an id of its own, as real servers do",
+    )
+    parser.add_argument(
+        "--rss-wait", type=float, default=35.0, help="--only-rss: seconds to the second reading"
     )
     parser.add_argument(
         "--sequential",

@@ -68,6 +68,25 @@ async def test_bench_durable_throughput_alone() -> None:
     assert "## Figures" not in out  # the other parts did not run
     rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
     assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
-    # Its last two columns: the disk canary's worst sync (ms) and stalled seconds.
-    assert all(float(row[-2].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
+    # Its last three columns: the disk canary's worst sync (ms), stalled seconds, and the
+    # CPU per turn of the proxy and its fsync helper (µs).
+    assert all(float(row[-3].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
+    assert all(float(row[-1].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
     assert "durable ÷ --zdr: " in out, out[-3000:]
+    assert re.search(r"CPU per turn .* durable ÷ --zdr: [\d.]+x \([\d,]+ / [\d,]+ µs\)", out)
+
+
+async def test_bench_durable_rss_alone() -> None:
+    """--only-rss fills one store with turns of the size and chain length asked for."""
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
+    argv += ["--only-rss", "--records", "60", "--turn-bytes", "1000", "--chain-turns", "10"]
+    argv += ["--unique-item-ids", "--rss-wait", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    async with asyncio.timeout(100):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out[-3000:]
+    assert "## RSS at 60 records (1000-byte user texts, chains of 10)" in out, out[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("RSS at 60 records"))
+    assert re.search(r"\d+ MiB settled, \d+ MiB 0 s later \(peak \d+\)", line), line

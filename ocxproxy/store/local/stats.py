@@ -20,7 +20,7 @@ class StoreStats:
     resident_segments: int
     resident_bytes: int
     disk_segments: int  # segments whose bytes the journal holds
-    disk_bytes: int  # what the state dir occupies: journal files + checkpoint
+    disk_bytes: int  # what the state dir occupies: journal files, segment files, checkpoint
     live_bytes: int = 0  # of that, what the store needs: live segments, tail, checkpoint
     pending_segments: int = 0  # queued for the next commit
     pending_bytes: int = 0
