@@ -263,7 +263,13 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
     record = await _lookup(proxy, request)
     if record is None:
         return await passthrough(request)
-    raise InvalidRequest("Only responses created with background=true can be cancelled.")
+    try:  # a background response that ended and is kept as any stored one: as it is
+        body = complete_stored(await proxy.store.response_bytes(record))
+    except StoreFailure:
+        raise _not_found(record.id) from None
+    if loads_or_none(body).get("background") is not True:
+        raise InvalidRequest("Only responses created with background=true can be cancelled.")
+    return web.Response(body=body, content_type="application/json")
 
 
 async def list_input_items(request: web.Request) -> web.StreamResponse:

@@ -208,3 +208,53 @@ async def test_the_create_body_reaches_the_backend_without_background(
     await backend.wait_for(lambda: len(backend.responses_seen) == 1)
     forwarded = backend.responses_seen[0].json
     assert forwarded == {"model": "m", "input": "x", "metadata": {"k": "v"}, "stream": True}
+
+
+async def test_event_logs_beyond_the_budget_go_oldest_first(make_proxy: MakeProxy) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, background_log_bytes=6000)
+        client = proxy.client()
+        ids = []
+        for n in range(4):
+            stream = await client.responses.create(
+                model="m", input=f"turn {n}", background=True, stream=True
+            )
+            events = [event async for event in stream]
+            assert events[-1].type == "response.completed"
+            ids.append(events[0].response.id)
+        kept = proxy.metric("ocxproxy_background_log_bytes")
+        assert 0 < kept <= 6000
+        newest = [e async for e in await client.responses.retrieve(ids[-1], stream=True)]
+        assert newest[-1].type == "response.completed"
+        with pytest.raises(openai.BadRequestError):  # its events are gone; the response is not
+            await client.responses.retrieve(ids[0], stream=True)
+        assert (await client.responses.retrieve(ids[0])).output_text == "echo#1: turn 0"
+
+
+async def test_a_background_turn_on_a_conversation_is_appended(proxy: ProxyHandle) -> None:
+    client = proxy.client()
+    conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+    created = await client.responses.create(
+        model="m", input="bg", conversation=conversation.id, background=True
+    )
+    done = await until_ended(client, created.id)
+    assert done.output_text == "echo#2: bg"
+    assert done.conversation is not None and done.conversation.id == conversation.id
+    items = [i async for i in client.conversations.items.list(conversation.id, order="asc")]
+    assert len(items) == 3
+
+
+async def test_an_idempotent_retry_gets_the_same_background_response(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    client = proxy.client()
+    headers = {"Idempotency-Key": "bg-1"}
+    created = await client.responses.create(
+        model="m", input="once", background=True, extra_headers=headers
+    )
+    await until_ended(client, created.id)
+    again = await client.responses.create(
+        model="m", input="once", background=True, extra_headers=headers
+    )
+    assert again.id == created.id and again.status == "completed"
+    assert len(backend.responses_seen) == 1

@@ -47,6 +47,7 @@ class LocalBackgrounds:
         self.ttl = ttl  # how long a response the store does not keep stays here
         self.jobs: dict[tuple[str, str], Job] = {}
         self.ended: deque[Job] = deque()  # terminal jobs, oldest first
+        self.kept: deque[Job] = deque()  # failed or cancelled, their logs gone, until the TTL
         self.log_size = 0  # bytes of every event log kept
         self._pending: list[bytes] = []
         self._writing: asyncio.Lock | None = None
@@ -115,25 +116,25 @@ class LocalBackgrounds:
 
     def _prune(self, *, over_budget: bool = False) -> None:
         """Drop the event logs past LOG_KEPT (or, over the budget, the oldest ended
-        ones), and the jobs the store answers for, or past the TTL."""
+        ones); then the jobs the store answers for, and the others past the TTL."""
         now = time.time()
         while self.ended:
             job = self.ended[0]
             assert job.ended is not None
-            old = now - job.ended
-            over = over_budget and self.log_size > self.log_bytes
-            if job.log is not None and (old > LOG_KEPT or over):
+            old = now - job.ended > LOG_KEPT or (over_budget and self.log_size > self.log_bytes)
+            if job.log is not None:
+                if not old:
+                    break
                 self.log_size -= job.log.size
                 job.log = None
-            if job.log is not None:
-                break
-            if job.status in STORED or old > self.ttl:
+            self.ended.popleft()
+            if job.status in STORED:
                 self.jobs.pop((job.scope, job.id), None)
-                self.ended.popleft()
-            elif over or old > LOG_KEPT:
-                self.ended.popleft()  # kept (its final Response) until a restart's load
             else:
-                break
+                self.kept.append(job)
+        while self.kept and now - (self.kept[0].ended or now) > self.ttl:
+            job = self.kept.popleft()
+            self.jobs.pop((job.scope, job.id), None)
 
     def running(self) -> list[asyncio.Task[Any]]:
         return [job.task for job in self.jobs.values() if job.task is not None]
@@ -159,11 +160,12 @@ class LocalBackgrounds:
         for key, job in list(self.jobs.items()):
             if job.status in STORED:
                 del self.jobs[key]
-            elif not job.terminal:
+                continue
+            if not job.terminal:
                 job.status, job.response = "failed", lost_response(job.response)
                 lost += 1
             job.ended = now
-            self.ended.append(job)
+            self.kept.append(job)
         if lost:
             log.warning("%d background responses were left running by a stop: failed", lost)
             self.metrics.background_lost.inc(lost)
