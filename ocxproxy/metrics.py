@@ -258,6 +258,11 @@ class Metrics:
             "Tokens of the summaries compactions sealed (the backend's output tokens)",
             ["route"],
         )
+        self.compaction_retries = Counter(
+            "ocxproxy_compaction_retries_total",
+            "Summary requests asked again without tools: the model called a tool instead",
+            ["route"],
+        )
         self.turns_recorded = Counter(
             "ocxproxy_turns_recorded_total",
             "Turns remembered, by where they live",

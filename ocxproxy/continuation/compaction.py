@@ -195,7 +195,26 @@ def summary_request(body: dict[str, Any], history: list[bytes], tail: list[bytes
     fields = {k: v for k, v in body.items() if k not in _NOT_FOR_SUMMARY}
     fields["stream"] = False
     fields["store"] = False
+    if fields.get("tools"):  # kept: they are part of the prefix the backend has cached
+        fields["tool_choice"] = "none"
     return expand(fields, history, [*tail, _PROMPT_ITEM])
+
+
+def without_tools(summary_body: bytes) -> bytes:
+    """A summary request asked again of a model that called a tool: with no tools."""
+    fields = orjson.loads(summary_body)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        fields.pop(name, None)
+    return orjson.dumps(fields)
+
+
+def called_tool(response: Any) -> bool:
+    """Whether a backend's Response calls a tool."""
+    output = response.get("output") if isinstance(response, dict) else None
+    return any(
+        isinstance(item, dict) and str(item.get("type", "")).endswith("_call")
+        for item in (output if isinstance(output, list) else ())
+    )
 
 
 def summarized_items(summary_body: bytes) -> list[Any]:

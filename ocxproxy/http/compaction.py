@@ -19,7 +19,9 @@ from multidict import CIMultiDict
 
 from ocxproxy.continuation.compaction import (
     Injection,
+    add_usage,
     binding_calls,
+    called_tool,
     compaction_response,
     new_item,
     response_events,
@@ -29,6 +31,7 @@ from ocxproxy.continuation.compaction import (
     summary_message,
     summary_text,
     usage_of,
+    without_tools,
 )
 from ocxproxy.continuation.expand import expand
 from ocxproxy.errors import OcxError, UpstreamError, backend_error
@@ -130,35 +133,52 @@ async def summarize(
     body: bytes | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Ask the backend for the summary `body` (default: `exchange.body`) requests: its
-    text, and the usage."""
+    text, and the usage. A model that calls a tool instead of writing it (the request
+    keeps the turn's tools for the prefix cache, with `tool_choice: "none"`, which some
+    backends do not enforce) is asked once more without tools."""
     proxy = exchange.proxy
     metrics = proxy.metrics
+    body = exchange.body if body is None else body
+    usage: dict[str, Any] | None = None
     try:
-        async with proxy.pool.open(
-            "POST",
-            responses_path(path_qs),
-            forwarded,
-            exchange.body if body is None else body,
-            timing=timing,
-            affinity_key=exchange.affinity_key,
-            preferred=exchange.parent.backend if exchange.parent else None,
-        ) as (backend, upstream):
-            exchange.backend = backend
-            with timing.waiting():
-                body = await upstream.read()
-            status = upstream.status
-        if status != 200:
-            raise backend_failure(status, body)
-        response = loads_or_none(body)
-        summary = summary_text(response)
-        if not summary:
-            raise UpstreamError("The backend's model wrote no summary text for the compaction.")
+        for attempt in range(2):
+            response = await _ask(exchange, forwarded, path_qs, timing, body)
+            usage = usage_of(response) if usage is None else add_usage(usage, usage_of(response))
+            summary = summary_text(response)
+            if summary:
+                break
+            if attempt or not called_tool(response):
+                raise UpstreamError("The backend's model wrote no summary text for the compaction.")
+            metrics.compaction_retries.labels(route=route).inc()
+            body = without_tools(body)
     except OcxError:
         metrics.compactions.labels(route=route, outcome="backend_error").inc()
         raise
-    usage = usage_of(response)
+    assert usage is not None
     metrics.compaction_summary_tokens.labels(route=route).inc(usage["output_tokens"])
     return summary, usage
+
+
+async def _ask(
+    exchange: Exchange, forwarded: Mapping[str, str], path_qs: str, timing: Timing, body: bytes
+) -> Any:
+    """The backend's Response to a summary request."""
+    async with exchange.proxy.pool.open(
+        "POST",
+        responses_path(path_qs),
+        forwarded,
+        body,
+        timing=timing,
+        affinity_key=exchange.affinity_key,
+        preferred=exchange.parent.backend if exchange.parent else None,
+    ) as (backend, upstream):
+        exchange.backend = backend
+        with timing.waiting():
+            answer = await upstream.read()
+        status = upstream.status
+    if status != 200:
+        raise backend_failure(status, answer)
+    return loads_or_none(answer)
 
 
 def responses_path(path_qs: str) -> str:

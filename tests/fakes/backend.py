@@ -35,7 +35,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -196,12 +196,16 @@ class FakeBackend:
         name: str = "fake",
         rejects_images: bool = False,
         window: tuple[Literal["llama", "vllm"], int] | None = None,
+        eager_tools: Literal["unless_none", "always"] | None = None,
     ) -> None:
         """`window`: a context window told as llama.cpp (`/props`, `/apply-template`,
         `/tokenize`) or vLLM (`max_model_len` in `/v1/models`, `/tokenize` of messages)
         tell it; an input past it is refused as llama.cpp refuses it. Tokens are a
-        quarter of the bytes, everywhere."""
+        quarter of the bytes, everywhere. `eager_tools`: a model that calls the first of
+        the request's tools whatever it is asked, unless `tool_choice` is `"none"`, or
+        even then (a backend that does not enforce it)."""
         self.window = window
+        self.eager_tools = eager_tools
         self.stream_style: StreamStyle = stream_style
         self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
         self.delay = delay
@@ -466,6 +470,10 @@ class FakeBackend:
         self, payload: Json, body: bytes, terminal: TerminalStatus | None
     ) -> tuple[Json, Json | None]:
         turn = _interpret(payload)
+        tools = payload.get("tools")
+        eager = self.eager_tools == "always" or payload.get("tool_choice") != "none"
+        if self.eager_tools and isinstance(tools, list) and tools and eager:
+            turn = replace(turn, text=None, call_name=str(tools[0].get("name", "tool")))
         canonical = turn.canonical
         input_tokens = _tokens(len(canonical))
         prefix = 0

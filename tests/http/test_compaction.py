@@ -522,3 +522,40 @@ async def test_the_threshold_uses_the_chains_real_token_count(
     assert [item.type for item in second.output] == ["message"]
     assert len(backend.responses_seen) == 2  # no summary request
     assert proxy.metric("ocxproxy_compactions_total", route="threshold", outcome="completed") == 0
+
+
+TOOLS = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
+
+
+@pytest.mark.parametrize("eager", ["unless_none", "always"])
+async def test_a_model_that_calls_a_tool_still_writes_the_summary(
+    eager: str, make_proxy: MakeProxy
+) -> None:
+    """A model eager to call tools: the summary request keeps the turn's tools (its cached
+    prefix) with tool_choice none; a backend that does not enforce it is asked once more
+    without tools. Either way the client gets its compaction item, billed for both."""
+    async with FakeBackend(eager_tools=eager) as backend:  # type: ignore[arg-type]
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        answer = await client.responses.create(
+            model="m",
+            input=[*HISTORY, TRIGGER],  # type: ignore[list-item]
+            tools=TOOLS,  # type: ignore[list-item]
+        )
+        compaction_item(answer.output)
+        asked = backend.responses_seen
+        assert asked[0].json["tool_choice"] == "none" and asked[0].json["tools"] == TOOLS
+        if eager == "always":
+            assert len(asked) == 2 and "tools" not in asked[1].json
+            assert answer.usage is not None
+            assert answer.usage.input_tokens == billed_input_tokens(backend, 2)
+        else:
+            assert len(asked) == 1
+        retries = proxy.metric("ocxproxy_compaction_retries_total", route="trigger")
+        assert retries == (1 if eager == "always" else 0)
+        compacted = await client.responses.compact(
+            model="m",
+            input=HISTORY,  # type: ignore[arg-type]
+            extra_body={"tools": TOOLS},  # as Codex sends them
+        )
+        assert compacted.output[-1].type == "compaction"
