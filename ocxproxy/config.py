@@ -512,6 +512,30 @@ class Config:
     local_model: Path | None = setting(
         None, "GGUF model for the embedded backend", group=BACKENDS, parse=Path, metavar="FILE"
     )
+    kv_save: str = setting(
+        "auto",
+        "warm resume: save a stored chain's KV state after its turn and restore it after a "
+        "backend restart (auto: on the embedded backend, unless --zdr; off)",
+        group=BACKENDS,
+        parse=str.lower,
+        check=Choices("auto", "off"),
+    )
+    kv_save_bytes: int = setting(
+        0,
+        "disk budget of the KV saves, least recently used out first (0: a tenth of the "
+        "free disk, at most 16 GiB)",
+        group=BACKENDS,
+        parse=parse_bytes,
+        check=not_negative,
+    )
+    kv_save_every: int = setting(
+        1024,
+        "a chain's KV state is saved again once it grew by this many tokens",
+        group=BACKENDS,
+        parse=parse_int,
+        check=positive,
+        metavar="TOKENS",
+    )
     served_model_name: tuple[str, ...] = setting(
         (),
         "the model name responses and /v1/models show (repeatable: the first is the name, "

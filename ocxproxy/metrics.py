@@ -375,6 +375,42 @@ class Metrics:
         for reason in CACHE_MISS_REASONS:  # exported at 0 from the start
             self.cache_misses.labels(reason=reason)
             self.cache_missed_tokens.labels(reason=reason)
+        # Warm resume's KV saves (upstream/kvsave.py)
+        self.kv_saves = Counter(
+            "ocxproxy_kv_saves_total",
+            "KV saves of a chain's slot after its turn, by outcome (saved; stale: the slot "
+            "held another prompt by then; error: the backend or the disk refused)",
+            ["outcome"],
+        )
+        self.kv_save_bytes = Counter(
+            "ocxproxy_kv_save_bytes_total", "Bytes of KV state written by saves"
+        )
+        self.kv_save_seconds = Histogram(
+            "ocxproxy_kv_save_seconds",
+            "Time of a KV save (off the reply path: the backend's slot is busy meanwhile)",
+            (),
+            buckets=_SLOW_BUCKETS,
+        )
+        self.kv_restores = Counter(
+            "ocxproxy_kv_restores_total",
+            "KV restores before a continuation the backend had lost, by outcome (ok; "
+            "failed: restored but not used; error: refused; fingerprint_mismatch: not tried)",
+            ["outcome"],
+        )
+        self.kv_restore_seconds = Histogram(
+            "ocxproxy_kv_restore_seconds",
+            "Time of a KV restore (on the continuation's path)",
+            (),
+            buckets=_SLOW_BUCKETS,
+        )
+        self.kv_saved_bytes = Gauge("ocxproxy_kv_saved_bytes", "Bytes of KV saves on disk")
+        self.kv_evictions = Counter(
+            "ocxproxy_kv_evictions_total", "KV saves removed to stay within --kv-save-bytes"
+        )
+        for outcome in ("saved", "stale", "error"):
+            self.kv_saves.labels(outcome=outcome)
+        for outcome in ("ok", "failed", "error", "fingerprint_mismatch"):
+            self.kv_restores.labels(outcome=outcome)
         self.context_window = Gauge(
             "ocxproxy_backend_context_window_tokens",
             "The context window the proxy learned for a backend (or --context-window)",

@@ -24,6 +24,7 @@ from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import Store, default_state_dir, open_store
 from ocxproxy.store.compaction_key import compaction_key
+from ocxproxy.upstream.kvsave import KvSaves, default_budget
 from ocxproxy.upstream.pool import UpstreamPool
 
 log = logging.getLogger("ocxproxy")
@@ -85,7 +86,8 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     model = proxy.config.local_model or local.default_model_path()
     if model is None or not local.is_available():
         raise local.LocalBackendError(local.MISSING_MESSAGE)
-    backend = local.LocalBackend(model)
+    saves = await _kv_saves(proxy)
+    backend = local.LocalBackend(model, slot_save_path=saves.directory if saves else None)
     url = await backend.start()
     served = proxy.pool.add(url)
 
@@ -93,6 +95,9 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
         served.restarts += 1
 
     backend.on_restart = restarted
+    if saves is not None:
+        await saves.attach(url, lambda: backend.boot, model)
+        proxy.kv_saves = saves
     if not proxy.served_models:  # a short name, never the model file's path
         proxy.served_models = (local.served_name(model),)
     log.info("embedded llama.cpp backend at %s (model %s)", url, proxy.served_models[0])
@@ -100,8 +105,23 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if saves is not None:
+            await saves.close()
         await cancel_and_wait(watchdog)
         await backend.stop()
+
+
+async def _kv_saves(proxy: Proxy) -> KvSaves | None:
+    """Warm resume's saves for the embedded backend, in the state dir's `kv/`; None when
+    off (--kv-save off, or --zdr: nothing on disk)."""
+    config = proxy.config
+    if config.kv_save == "off" or config.zdr:
+        return None
+    directory = (config.state_dir or default_state_dir()) / "kv"
+    budget = config.kv_save_bytes or default_budget(directory)
+    saves = KvSaves(directory, budget, config.kv_save_every, proxy.pool.http, proxy.metrics)
+    await saves.open()
+    return saves
 
 
 async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:

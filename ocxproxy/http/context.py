@@ -22,6 +22,7 @@ from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
 from ocxproxy.store.background import Backgrounds
 from ocxproxy.store.local.background import LocalBackgrounds
+from ocxproxy.upstream.kvsave import KvSaves
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
 
@@ -76,6 +77,7 @@ class Proxy:
     in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
     cache_book: CacheBook = field(default_factory=CacheBook)  # where turns left their prefix
+    kv_saves: KvSaves | None = None  # warm resume's KV saves (the embedded backend's)
     # The model names clients see (--served-model-name, or the embedded model's); ():
     # each backend's own.
     served_models: tuple[str, ...] = ()

@@ -58,12 +58,13 @@ from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
-from ocxproxy.http.warm import check_cache
+from ocxproxy.http.warm import check_cache, resume, save_after
 from ocxproxy.http.window import book_keys, fit_window, passes_threshold, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
 from ocxproxy.store import Store
 from ocxproxy.upstream.dialect import UpstreamResponse
+from ocxproxy.upstream.kvsave import Outcome
 from ocxproxy.upstream.pool import Backend, read_chunk
 from ocxproxy.upstream.repair import StreamRepair
 from ocxproxy.upstream.sse import (
@@ -126,6 +127,8 @@ class Exchange:
     # What warm resume knew before sending that explains a cache miss (http/warm.py):
     # restore_failed, fingerprint_mismatch.
     cache_note: str | None = None
+    cache_expect: int | None = None  # the tokens of the chain's saved prefix, when one was
+    restored: Outcome | None = None  # the restore made before sending, to verify
 
     def finish(self, response: Any) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
@@ -244,6 +247,7 @@ class Exchange:
             ) from None
         if record is not None:
             metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
+            save_after(self, record)
         if key_entry is None:
             return
         try:  # last: a completed key always names a response that is kept
@@ -474,6 +478,7 @@ async def forward(
     forwarded["Content-Type"] = "application/json"
     if exchange.pending is not None:  # context_management's threshold passed
         await compaction.compact_first(exchange, forwarded, path_qs, timing)
+    await resume(exchange)  # a chain the backend lost: its saved KV state first
     async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
         exchange.backend = backend
         content_type = upstream.headers.get("Content-Type", "")

@@ -248,6 +248,8 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
         raise StorageUnavailable(
             "The delete could not be stored: the proxy's storage is unavailable. Retry later."
         ) from None
+    if proxy.kv_saves is not None:  # a KV save only it reached goes too
+        proxy.kv_saves.forget(response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -1,22 +1,51 @@
-"""Warm resume on the request path (CONTRACT.md C12): what a finished turn tells the next
-about its backend's cache, and the count of continuations whose prefix was not cached,
-by reason (upstream/misses.py)."""
+"""Warm resume on the request path (CONTRACT.md C12): a continuation the backend has lost
+gets its chain's saved KV state restored first (upstream/kvsave.py), and every
+continuation's cached tokens are compared with the prefix its parent left, a shortfall
+counted by reason (upstream/misses.py); an acknowledged durable turn is saved off the
+reply path."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from ocxproxy.model import Record
 from ocxproxy.upstream.misses import Served, head_of, miss_of
 
 if TYPE_CHECKING:
     from ocxproxy.http.exchange import Exchange
 
+PIN: Final = b'{"id_slot":0,'  # the restored slot (the embedded backend has one)
+
+
+async def resume(exchange: Exchange) -> None:
+    """Before a continuation is sent: when its chain's longest saved prefix is not in the
+    backend's cache (the backend started since), restore it into the slot and pin the
+    request there. A save of another fingerprint is dropped and noted; any failure
+    leaves the turn to a full prefill."""
+    saves, parent = exchange.proxy.kv_saves, exchange.parent
+    if saves is None or parent is None:
+        return
+    save = saves.saved_for(parent.id)
+    if save is None:
+        return
+    exchange.cache_expect = save.tokens
+    if saves.mismatched(save):
+        exchange.cache_note = "fingerprint_mismatch"
+        return
+    if not saves.restoring:
+        return
+    outcome = await saves.restore(save)
+    if outcome is not None and exchange.body[:1] == b"{" and exchange.body[1:2] != b"}":
+        exchange.restored = outcome
+        exchange.body = PIN + exchange.body[1:]
+
 
 def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: int | None) -> None:
-    """Compare a continuation's cached tokens with the prefix its parent left (the parent's
-    window fact and `Served`: both in memory), count a shortfall by reason; then remember
-    where this turn left its own prefix. Called with the usage `observe_usage` read, after
-    the window's fact of this turn is put."""
+    """Verify a restore by the cached tokens; compare a continuation's cached tokens with
+    the prefix its parent left (the parent's window fact and `Served`, in memory; else
+    what a save held), count a shortfall by reason; then remember where this turn left
+    its own prefix. Called with the usage `observe_usage` read, after the window's fact
+    of this turn is put."""
     backend = exchange.backend
     response_id = response.get("id")
     if backend is None or not isinstance(response_id, str):
@@ -26,14 +55,27 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
     head = head_of(exchange.request.body)
     parent = exchange.parent
     if cached is not None and parent is not None:
+        restored = exchange.restored
+        saves = proxy.kv_saves
+        took = restored is not None and saves is not None and saves.verify(restored, cached)
+        if restored is not None and not took:
+            exchange.cache_note = "restore_failed"
         served, fact = book.get(parent.id), proxy.book.get(parent.id)
         if served is not None and fact is not None:
+            prefix, dropped = fact.tokens, fact.cut.items
+        elif exchange.cache_expect is not None:  # the proxy restarted: what was saved
+            # Served in an earlier start of the backend (-1: no epoch of this one).
+            served = Served(backend.url, -1, head)
+            prefix, dropped = exchange.cache_expect, exchange.cut.items
+        if took and restored is not None:  # the tail since the chain's last save is not
+            prefix = min(prefix, restored.tokens)  # saved: computed again by design
+        if served is not None:
             metrics = proxy.metrics
             metrics.cache_checks.inc()
             miss = miss_of(
                 served,
-                fact.tokens,
-                fact.cut.items,
+                prefix,
+                dropped,
                 backend=backend.url,
                 epoch=backend.epoch,
                 head=head,
@@ -49,3 +91,25 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
                     miss.expected - miss.cached
                 )
     book.put(response_id, Served(backend.url, backend.epoch, head))
+
+
+def save_after(exchange: Exchange, record: Record) -> None:
+    """`record`, the turn, is durable and about to be acknowledged: its chain's KV state
+    is saved off the reply path when it grew enough. store:false turns, and every turn
+    under --zdr, are never durable, so never saved."""
+    saves = exchange.proxy.kv_saves
+    if saves is None or record is None or not record.durable or exchange.backend is None:
+        return
+    if exchange.backend.url != saves.url:
+        return
+    fact = exchange.proxy.book.get(record.id)
+    if fact is None:
+        return
+    parent = exchange.parent.id if exchange.parent is not None else None
+    saves.after_turn(
+        record.id,
+        parent,
+        record.scope,
+        fact.tokens,
+        lambda: (segment.key for segment in record.segments),
+    )

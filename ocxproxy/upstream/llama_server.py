@@ -68,6 +68,9 @@ def _build_params(args: argparse.Namespace) -> Any:
     # reuse a prefix longer than the window. (No effect on SmolLM2, which has no SWA.)
     params.swa_full = True
     params.ctx_shift = False  # reject over-long prompts instead of silently dropping history
+    if args.slot_save_path is not None:  # POST /slots/{id}?action=save|restore (warm resume)
+        params.slot_save_path = os.path.join(args.slot_save_path, "")  # llama.cpp appends names
+        params.endpoint_slots = True
     return params
 
 
@@ -89,6 +92,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="host-RAM prompt cache for other prompts' KV state (0: off)",
     )
     parser.add_argument(
+        "--slot-save-path",
+        type=Path,
+        default=None,
+        help="directory for slot saves (POST /slots/{id}?action=save|restore); default: off",
+    )
+    parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"
     )
     return parser.parse_args(argv)
@@ -97,6 +106,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     parent = _die_with_parent(args.parent_pid)
+    os.umask(0o077)  # what llama.cpp writes (slot saves) is the proxy user's alone
     # Until the server is up, SIGTERM/SIGINT keep their default action (die at once): a
     # Python handler could not run while the model loads inside native code anyway.
     signal.signal(signal.SIGINT, signal.SIG_DFL)

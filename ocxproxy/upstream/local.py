@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -160,11 +161,15 @@ class LocalBackend:
         parallel: int = 1,
         cache_ram_mib: int = CACHE_RAM_MIB,
         on_restart: Callable[[], None] | None = None,
+        slot_save_path: Path | None = None,
     ) -> None:
         """`parallel` slots split `ctx` between them; `cache_ram_mib=0` turns off the host-RAM
         prompt cache (a GPU server without one keeps only what its slots hold).
-        `on_restart` is called after each restart by the watchdog (its cache is gone)."""
+        `on_restart` is called after each restart by the watchdog (its cache is gone).
+        `slot_save_path`: the directory slot saves go to (warm resume); None: off."""
         self.on_restart = on_restart
+        self.slot_save_path = slot_save_path
+        self.boot = ""  # a new random identity each time the child starts
         self.model_path = Path(model_path)
         self.parallel = parallel
         self.cache_ram_mib = cache_ram_mib
@@ -336,6 +341,8 @@ class LocalBackend:
             cmd += ["--parallel", str(self.parallel)]
         if self.cache_ram_mib != CACHE_RAM_MIB:
             cmd += ["--cache-ram-mib", str(self.cache_ram_mib)]
+        if self.slot_save_path is not None:
+            cmd += ["--slot-save-path", str(self.slot_save_path)]
         return cmd
 
     def _prepare_log(self) -> Any:
@@ -378,6 +385,7 @@ class LocalBackend:
             await self._terminate(proc)
             raise
         self._started_at = time.monotonic()
+        self.boot = secrets.token_hex(8)
         assert self.url is not None
         return self.url
 

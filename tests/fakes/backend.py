@@ -36,6 +36,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -197,15 +198,25 @@ class FakeBackend:
         rejects_images: bool = False,
         window: tuple[Literal["llama", "vllm"], int] | None = None,
         eager_tools: Literal["unless_none", "always"] | None = None,
+        slot_dir: Path | None = None,
+        restores: bool = True,
     ) -> None:
         """`window`: a context window told as llama.cpp (`/props`, `/apply-template`,
         `/tokenize`) or vLLM (`max_model_len` in `/v1/models`, `/tokenize` of messages)
         tell it; an input past it is refused as llama.cpp refuses it. Tokens are a
         quarter of the bytes, everywhere. `eager_tools`: a model that calls the first of
         the request's tools whatever it is asked, unless `tool_choice` is `"none"`, or
-        even then (a backend that does not enforce it)."""
+        even then (a backend that does not enforce it). `slot_dir`: llama.cpp's slot
+        actions (`POST /slots/0?action=save|restore`, files in that directory, and
+        `/props`); a restore puts the saved prompt back in the simulated cache, unless
+        `restores` is False (it then says it restored and does nothing, as some llama.cpp
+        builds do)."""
         self.window = window
         self.eager_tools = eager_tools
+        self.slot_dir = slot_dir
+        self.restores = restores
+        self.template = "fake-template"
+        self._last: tuple[bytes, int] = (b"", 0)  # the last prompt and its tokens with the output
         self.stream_style: StreamStyle = stream_style
         self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
         self.delay = delay
@@ -232,6 +243,9 @@ class FakeBackend:
             app.router.add_post("/apply-template", self._apply_template)
         if self.window is not None:
             app.router.add_post("/tokenize", self._tokenize)
+        if self.slot_dir is not None:
+            app.router.add_get("/props", self._props)
+            app.router.add_post("/slots/{slot}", self._slot_action)
         app.on_response_prepare.append(self._add_request_id)
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1
@@ -364,8 +378,26 @@ class FakeBackend:
         return _json_response({"object": "list", "data": [model]})
 
     async def _props(self, request: web.Request) -> web.Response:
-        assert self.window is not None
-        return _json_response({"default_generation_settings": {"n_ctx": self.window[1]}})
+        n_ctx = self.window[1] if self.window is not None else 8192
+        props = {"default_generation_settings": {"n_ctx": n_ctx}, "chat_template": self.template}
+        return _json_response({**props, "build_info": "fake"})
+
+    async def _slot_action(self, request: web.Request) -> web.Response:
+        assert self.slot_dir is not None
+        payload = await self._payload(request)
+        if isinstance(payload, web.Response):
+            return payload
+        path = self.slot_dir / str(payload.get("filename"))
+        if request.query.get("action") == "save":
+            prompt, tokens = self._last
+            path.write_bytes(b"%d\n" % tokens + prompt)
+            return _json_response({"id_slot": 0, "n_saved": tokens, "n_written": len(prompt)})
+        if request.query.get("action") == "restore" and path.is_file():
+            head, _, prompt = path.read_bytes().partition(b"\n")
+            if self.restores:
+                self._stats.history.append(prompt)
+            return _json_response({"id_slot": 0, "n_restored": int(head)})
+        return _json_response(error_body("Unable to restore slot"), 400)
 
     async def _apply_template(self, request: web.Request) -> web.Response:
         payload = orjson.loads(await request.read())
@@ -510,6 +542,7 @@ class FakeBackend:
             }
             out_len = len(text.encode())
         output_tokens = _tokens(out_len)
+        self._last = (canonical, input_tokens + output_tokens)
 
         status = terminal or "completed"
         if terminal == "failed":

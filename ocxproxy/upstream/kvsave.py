@@ -1,0 +1,408 @@
+"""Warm resume on llama.cpp (CONTRACT.md C12): a stored chain's KV state saved to disk
+after its turn is acknowledged, and restored into the backend's slot before a
+continuation the backend has lost (it restarted since), so the turn costs its tail.
+
+The embedded backend runs with one slot (slot 0) and `--slot-save-path` set to this
+directory (0700; llama.cpp writes the files with umask 077). A save is named by its
+chain's digest (SHA-256 of the scope and the chain's segment digests), never by a
+response id; `index.json` keeps, per save: its fingerprint, tokens, bytes, when it was
+last used, the backend start it is known to be cached in, and the turns of the chain it
+is the longest saved prefix of. A chain is saved again once it grew by `every` tokens;
+the new save supersedes the older one. The directory's files stay within a byte budget
+(the least recently used go first).
+
+A restore is trusted only when the fingerprint matches exactly (model file size and
+SHA-256, context size, KV cache types, chat template, backend build), and only once
+verified: the continuation's cached tokens must cover what was restored; one that did
+not take drops the save, and restores are switched off after `FAILURES_TO_STOP` in a
+row. A miss costs latency, never correctness: the full history is always sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.metadata
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from ocxproxy.metrics import Metrics
+from ocxproxy.upstream.http1 import Http1Client, Http1Error
+
+log = logging.getLogger("ocxproxy.upstream")
+
+SLOT: Final = 0  # the embedded backend's only slot
+INDEX: Final = "index.json"
+DIGESTS: Final = "model-digests.json"  # a model file's SHA-256, by path, size and mtime
+SUFFIX: Final = ".kv"
+PART: Final = ".part"  # a save being written: removed at start
+SLACK: Final = 32  # tokens a save or a restore may differ from what was expected by
+FAILURES_TO_STOP: Final = 3  # restores in a row that did not take before they stop
+ACTION_TIMEOUT: Final = 300.0  # a save of a long chain on a slow disk
+KV_TYPES: Final = "f16/f16"  # the embedded backend's cache types (llama.cpp's default)
+
+
+@dataclass(slots=True)
+class Save:
+    """One saved KV state: a prefix of a chain."""
+
+    name: str  # file name in the directory
+    fingerprint: str
+    tokens: int  # what llama.cpp saved (n_saved)
+    size: int  # bytes on disk
+    used: float  # wall time it was last saved or restored
+    responses: list[str]  # the chain's turns whose longest saved prefix it is
+    boot: str = ""  # the backend start whose cache holds it ("": none running now)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a restore did, for the turn's verification (`KvSaves.verify`)."""
+
+    save: Save
+    tokens: int  # n_restored
+
+
+@dataclass(slots=True)
+class KvSaves:
+    """The saves of one llama.cpp backend (the embedded one) and the slot actions."""
+
+    directory: Path
+    budget: int  # bytes the directory's saves may occupy
+    every: int  # a chain is saved again once it grew by this many tokens
+    http: Http1Client
+    metrics: Metrics
+    url: str = ""  # the backend (set by `attach`)
+    boot: Callable[[], str] = field(default=lambda: "")  # its current start's identity
+    fingerprint: str = ""
+    restoring: bool = True  # off after repeated restores that did not take
+    failures: int = 0  # restores in a row that did not take
+    by_name: dict[str, Save] = field(default_factory=dict)
+    by_response: dict[str, Save] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot action at a time
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    version: int = 0  # of the index, as changed on the loop
+    written: int = 0  # the version on disk
+    writing: threading.Lock = field(default_factory=threading.Lock)
+
+    # -- start, stop
+
+    async def open(self) -> None:
+        """Make the directory (0700) and load the index: saves whose file is gone are
+        forgotten, files no save names (a save cut short) are removed."""
+        loaded = await asyncio.to_thread(self._load)
+        for save in loaded:
+            self._add(save)
+        self.metrics.kv_saved_bytes.set_function(lambda: sum(s.size for s in self.by_name.values()))
+
+    async def attach(self, url: str, boot: Callable[[], str], model: Path) -> None:
+        """The backend at `url` (started, healthy) runs `model`; `boot()` names its
+        current start. Its fingerprint is made from its `/props` and the model file."""
+        self.url, self.boot = url, boot
+        props = await self._ask("GET", "/props", None) or {}
+        self.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+
+    async def close(self) -> None:
+        """Let saves under way finish (a cut one leaves a .part file, removed at start)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=30)
+        await asyncio.to_thread(self._write_index, self._rows())
+
+    # -- the request path
+
+    def saved_for(self, response_id: str) -> Save | None:
+        """The longest saved prefix of the chain ending at `response_id`, when the
+        backend's cache does not hold it (it restarted since): None when nothing is to
+        be restored."""
+        save = self.by_response.get(response_id)
+        if save is None or save.boot == self.boot():
+            return None
+        return save
+
+    async def restore(self, save: Save) -> Outcome | None:
+        """Load `save` into the slot; None when the backend refused (counted)."""
+        started = time.monotonic()
+        answer = await self._action("restore", save.name)
+        restored = answer.get("n_restored") if answer is not None else None
+        if not isinstance(restored, int) or restored <= 0:
+            self.metrics.kv_restores.labels(outcome="error").inc()
+            return None
+        self.metrics.kv_restore_seconds.labels().observe(time.monotonic() - started)
+        save.used = time.time()
+        return Outcome(save, restored)
+
+    def verify(self, outcome: Outcome, cached: int) -> bool:
+        """Whether the restore took: the turn's cached tokens cover what was restored.
+        One that did not is dropped; after FAILURES_TO_STOP in a row restores stop."""
+        save = outcome.save
+        if cached + SLACK >= outcome.tokens:
+            self.failures = 0
+            save.boot = self.boot()
+            self.metrics.kv_restores.labels(outcome="ok").inc()
+            return True
+        self.metrics.kv_restores.labels(outcome="failed").inc()
+        self.drop(save)
+        self.failures += 1
+        if self.failures >= FAILURES_TO_STOP and self.restoring:
+            self.restoring = False
+            log.warning(
+                "KV restores on %s did not take %d times in a row (the backend reported "
+                "no cache use after a successful restore); restores are off until the "
+                "proxy restarts. Saves go on. Backend build fingerprint %s",
+                self.url,
+                self.failures,
+                self.fingerprint[:16],
+            )
+        return False
+
+    def mismatched(self, save: Save) -> bool:
+        """A save made for another model, context, template or build: dropped, counted."""
+        if save.fingerprint == self.fingerprint:
+            return False
+        self.metrics.kv_restores.labels(outcome="fingerprint_mismatch").inc()
+        self.drop(save)
+        return True
+
+    def after_turn(
+        self,
+        response_id: str,
+        parent_id: str | None,
+        scope: str,
+        tokens: int,
+        segments: Callable[[], Iterable[str]],
+    ) -> None:
+        """A durable turn was acknowledged, `tokens` long (input and output), served by
+        this backend in its current start: saved off the reply path when its chain grew
+        by `every` tokens since the chain's last save, else the turn joins that save's
+        chain. `segments`: the chain's segment digests, oldest first."""
+        previous = self.by_response.get(parent_id) if parent_id is not None else None
+        if previous is not None and tokens - previous.tokens < self.every:
+            previous.responses.append(response_id)
+            self.by_response[response_id] = previous
+            return
+        if tokens < self.every:
+            return
+        name = chain_digest(scope, segments()) + SUFFIX
+        task = asyncio.get_running_loop().create_task(
+            self._save(name, response_id, tokens, previous), name="kv-save"
+        )
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def forget(self, response_id: str) -> None:
+        """A response was deleted: a save only it reached goes with it."""
+        save = self.by_response.pop(response_id, None)
+        if save is None:
+            return
+        with contextlib.suppress(ValueError):
+            save.responses.remove(response_id)
+        if not save.responses:
+            self.drop(save)
+
+    def drop(self, save: Save) -> None:
+        """Forget a save and remove its file (in a thread, off the loop)."""
+        if self.by_name.get(save.name) is not save:
+            return
+        del self.by_name[save.name]
+        for response_id in save.responses:
+            if self.by_response.get(response_id) is save:
+                del self.by_response[response_id]
+        self._spawn(asyncio.to_thread(self._remove, save.name, self._rows()))
+
+    # -- saving
+
+    async def _save(self, name: str, response_id: str, tokens: int, previous: Save | None) -> None:
+        started = time.monotonic()
+        answer = await self._action("save", name + PART)
+        saved = answer.get("n_saved") if answer is not None else None
+        if not isinstance(saved, int) or abs(saved - tokens) > SLACK:
+            # Refused, or the slot held another prompt by then: not this chain's state.
+            self.metrics.kv_saves.labels(outcome="error" if saved is None else "stale").inc()
+            await asyncio.to_thread(self._unlink, name + PART)
+            return
+        try:
+            size = await asyncio.to_thread(self._commit_file, name)
+        except OSError as exc:
+            log.warning("a KV save could not be kept: %s", exc)
+            self.metrics.kv_saves.labels(outcome="error").inc()
+            return
+        self.metrics.kv_saves.labels(outcome="saved").inc()
+        self.metrics.kv_save_bytes.inc(size)
+        self.metrics.kv_save_seconds.labels().observe(time.monotonic() - started)
+        old = self.by_name.get(name)
+        if old is not None:  # the same chain saved again (a retried turn)
+            self.drop(old)
+        if previous is not None:  # superseded by this longer prefix of its chain
+            self.drop(previous)
+        self._add(
+            Save(name, self.fingerprint, saved, size, time.time(), [response_id], self.boot())
+        )
+        self._evict()
+        await asyncio.to_thread(self._write_index, self._rows())
+
+    def _evict(self) -> None:
+        total = sum(save.size for save in self.by_name.values())
+        for save in sorted(self.by_name.values(), key=lambda s: s.used):
+            if total <= self.budget:
+                return
+            total -= save.size
+            self.metrics.kv_evictions.inc()
+            self.drop(save)
+
+    async def _action(self, action: str, filename: str) -> dict[str, Any] | None:
+        body = orjson.dumps({"filename": filename})
+        async with self.lock:
+            return await self._ask("POST", f"/slots/{SLOT}?action={action}", body)
+
+    async def _ask(self, method: str, path: str, body: bytes | None) -> dict[str, Any] | None:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        try:
+            async with asyncio.timeout(ACTION_TIMEOUT):
+                response = await self.http.request(method, self.url, path, headers, body)
+                try:
+                    data = await response.read()
+                except BaseException:
+                    response.close()
+                    raise
+                response.release()
+        except (Http1Error, TimeoutError, OSError) as exc:
+            log.debug("%s %s failed: %s", method, path, exc)
+            return None
+        if response.status != 200:
+            log.debug("%s %s answered %d: %s", method, path, response.status, data[:200])
+            return None
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        return answer if isinstance(answer, dict) else None
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _add(self, save: Save) -> None:
+        self.by_name[save.name] = save
+        for response_id in save.responses:
+            self.by_response[response_id] = save
+
+    # -- files (in a thread)
+
+    def _load(self) -> list[Save]:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+        try:
+            rows = orjson.loads((self.directory / INDEX).read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            rows = []
+        saves = []
+        for row in rows if isinstance(rows, list) else []:
+            with contextlib.suppress(TypeError, ValueError):
+                save = Save(**{**row, "boot": ""})
+                if (self.directory / save.name).is_file():
+                    saves.append(save)
+        named = {save.name for save in saves} | {INDEX, DIGESTS}
+        for path in self.directory.iterdir():
+            if path.name not in named:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        return saves
+
+    def _rows(self) -> tuple[int, list[dict[str, Any]]]:
+        """The index as it is now, numbered: threads write it in any order, the newest
+        stays."""
+        self.version += 1
+        return self.version, [{**asdict(save), "boot": ""} for save in self.by_name.values()]
+
+    def _remove(self, name: str, rows: tuple[int, list[dict[str, Any]]]) -> None:
+        self._unlink(name)
+        self._write_index(rows)
+
+    def _write_index(self, rows: tuple[int, list[dict[str, Any]]]) -> None:
+        version, data = rows
+        with self.writing:
+            if version <= self.written:
+                return
+            part = self.directory / (INDEX + PART)
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(orjson.dumps(data))
+            part.replace(self.directory / INDEX)
+            self.written = version
+
+    def _commit_file(self, name: str) -> int:
+        part = self.directory / (name + PART)
+        part.chmod(0o600)
+        part.replace(self.directory / name)
+        return (self.directory / name).stat().st_size
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            (self.directory / name).unlink()
+
+
+def chain_digest(scope: str, segments: Iterable[str]) -> str:
+    """A save's name: the chain's identity under its scope, not a response id."""
+    digest = hashlib.sha256(scope.encode())
+    for key in segments:
+        digest.update(key.encode())
+    return digest.hexdigest()
+
+
+def default_budget(directory: Path) -> int:
+    """A tenth of the free disk where the saves go, at most 16 GiB."""
+    try:
+        stats = os.statvfs(directory if directory.exists() else directory.parent)
+    except OSError:
+        return 1024**3
+    return min(stats.f_bavail * stats.f_frsize // 10, 16 * 1024**3)
+
+
+def fingerprint_of(props: dict[str, Any], model: Path, directory: Path) -> str:
+    """Everything that changes the KV state: the model file (size and SHA-256, hashed
+    once per file version and kept in the directory), the context size, the cache types,
+    the chat template and the backend's build. Runs in a thread."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    try:
+        build = importlib.metadata.version("xllamacpp")
+    except importlib.metadata.PackageNotFoundError:
+        build = "unknown"
+    parts = {
+        "model": model_digest(model, directory),
+        "n_ctx": n_ctx,
+        "kv": KV_TYPES,
+        "template": props.get("chat_template"),
+        "build": [props.get("build_info"), build],
+    }
+    return hashlib.sha256(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def model_digest(model: Path, directory: Path) -> str:
+    stat = model.stat()
+    key = f"{model.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    known: dict[str, str] = {}
+    with contextlib.suppress(OSError, orjson.JSONDecodeError, AttributeError):
+        known = dict(orjson.loads((directory / DIGESTS).read_bytes()))
+    if key not in known:
+        digest = hashlib.sha256()
+        with model.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        known[key] = f"{stat.st_size}:{digest.hexdigest()}"
+        part = directory / (DIGESTS + PART)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(known))
+        part.replace(directory / DIGESTS)
+    return known[key]

@@ -1,0 +1,202 @@
+"""Warm resume's saves and restores (CONTRACT.md C12) against a fake llama.cpp backend
+with slot actions, through the proxy: a restore that takes, one that says it did but did
+not, a fingerprint that changed, the budget, store:false, DELETE."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from ocxproxy.upstream.kvsave import KvSaves
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+
+FIRST = [
+    {"role": "user", "content": "the chain's long first message " * 60},
+    {"role": "user", "content": "go"},
+]
+
+
+@dataclass
+class Warm:
+    proxy: ProxyHandle
+    fake: FakeBackend
+    saves: KvSaves
+    directory: Path
+    boot: list[str]
+
+    @property
+    def client(self) -> openai.AsyncOpenAI:
+        return self.proxy.client()
+
+    def files(self) -> list[str]:
+        return sorted(p.name for p in self.directory.iterdir() if p.name.endswith(".kv"))
+
+    async def settled(self) -> None:
+        while self.saves.tasks:
+            await asyncio.wait(list(self.saves.tasks))
+
+    def restart(self) -> None:
+        """The backend starts again: a new identity, an empty cache (the embedded
+        backend's watchdog counts the restart as this does)."""
+        self.boot[0] += "'"
+        self.proxy.proxy.pool.fleet.backends[0].restarts += 1
+        self.fake.forget_cache()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.proxy.metric(name, **labels)
+
+
+async def warm_proxy(
+    make_proxy: MakeProxy, tmp_path: Path, *, restores: bool = True, budget: int = 1 << 30
+) -> Warm:
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    fake = FakeBackend(slot_dir=directory, restores=restores)
+    await fake.start()
+    proxy = await make_proxy(fake.url)
+    inner = proxy.proxy
+    saves = KvSaves(directory, budget, 100, inner.pool.http, inner.metrics)
+    await saves.open()
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"the model's weights")
+    boot = ["first"]
+    await saves.attach(fake.url, lambda: boot[0], model)
+    inner.kv_saves = saves
+    return Warm(proxy, fake, saves, directory, boot)
+
+
+async def turn(warm: Warm, text: str | list[dict[str, str]], prev: str | None, **kw: object) -> str:
+    response = await warm.client.responses.create(
+        model="m", input=text, previous_response_id=prev, **kw
+    )
+    await warm.settled()
+    return response.id
+
+
+async def test_a_restore_that_takes_spares_the_prefill(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path)
+    try:
+        first = await turn(warm, FIRST, None)
+        assert len(warm.files()) == 1 and first not in warm.files()[0]
+        second = await turn(warm, "short", first)  # grew < 100 tokens: joins that save
+        assert len(warm.files()) == 1
+        warm.restart()
+        await turn(warm, "after the restart", second)
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert warm.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+        pinned = warm.fake.responses_seen[-1].body
+        assert pinned.startswith(b'{"id_slot":0,')
+    finally:
+        await warm.fake.close()
+
+
+async def test_a_restore_that_did_not_take_is_counted_dropped_and_stops_after_three(
+    make_proxy: MakeProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path, restores=False)
+    try:
+        for n in range(3):
+            before = warm.files()
+            first = await turn(warm, [*FIRST, {"role": "user", "content": f"chain {n}"}], None)
+            (old,) = set(warm.files()) - set(before)
+            warm.restart()
+            await turn(warm, "after the restart", first)
+            assert old not in warm.files()  # dropped (the turn after it is saved anew)
+            assert warm.metric("ocxproxy_kv_restores_total", outcome="failed") == n + 1
+            assert warm.metric("ocxproxy_cache_miss_total", reason="restore_failed") == n + 1
+        assert not warm.saves.restoring
+        assert "restores are off" in caplog.text
+        first = await turn(warm, FIRST, None)
+        warm.restart()
+        await turn(warm, "no restore is tried now", first)
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="failed") == 3
+        assert warm.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 1
+        assert warm.fake.responses_seen[-1].body.startswith(b'{"model"')
+    finally:
+        await warm.fake.close()
+
+
+async def test_another_fingerprint_is_not_restored(make_proxy: MakeProxy, tmp_path: Path) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path)
+    try:
+        first = await turn(warm, FIRST, None)
+        assert len(warm.files()) == 1
+        warm.restart()
+        warm.fake.template = "another chat template"
+        model = tmp_path / "model.gguf"
+        await warm.saves.attach(warm.fake.url, lambda: warm.boot[0], model)
+        (old,) = warm.files()
+        await turn(warm, "after the upgrade", first)
+        assert old not in warm.files()
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="fingerprint_mismatch") == 1
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="ok") == 0
+        assert warm.metric("ocxproxy_cache_miss_total", reason="fingerprint_mismatch") == 1
+    finally:
+        await warm.fake.close()
+
+
+async def test_store_false_is_never_saved_and_delete_removes_the_save(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path)
+    try:
+        private = await turn(warm, FIRST, None, store=False)
+        assert warm.files() == []
+        assert warm.metric("ocxproxy_kv_saves_total", outcome="saved") == 0
+        first = await turn(warm, FIRST, None)
+        second = await turn(warm, "short", first)
+        assert len(warm.files()) == 1
+        await warm.client.responses.delete(first)
+        assert len(warm.files()) == 1  # the second turn reaches it still
+        await warm.client.responses.delete(second)
+        await warm.settled()
+        assert warm.files() == []
+        assert private
+    finally:
+        await warm.fake.close()
+
+
+async def test_the_budget_keeps_the_most_recently_used(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path, budget=3000)  # one save is ~1.9 kB
+    try:
+        first = await turn(warm, FIRST, None)
+        (old,) = warm.files()
+        await turn(warm, [*FIRST, {"role": "user", "content": "another chain"}], None)
+        await warm.settled()
+        assert len(warm.files()) == 1 and warm.files() != [old]
+        assert warm.metric("ocxproxy_kv_evictions_total") == 1
+        warm.restart()
+        await turn(warm, "its save is gone", first)
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="ok") == 0
+    finally:
+        await warm.fake.close()
+
+
+async def test_saves_outlive_the_proxy_and_strays_are_removed(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path)
+    try:
+        first = await turn(warm, FIRST, None)
+        (name,) = warm.files()
+        (warm.directory / "cut-short.kv.part").write_bytes(b"half a save")
+        (warm.directory / "unnamed.kv").write_bytes(b"no index names it")
+        inner = warm.proxy.proxy
+        again = KvSaves(warm.directory, 1 << 30, 100, inner.pool.http, inner.metrics)
+        await again.open()  # as the next start of the proxy does
+        assert warm.files() == [name]
+        assert not (warm.directory / "cut-short.kv.part").exists()
+        await again.attach(warm.fake.url, lambda: "a later start", tmp_path / "model.gguf")
+        save = again.saved_for(first)
+        assert save is not None and save.name == name and save.fingerprint == again.fingerprint
+    finally:
+        await warm.fake.close()
