@@ -528,6 +528,16 @@ class Config:
         parse=parse_bytes,
         check=not_negative,
     )
+    kv_save_dir: Path | None = setting(
+        None,
+        "warm resume on an external llama-server: the directory it saves slots to (its "
+        "--slot-save-path, as this machine sees it); with one --upstream started with "
+        "--slot-save-path and --parallel 1, the proxy saves and restores its chains and "
+        "keeps that directory within --kv-save-bytes",
+        group=BACKENDS,
+        parse=Path,
+        metavar="DIR",
+    )
     kv_save_every: int = setting(
         1024,
         "a chain's KV state is saved again once it grew by this many tokens",

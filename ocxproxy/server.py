@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import secrets
 import signal
 import sys
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
 
@@ -79,7 +81,12 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     """With no --upstream, run the embedded llama.cpp backend as a managed child."""
     proxy = app[PROXY]
     if proxy.config.upstream:
-        yield
+        saves = await _external_kv_saves(proxy)
+        try:
+            yield
+        finally:
+            if saves is not None:
+                await saves.close()
         return
     from ocxproxy.upstream import local
 
@@ -111,16 +118,40 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
         await backend.stop()
 
 
-async def _kv_saves(proxy: Proxy) -> KvSaves | None:
-    """Warm resume's saves for the embedded backend, in the state dir's `kv/`; None when
-    off (--kv-save off, or --zdr: nothing on disk)."""
+async def _kv_saves(proxy: Proxy, directory: Path | None = None) -> KvSaves | None:
+    """Warm resume's saves, in `directory` (default: the state dir's `kv/`, for the
+    embedded backend); None when off (--kv-save off, or --zdr: nothing on disk)."""
     config = proxy.config
     if config.kv_save == "off" or config.zdr:
         return None
-    directory = (config.state_dir or default_state_dir()) / "kv"
+    if directory is None:
+        directory = (config.state_dir or default_state_dir()) / "kv"
+        await asyncio.to_thread(directory.mkdir, mode=0o700, parents=True, exist_ok=True)
+        await asyncio.to_thread(directory.chmod, 0o700)
     budget = config.kv_save_bytes or default_budget(directory)
     saves = KvSaves(directory, budget, config.kv_save_every, proxy.pool.http, proxy.metrics)
     await saves.open()
+    return saves
+
+
+async def _external_kv_saves(proxy: Proxy) -> KvSaves | None:
+    """With --kv-save-dir, warm resume on the one --upstream, a llama-server started with
+    --slot-save-path (and one slot): else a warning, and none."""
+    config = proxy.config
+    if config.kv_save_dir is None:
+        return None
+    saves = await _kv_saves(proxy, config.kv_save_dir)
+    if saves is None:
+        return None
+    (backend, *others) = proxy.pool.fleet.backends
+    why = "several --upstream were given" if others else await saves.supported(backend.url)
+    if why is not None:
+        log.warning("--kv-save-dir: no warm resume on %s: %s", backend.url, why)
+        return None
+    started = secrets.token_hex(8)  # its start is known as this proxy's and its downs
+    await saves.attach(backend.url, lambda: f"{started}:{backend.epoch}", None)
+    proxy.kv_saves = saves
+    log.info("warm resume on %s: KV saves in %s", backend.url, config.kv_save_dir)
     return saves
 
 

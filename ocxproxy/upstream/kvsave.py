@@ -104,12 +104,31 @@ class KvSaves:
             self._add(save)
         self.metrics.kv_saved_bytes.set_function(lambda: sum(s.size for s in self.by_name.values()))
 
-    async def attach(self, url: str, boot: Callable[[], str], model: Path) -> None:
-        """The backend at `url` (started, healthy) runs `model`; `boot()` names its
-        current start. Its fingerprint is made from its `/props` and the model file."""
+    async def attach(self, url: str, boot: Callable[[], str], model: Path | None) -> None:
+        """The backend at `url` (started, healthy) runs `model` (None: the file its
+        `/props` names, when this machine can read it); `boot()` names its current start.
+        Its fingerprint is made from its `/props` and the model file."""
         self.url, self.boot = url, boot
         props = await self._ask("GET", "/props", None) or {}
+        if model is None and isinstance(props.get("model_path"), str):
+            model = Path(props["model_path"])
         self.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+
+    async def supported(self, url: str) -> str | None:
+        """Whether the llama.cpp server at `url` takes slot actions into one slot: None
+        when it does, else why not. Asks a restore of a file that does not exist: a
+        server started without `--slot-save-path` refuses the action itself."""
+        self.url = url
+        props = await self._ask("GET", "/props", None)
+        if props is None:
+            return "it has no /props (not llama.cpp's server?)"
+        if props.get("total_slots", 1) != 1:
+            return f"it has {props.get('total_slots')} slots (warm resume needs --parallel 1)"
+        body = orjson.dumps({"filename": "ocxproxy-probe" + SUFFIX})
+        status, answer = await self._status("POST", f"/slots/{SLOT}?action=restore", body)
+        if status == 400 and b"restore" in answer.lower():
+            return None  # it looked for the file: slot actions are on
+        return "it was not started with --slot-save-path"
 
     async def close(self) -> None:
         """Let saves under way finish (a cut one leaves a .part file, removed at start)."""
@@ -264,6 +283,18 @@ class KvSaves:
             return await self._ask("POST", f"/slots/{SLOT}?action={action}", body)
 
     async def _ask(self, method: str, path: str, body: bytes | None) -> dict[str, Any] | None:
+        status, data = await self._status(method, path, body)
+        if status != 200:
+            log.debug("%s %s answered %d: %s", method, path, status, data[:200])
+            return None
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        return answer if isinstance(answer, dict) else None
+
+    async def _status(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """The answer's status and body (0 when there was none)."""
         headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
             async with asyncio.timeout(ACTION_TIMEOUT):
@@ -276,15 +307,8 @@ class KvSaves:
                 response.release()
         except (Http1Error, TimeoutError, OSError) as exc:
             log.debug("%s %s failed: %s", method, path, exc)
-            return None
-        if response.status != 200:
-            log.debug("%s %s answered %d: %s", method, path, response.status, data[:200])
-            return None
-        try:
-            answer = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        return answer if isinstance(answer, dict) else None
+            return 0, b""
+        return response.status, data
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -299,8 +323,9 @@ class KvSaves:
     # -- files (in a thread)
 
     def _load(self) -> list[Save]:
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory.chmod(0o700)
+        if not self.directory.is_dir():  # an external server's is the operator's to set
+            self.directory.mkdir(mode=0o700, parents=True)
+            self.directory.chmod(0o700)
         try:
             rows = orjson.loads((self.directory / INDEX).read_bytes())
         except (OSError, orjson.JSONDecodeError):
@@ -342,7 +367,8 @@ class KvSaves:
 
     def _commit_file(self, name: str) -> int:
         part = self.directory / (name + PART)
-        part.chmod(0o600)
+        with contextlib.suppress(PermissionError):  # an external server's own file
+            part.chmod(0o600)
         part.replace(self.directory / name)
         return (self.directory / name).stat().st_size
 
@@ -368,7 +394,7 @@ def default_budget(directory: Path) -> int:
     return min(stats.f_bavail * stats.f_frsize // 10, 16 * 1024**3)
 
 
-def fingerprint_of(props: dict[str, Any], model: Path, directory: Path) -> str:
+def fingerprint_of(props: dict[str, Any], model: Path | None, directory: Path) -> str:
     """Everything that changes the KV state: the model file (size and SHA-256, hashed
     once per file version and kept in the directory), the context size, the cache types,
     the chat template and the backend's build. Runs in a thread."""
@@ -379,7 +405,7 @@ def fingerprint_of(props: dict[str, Any], model: Path, directory: Path) -> str:
     except importlib.metadata.PackageNotFoundError:
         build = "unknown"
     parts = {
-        "model": model_digest(model, directory),
+        "model": model_digest(model, directory) if model is not None else None,
         "n_ctx": n_ctx,
         "kv": KV_TYPES,
         "template": props.get("chat_template"),
@@ -389,7 +415,12 @@ def fingerprint_of(props: dict[str, Any], model: Path, directory: Path) -> str:
 
 
 def model_digest(model: Path, directory: Path) -> str:
-    stat = model.stat()
+    """The model file's size and SHA-256; its path when this machine cannot read it (an
+    external server's: its `/props` names it)."""
+    try:
+        stat = model.stat()
+    except OSError:
+        return f"path:{model}"
     key = f"{model.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     known: dict[str, str] = {}
     with contextlib.suppress(OSError, orjson.JSONDecodeError, AttributeError):

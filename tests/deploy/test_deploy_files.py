@@ -73,6 +73,9 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_exported() -> None:
         "ocxproxy_token_counts_total",
         "ocxproxy_cache_miss_total",
         "ocxproxy_cache_checks_total",
+        "ocxproxy_kv_saves_total",
+        "ocxproxy_kv_restores_total",
+        "ocxproxy_kv_saved_bytes",
     ):
         assert any(wanted in metric_names(t.expr) for t in targets()), wanted
 

@@ -200,3 +200,37 @@ async def test_saves_outlive_the_proxy_and_strays_are_removed(
         assert save is not None and save.name == name and save.fingerprint == again.fingerprint
     finally:
         await warm.fake.close()
+
+
+async def test_an_external_llama_server_with_slot_saves_is_detected_and_used(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    async with FakeBackend(slot_dir=directory) as fake:
+        proxy = await make_proxy(fake.url, kv_save_dir=directory, kv_save_every=100)
+        saves = proxy.proxy.kv_saves
+        assert saves is not None and saves.url == fake.url
+        client = proxy.client()
+        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+        while saves.tasks:
+            await asyncio.wait(list(saves.tasks))
+        assert len(list(directory.glob("*.kv"))) == 1
+        fleet = proxy.proxy.pool.fleet
+        (backend,) = fleet.backends
+        fleet.mark_down(backend, "restarting")  # what the health probe sees of a restart
+        fleet.mark_up(backend)
+        fake.forget_cache()
+        await client.responses.create(model="m", input="again", previous_response_id=first.id)
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+
+
+async def test_an_external_server_without_slot_saves_gets_none(
+    make_proxy: MakeProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # llama.cpp's /props, no slot actions (404 where llama.cpp says 501)
+    async with FakeBackend(window=("llama", 8192)) as fake:
+        proxy = await make_proxy(fake.url, kv_save_dir=tmp_path / "slots")
+        assert proxy.proxy.kv_saves is None
+        assert "was not started with --slot-save-path" in caplog.text
