@@ -125,6 +125,53 @@ def summary_message(summary: str) -> bytes:
     return orjson.dumps({"type": "message", "role": "user", "content": SUMMARY_PREFIX + summary})
 
 
+_SUMMARY_MARK = summary_message("")[:-2]  # a summary message's bytes up to its summary
+_PRUNED_CACHE = 1024  # conversations' retained items kept, by where their summary is
+_pruned: dict[tuple[str, int, int], list[bytes]] = {}
+
+
+def compacted_history(conversation_id: str, history: list[bytes]) -> list[bytes]:
+    """A conversation's history as forwarded: from its latest summary message on, after
+    the user messages it retains from before and any call made before it that no output
+    there answers (a later one may); unchanged when it holds no summary. The conversation
+    keeps every item; the backend gets the compacted window, the same bytes every turn."""
+    for index in range(len(history) - 1, -1, -1):
+        at = history[index].rfind(_SUMMARY_MARK)
+        if at >= 0:
+            break
+    else:
+        return history
+    segment = history[index]
+    if at > 0 and segment[at - 1 : at] != b",":
+        return history  # not an item's start: text that quotes the summary's bytes
+    key = (conversation_id, sum(map(len, history[:index])) + at, hash(segment[at:]))
+    kept = _pruned.get(key)
+    if kept is None:
+        earlier = [*history[:index], segment[: max(0, at - 1)]]
+        items = orjson.loads(b"[" + b",".join(part for part in earlier if part) + b"]")
+        kept = [*map(orjson.dumps, retained_user_messages(items)), *_open_calls(items)]
+        if len(_pruned) >= _PRUNED_CACHE:
+            del _pruned[next(iter(_pruned))]
+        _pruned[key] = kept
+    return [*kept, segment[at:], *history[index + 1 :]]
+
+
+def _open_calls(items: list[Any]) -> list[bytes]:
+    """The tool calls in `items` that no output in them answers."""
+    answered = {
+        item.get("call_id")
+        for item in items
+        if type(item) is dict and str(item.get("type", "")).endswith("_output")
+    }
+    return [
+        orjson.dumps(item)
+        for item in items
+        if type(item) is dict
+        and str(item.get("type", "")).endswith("_call")
+        and item.get("call_id") not in answered
+    ]
+
+
 def open_items(
     sealer: Sealer, scope: str, items: list[Any], indices: Iterable[int]
 ) -> dict[int, bytes]:

@@ -24,6 +24,7 @@ from ocxproxy.continuation.affinity import affinity_of, chain_key
 from ocxproxy.continuation.compaction import (
     Injection,
     compact_threshold,
+    compacted_history,
     open_items,
     replace_in_body,
     summary_request,
@@ -316,6 +317,7 @@ async def prepare_exchange(
         if local in sources and request.store:  # the conversation would keep it (on disk)
             raise not_storable(sources[local][0])
         held, history = await open_turn(proxy, scope, conversation_id, locked=remember)
+        history = compacted_history(conversation_id, history)  # from its latest summary on
         parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"
         echo = ("conversation", {"id": conversation_id})
     elif prev is not None:

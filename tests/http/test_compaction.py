@@ -559,3 +559,45 @@ async def test_a_model_that_calls_a_tool_still_writes_the_summary(
             extra_body={"tools": TOOLS},  # as Codex sends them
         )
         assert compacted.output[-1].type == "compaction"
+
+
+async def test_a_compacted_conversation_forwards_its_window(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    """After a compaction, a conversation keeps every item but forwards the compacted
+    window: its user messages, a call still waiting for its output, the summary, then
+    what came after; the same bytes every turn."""
+    client = proxy.client()
+    conv = await client.conversations.create(items=[HISTORY[1]])  # type: ignore[list-item]
+    lookup = await client.responses.create(
+        model="m", input="Look it up. CALL:lookup", conversation=conv.id
+    )
+    answered = {
+        "type": "function_call_output",
+        "call_id": lookup.output[-1].call_id,  # type: ignore[union-attr]
+        "output": "not there, CALL:grep",
+    }
+    grep = await client.responses.create(model="m", input=[answered], conversation=conv.id)  # type: ignore[list-item]
+    call = grep.output[-1]
+    assert call.type == "function_call"
+    await client.responses.create(model="m", input=[TRIGGER], conversation=conv.id)  # type: ignore[list-item]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "found"}
+    await client.responses.create(model="m", input=[output], conversation=conv.id)  # type: ignore[list-item]
+    await client.responses.create(model="m", input="And now?", conversation=conv.id)
+    first, second = forwarded_items(backend)[-2:]
+    assert [item.get("content") for item in first[:2]] == [
+        HISTORY[1]["content"],
+        "Look it up. CALL:lookup",
+    ]
+    assert first[2]["type"] == "function_call" and first[2]["call_id"] == call.call_id
+    assert first[3]["content"].startswith(SUMMARY_PREFIX)
+    assert first[4] == output and len(first) == 5
+    assert_append_only([seen.body for seen in backend.responses_seen[-2:]])
+    assert second[-1]["content"] == "And now?"
+    # The earlier answers, and the answered call, are summarized, not forwarded.
+    assert sum(1 for item in second if item.get("type") == "function_call") == 1
+    assert not any(item.get("role") == "assistant" for item in second[:4])
+    assert not any(item.get("call_id") == answered["call_id"] for item in second)
+    listed = await client.conversations.items.list(conv.id, limit=100)
+    assert len(listed.data) > len(second)  # the conversation keeps every item
+    assert_never_forwarded(backend)
