@@ -538,6 +538,16 @@ class Config:
         parse=Path,
         metavar="DIR",
     )
+    rewarm_budget: int = setting(
+        0,
+        "after a backend with no KV save API started again or came back up, replay its "
+        "most recent chains' prefixes (a one-token answer each, newest first, never "
+        "before a real turn) up to this many tokens (0: off), e.g. 65536",
+        group=BACKENDS,
+        parse=parse_int,
+        check=not_negative,
+        metavar="TOKENS",
+    )
     kv_save_every: int = setting(
         1024,
         "a chain's KV state is saved again once it grew by this many tokens",

@@ -407,6 +407,15 @@ class Metrics:
         self.kv_evictions = Counter(
             "ocxproxy_kv_evictions_total", "KV saves removed to stay within --kv-save-bytes"
         )
+        self.rewarms = Counter(
+            "ocxproxy_rewarm_total",
+            "Chains replayed to a backend that started again (no save API), by outcome "
+            "(warmed; yielded: real turns kept cutting it off; failed)",
+            ["outcome"],
+        )
+        self.rewarm_tokens = Counter(
+            "ocxproxy_rewarm_tokens_total", "Prefix tokens of the chains re-warmed"
+        )
         for outcome in ("saved", "stale", "error"):
             self.kv_saves.labels(outcome=outcome)
         for outcome in ("ok", "failed", "error", "fingerprint_mismatch"):

@@ -18,7 +18,15 @@ from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.continuation.compaction import Sealer
-from ocxproxy.http import conversations, health, models, passthrough, responses, websocket
+from ocxproxy.http import (
+    conversations,
+    health,
+    models,
+    passthrough,
+    responses,
+    rewarm,
+    websocket,
+)
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.http.context import CUT_GRACE, PROXY, UNPREFIXED, V1, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
@@ -99,7 +107,7 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     served = proxy.pool.add(url)
 
     def restarted() -> None:  # a new epoch: what it cached is gone (upstream/misses.py)
-        served.restarts += 1
+        proxy.pool.fleet.restarted(served)
 
     backend.on_restart = restarted
     if saves is not None:
@@ -194,9 +202,13 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     pool = app[PROXY].pool
     interval = app[PROXY].config.health_interval
     prober = spawn(pool.watch(interval), name="backend-prober") if interval > 0 else None
+    budget = app[PROXY].config.rewarm_budget
+    rewarmer = spawn(rewarm.watch(app[PROXY]), name="backend-rewarm") if budget else None
     try:
         yield
     finally:
+        if rewarmer is not None:
+            await cancel_and_wait(rewarmer)
         if prober is not None:
             await cancel_and_wait(prober)
         await pool.close()

@@ -90,7 +90,7 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
                 metrics.cache_missed_tokens.labels(reason=miss.reason).inc(
                     miss.expected - miss.cached
                 )
-    book.put(response_id, Served(backend.url, backend.epoch, head))
+    book.put(response_id, Served(backend.url, backend.epoch, head, exchange.scope))
 
 
 def save_after(exchange: Exchange, record: Record) -> None:

@@ -366,6 +366,11 @@ class Fleet:
         self.metrics.backend_ejections.labels(backend=backend.url, outcome="ejected").inc()
         return True
 
+    def restarted(self, backend: Backend) -> None:
+        """Its process was started again (the embedded backend's watchdog): a new epoch."""
+        backend.restarts += 1
+        self._bump(freed=False)
+
     def mark_up(self, backend: Backend) -> None:
         if not backend.healthy:
             log.info("backend %s is up again", backend.url)

@@ -29,6 +29,7 @@ class Served:
     backend: str
     epoch: int  # the backend's (fleet.Backend.epoch) when it answered
     head: int  # head_of() its request
+    scope: str = ""  # its caller's (re-warm looks its chain up there)
 
 
 @dataclass(frozen=True, slots=True)

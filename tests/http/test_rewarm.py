@@ -1,0 +1,86 @@
+"""Re-warm (CONTRACT.md C12): a backend with no save API that came back gets its most
+recent chains replayed with a one-token answer, newest first, within the budget, so their
+next turns find them cached."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+
+
+def chain_start(n: int) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": f"chain {n}'s long first message " * 60},
+        {"role": "user", "content": "go"},
+    ]
+
+
+async def chains(proxy: ProxyHandle, count: int) -> list[str]:
+    client = proxy.client()
+    ids = []
+    for n in range(count):
+        first = await client.responses.create(model="m", input=chain_start(n))  # type: ignore[arg-type]
+        second = await client.responses.create(
+            model="m", input="more", previous_response_id=first.id
+        )
+        ids.append(second.id)
+    return ids
+
+
+async def replayed(proxy: ProxyHandle, count: int) -> None:
+    for _ in range(200):
+        if proxy.metric("ocxproxy_rewarm_total", outcome="warmed") >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("not re-warmed")
+
+
+async def back_up(proxy: ProxyHandle, fake: FakeBackend) -> None:
+    """The backend comes back with an empty cache, as the health probe sees it."""
+    fleet = proxy.proxy.pool.fleet
+    (backend,) = fleet.backends
+    fake.forget_cache()
+    fleet.mark_down(backend, "restarting")
+    fleet.mark_up(backend)
+
+
+async def test_the_newest_chains_are_replayed_and_their_next_turns_hit(
+    make_proxy: MakeProxy,
+) -> None:
+    async with FakeBackend() as fake:
+        proxy = await make_proxy(fake.url, rewarm_budget=100_000)
+        ids = await chains(proxy, 3)
+        before = len(fake.responses_seen)
+        await back_up(proxy, fake)
+        await replayed(proxy, 3)
+        replays = [orjson.loads(seen.body) for seen in fake.responses_seen[before:]]
+        assert [r["max_output_tokens"] for r in replays] == [1, 1, 1]
+        firsts = [r["input"][0]["content"][:8] for r in replays]
+        assert firsts == ["chain 2'", "chain 1'", "chain 0'"]  # newest first, once each
+        assert proxy.metric("ocxproxy_rewarm_total", outcome="warmed") == 3
+        client = proxy.client()
+        for response_id in ids:
+            await client.responses.create(
+                model="m", input="after", previous_response_id=response_id
+            )
+        assert proxy.metric("ocxproxy_cache_checks_total") == 6
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+
+
+async def test_the_budget_bounds_the_replays(make_proxy: MakeProxy) -> None:
+    async with FakeBackend() as fake:
+        proxy = await make_proxy(fake.url, rewarm_budget=700)  # one chain is ~470 tokens
+        ids = await chains(proxy, 3)
+        await back_up(proxy, fake)
+        await replayed(proxy, 1)
+        assert proxy.metric("ocxproxy_rewarm_total", outcome="warmed") == 1
+        client = proxy.client()
+        for response_id in ids:
+            await client.responses.create(
+                model="m", input="after", previous_response_id=response_id
+            )
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 2
