@@ -35,7 +35,7 @@ from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
-from ocxproxy.store.background import IN_PROGRESS, QUEUED, TERMINAL, Job
+from ocxproxy.store.background import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
 from ocxproxy.upstream.sse import TERMINAL_EVENTS, EventSplitter, encode_event, loads_or_none
 
 log = logging.getLogger("ocxproxy.background")
@@ -107,7 +107,8 @@ async def start(
         _run(proxy, exchange, job, copied, path_qs, timing.request_id),
         name=f"background-{response_id}",
     )
-    await book.commit()  # the create is answered once the response is kept
+    if proxy.config.durability == "ack":  # answered once the response is kept
+        await book.commit()
     if request.stream:
         await reply.start(200, CIMultiDict(SSE_HEADERS))
         await follow(job, reply, -1)
@@ -194,7 +195,8 @@ async def _run(
         exchange.release()
         if exchange.idempotency_key is not None:
             idempotency.end(proxy, exchange.idempotency_key)
-    await book.commit()
+    if job.status not in STORED:  # (a completed one is the store's: its line can wait)
+        await book.commit()
 
 
 def cancelled(proxy: Proxy, job: Job) -> None:

@@ -39,7 +39,7 @@ from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
-from ocxproxy.store.background import STORED, Job
+from ocxproxy.store.background import Job
 from ocxproxy.upstream.sse import loads_or_none
 
 
@@ -179,15 +179,17 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if _truthy(request.query.get("stream")):
         return await _stream_again(proxy, request)
     job = _job(proxy, request)
-    if job is not None and job.status not in STORED:  # (completed: the store's, as any)
+    if job is not None and not job.terminal:
         return web.Response(body=job.response, content_type="application/json")
-    try:
+    try:  # an ended one the store keeps is the store's, as any (one lost by a restart too)
         record = await _lookup(proxy, request)
     except NotFound:
+        record = None
         if job is None:
             raise
-        return web.Response(body=job.response, content_type="application/json")  # evicted
     if record is None:
+        if job is not None:
+            return web.Response(body=job.response, content_type="application/json")
         return await passthrough(request)
     try:
         body = await proxy.store.response_bytes(record)

@@ -29,13 +29,13 @@ class EventLog:
     """A background response's SSE events, in order (index = sequence_number), and the
     waiters that follow it."""
 
-    __slots__ = ("_changed", "closed", "events", "size")
+    __slots__ = ("_waiters", "closed", "events", "size")
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
         self.size = 0
         self.closed = False  # the terminal event (or the end: cancelled, lost) is in
-        self._changed: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
 
     def append(self, event: bytes) -> None:
         self.events.append(event)
@@ -48,14 +48,19 @@ class EventLog:
 
     async def changed(self) -> None:
         """Until the next append or close."""
-        if self._changed is None:
-            self._changed = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._changed)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._waiters:  # (a follower that left)
+                self._waiters.remove(waiter)
 
     def _wake(self) -> None:
-        changed, self._changed = self._changed, None
-        if changed is not None and not changed.done():
-            changed.set_result(None)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 @dataclass(slots=True, eq=False)

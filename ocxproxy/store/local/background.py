@@ -51,6 +51,7 @@ class LocalBackgrounds:
         self.log_size = 0  # bytes of every event log kept
         self._pending: list[bytes] = []
         self._writing: asyncio.Lock | None = None
+        self._fd: int | None = None  # background.jsonl, open for appends once written
         metrics.background_jobs.labels(status=QUEUED).set_function(lambda: self._count(QUEUED))
         metrics.background_jobs.labels(status=IN_PROGRESS).set_function(
             lambda: self._count(IN_PROGRESS)
@@ -112,7 +113,9 @@ class LocalBackgrounds:
         async with self._writing:  # the lines queued meanwhile go in the next write
             lines, self._pending = self._pending, []
             if lines:
-                await asyncio.to_thread(_append, self.path, b"".join(lines))
+                if self._fd is None:
+                    self._fd = await asyncio.to_thread(_open, self.path)
+                await asyncio.to_thread(_append, self._fd, b"".join(lines))
 
     def _prune(self, *, over_budget: bool = False) -> None:
         """Drop the event logs past LOG_KEPT (or, over the budget, the oldest ended
@@ -185,15 +188,20 @@ class LocalBackgrounds:
 
     async def close(self) -> None:
         await self.commit()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def _append(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, data)
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
+def _open(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+
+def _append(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fdatasync(fd)
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
