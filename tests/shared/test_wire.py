@@ -94,8 +94,7 @@ async def test_commands_sent_in_one_turn_of_the_loop_go_out_in_one_write(
     make_kv_server: MakeKv,
 ) -> None:
     server = await make_kv_server("valkey")
-    client = aioredis.Redis.from_url(server.url)
-    wire = await shared_wire.open_wire(client)
+    wire = await shared_wire.open_wire(server.url)
     try:
         writes: list[bytes] = []
         transport = wire._transport
@@ -109,7 +108,6 @@ async def test_commands_sent_in_one_turn_of_the_loop_go_out_in_one_write(
         assert len(writes) == 2
     finally:
         wire.close()
-        await client.aclose()
 
 
 async def test_a_server_that_stops_answering_is_cut_off_then_heals(
@@ -158,8 +156,7 @@ async def garbage_server() -> AsyncIterator[int]:
 
 async def test_an_unreadable_answer_fails_the_waiting_commands_not_the_process() -> None:
     async with garbage_server() as port:
-        client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
-        wire = await shared_wire.open_wire(client)
+        wire = await shared_wire.open_wire(f"redis://127.0.0.1:{port}/0")
         first, second = wire.send(shared_wire.pack("PING") * 2, 2)
         for future in (first, second):
             with pytest.raises(ConnectionError, match="unreadable"):
@@ -167,7 +164,6 @@ async def test_an_unreadable_answer_fails_the_waiting_commands_not_the_process()
         assert wire.lost is not None
         with pytest.raises(ConnectionError):
             wire.send(shared_wire.pack("PING"))
-        await client.aclose()
 
 
 def make_certificate(into: Path) -> tuple[Path, Path]:
@@ -212,3 +208,20 @@ async def test_a_rediss_url_speaks_tls(make_kv_server: MakeKv, tmp_path: Path) -
     with pytest.raises(SharedStoreRefused, match=r"(?i)certificate"):
         await untrusted.start()
     await untrusted.close()
+
+
+async def test_the_store_holds_one_connection_to_its_server(kv_server: KvServer) -> None:
+    """The start-up checks, scripts and a turn's round trips share one client: one
+    connection on the server, whose commands were all sent on it."""
+    admin = aioredis.Redis.from_url(kv_server.url)
+    store = store_on(kv_server.url)
+    try:
+        await store.start()
+        await chain_of(store, None, ["r1", "r2"])
+        assert (await store.lookup("scope-a", "r2")).id == "r2"
+        clients = (await admin.execute_command("CLIENT", "LIST")).decode().splitlines()
+        others = [c for c in clients if "cmd=client" not in c]  # (the admin's own)
+        assert len(others) == 1, clients
+    finally:
+        await store.close()
+        await admin.aclose()

@@ -16,12 +16,8 @@ import logging
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from ocxproxy.config import ConfigError
+from ocxproxy.store.shared.wire import STALL, ReplyError, Wire, open_wire
 
 log = logging.getLogger("ocxproxy.store.shared")
 
@@ -34,46 +30,52 @@ class SharedStoreRefused(ConfigError):
 
 async def connect(
     url: str, durability: str, wait_replicas: int, patience: float
-) -> tuple[aioredis.Redis, tuple[Any, ...]]:
-    """A client of the server at `url`, checked (retried for `patience` seconds while it
-    cannot be reached), and the command that waits for replicas (see check_server)."""
-    client = aioredis.Redis.from_url(  # no retries of its own: SharedStore._call decides
-        url,
-        socket_connect_timeout=2.0,
-        socket_timeout=5.0,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), 0),
-    )
+) -> tuple[Wire, tuple[Any, ...]]:
+    """A connection to the server at `url`, checked (tried again for `patience` seconds
+    while it cannot be reached), and the command that waits for replicas (see
+    check_server)."""
     deadline = time.monotonic() + patience
-    try:
-        while True:
-            try:
-                return client, await check_server(client, durability, wait_replicas)
-            except (RedisError, OSError) as exc:
-                if time.monotonic() >= deadline:
-                    raise SharedStoreRefused(f"shared store {url} unreachable: {exc}") from None
-                await asyncio.sleep(0.2)
-    except BaseException:
-        await client.aclose()
-        raise
+    while True:
+        wire: Wire | None = None
+        try:
+            wire = await open_wire(url)
+            async with asyncio.timeout(STALL):
+                return wire, await check_server(wire, durability, wait_replicas)
+        except (ReplyError, OSError) as exc:
+            if wire is not None:
+                wire.close()
+            if time.monotonic() >= deadline:
+                reason = str(exc) or f"no answer within {STALL:g} s"
+                raise SharedStoreRefused(f"shared store {url} unreachable: {reason}") from None
+            await asyncio.sleep(0.2)
+        except BaseException:
+            if wire is not None:
+                wire.close()
+            raise
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def check_server(client: Any, durability: str, wait_replicas: int) -> tuple[Any, ...]:
-    """Check the server (RedisError/OSError when it cannot be asked); returns the command
+async def _info(wire: Wire, section: str) -> dict[str, str]:
+    """INFO's `field:value` lines."""
+    lines = _text(await wire.ask("INFO", section)).splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line and line[:1] != "#")
+
+
+async def check_server(wire: Wire, durability: str, wait_replicas: int) -> tuple[Any, ...]:
+    """Check the server (ReplyError/OSError when it cannot be asked); returns the command
     that waits for `wait_replicas` replicas after a write (empty: none asked)."""
-    info = await client.info("server")
+    info = await _info(wire, "server")
     version = _text(info.get("valkey_version") or info.get("redis_version") or "0")
     major = int(version.split(".")[0] or 0)
     if "valkey_version" not in info and major < 7:
         raise SharedStoreRefused(f"shared store: Redis {version} is too old (7.0 or later)")
     try:
-        raw = await client.config_get("*")
-        config = {_text(k): _text(v) for k, v in raw.items()}
-    except Exception as exc:  # CONFIG renamed or forbidden (managed services)
+        raw = await wire.ask("CONFIG", "GET", "*")
+        config = {_text(k): _text(v) for k, v in zip(raw[::2], raw[1::2], strict=True)}
+    except ReplyError as exc:  # CONFIG renamed or forbidden (managed services)
         if durability == "ack":
             raise SharedStoreRefused(
                 f"shared store: cannot read its configuration ({exc}); --durability ack "
@@ -105,7 +107,7 @@ async def check_server(client: Any, durability: str, wait_replicas: int) -> tupl
         )
     if wait_replicas <= 0:
         return ()
-    replication = await client.info("replication")
+    replication = await _info(wire, "replication")
     connected = int(replication.get("connected_slaves", 0))
     if connected < wait_replicas:
         log.warning(
@@ -115,8 +117,8 @@ async def check_server(client: Any, durability: str, wait_replicas: int) -> tupl
         )
     if durability == "ack":
         try:  # Redis 7.2+, Valkey: also fsynced on the replicas
-            await client.execute_command("WAITAOF", 0, 0, 0)
-        except Exception:
+            await wire.ask("WAITAOF", 0, 0, 0)
+        except ReplyError:
             pass  # Redis 7.0: WAIT (replicated, maybe not yet fsynced there)
         else:
             return ("WAITAOF", 1, wait_replicas, WAIT_TIMEOUT_MS)

@@ -5,8 +5,8 @@ server is unavailable until a round trip, or the probe's PING, succeeds. The pro
 every second that saw no answer (an idle replica too), so a server that went away is
 noticed within PROBE_EVERY + PING_TIMEOUT even when no turn runs.
 
-A turn's round trips (scripts, MGET, writes) go over one lean pipelined connection
-(wire.py); redis-py checks the server at start and runs `call`s."""
+Every command, the start-up checks' too, goes over one lean pipelined connection
+(wire.py), the tier's only client."""
 
 from __future__ import annotations
 
@@ -14,12 +14,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
@@ -53,7 +49,7 @@ class Server:
         self.metrics = metrics
         self.wait_replicas = wait_replicas
         self.available = True
-        self._redis: aioredis.Redis | None = None
+        self._started = False
         self._wire: Wire | None = None
         self._opening = asyncio.Lock()
         self._wait = b""  # the command that waits for replicas, packed, if asked
@@ -65,17 +61,17 @@ class Server:
         """Connect, check the server against the durability profile (SharedStoreRefused
         when it does not fit, or cannot be reached within `patience` seconds), load the
         scripts, and start the probe."""
-        if self._redis is not None:
+        if self._started:
             return
-        client, wait = await connect(self.url, durability, self.wait_replicas, patience)
+        wire, wait = await connect(self.url, durability, self.wait_replicas, patience)
         try:
-            self._wire = await open_wire(client)
-            await self._load(self._wire)
-        except (RedisError, ReplyError, OSError) as exc:
-            await client.aclose()
+            await self._load(wire)
+        except (ReplyError, OSError) as exc:
+            wire.close()
             raise SharedStoreRefused(f"shared store {self.url}: {exc}") from None
+        self._wire = wire
         self._wait = pack(*wait) if wait else b""
-        self._redis = client
+        self._started = True
         self.available = True
         self._probe = spawn(self._watch(), name="shared-store-probe")
         log.info("shared store %s ready (%s)", self.url, durability)
@@ -87,9 +83,7 @@ class Server:
         if self._wire is not None:
             self._wire.close()
             self._wire = None
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
+        self._started = False
 
     async def _watch(self) -> None:
         """Every second: cut a connection the server stopped answering on (commands
@@ -120,9 +114,9 @@ class Server:
         async with self._opening:  # one opening at a time; the others wait and share it
             wire = self._wire
             if wire is None or wire.lost is not None:
-                if self._redis is None:
+                if not self._started:
                     raise ConnectionError("shared store closed")
-                wire = self._wire = await open_wire(self._redis)
+                wire = self._wire = await open_wire(self.url)
             return wire
 
     async def _exchange(self, packed: bytes, answers: int) -> list[Any]:
@@ -138,7 +132,7 @@ class Server:
         """Packed commands, one round trip, timed; their answers (ReplyError values
         included). A server that cannot answer is StorageUnavailable, and the store is
         unavailable until one answers."""
-        if self._redis is None:
+        if not self._started:
             raise StorageUnavailable(UNAVAILABLE)
         started = time.perf_counter()
         try:
@@ -210,34 +204,6 @@ class Server:
         for name, source in _SOURCES.items():
             if (await wire.ask("SCRIPT", "LOAD", source)).decode() != _SHAS[name]:
                 raise ReplyError(f"script {name} loaded under another SHA1")
-
-    # -- redis-py, for the rest ------------------------------------------------------------
-
-    async def call(self, op: str, run: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any:
-        """One round trip through redis-py, timed and counted; a server that cannot
-        answer is StorageUnavailable, and the store is unavailable until one answers."""
-        client = self._redis
-        if client is None:
-            raise StorageUnavailable(UNAVAILABLE)
-        started = time.perf_counter()
-        try:
-            try:
-                result = await run(client)
-            except RedisConnectionError:
-                # Idle connections from before a server restart fail on first use: drop
-                # them all and try once more.
-                await client.connection_pool.disconnect(inuse_connections=False)
-                result = await run(client)
-        except ResponseError as exc:
-            if str(exc).startswith(layout.LOST):
-                raise StoreFailure(FailureReason.MISSING, "chain") from None
-            self._down(op, exc)
-            raise StorageUnavailable(UNAVAILABLE) from None
-        except (RedisError, OSError) as exc:
-            self._down(op, exc)
-            raise StorageUnavailable(UNAVAILABLE) from None
-        self._observe(op, time.perf_counter() - started)
-        return result
 
     # -- availability and timing -----------------------------------------------------------
 

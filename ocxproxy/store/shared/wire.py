@@ -1,15 +1,17 @@
-"""The shared tier's hot commands on one lean connection (RESP2, parsed by hiredis).
+"""The shared tier's one client of its server: a lean connection (RESP2, parsed by hiredis).
 
-redis-py spends more CPU per command than the rest of a turn's store work (argument
-encoding, pool checkout, a timeout context and retry wrapper per call), so every round
-trip of a turn goes here instead: one connection per server, commands packed once as
-bytes, concurrent commands pipelined on it, answers matched to their callers in order as
-they arrive. The commands of one turn of the event loop go out in one write, at its end
-(under load, turns on a replica share a syscall, and the server reads and answers them
-together).
-The connection is opened from redis-py's own reading of the URL (host/port, unix socket,
-TLS context, user, password, db), so it accepts the same URLs as the start-up checks,
-which keep redis-py.
+Every command goes here, the start-up checks' as a turn's: one connection per server,
+commands packed once as bytes, concurrent commands pipelined on it, answers matched to
+their callers in order as they arrive. The commands of one turn of the event loop go out
+in one write, at its end (under load, turns on a replica share a syscall, and the server
+reads and answers them together). redis-py's client spent more CPU per command than the
+rest of a turn's store work (argument encoding, pool checkout, a timeout context and
+retry wrapper per call); redis-py only reads the URL here (host/port, unix socket, TLS
+context, user, password, db: the URLs its clients accept), and never connects.
+
+One policy for time and retries: CONNECT_TIMEOUT to open a connection, STALL for an
+answer; the caller (shared_server.Server.round_trip) tries a command once more on a
+fresh connection after a connection error, never more.
 
 Failures are OSError (the caller's StorageUnavailable): a refused or lost connection
 fails every command waiting on it, and the next command opens a new one. An error reply
@@ -125,9 +127,9 @@ class Wire(asyncio.Protocol):
             self._transport.abort()
 
 
-async def open_wire(client: aioredis.Redis) -> Wire:
-    """A connection to the server `client` was made for, authenticated, on its db."""
-    pool = client.connection_pool
+async def open_wire(url: str) -> Wire:
+    """A connection to the server at `url`, authenticated, on its db."""
+    pool = aioredis.ConnectionPool.from_url(url)  # redis-py's reading of the URL
     conn: Any = pool.connection_class(**pool.connection_kwargs)  # not connected: settings
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(CONNECT_TIMEOUT):
