@@ -8,10 +8,10 @@ their size even when they are a few hundred bytes (zstd alone cannot: too little
 from). The corpus is synthetic but shaped like real traffic: OpenAI-shaped items and
 response objects (message, function_call and its output, reasoning; the full field set or
 the short one local servers send), ids of the lengths real servers use, common English and
-programming words. It is values as the layout stores them (shared_layout.payload).
+programming words. It is values as the layout stores them (shared/frame.py's payload).
 
 A new dictionary is a new layout: values written with the old one cannot be read with it,
-so shared_layout.LAYOUT must change with it (tests/shared/test_layout.py checks the digest).
+so shared/keys.py's LAYOUT must change with it (tests/shared/test_layout.py checks the digest).
 
     .venv/bin/python scripts/shared_dictionary.py            # writes the module
     .venv/bin/python scripts/shared_dictionary.py --check    # exit 1 if it would differ
@@ -32,7 +32,7 @@ import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ocxproxy.store.shared.layout import payload  # noqa: E402
+from ocxproxy.store.shared.frame import payload  # noqa: E402
 
 MODULE = ROOT / "ocxproxy" / "store" / "shared" / "dictionary.py"
 SIZE = 4096

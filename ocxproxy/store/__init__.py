@@ -5,7 +5,8 @@ Every way a lookup can fail is a StoreFailure with a FailureReason. Two implemen
 local/ (one node: memory and the journal) and shared/ (Valkey/Redis); beside them what
 both use: records.py (the records' index and expiry; items.py the item index, shards.py
 its shards), resident.py (the memory tier's LRU), output.py (items cut out of an output),
-compaction_key.py (the compaction sealing key).
+compaction_key.py (the compaction sealing key), compression.py (the plain zstd
+set-up).
 local/: Store (store.py) does every change and owns the records (kept.py its KeptRecords
 part, the records it keeps for conversations and Idempotency-Keys); segments.py's
 SegmentTable alone changes segments (keydir.py where their bytes are); ledger.py queues
@@ -14,9 +15,10 @@ files, the committer (committer.py) and the checkpoint. journal.py holds the fil
 (journal, packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding
 of the index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py
 the stats and gauges.
-shared/ (--shared-store, store.py: SharedStore, a Store on Valkey/Redis; its layout and
-scripts in layout.py, its connection and round trips in server.py, its start-up checks
-in checks.py) is imported only when asked for: its client is an extra (ocxproxy[shared]).
+shared/ (--shared-store, store.py: SharedStore, a Store on Valkey/Redis; every key it
+names in keys.py, its values and scripts in layout.py, its connection and round trips in
+server.py, its start-up checks in checks.py) is imported only when asked for: its client
+is an extra (ocxproxy[shared]).
 interface.py declares what `http/` may call on either (StoreInterface).
 Public surface: Store, StoreInterface, StoreStats, default_state_dir, open_store.
 """

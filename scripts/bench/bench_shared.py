@@ -75,7 +75,7 @@ from disk_canary import Watch, describe
 from loopback import RawClient
 
 sys.path.insert(0, str(ROOT))
-from ocxproxy.store.shared import layout
+from ocxproxy.store.shared import keys as shared_keys
 from tests.shared.servers import KvServer
 
 TARGET_BYTES = 32 * 1024  # ~8k tokens
@@ -384,8 +384,8 @@ def kind_of(key: bytes, prefix: bytes = b"ocx:") -> str:
     """A key's kind in the layout (layout.py): after the prefix, the layout's tag
     and the scope (its length, the high bit set for text; then its bytes), one letter;
     the budget's keys are `other`."""
-    at = len(prefix) + len(layout.LAYOUT)
-    if not key.startswith(prefix + layout.LAYOUT) or key[at] == 0:
+    at = len(prefix) + len(shared_keys.LAYOUT)
+    if not key.startswith(prefix + shared_keys.LAYOUT) or key[at] == 0:
         return "other"
     return chr(key[at + 1 + (key[at] & 0x7F)])
 

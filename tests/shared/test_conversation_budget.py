@@ -21,8 +21,7 @@ import redis.asyncio as aioredis
 from ocxproxy.aio import spawn
 from ocxproxy.http import idempotency
 from ocxproxy.store.shared import conversations
-from ocxproxy.store.shared.conversation_scripts import kept_keys
-from ocxproxy.store.shared.layout import LAYOUT
+from ocxproxy.store.shared.keys import LAYOUT, kept_keys
 from ocxproxy.store.shared.store import SharedStore
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend

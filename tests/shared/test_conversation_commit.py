@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.shared.layout import Keys
+from ocxproxy.store.shared.keys import Keys
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.shared.conftest import MakeReplicas

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store.shared import layout
+from ocxproxy.store.shared import keys as shared_keys
 from tests.shared.servers import KvServer
 from tests.shared.test_store import SCOPE_A, MakeStore, make_store, raw_client, turn
 
@@ -43,7 +43,7 @@ async def test_items_of_many_turns_share_one_hash_with_the_records_ttl(
         fields = await client.hgetall(bucket)
     finally:
         await client.aclose()
-    assert fields == {layout.item_field(f"msg_{n:032x}"): f"r{n}".encode() for n in range(6)}
+    assert fields == {shared_keys.item_field(f"msg_{n:032x}"): f"r{n}".encode() for n in range(6)}
     # It lives as long as its records, and at most an eighth of the TTL longer.
     assert all(100_000 - 5_000 < ttl <= 100_000 + 12_500 for ttl in found.values())
     for n in range(6):

@@ -1,6 +1,6 @@
-"""The shared tier's layout (store/shared/layout.py) on its own: key names, the dictionary
-the values are compressed with, the encoding of values. The same layout on a real server:
-tests/shared/test_store.py."""
+"""The shared tier's layout (store/shared/keys.py, store/shared/layout.py) on its own: key
+names, the dictionary the values are compressed with, the encoding of values. The same
+layout on a real server: tests/shared/test_store.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from ocxproxy.model import ItemIds, Segment
 from ocxproxy.store.shared import dictionary, layout
-from ocxproxy.store.shared.layout import LAYOUT, Keys
+from ocxproxy.store.shared.keys import LAYOUT, Keys, budget_keys, kept_keys
 
 SCOPE = hashlib.sha256(b"token").hexdigest()[:32]  # as http/context.py makes one
 
@@ -35,6 +35,25 @@ def test_key_names_carry_the_layout_tag_and_the_scope_in_raw_bytes() -> None:
     bases = {Keys("ocx:", s).base for s in scopes}
     assert len(bases) == len(scopes)
     assert all(not k.startswith(b"ocx:" + LAYOUT + b"\0") for k in bases)  # the budget's
+
+
+def test_conversation_and_idempotency_names_are_the_ones_servers_hold() -> None:
+    # A conversation never expires: renaming its keys would lose every one at an upgrade.
+    keys = Keys("ocx:", SCOPE)
+    assert keys.conversation("conv_1") == [
+        f"ocx:{SCOPE}:conv:conv_1",
+        f"ocx:{SCOPE}:conv:conv_1:items",
+        f"ocx:{SCOPE}:lock:conv_1",
+    ]
+    assert keys.idempotency("idem_1") == [f"ocx:{SCOPE}:idem:idem_1", f"ocx:{SCOPE}:idemrun:idem_1"]
+    reserved = b"ocx:" + LAYOUT + b"\0"
+    assert budget_keys("ocx:") == (reserved + b"chains", reserved + b"bytes", reserved + b"total")
+    assert kept_keys("ocx:") == [
+        reserved + b"kept",
+        reserved + b"keptbytes",
+        reserved + b"kepttotal",
+        reserved + b"total",
+    ]
 
 
 def test_a_small_turn_compresses_to_under_half_with_the_dictionary() -> None:

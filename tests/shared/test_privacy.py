@@ -17,7 +17,7 @@ import redis.asyncio as redis
 import zstandard
 
 from ocxproxy.store.shared import dictionary as shared_dictionary
-from ocxproxy.store.shared.layout import LAYOUT
+from ocxproxy.store.shared.keys import LAYOUT
 from tests.serve import respond
 from tests.shared.conftest import MakeKvServer, MakeReplicas
 from tests.shared.test_replicas import KEY_A, KEY_B, auth, turn

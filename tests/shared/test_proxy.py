@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from ocxproxy.cli import main
 from ocxproxy.config import Config
 from ocxproxy.http.context import scope_of
-from ocxproxy.store.shared.layout import Keys
+from ocxproxy.store.shared.keys import Keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from ocxproxy.store.shared.layout import budget_keys, compaction_key_name
+from ocxproxy.store.shared.keys import budget_keys, compaction_key_name
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only
 from tests.serve import Serve, output_text, respond

@@ -20,7 +20,7 @@ from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
 from ocxproxy.store.shared import checks
 from ocxproxy.store.shared.checks import SharedStoreRefused
-from ocxproxy.store.shared.layout import LAYOUT, Keys, budget_keys
+from ocxproxy.store.shared.keys import LAYOUT, Keys, budget_keys
 from ocxproxy.store.shared.store import SharedStore
 from tests.shared.servers import KvServer
 from tests.store.helpers import Clock, sample

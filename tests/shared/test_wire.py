@@ -212,7 +212,7 @@ async def test_a_rediss_url_speaks_tls(make_kv_server: MakeKv, tmp_path: Path) -
 
 async def test_the_store_holds_one_connection_to_its_server(kv_server: KvServer) -> None:
     """The start-up checks, scripts and a turn's round trips share one client: one
-    connection on the server, whose commands were all sent on it."""
+    connection on the server."""
     admin = aioredis.Redis.from_url(kv_server.url)
     store = store_on(kv_server.url)
     try:

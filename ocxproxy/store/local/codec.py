@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,31 +33,17 @@ import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment
+from ocxproxy.store.compression import compressor as compressor  # (journal.py's)
+from ocxproxy.store.compression import decompressor
 from ocxproxy.store.local.segment_files import FILES
 
 SEG, PUT, DEL, NOP = 1, 2, 3, 4
 HEAD, SEGS, RECS, END = 11, 12, 13, 14
 FORMAT = "ocxproxy-checkpoint"
 VERSION = 1
-LEVEL = 3
 MAX_ENTRY = 1024**3
 FRAME = struct.Struct("<IIB")
 META = struct.Struct("<H")
-_local = threading.local()
-
-
-def compressor() -> zstandard.ZstdCompressor:
-    c = getattr(_local, "c", None)
-    if c is None:
-        c = _local.c = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
-    return c
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "d", None)
-    if d is None:
-        d = _local.d = zstandard.ZstdDecompressor()
-    return d
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -328,7 +313,7 @@ def decode(key: str, size: int, blob: bytes) -> bytes:
         declared = zstandard.frame_content_size(blob)
         if declared != size:
             raise StoreFailure(FailureReason.CORRUPT, f"{key}: frame declares {declared} bytes")
-        data = _decompressor().decompress(blob, max_output_size=max(size, 1))
+        data = decompressor().decompress(blob, max_output_size=max(size, 1))
     except zstandard.ZstdError as exc:
         raise StoreFailure(FailureReason.CORRUPT, f"{key}: {exc}") from None
     if len(data) != size or hashlib.sha256(data).hexdigest() != key:

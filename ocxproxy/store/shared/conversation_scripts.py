@@ -3,7 +3,7 @@
 
 What is kept (a conversation's hash and items list, a completed Idempotency-Key) counts
 in the byte budget (--shared-max-bytes) beside the response chains, in four keys of the
-layout's reserved scope (`kept_keys`): what is kept by expiry, each one's bytes, their
+layout's reserved scope (shared_keys.kept_keys): what is kept by expiry, each one's bytes, their
 total, and the budget's total that the COMMIT script evicts chains by. So past the budget
 a commit evicts response chains, never a conversation; a conversation write that the
 budget could only take by dropping kept bytes is refused instead (as the single-node
@@ -307,10 +307,3 @@ SCRIPTS = {
 }
 SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in SCRIPTS.items()}
 WRITES = {"conversation_create", "conversation_write", "conversation_turn", "idempotency_done"}
-
-
-def kept_keys(prefix: str) -> list[bytes]:
-    """What is kept (by expiry), each one's bytes, their total, the budget's total."""
-    total = layout.budget_keys(prefix)[2]
-    base = total[: -len(b"total")]
-    return [base + b"kept", base + b"keptbytes", base + b"kepttotal", total]

@@ -1,16 +1,12 @@
 """Conversations, their lease and Idempotency-Keys on the shared Valkey/Redis server
 (--shared-store), so that every replica serves them alike.
 
-Keys, under the caller's scope hash (CONTRACT.md C5), beside layout.py's:
-
-    {prefix}{scope}:conv:{id}          hash: `head` (created_at, metadata, backend), `ver`,
-                                       `resp` (the response id of the last turn appended)
-    {prefix}{scope}:conv:{id}:items    list: one entry per append (a segment and its items'
-                                       ids), in the order the server took the appends
-    {prefix}{scope}:lock:{id}          the conversation's lease: a token, with a TTL (in
-                                       the server's memory only: never in its AOF)
-    {prefix}{scope}:idem:{id}          a completed Idempotency-Key: fingerprint and response
-    {prefix}{scope}:idemrun:{id}       an Idempotency-Key in flight: fingerprint and token
+Keys, under the caller's scope hash (CONTRACT.md C5), as keys.py names them: a
+conversation's hash (`head`, `ver`, `resp`: the response id of the last turn appended)
+and its items' list (one entry per append: a segment and its items' ids, in the order the
+server took the appends); its lease (in the server's memory only: never in its AOF); a
+completed Idempotency-Key (fingerprint and response) and one in flight (fingerprint and
+token).
 
 Every write to a conversation names the version it was computed from, and the script
 refuses it when the conversation moved on (another writer, after this one's lease lapsed)
@@ -37,13 +33,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
-import zstandard
 
 from ocxproxy.errors import ConversationLocked, FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store.shared import layout
-from ocxproxy.store.shared.conversation_scripts import SHAS, WRITES, kept_keys
-from ocxproxy.store.shared.layout import Keys, SharedRecord
+from ocxproxy.store.shared.conversation_scripts import SHAS, WRITES
+from ocxproxy.store.shared.frame import ZstdError, frame, plain, unframe, unplain
+from ocxproxy.store.shared.keys import LAYOUT, Keys, ScopeKeys, kept_keys
+from ocxproxy.store.shared.layout import SharedRecord
 
 if TYPE_CHECKING:
     from ocxproxy.store.shared.server import Server
@@ -52,18 +48,17 @@ _CACHED_BYTES = 64 * 1024 * 1024  # conversations' items a replica keeps between
 _HEAD = struct.Struct("<BI")  # version, length of the entry's metadata JSON
 _VERSION = 1
 _FRAMED = b"\x02"  # an entry's first byte: framed as the layout's values (else _HEAD's)
-_compressor = zstandard.ZstdCompressor(level=3)
-_decompressor = zstandard.ZstdDecompressor()
 
 
 def _pack(data: bytes) -> bytes:
-    compressed = _compressor.compress(data)
+    """A completed Idempotency-Key's value: zstd without the dictionary, or raw."""
+    compressed = plain(data)
     return b"z" + compressed if len(compressed) < len(data) else b"r" + data
 
 
 def _unpack(value: bytes) -> bytes:
     if value[:1] == b"z":
-        return bytes(_decompressor.decompress(value[1:]))
+        return unplain(value[1:])
     if value[:1] == b"r":
         return value[1:]
     raise ValueError("unknown packing")
@@ -77,22 +72,22 @@ def encode_entry(segment: Segment, ids: Sequence[str]) -> bytes:
     meta = orjson.dumps(
         [list(ids), segment.n_items, sorted(segment.call_ids), list(segment.item_ids)]
     )
-    return b"".join((_FRAMED, layout.LAYOUT, layout.frame(meta, segment.data)))
+    return b"".join((_FRAMED, LAYOUT, frame(meta, segment.data)))
 
 
 def decode_entry(value: bytes) -> tuple[Segment, list[str]]:
     try:
         if value[:1] == _FRAMED:
-            if value[1:2] != layout.LAYOUT:
+            if value[1:2] != LAYOUT:
                 raise ValueError("an entry of another layout")
-            (ids, n_items, call_ids, spans), data = layout.unframe(value[2:])
+            (ids, n_items, call_ids, spans), data = unframe(value[2:])
         else:  # as written before entries were framed
             version, size = _HEAD.unpack_from(value)
             if version != _VERSION:
                 raise ValueError(f"unknown entry version {version}")
             ids, n_items, call_ids, spans = orjson.loads(value[_HEAD.size : _HEAD.size + size])
             data = _unpack(value[_HEAD.size + size :])
-    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError, ValueError, TypeError):
+    except (struct.error, orjson.JSONDecodeError, ZstdError, ValueError, TypeError):
         raise StoreFailure(FailureReason.CORRUPT, "conversation entry") from None
     segment = Segment(
         data,
@@ -235,6 +230,7 @@ class SharedConversations:
     ) -> None:
         self.server = server
         self.prefix = prefix
+        self.keys = ScopeKeys(prefix)
         self.budget = budget  # --shared-max-bytes (0: none)
         self._counted = counted  # the server's byte count after a write, and expiries
         self._kept = kept_keys(prefix)
@@ -243,14 +239,6 @@ class SharedConversations:
         # appended since (entries are rewritten only by a deleted item, which `base` says).
         self._cache: OrderedDict[tuple[str, str], ConversationRecord] = OrderedDict()
         self._cached_bytes = 0
-
-    def _base(self, scope: str) -> str:
-        return f"{self.prefix}{scope}:"
-
-    def _keys(self, scope: str, conversation_id: str) -> list[str]:
-        base = self._base(scope)
-        head = f"{base}conv:{conversation_id}"
-        return [head, head + ":items", f"{base}lock:{conversation_id}"]
 
     async def _run(self, name: str, keys: Sequence[str | bytes], args: Sequence[Any]) -> Any:
         """One script (registered with the server's own: shared_server.register_scripts);
@@ -289,8 +277,9 @@ class SharedConversations:
         held = self._forget(scope, conversation_id)
         args: list[int | str | bytes] = [held.version, len(held.ids)] if held else [0, 0]
         args += [token, max(1, int(ttl * 1000))] if token else ["", ""]
-        args.append(Keys(self.prefix, scope).base)
-        keys: list[str | bytes] = [*self._keys(scope, conversation_id), self._kept[2]]
+        names = self.keys(scope)
+        args.append(names.base)
+        keys: list[str | bytes] = [*names.conversation(conversation_id), self._kept[2]]
         found = await self._run("conversation_load", keys, args)
         if found == 0:
             raise ConversationLocked()
@@ -326,7 +315,7 @@ class SharedConversations:
     ) -> ConversationRecord:
         """A new conversation; StoreFailure(FULL) when the byte budget cannot take it."""
         args = [head] if first is None else [head, encode_entry(*first)]
-        keys = self._keys(scope, conversation_id)[:2]
+        keys = self.keys(scope).conversation(conversation_id)[:2]
         if not await self._keep("conversation_create", keys, args, ttl=0, force=False):
             raise StoreFailure(FailureReason.WRITE_FAILED, "conversation id taken")
         return conversation_record(conversation_id, scope, head, 1, [first] if first else [])
@@ -346,7 +335,7 @@ class SharedConversations:
         turn's append names its `response_id` (the next turn's record chains on its) and
         is taken even past the budget (its room was checked before the turn); the record
         the store staged for that response is written in the same script (`join`)."""
-        keys = self._keys(record.scope, record.id)
+        keys = self.keys(record.scope).conversation(record.id)
         write_id = secrets.token_hex(8)
         args = (record.version, lease, op, head, write_id, response_id, *args)
         force = bool(response_id)
@@ -362,28 +351,24 @@ class SharedConversations:
         """A token holding the conversation's lease for `ttl` seconds, or None while
         another holder's is live."""
         token = new_token()
-        key = self._keys(scope, conversation_id)[2]
+        key = self.keys(scope).conversation(conversation_id)[2]
         taken = await self._run("lease_acquire", [key], [token, max(1, int(ttl * 1000))])
         return token if taken else None
 
     async def renew(self, scope: str, conversation_id: str, token: str, ttl: float) -> bool:
-        key = self._keys(scope, conversation_id)[2]
+        key = self.keys(scope).conversation(conversation_id)[2]
         return bool(await self._run("lease", [key], [token, max(1, int(ttl * 1000))]))
 
     async def release(self, scope: str, conversation_id: str, token: str) -> None:
-        await self._run("lease", [self._keys(scope, conversation_id)[2]], [token, ""])
+        await self._run("lease", [self.keys(scope).conversation(conversation_id)[2]], [token, ""])
 
     # -- Idempotency-Keys ----------------------------------------------------------------
-
-    def _idem_keys(self, scope: str, record_id: str) -> list[str]:
-        base = self._base(scope)
-        return [f"{base}idem:{record_id}", f"{base}idemrun:{record_id}"]
 
     async def idempotency_begin(
         self, scope: str, record_id: str, marker: str, ttl: float
     ) -> tuple[int, bytes]:
         """(1, the completed entry) | (0, b"") now in flight | (2, the other's marker)."""
-        keys = self._idem_keys(scope, record_id)
+        keys = self.keys(scope).idempotency(record_id)
         found = await self._run("idempotency_begin", keys, [marker, max(1, int(ttl * 1000))])
         state = int(found[0])
         value = bytes(found[1]) if len(found) > 1 else b""
@@ -394,14 +379,14 @@ class SharedConversations:
     ) -> None:
         """Complete the key (for `ttl` seconds; counted in the budget, taken past it: its
         turn was answered)."""
-        keys = self._idem_keys(scope, record_id)
+        keys = self.keys(scope).idempotency(record_id)
         await self._keep("idempotency_done", keys, [_pack(entry), marker], ttl=ttl, force=True)
 
     async def idempotency_hold(
         self, scope: str, record_id: str, marker: str, ttl: float | None
     ) -> None:
         """Renew the in-flight key for `ttl` seconds (None: let it go)."""
-        key = self._idem_keys(scope, record_id)[1]
+        key = self.keys(scope).idempotency(record_id)[1]
         await self._run("idempotency_hold", [key], [marker, "" if ttl is None else int(ttl * 1000)])
 
 

@@ -1,6 +1,8 @@
-"""The shared tier's values (store/shared/layout.py): a payload (its meta's length, the
+"""The shared tier's zstd: its values (layout.py) are a payload (its meta's length, the
 meta as JSON, the data) after one encoding byte: zstd with the dictionary shipped in
-dictionary.py (without the magic number), or raw when that is not smaller."""
+dictionary.py (without the magic number), or raw when that is not smaller. A completed
+Idempotency-Key's value is a plain zstd frame (`plain`: the store's one plain set-up,
+store/compression.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from typing import Any
 import orjson
 import zstandard
 
+from ocxproxy.store.compression import compressor, decompressor
 from ocxproxy.store.shared import dictionary
+
+ZstdError = zstandard.ZstdError
 
 _dictionary = zstandard.ZstdCompressionDict(dictionary.DICTIONARY)
 # Small values (a usual turn) at level 6: a fifth smaller than at 3 for ~5 µs more; large
@@ -54,6 +59,16 @@ def unframe(value: bytes) -> tuple[Any, bytes]:
             raise ValueError(f"unknown encoding {kind!r}")
         (size,) = _LENGTH.unpack_from(body)
         meta = orjson.loads(body[_LENGTH.size : _LENGTH.size + size])
-    except (struct.error, orjson.JSONDecodeError, zstandard.ZstdError) as exc:
+    except (struct.error, orjson.JSONDecodeError, ZstdError) as exc:
         raise ValueError(str(exc)) from None
     return meta, bytes(body[_LENGTH.size + size :])
+
+
+def plain(data: bytes) -> bytes:
+    """A plain zstd frame (no dictionary, the magic number and size in it)."""
+    return compressor().compress(data)
+
+
+def unplain(blob: bytes) -> bytes:
+    """What `plain` compressed; ZstdError when it is not a plain zstd frame."""
+    return bytes(decompressor().decompress(blob))

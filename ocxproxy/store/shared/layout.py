@@ -1,22 +1,6 @@
-"""The shared tier's layout on Valkey/Redis: key names, the encoding of segments and
-records, and the server-side scripts (Lua, run by EVALSHA: Redis 7.0 and Valkey alike).
-
-Key names are binary: the prefix, the layout's tag (LAYOUT: data of another layout is
-never read, its keys are other names), the caller's scope (CONTRACT.md C5: its length,
-then the scope hash's 16 bytes, or the text of a scope that is no hash such as
-`anonymous`, its length's high bit set), so one credential's keys never answer
-another's; then a kind and a name:
-
-    s + sha256 (32 bytes)   a segment: its metadata and items, written once
-    c + token (8 bytes)     a chain: the list of its segments' digests (32 bytes each)
-    r + response id         a record: `{length}:{chain token}` then its meta and the
-                            response object (without its id, which is the key's)
-    i + end (ms, decimal)   an item index bucket: a hash, 8 bytes of BLAKE2b of an item id
-                            -> the id of the newest record whose own segment holds it,
-                            for records expiring in the bucket's span; the hash expires
-                            at the span's end (one key per span, not per item)
-    d                       the scope's index buckets (a sorted set of ends), newest first
-    {prefix}{LAYOUT}\\0 + chains, bytes, total   the byte budget's bookkeeping (no content)
+"""The shared tier's layout on Valkey/Redis: the encoding of segments and records, and
+the server-side scripts (Lua, run by EVALSHA: Redis 7.0 and Valkey alike) over the keys
+keys.py names.
 
 Values are zstd frames (without the magic number: the byte before says what follows)
 with the dictionary in dictionary.py (the structure every
@@ -47,12 +31,10 @@ from typing import Any
 import orjson
 
 from ocxproxy.model import NO_CALLS, ItemIds, Record, Segment, chain_of
-from ocxproxy.store.shared.frame import frame as frame  # (conversations.py's too)
-from ocxproxy.store.shared.frame import payload as payload  # (scripts/shared_dictionary.py)
-from ocxproxy.store.shared.frame import unframe as unframe
+from ocxproxy.store.shared.frame import frame, unframe
+from ocxproxy.store.shared.keys import Keys, bucket_end, budget_keys, item_field
 
-# A new layout, or a new dictionary, is a new tag: keys written under another are not read.
-LAYOUT = b"\x03"
+# The dictionary of frame.py's values: a new one is a new keys.LAYOUT.
 DICTIONARY_SHA256 = "9d345df9c26f62c57c3ebe023aa3d6e87a86dcccc4e3ce4e2c0a399f1e91842d"
 
 TAIL = 2  # the newest segments' values BEGIN sends along: what another replica just added
@@ -212,71 +194,6 @@ LOST = "OCXLOST"  # the commit script's error when the parent's chain expired me
 # generator seeded from the OS (again in a forked child), not a getrandom() a commit.
 _tokens = random.Random(os.urandom(32))
 os.register_at_fork(after_in_child=lambda: _tokens.seed(os.urandom(32)))
-
-
-class Keys:
-    """Key names of one scope."""
-
-    __slots__ = ("base", "prefix", "scope")
-
-    def __init__(self, prefix: str, scope: str) -> None:
-        self.prefix, self.scope = prefix, scope
-        self.base = prefix.encode() + LAYOUT + scope_tag(scope)
-
-    def record(self, record_id: str) -> bytes:
-        return self.base + b"r" + record_id.encode()
-
-    def chain(self, token: bytes) -> bytes:
-        return self.base + b"c" + token
-
-    def segment(self, digest: str) -> bytes:
-        return self.base + b"s" + bytes.fromhex(digest)
-
-    def bucket(self, ends_ms: int) -> bytes:
-        return self.base + b"i" + str(ends_ms).encode()
-
-    def buckets(self) -> bytes:
-        return self.base + b"d"
-
-
-def item_field(item_id: str) -> bytes:
-    """An item id's field in the index: 8 bytes of its BLAKE2b (the id itself is in the
-    segment, which the lookup checks; two ids alike in 64 bits cost a lookup, no leak:
-    the index is the scope's own)."""
-    return hashlib.blake2b(item_id.encode(), digest_size=8).digest()
-
-
-def bucket_end(expires_ms: int, ttl_ms: int) -> int:
-    """The end of the index bucket for a record expiring at `expires_ms`: buckets span an
-    eighth of the TTL, so an entry outlives its record by no more, and a scope has
-    nine or so."""
-    span = max(1, ttl_ms // 8)
-    return -(-expires_ms // span) * span
-
-
-def scope_tag(scope: str) -> bytes:
-    """A scope in key names: its length, then its bytes: a hex hash's raw bytes, or the
-    text of any other scope (`anonymous`), its length's high bit set so that no hash's
-    bytes can spell it."""
-    try:
-        raw = bytes.fromhex(scope)
-        if raw.hex() == scope:
-            return bytes((len(raw),)) + raw
-    except ValueError:
-        pass
-    raw = scope.encode()
-    return bytes((0x80 | len(raw),)) + raw
-
-
-def compaction_key_name(prefix: str) -> str:
-    """Where the replicas' compaction key fingerprint is kept: a setting, never expired."""
-    return prefix + "compaction-key"
-
-
-def budget_keys(prefix: str) -> tuple[bytes, bytes, bytes]:
-    """The byte budget's keys: a reserved scope of length 0."""
-    base = prefix.encode() + LAYOUT + b"\0"
-    return base + b"chains", base + b"bytes", base + b"total"
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ from ocxproxy.store.shared.conversations import (
     SharedWrite,
     as_parent,
 )
-from ocxproxy.store.shared.layout import Keys, SharedRecord, compaction_key_name
+from ocxproxy.store.shared.keys import Keys, compaction_key_name, item_field
+from ocxproxy.store.shared.layout import SharedRecord
 from ocxproxy.store.shared.server import Server, register_scripts
 
 __all__ = ["SharedStore"]
@@ -57,7 +58,6 @@ register_scripts(conversation_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
-_SCOPES = 4096  # scopes whose key names are kept built
 
 
 class SharedStore(Store):
@@ -100,8 +100,8 @@ class SharedStore(Store):
             self.server, prefix, budget=max_bytes, counted=self._counted
         )
         self.conversations.join = self.commit_with
+        self._keys_of = self.conversations.keys  # the scopes' key names, built once
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
-        self._keys: dict[str, Keys] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
         m.shared_available.set_function(lambda: 1.0 if self.available else 0.0)
@@ -186,7 +186,7 @@ class SharedStore(Store):
         with contextlib.suppress(StoreFailure):
             return self.find_item_nowait(scope, item_id, unstored=unstored)
         keys = self._keys_of(scope)
-        args = (layout.item_field(item_id), keys.base)
+        args = (item_field(item_id), keys.base)
         found = await self.server.script("item", (keys.buckets(),), args)
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
@@ -275,15 +275,6 @@ class SharedStore(Store):
             self._cache(segment)
         return got
 
-    def _keys_of(self, scope: str) -> Keys:
-        """The scope's key names (built once: a turn needs them twice)."""
-        keys = self._keys.get(scope)
-        if keys is None:
-            if len(self._keys) >= _SCOPES:
-                self._keys.clear()
-            keys = self._keys[scope] = Keys(self.prefix, scope)
-        return keys
-
     def _corrupt(self, exc: ValueError, name: str) -> StoreFailure:
         """A value that does not decode (or whose digest does not match): counted, logged."""
         self.metrics.spill_failures.labels(reason=str(FailureReason.CORRUPT)).inc()
@@ -331,7 +322,7 @@ class SharedStore(Store):
         `commit`; any other stays in this process's memory (never on the server). A turn
         on a shared conversation chains on the conversation's items (`as_parent`)."""
         if isinstance(parent, ConversationRecord):
-            parent = as_parent(parent, Keys(self.prefix, turn.scope))
+            parent = as_parent(parent, self._keys_of(turn.scope))
         shared_parent = parent is None or isinstance(parent, SharedRecord)
         if not turn.durable or not shared_parent:
             return super().put(turn, parent)
