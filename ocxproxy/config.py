@@ -503,6 +503,12 @@ class Config:
         check=not_negative,
         metavar="TOKENS",
     )
+    compaction_prewarm: bool = setting(
+        False,
+        "after a compaction, send the compacted window to the backend (one output token), "
+        "off the reply path, so the turn after it finds its prefix cached",
+        group=BACKENDS,
+    )
     forward_unknown_ids: bool = setting(
         False,
         "forward ids the proxy does not know (previous_response_id, GET/DELETE/cancel of a "

@@ -258,6 +258,11 @@ class Metrics:
             "Tokens of the summaries compactions sealed (the backend's output tokens)",
             ["route"],
         )
+        self.compaction_prewarms = Counter(
+            "ocxproxy_compaction_prewarms_total",
+            "Compacted windows sent to the backend ahead of the next turn, by outcome",
+            ["outcome"],
+        )
         self.compaction_retries = Counter(
             "ocxproxy_compaction_retries_total",
             "Summary requests asked again without tools: the model called a tool instead",

@@ -9,6 +9,7 @@ being that item (`Exchange.summary` is what later turns forward in its place).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from multidict import CIMultiDict
 
+from ocxproxy.aio import spawn
 from ocxproxy.continuation.compaction import (
     Injection,
     add_usage,
@@ -35,7 +37,7 @@ from ocxproxy.continuation.compaction import (
 )
 from ocxproxy.continuation.expand import expand
 from ocxproxy.errors import OcxError, UpstreamError, backend_error
-from ocxproxy.http.context import Reply
+from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.http.headers import upstream_headers
 from ocxproxy.metrics import Timing
 from ocxproxy.upstream.sse import loads_or_none
@@ -74,9 +76,12 @@ async def compaction_turn(
     proxy = exchange.proxy
     item = new_item(seal(exchange, summary))
     exchange.summary = summary_message(summary)
+    warm: bytes | None = None
     if exchange.conversation is None:
         retained = retained_user_messages(summarized_items(exchange.body))
         exchange.retained = ([orjson.dumps(message) for message in retained], retained)
+        if proxy.config.compaction_prewarm:
+            warm = prewarm_body(exchange)
     response = compaction_response(
         exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time()), [item], usage
     )
@@ -84,7 +89,47 @@ async def compaction_turn(
     exchange.finish(response)
     await exchange.commit()
     proxy.metrics.compactions.labels(route="trigger", outcome="completed").inc()
+    if warm is not None:
+        preferred = exchange.backend.url if exchange.backend is not None else None
+        path = responses_path(path_qs)
+        spawn(_prewarm(proxy, warm, dict(forwarded), path, preferred), name="compaction prewarm")
     return response
+
+
+PREWARM_TIMEOUT = 60.0
+
+
+def prewarm_body(exchange: Exchange) -> bytes:
+    """The compacted window as a request of one output token: the turn's instructions
+    and tools, the retained user messages, the summary. Sent off the reply path
+    (`_prewarm`) to the backend that wrote the summary, so the turn after the compaction
+    finds that prefix in its cache."""
+    assert exchange.summary is not None
+    parts, _ = exchange.retained
+    fields = {k: v for k, v in exchange.request.body.items() if k not in _NOT_FOR_PREWARM}
+    fields.update(stream=False, store=False, max_output_tokens=1)
+    return expand(fields, [], [*parts, exchange.summary])
+
+
+_NOT_FOR_PREWARM = ("background", "stream_options")
+
+
+async def _prewarm(
+    proxy: Proxy, body: bytes, headers: dict[str, str], path: str, preferred: str | None
+) -> None:
+    outcome = "backend_error"
+    try:
+        async with asyncio.timeout(PREWARM_TIMEOUT):
+            request = proxy.pool.open(
+                "POST", path, headers, body, timing=Timing(), preferred=preferred
+            )
+            async with request as (_, upstream):
+                await upstream.read()
+                if upstream.status == 200:
+                    outcome = "completed"
+    except (OcxError, TimeoutError):
+        outcome = "failed"
+    proxy.metrics.compaction_prewarms.labels(outcome=outcome).inc()
 
 
 async def compact_first(

@@ -6,6 +6,7 @@ not open (tampered, another key, another credential)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from pathlib import Path
@@ -600,4 +601,38 @@ async def test_a_compacted_conversation_forwards_its_window(
     assert not any(item.get("call_id") == answered["call_id"] for item in second)
     listed = await client.conversations.items.list(conv.id, limit=100)
     assert len(listed.data) > len(second)  # the conversation keeps every item
+    assert_never_forwarded(backend)
+
+
+async def test_prewarm_sends_the_compacted_window_ahead_of_the_next_turn(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    """With --compaction-prewarm, after a compaction the backend gets the compacted
+    window (one output token), off the reply path; the next turn starts with those bytes,
+    so its prefix is cached."""
+    proxy = await make_proxy(backend.url, compaction_prewarm=True)
+    client = proxy.client()
+    fields: dict[str, Any] = {"model": "m", "instructions": "Be terse.", "tools": TOOLS}
+    first = await client.responses.create(input=LONG, **fields)
+    compaction = await client.responses.create(
+        input=[TRIGGER],  # type: ignore[list-item]
+        previous_response_id=first.id,
+        **fields,
+    )
+    await backend.wait_for(lambda: len(backend.responses_seen) == 3)
+    warm = backend.responses_seen[2]
+    assert warm.json["max_output_tokens"] == 1 and warm.json["stream"] is False
+    assert warm.json["input"][-1]["content"].startswith(SUMMARY_PREFIX)
+    async with asyncio.timeout(5):
+        while not proxy.metric("ocxproxy_compaction_prewarms_total", outcome="completed"):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    after = await client.responses.create(
+        input="What next?", previous_response_id=compaction.id, **fields
+    )
+    sent = backend.responses_seen[3]
+    assert top_level_span(sent.body, "input").startswith(top_level_span(warm.body, "input")[:-1])
+    assert sent.json["instructions"] == warm.json["instructions"]
+    assert sent.json["tools"] == warm.json["tools"]
+    assert after.usage is not None
+    assert after.usage.input_tokens_details.cached_tokens >= 0.9 * after.usage.input_tokens
     assert_never_forwarded(backend)
