@@ -190,8 +190,11 @@ async def test_beyond_max_background_they_wait_queued(make_proxy: MakeProxy) -> 
         with pytest.raises(openai.RateLimitError):
             await client.responses.create(model="m", input="3", background=True)
         assert proxy.metric("ocxproxy_background_refused_total") == 1
+        assert (await client.responses.cancel(second.id)).status == "cancelled"  # queued
+        third = await client.responses.create(model="m", input="3", background=True)
         assert (await until_ended(client, first.id)).status == "completed"
-        assert (await until_ended(client, second.id)).status == "completed"
+        assert (await until_ended(client, third.id)).status == "completed"
+        assert len(backend.responses_seen) == 2  # the cancelled one never ran, the third did
 
 
 async def test_the_create_body_reaches_the_backend_without_background(
