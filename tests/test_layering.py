@@ -145,3 +145,33 @@ def test_upstream_never_imports_store_or_http() -> None:
 def test_nothing_imports_the_wiring() -> None:
     assert importing("ocxproxy.server") == ["ocxproxy.cli"]  # cli → server.run is the wiring
     assert importing("ocxproxy.cli") == ["ocxproxy.__main__"]
+
+
+def modules_named(path: Path) -> set[str]:
+    """The modules a file imports (not the names it takes from them), submodules named
+    in `from package import module` included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if f"{node.module}.{alias.name}" in MODULES
+            )
+    return found
+
+
+def test_http_reaches_the_store_through_its_interface_only() -> None:
+    """http/ and continuation/ import `ocxproxy.store` (the façade: the interface and the
+    types it names), never a module inside it: either store can be behind it."""
+    offenders = {
+        module_name(path): sorted(m for m in modules_named(path) if m.startswith("ocxproxy.store."))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if module_name(path).startswith(("ocxproxy.http", "ocxproxy.continuation"))
+    }
+    assert {name: inside for name, inside in offenders.items() if inside} == {}
+    assert "ocxproxy.store" in modules_named(PACKAGE / "http" / "exchange.py")  # the walk sees it

@@ -35,7 +35,7 @@ from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
-from ocxproxy.store.background import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
+from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
 from ocxproxy.upstream.sse import TERMINAL_EVENTS, EventSplitter, encode_event, loads_or_none
 
 log = logging.getLogger("ocxproxy.background")

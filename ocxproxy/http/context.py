@@ -14,14 +14,12 @@ from multidict import CIMultiDict
 
 from ocxproxy.config import Config
 from ocxproxy.continuation.compaction import Sealer
-from ocxproxy.continuation.locks import InFlight, Leases
+from ocxproxy.continuation.locks import Leases
 from ocxproxy.continuation.window import TokenBook
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
-from ocxproxy.store import Store
-from ocxproxy.store.background import Backgrounds
-from ocxproxy.store.local.background import LocalBackgrounds
+from ocxproxy.store import Backgrounds, LocalBackgrounds, Store
 from ocxproxy.upstream.kvsave import KvSaves
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
@@ -74,7 +72,6 @@ class Proxy:
     ready: bool = False
     access_log: AccessLog | None = None  # --access-log off: None
     leases: Leases = field(init=False)  # one writer per conversation (process memory)
-    in_flight: InFlight = field(default_factory=InFlight)  # running Idempotency-Keys
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
     cache_book: CacheBook = field(default_factory=CacheBook)  # where turns left their prefix
     kv_saves: KvSaves | None = None  # warm resume's KV saves (the embedded backend's)

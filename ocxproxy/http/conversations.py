@@ -2,7 +2,7 @@
 
 Every write (metadata, items, delete) takes the conversation's lock, as a create turn on
 it does, so no write can interleave with a turn: a second writer gets 400
-`conversation_locked` (http/conversation_state.py keeps the state).
+`conversation_locked` (the store keeps the state: `Store.conversations`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from ocxproxy.continuation.listing import (
     parse_list_query,
 )
 from ocxproxy.errors import InvalidRequest, NotFound
-from ocxproxy.http import conversation_state as state
 from ocxproxy.http.body import read_body
 from ocxproxy.http.context import Proxy, proxy_of, scope_of
-from ocxproxy.http.conversation_turn import locked
+from ocxproxy.store import Conversation
 
 
 def _json(obj: Any) -> web.Response:
@@ -48,14 +47,16 @@ async def _body(request: web.Request, proxy: Proxy) -> dict[str, Any]:
     return body
 
 
-async def _load(request: web.Request) -> tuple[Proxy, str, state.Conversation]:
+async def _load(request: web.Request) -> tuple[Proxy, str, Conversation]:
     proxy = proxy_of(request)
     scope = scope_of(request.headers)
-    conversation = await state.load(proxy.store, scope, request.match_info["conversation_id"])
+    conversation = await proxy.store.conversations.load(
+        scope, request.match_info["conversation_id"]
+    )
     return proxy, scope, conversation
 
 
-def _view(conversation: state.Conversation) -> dict[str, Any]:
+def _view(conversation: Conversation) -> dict[str, Any]:
     return conversation_object(conversation.id, conversation.meta)
 
 
@@ -64,7 +65,9 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
     body = await _body(request, proxy)
     items = check_items(body.get("items"), required=False)
     metadata = check_metadata(body.get("metadata"))
-    conversation = await state.create(proxy.store, scope_of(request.headers), items, metadata)
+    conversation = await proxy.store.conversations.create(
+        scope_of(request.headers), items, metadata
+    )
     return _json(_view(conversation))
 
 
@@ -81,7 +84,7 @@ async def update_conversation(request: web.Request) -> web.StreamResponse:
     metadata = check_metadata(body["metadata"])
     async with _locked(request):
         _, _, conversation = await _load(request)
-        conversation = await state.set_metadata(proxy.store, conversation, metadata)
+        conversation = await proxy.store.conversations.set_metadata(conversation, metadata)
     return _json(_view(conversation))
 
 
@@ -89,7 +92,7 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     async with _locked(request):
         _, _, conversation = await _load(request)
-        await state.delete(proxy.store, conversation)
+        await proxy.store.conversations.delete(conversation)
     return _json(deleted_object(conversation.id))
 
 
@@ -102,7 +105,7 @@ async def create_items(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest("Invalid 'items': expected at least one item.", param="items")
     async with _locked(request):
         _, _, conversation = await _load(request)
-        conversation = await state.add_items(proxy.store, conversation, items)
+        conversation = await proxy.store.conversations.add_items(conversation, items)
     ids = conversation.meta.ids[-1]
     data = [item_view(item, item_id, include) for item_id, item in zip(ids, items, strict=True)]
     query = ListQuery(None, len(data), "asc", include)
@@ -112,7 +115,7 @@ async def create_items(request: web.Request) -> web.StreamResponse:
 async def list_items(request: web.Request) -> web.StreamResponse:
     query = parse_list_query(request.query, includes_of(request.query))
     proxy, _, conversation = await _load(request)
-    pairs = await state.items(proxy.store, conversation)
+    pairs = await proxy.store.conversations.items(conversation)
     views = [item_view(item, item_id, query.include) for item_id, item in pairs]
     return _json(page(views, query))
 
@@ -123,7 +126,7 @@ async def get_item(request: web.Request) -> web.StreamResponse:
     item_id = request.match_info["item_id"]
     if conversation.meta.find(item_id) is None:
         raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
-    for found_id, item in await state.items(proxy.store, conversation):
+    for found_id, item in await proxy.store.conversations.items(conversation):
         if found_id == item_id:
             return _json(item_view(item, item_id, include))
     raise NotFound(f"Item with id '{item_id}' not found.", param="item_id")
@@ -133,16 +136,17 @@ async def delete_item(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     async with _locked(request):
         _, _, conversation = await _load(request)
-        conversation = await state.delete_item(
-            proxy.store, conversation, request.match_info["item_id"]
+        conversation = await proxy.store.conversations.delete_item(
+            conversation, request.match_info["item_id"]
         )
     return _json(_view(conversation))
 
 
 def _locked(request: web.Request) -> AbstractAsyncContextManager[None]:
     """The conversation's lock around an items or metadata write (400 while taken)."""
-    return locked(
-        proxy_of(request), scope_of(request.headers), request.match_info["conversation_id"]
+    proxy = proxy_of(request)
+    return proxy.store.conversations.locked(
+        scope_of(request.headers), request.match_info["conversation_id"], proxy.leases
     )
 
 

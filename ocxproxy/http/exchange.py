@@ -56,14 +56,13 @@ from ocxproxy.errors import (
 )
 from ocxproxy.http import compaction, idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
-from ocxproxy.http.conversation_turn import ConversationTurn, check_room, open_turn
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.stores import resolve_items, resolve_previous, retention, wait_for_room
 from ocxproxy.http.warm import check_cache, resume, save_after
 from ocxproxy.http.window import book_keys, fit_window, passes_threshold, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
-from ocxproxy.store import Store
+from ocxproxy.store import ConversationTurn, Store
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.kvsave import Outcome
 from ocxproxy.upstream.pool import Backend, read_chunk
@@ -166,7 +165,7 @@ class Exchange:
         backend = self.backend.url if self.backend else None
         try:
             turn = self._turn(response)
-            if self.target is not None and self.conversation.local:
+            if self.target is not None and self.conversation.put_first:
                 # Put while the conversation's record it chains on is live, so its row
                 # names it: after the append it would need its whole chain (O(length)).
                 self.record = self.target.put(turn, self._chains_on())
@@ -316,7 +315,9 @@ async def prepare_exchange(
     if conversation_id is not None:
         if local in sources and request.store:  # the conversation would keep it (on disk)
             raise not_storable(sources[local][0])
-        held, history = await open_turn(proxy, scope, conversation_id, locked=remember)
+        held, history = await proxy.store.conversations.open_turn(
+            scope, conversation_id, proxy.leases, locked=remember
+        )
         history = compacted_history(conversation_id, history)  # from its latest summary on
         parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"
         echo = ("conversation", {"id": conversation_id})
@@ -365,7 +366,7 @@ async def prepare_exchange(
             if parent is not None:
                 check_call_bindings(request.items, parent)
             if held is not None and remember:
-                check_room(proxy.store, held.conversation, sum(len(part) + 1 for part in tail))
+                held.check_room(sum(len(part) + 1 for part in tail))
             if trigger:
                 body = summary_request(request.body, history, tail)
             else:

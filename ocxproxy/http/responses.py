@@ -39,7 +39,7 @@ from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
-from ocxproxy.store.background import Job
+from ocxproxy.store import Job
 from ocxproxy.upstream.sse import loads_or_none
 
 

@@ -20,17 +20,47 @@ names in keys.py, its values and scripts in layout.py, its connection and round 
 server.py, its start-up checks in checks.py) is imported only when asked for: its client
 is an extra (ocxproxy[shared]).
 interface.py declares what `http/` may call on either (StoreInterface).
-Public surface: Store, StoreInterface, StoreStats, default_state_dir, open_store.
+Public surface: Store, StoreInterface (and the types it names), StoreStats,
+default_state_dir, open_store.
 """
 
 from typing import TYPE_CHECKING
 
 from ocxproxy.config import Config, ConfigError
 from ocxproxy.metrics import Metrics
-from ocxproxy.store.interface import StoreInterface
+from ocxproxy.store.background import IN_PROGRESS, QUEUED, STORED, TERMINAL, Backgrounds, Job
+from ocxproxy.store.conversations import Conversation
+from ocxproxy.store.idempotency import TTL as IDEMPOTENCY_TTL
+from ocxproxy.store.idempotency import Key as IdempotencyKey
+from ocxproxy.store.interface import (
+    Conversations,
+    ConversationTurn,
+    IdempotencyKeys,
+    StoreInterface,
+)
+from ocxproxy.store.local.background import LocalBackgrounds
 from ocxproxy.store.local.store import Store, StoreStats, default_state_dir
 
-__all__ = ["Store", "StoreInterface", "StoreStats", "default_state_dir", "open_store"]
+__all__ = [
+    "IDEMPOTENCY_TTL",
+    "IN_PROGRESS",
+    "QUEUED",
+    "STORED",
+    "TERMINAL",
+    "Backgrounds",
+    "Conversation",
+    "ConversationTurn",
+    "Conversations",
+    "IdempotencyKey",
+    "IdempotencyKeys",
+    "Job",
+    "LocalBackgrounds",
+    "Store",
+    "StoreInterface",
+    "StoreStats",
+    "default_state_dir",
+    "open_store",
+]
 
 
 def open_store(config: Config, metrics: Metrics | None = None) -> Store:

@@ -11,22 +11,128 @@ Sections, in the order a turn uses them:
 - lifecycle: start, close, available;
 - responses: lookup, history, response_bytes, find_item, item_bytes, put, commit,
   delete, wait_for_room, sweep (expiry);
-- conversations and their lock (a lease), idempotency keys;
+- conversations and their lock (a lease): `conversations`; Idempotency-Keys:
+  `idempotency`;
 - background turns' status and event log (marked below).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
+from ocxproxy.continuation.locks import Leases
 from ocxproxy.model import Record, Turn
+from ocxproxy.store.conversations import Conversation
+from ocxproxy.store.idempotency import Key
 
-__all__ = ["StoreInterface"]
+__all__ = ["ConversationTurn", "Conversations", "IdempotencyKeys", "StoreInterface"]
+
+
+class IdempotencyKeys(Protocol):
+    """Idempotency-Keys (the IETF draft), per credential, for 24 hours."""
+
+    async def begin(self, key: Key, duration: float) -> dict[str, Any] | None:
+        """The key is in flight until `end` (a retry meanwhile: 409 Conflict, or 422 for
+        another body; in flight elsewhere it lapses `duration` after its holder's last
+        sign of life); the response a completed request with this key got, to answer
+        again, or None."""
+        ...
+
+    def end(self, key: Key) -> None:
+        """Idempotent: when the response is remembered, and again when the request ends."""
+        ...
+
+    def complete(self, key: Key, response: Any | None, *, durable: bool) -> Record | None:
+        """The request has its response: a retry from now on gets it (when it is one the
+        proxy remembers, else None: a retry runs again). The completed key's record, to
+        `commit` before the answer is acknowledged."""
+        ...
+
+
+class ConversationTurn(Protocol):
+    """A create turn's hold on its conversation: its lock from before anything is
+    forwarded until the turn ends, and the append of the answered turn."""
+
+    conversation: Conversation
+
+    @property
+    def put_first(self) -> bool:
+        """The turn's own record is put before the append (the single-node store's row
+        then names the conversation's record it chains on, while that is live)."""
+        ...
+
+    def check_room(self, extra: int) -> None:
+        """StoreFull unless the conversation can grow by `extra` bytes (the turn's own
+        items, checked before it runs) without a cap dropping conversation items."""
+        ...
+
+    def renew(self) -> None:
+        """The holder made progress (a chunk from the backend): the lock lasts longer."""
+        ...
+
+    def release(self) -> None:
+        """Let the conversation go (idempotent, from code that cannot wait)."""
+        ...
+
+    def let_go(self) -> list[Record]:
+        """`release` when the turn has its response: what `commit` must run before the
+        answer (a lease's release on the server), or nothing."""
+        ...
+
+    def append(self, scope: str, turn: Turn, items: list[Any], backend: str | None) -> Record:
+        """The conversation with the turn's items appended, as a record to `commit` with
+        the turn's own: 409 Conflict when another writer changed it meanwhile (its lock
+        lapsed), 503 when the store refused the write."""
+        ...
+
+
+class Conversations(Protocol):
+    """A store's conversations (CONTRACT.md's conversations): every write durable when it
+    returns; NotFound for an unknown id or another credential's; 507 when the store's
+    caps cannot take a write without dropping conversation items."""
+
+    async def load(self, scope: str, conversation_id: str) -> Conversation: ...
+
+    async def create(
+        self, scope: str, items: list[Any], metadata: dict[str, str]
+    ) -> Conversation: ...
+
+    async def add_items(self, conversation: Conversation, items: list[Any]) -> Conversation: ...
+
+    async def set_metadata(
+        self, conversation: Conversation, metadata: dict[str, str]
+    ) -> Conversation: ...
+
+    async def delete(self, conversation: Conversation) -> None: ...
+
+    async def delete_item(self, conversation: Conversation, item_id: str) -> Conversation: ...
+
+    async def items(self, conversation: Conversation) -> list[tuple[str, Any]]:
+        """(id, item) of every item, oldest first."""
+        ...
+
+    def locked(
+        self, scope: str, conversation_id: str, leases: Leases
+    ) -> AbstractAsyncContextManager[None]:
+        """The conversation's lock (a lease of `leases.duration`) around a write;
+        ConversationLocked while another holds it."""
+        ...
+
+    async def open_turn(
+        self, scope: str, conversation_id: str, leases: Leases, *, locked: bool = True
+    ) -> tuple[ConversationTurn, list[bytes]]:
+        """A create turn on a conversation: its lock and its items' bytes (spliced in
+        front of the input like a chain's). Without `locked`, a read."""
+        ...
 
 
 class StoreInterface(Protocol):
     """What every store provides to the HTTP layer."""
+
+    conversations: Conversations
+    idempotency: IdempotencyKeys
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -91,9 +197,7 @@ class StoreInterface(Protocol):
         """Drop expired records; how many."""
         ...
 
-    # -- conversations, their lock, idempotency keys -------------------------------------
-    # (Their operations are still reached through http/conversation_state.py and
-    # http/idempotency.py; they join this interface as they move into the store.)
+    # -- conversations and their lock: `conversations`; idempotency keys: `idempotency` --
 
     # -- background turns: status and event log ------------------------------------------
     # (Reserved: the status of a background response and the append-only log of its

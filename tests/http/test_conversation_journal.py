@@ -17,7 +17,6 @@ import pytest
 from ocxproxy.aio import spawn
 from ocxproxy.cli import main
 from ocxproxy.errors import NotFound
-from ocxproxy.http import conversation_state
 from ocxproxy.store import Store
 from ocxproxy.store.local import codec
 from tests.fakes.backend import FakeBackend
@@ -167,18 +166,18 @@ async def test_every_conversation_write_survives_a_restart_with_its_ids(tmp_path
         return store
 
     store = await opened()
-    conv = await conversation_state.create(store, "scope", [user("a")], {"k": "1"})
-    gone = await conversation_state.create(store, "scope", [user("x")], {})
+    conv = await store.conversations.create("scope", [user("a")], {"k": "1"})
+    gone = await store.conversations.create("scope", [user("x")], {})
     for text in ("b", "c"):
-        conv = await conversation_state.add_items(store, conv, [user(text), user(text + "2")])
+        conv = await store.conversations.add_items(conv, [user(text), user(text + "2")])
     await store.flush()  # a checkpoint: the rows so far whole
-    conv = await conversation_state.add_items(store, conv, [user("d")])
+    conv = await store.conversations.add_items(conv, [user("d")])
     middle = conv.meta.ids[1][1]  # "b2"
-    conv = await conversation_state.delete_item(store, conv, middle)
-    conv = await conversation_state.set_metadata(store, conv, {"k": "2"})
-    conv = await conversation_state.add_items(store, conv, [user("e")])
-    await conversation_state.delete(store, gone)
-    want = await conversation_state.items(store, conv)
+    conv = await store.conversations.delete_item(conv, middle)
+    conv = await store.conversations.set_metadata(conv, {"k": "2"})
+    conv = await store.conversations.add_items(conv, [user("e")])
+    await store.conversations.delete(gone)
+    want = await store.conversations.items(conv)
     assert [item["content"] for _, item in want] == ["a", "b", "c", "c2", "d", "e"]
     assert middle not in {item_id for item_id, _ in want}
     await store.close()
@@ -186,11 +185,11 @@ async def test_every_conversation_write_survives_a_restart_with_its_ids(tmp_path
     for crash in (False, True):
         store = await opened()
         assert store.check() == []
-        again = await conversation_state.load(store, "scope", conv.id)
-        assert await conversation_state.items(store, again) == want
+        again = await store.conversations.load("scope", conv.id)
+        assert await store.conversations.items(again) == want
         assert again.meta.metadata == {"k": "2"}
         with pytest.raises(NotFound):
-            await conversation_state.load(store, "scope", gone.id)
+            await store.conversations.load("scope", gone.id)
         if crash:
             await store.abandon()
         else:

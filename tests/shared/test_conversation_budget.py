@@ -19,8 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
-from ocxproxy.http import idempotency
-from ocxproxy.store.shared import conversations
+from ocxproxy.store.shared import conversations, idempotency
 from ocxproxy.store.shared.keys import LAYOUT, kept_keys
 from ocxproxy.store.shared.store import SharedStore
 from tests.conftest import MakeProxy, ProxyHandle

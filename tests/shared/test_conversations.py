@@ -509,7 +509,7 @@ async def test_every_script_recognizes_its_own_earlier_run(
             return await real(op, packed, answers)
 
         monkeypatch.setattr(store.server, "round_trip", twice)
-        shared = store.conversations
+        shared = store.on_server
         head = b'{"created_at": 1, "metadata": {}, "backend": null}'
         record = await shared.create("scope", "conv_1", head, None)
         token = await shared.acquire("scope", "conv_1", 5.0)

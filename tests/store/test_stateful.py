@@ -504,7 +504,7 @@ class StoreMachine(RuleBasedStateMachine):
     def write_conversation(
         self, conv_id: str, state: ConvState, ack: bool, own: Segment | None = None
     ) -> None:
-        """Keep `state` (pinned, journaled) as conversation_state.py's writes do: the
+        """Keep `state` (pinned, journaled) as the local store's conversation writes do: the
         segments the conversation holds reused, `own` (a turn's, its record's) or new
         ones after them. A write the caps refuse changes nothing."""
         assert self.store is not None and state is not None

@@ -24,9 +24,12 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
+from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.committer import Committer, Offload
+from ocxproxy.store.local.conversations import LocalConversations
 from ocxproxy.store.local.durable import Durable
+from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.kept import KEPT_PREFIXES, KeptRecords
 from ocxproxy.store.local.ledger import Ledger
@@ -94,6 +97,8 @@ class Store(KeptRecords):
         self._records = self.index.by_id  # read here; changed only through the index
         self.items = self.index.items
         self.table = SegmentTable(self.resident, self.metrics, offload)
+        self.conversations: Conversations = LocalConversations(self)
+        self.idempotency: IdempotencyKeys = LocalKeys(self)
         self._started = False
         # The disk side, with a state dir; its committer once the journal is open.
         self.ledger: Ledger | None = None

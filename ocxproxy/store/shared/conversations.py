@@ -123,12 +123,6 @@ def new_token() -> str:
     return secrets.token_hex(12)
 
 
-def shared_conversations(store: object) -> SharedConversations | None:
-    """The store's shared conversations (a SharedStore's), or None (single-node)."""
-    found = getattr(store, "conversations", None)
-    return found if isinstance(found, SharedConversations) else None
-
-
 def conversation_record(
     conversation_id: str,
     scope: str,

@@ -32,12 +32,14 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
+from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.store import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared import conversation_scripts, layout
 from ocxproxy.store.shared.chains import Chains, Newest
 from ocxproxy.store.shared.checks import SharedStoreRefused
+from ocxproxy.store.shared.conversation_store import ServerConversations
 from ocxproxy.store.shared.conversations import (
     ConversationHead,
     ConversationRecord,
@@ -46,6 +48,7 @@ from ocxproxy.store.shared.conversations import (
     SharedWrite,
     as_parent,
 )
+from ocxproxy.store.shared.idempotency import ServerKeys
 from ocxproxy.store.shared.keys import Keys, compaction_key_name, item_field
 from ocxproxy.store.shared.layout import SharedRecord
 from ocxproxy.store.shared.server import Server, register_scripts
@@ -96,11 +99,13 @@ class SharedStore(Store):
         self.cache = ResidentTier(max_resident_bytes)  # segments by digest, any scope
         self.chains = Chains()
         self.newest = Newest()
-        self.conversations = SharedConversations(  # and leases, keys
+        self.on_server = SharedConversations(  # conversations, leases, keys on the server
             self.server, prefix, budget=max_bytes, counted=self._counted
         )
-        self.conversations.join = self.commit_with
-        self._keys_of = self.conversations.keys  # the scopes' key names, built once
+        self.on_server.join = self.commit_with
+        self._keys_of = self.on_server.keys  # the scopes' key names, built once
+        self.conversations = ServerConversations(self, self.on_server)
+        self.idempotency = ServerKeys(self.on_server, LocalKeys(self))
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
@@ -438,7 +443,7 @@ class SharedStore(Store):
 
     def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:
         """Only what stays in this process (a store:false Idempotency-Key's response):
-        shared conversations and keys are `self.conversations`'."""
+        shared conversations and keys are `self.on_server`'s."""
         if kw.get("durable", True):
             raise StoreFailure(FailureReason.WRITE_FAILED, "kept records are not shared")
         return super().keep(record_id, scope, *args, **kw)

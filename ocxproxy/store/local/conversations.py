@@ -1,0 +1,286 @@
+"""Conversations on the single-node store: each one a record the store keeps until
+deleted (`Store.keep`), its lock a lease in process memory (continuation/locks.py).
+
+The record's chain holds the items (segments, bytes as forwarded), its response segment
+the `Meta`'s head (created_at, metadata), `Record.ids` the item ids per segment. Every
+write replaces the record; segments are shared, so appending a turn adds one segment (and
+journals its ids only) and deleting an item rewrites only the segment that holds it.
+Every write is durable before it returns (ack mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ocxproxy.continuation.affinity import ROOT_KEY
+from ocxproxy.continuation.conversation import (
+    Meta,
+    assign_ids,
+    is_conversation_id,
+    new_conversation_id,
+    split_items,
+)
+from ocxproxy.continuation.expand import call_ids_of
+from ocxproxy.continuation.locks import Lease, Leases
+from ocxproxy.continuation.record import item_ids_of
+from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
+from ocxproxy.model import Record, Segment, Turn
+from ocxproxy.store.conversations import (
+    Conversation,
+    appended,
+    changed,
+    item_items,
+    item_not_found,
+    new_segment,
+    not_appended,
+    not_found,
+    store_full,
+    unavailable,
+    unreadable,
+)
+
+if TYPE_CHECKING:
+    from ocxproxy.store.local.store import Store
+
+log = logging.getLogger("ocxproxy.responses")
+
+
+def _lock(leases: Leases, conversation_id: str) -> Lease:
+    lease = leases.acquire(conversation_id)
+    if lease is None:
+        raise ConversationLocked()
+    return lease
+
+
+class LocalConversations:
+    """The conversations a Store keeps, and their locks."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def load(self, scope: str, conversation_id: str) -> Conversation:
+        """The caller's conversation, or NotFound (another credential's is unknown too)."""
+        if not is_conversation_id(conversation_id):
+            raise not_found(conversation_id)
+        store = self.store
+        try:
+            record = store.record(scope, conversation_id)
+            meta = Meta.decode(await store.response_bytes(record), record.ids)
+        except StoreFailure as failure:
+            if failure.reason == FailureReason.UNKNOWN:
+                raise not_found(conversation_id) from None
+            raise unreadable(failure) from None
+        return Conversation(record, meta)
+
+    async def create(self, scope: str, items: list[Any], metadata: dict[str, str]) -> Conversation:
+        """A new conversation, durable when returned."""
+        conversation_id = new_conversation_id()
+        meta = Meta(int(time.time()), metadata)
+        chain: tuple[Segment, ...] = ()
+        if items:
+            chain = (new_segment(items),)
+            meta.ids.append(assign_ids(items, set()))
+        return await self._durable(self._write(conversation_id, scope, chain, meta, backend=None))
+
+    async def add_items(self, conversation: Conversation, items: list[Any]) -> Conversation:
+        """The items appended (one segment), durable when returned."""
+        return await self._durable(self.append_segment(conversation, new_segment(items), items))
+
+    async def set_metadata(
+        self, conversation: Conversation, metadata: dict[str, str]
+    ) -> Conversation:
+        meta = Meta(conversation.meta.created_at, metadata, conversation.meta.ids)
+        record = conversation.record
+        written = self._write(
+            record.id, record.scope, conversation.segments, meta, backend=record.backend
+        )
+        return await self._durable(written)
+
+    async def delete(self, conversation: Conversation) -> None:
+        self.store.delete_nowait(conversation.record.scope, conversation.id, kept=True)
+        await self._commit(None)
+
+    async def delete_item(self, conversation: Conversation, item_id: str) -> Conversation:
+        """Rewrite only the segment holding the item (the later ones stay the same objects)."""
+        where = conversation.meta.find(item_id)
+        if where is None:
+            raise item_not_found(item_id)
+        seg_index, index = where
+        record = conversation.record
+        (data,) = await self._read((conversation.segments[seg_index],))
+        spans = split_items(data)
+        del spans[index]
+        ids = [list(ids) for ids in conversation.meta.ids]
+        del ids[seg_index][index]
+        chain = list(conversation.segments)
+        if spans:
+            kept = orjson.loads(b"[" + b",".join(spans) + b"]")
+            chain[seg_index] = Segment(
+                b",".join(spans),
+                len(spans),
+                call_ids_of(kept),
+                durable=False,
+                item_ids=item_ids_of(spans, kept),
+            )
+        else:
+            del chain[seg_index], ids[seg_index]
+        meta = Meta(conversation.meta.created_at, conversation.meta.metadata, ids)
+        written = self._write(record.id, record.scope, tuple(chain), meta, backend=record.backend)
+        return await self._durable(written)
+
+    async def items(self, conversation: Conversation) -> list[tuple[str, Any]]:
+        """(id, item) of every item, oldest first."""
+        return item_items(conversation, await self._read(conversation.segments))
+
+    @contextlib.asynccontextmanager
+    async def locked(self, scope: str, conversation_id: str, leases: Leases) -> AsyncIterator[None]:
+        """The conversation's lock around an items or metadata write (ConversationLocked
+        while another holds it)."""
+        lease = _lock(leases, conversation_id)
+        try:
+            yield
+        finally:
+            leases.release(lease)
+
+    async def open_turn(
+        self, scope: str, conversation_id: str, leases: Leases, *, locked: bool = True
+    ) -> tuple[LocalTurn, list[bytes]]:
+        """A create turn on a conversation: its lock (ConversationLocked while another
+        turn or write holds it) and its items' bytes. Without `locked`, a read."""
+        lease = _lock(leases, conversation_id) if locked else None
+        try:
+            conversation = await self.load(scope, conversation_id)
+            try:
+                history = await self.store.history(conversation.record)
+            except StoreFailure as failure:
+                raise unreadable(failure) from None
+        except BaseException:
+            if lease is not None:
+                leases.release(lease)
+            raise
+        return LocalTurn(self, leases, lease, conversation), history
+
+    def append_segment(
+        self, conversation: Conversation, segment: Segment, items: list[Any], *,
+        backend: str | None = None, force: bool = False,
+    ) -> Conversation:  # fmt: skip
+        """The conversation with one more segment (its `items`, parsed, for their ids);
+        `force` for a turn already answered (taken even past the store's caps)."""
+        meta = appended(conversation, items)
+        chain = (*conversation.segments, segment)
+        record = conversation.record
+        return self._write(conversation.id, record.scope, chain, meta, backend=backend, force=force)
+
+    async def _durable(self, conversation: Conversation) -> Conversation:
+        """Ack mode: a write is durable before it is answered."""
+        await self._commit(conversation.record)
+        return conversation
+
+    async def _commit(self, record: Record | None) -> None:
+        """(None: everything queued, a deletion.)"""
+        try:
+            await self.store.commit(record)
+        except StoreFailure:
+            raise unavailable() from None
+
+    async def _read(self, segments: tuple[Segment, ...]) -> list[bytes]:
+        try:
+            return await self.store.segment_bytes(segments)
+        except StoreFailure as failure:
+            raise unreadable(failure) from None
+
+    def _write(
+        self,
+        conversation_id: str,
+        scope: str,
+        chain: tuple[Segment, ...],
+        meta: Meta,
+        *,
+        backend: str | None,
+        force: bool = False,
+    ) -> Conversation:
+        try:
+            record = self.store.keep(
+                conversation_id,
+                scope,
+                chain,
+                meta.encode(),
+                ids=meta.ids,
+                created_at=meta.created_at,
+                backend=backend,
+                affinity_key=ROOT_KEY + conversation_id,
+                force=force,
+            )
+        except StoreFailure as failure:
+            if failure.reason == FailureReason.FULL:
+                raise store_full() from None
+            raise unreadable(failure) from None
+        return Conversation(record, meta)
+
+
+@dataclass(slots=True)
+class LocalTurn:
+    """A create turn's hold on its conversation: the lock, from before anything is
+    forwarded until the turn ends, and the append of the answered turn."""
+
+    conversations: LocalConversations
+    leases: Leases
+    lease: Lease | None
+    conversation: Conversation
+
+    @property
+    def put_first(self) -> bool:
+        return True
+
+    def check_room(self, extra: int) -> None:
+        """StoreFull unless the conversation can grow by `extra` bytes (a turn's own items,
+        checked before it runs) without a cap having to drop conversation items."""
+        if not self.conversations.store.room_for(self.conversation.id, extra):
+            raise store_full()
+
+    def renew(self) -> None:
+        if self.lease is not None:
+            self.leases.renew(self.lease)
+
+    def release(self) -> None:
+        """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
+        if self.lease is not None:
+            self.leases.release(self.lease)
+            self.lease = None
+
+    def let_go(self) -> list[Record]:
+        """`release` when the turn has its response (nothing left to commit)."""
+        self.release()
+        return []
+
+    def append(self, scope: str, turn: Turn, items: list[Any], backend: str | None) -> Record:
+        """The conversation's new record, with the turn's items appended (as one segment,
+        the bytes the turn's record holds too): even past the store's caps (their room was
+        checked before the turn, for its own items). A conversation another writer changed
+        meanwhile (its lease ran out) is a 409 Conflict; a write the store refused, 503."""
+        conversation, conversations = self.conversation, self.conversations
+        segment = Segment(
+            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
+        )
+        try:
+            current = conversations.store.record(scope, conversation.id)
+        except StoreFailure:
+            current = None
+        if current is not conversation.record:  # deleted, or written by a lease-breaker
+            log.warning("conversation %s changed during a turn; not appended", conversation.id)
+            raise changed()
+        try:
+            self.conversation = conversations.append_segment(
+                conversation, segment, items, backend=backend, force=True
+            )
+        except OcxError as error:
+            log.error("conversation %s: turn not appended: %s", conversation.id, error)
+            raise not_appended() from None
+        return self.conversation.record
