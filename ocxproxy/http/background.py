@@ -36,7 +36,13 @@ from ocxproxy.http.context import Proxy, Reply, scope_of
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
 from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
-from ocxproxy.upstream.sse import TERMINAL_EVENTS, EventSplitter, encode_event, loads_or_none
+from ocxproxy.upstream.sse import (
+    TERMINAL_EVENTS,
+    Event,
+    EventSplitter,
+    encode_event,
+    loads_or_none,
+)
 
 log = logging.getLogger("ocxproxy.background")
 
@@ -240,7 +246,12 @@ class JobReply:
         pass
 
     async def write(self, data: bytes) -> None:
-        for event in self.splitter.feed(data):
+        """What the relay writes itself (its closing `error` event)."""
+        self.events(self.splitter.feed(data))
+
+    def events(self, batch: list[Event]) -> None:
+        """The relayed events (exchange.relay_stream hands them over unsplit)."""
+        for event in batch:
             if event.data and event.data != b"[DONE]":
                 self._event(event.name, event.data)
 
