@@ -262,3 +262,23 @@ def test_compaction_never_copies_a_large_segment(
     large = set(own_files(tmp_path))
     assert sum(moved.values()) > 0  # compaction ran
     assert sum(n for k, n in moved.items() if k in large) == 0
+
+
+def test_state_gc_removes_only_files_nothing_needs(tmp_path: Path) -> None:
+    """`ocxproxy state gc` on a stopped proxy's dir: a segment file no record needs goes,
+    the one a record needs stays."""
+
+    async def fill() -> str:
+        store = new_store(tmp_path)
+        await store.start()
+        record = store.put(make_turn("r1", noise(40_000, 8)), None)
+        await store.commit(record)
+        await store.close()
+        return record.segments[-1].key
+
+    key = asyncio.run(fill())
+    orphan = segment_files.path(tmp_path, "cd" * 32)
+    orphan.write_bytes(b"named by no entry")
+    assert main(["state", "gc", "--state-dir", str(tmp_path)]) == 0
+    assert not orphan.exists()
+    assert list(own_files(tmp_path)) == [key]
