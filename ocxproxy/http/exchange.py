@@ -127,7 +127,7 @@ class Exchange:
     # What warm resume knew before sending that explains a cache miss (http/warm.py):
     # restore_failed, fingerprint_mismatch.
     cache_note: str | None = None
-    cache_expect: int | None = None  # the tokens of the chain's saved prefix, when one was
+    cache_expect: int | None = None  # the tokens of the chain's save, when it has one
     restored: Outcome | None = None  # the restore made before sending, to verify
 
     def finish(self, response: Any) -> None:

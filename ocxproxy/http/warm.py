@@ -61,15 +61,16 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
         if restored is not None and not took:
             exchange.cache_note = "restore_failed"
         served, fact = book.get(parent.id), proxy.book.get(parent.id)
+        found: tuple[Served, int, int] | None = None
         if served is not None and fact is not None:
-            prefix, dropped = fact.tokens, fact.cut.items
+            found = served, fact.tokens, fact.cut.items
         elif exchange.cache_expect is not None:  # the proxy restarted: what was saved
             # Served in an earlier start of the backend (-1: no epoch of this one).
-            served = Served(backend.url, -1, head)
-            prefix, dropped = exchange.cache_expect, exchange.cut.items
-        if took and restored is not None:  # the tail since the chain's last save is not
-            prefix = min(prefix, restored.tokens)  # saved: computed again by design
-        if served is not None:
+            found = Served(backend.url, -1, head), exchange.cache_expect, exchange.cut.items
+        if found is not None:
+            served, prefix, dropped = found
+            if took and restored is not None:  # the tail since the chain's last save is
+                prefix = min(prefix, restored.tokens)  # not saved: computed again by design
             metrics = proxy.metrics
             metrics.cache_checks.inc()
             miss = miss_of(

@@ -74,7 +74,8 @@ class Outcome:
 
 @dataclass(slots=True)
 class KvSaves:
-    """The saves of one llama.cpp backend (the embedded one) and the slot actions."""
+    """The saves of one llama.cpp backend (the embedded one, or the --upstream of
+    --kv-save-dir) and its slot actions."""
 
     directory: Path
     budget: int  # bytes the directory's saves may occupy
@@ -98,7 +99,7 @@ class KvSaves:
 
     async def open(self) -> None:
         """Make the directory (0700) and load the index: saves whose file is gone are
-        forgotten, files no save names (a save cut short) are removed."""
+        forgotten, save files no save names (a save cut short) are removed."""
         loaded = await asyncio.to_thread(self._load)
         for save in loaded:
             self._add(save)
@@ -336,9 +337,9 @@ class KvSaves:
                 save = Save(**{**row, "boot": ""})
                 if (self.directory / save.name).is_file():
                     saves.append(save)
-        named = {save.name for save in saves} | {INDEX, DIGESTS}
-        for path in self.directory.iterdir():
-            if path.name not in named:
+        named = {save.name for save in saves}
+        for path in self.directory.iterdir():  # saves cut short, or no longer indexed
+            if path.name.endswith((SUFFIX, PART)) and path.name not in named:
                 with contextlib.suppress(OSError):
                     path.unlink()
         return saves
