@@ -1,9 +1,10 @@
 """Records the store keeps for others: conversations and completed Idempotency-Keys.
 
 Their ids (`conv_…`, `idem_…`) are never a response's, so no response lookup answers them.
-`KeptRecords` is the part of `Store` that writes them; it changes records and segments
-only as `Store.put` does (through the index, the SegmentTable and the ledger), and is
-a mixin rather than a second owner of that state.
+`KeptRecords` writes them for the Store that owns it (`Store.kept`; `Store.keep` and
+`Store.room_for` are its public names); it changes records and segments only as
+`Store.put` does (through the Store's index, SegmentTable and ledger), never a second
+owner of that state.
 """
 
 from __future__ import annotations
@@ -14,44 +15,19 @@ from typing import TYPE_CHECKING
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_CALLS, Record, Segment, chain_of
 from ocxproxy.store.local.upkeep import DISK_KEEP
-from ocxproxy.store.records import NEVER, Records
+from ocxproxy.store.records import NEVER
 
 if TYPE_CHECKING:
-    from ocxproxy.store.local.committer import Committer
-    from ocxproxy.store.local.ledger import Ledger
-    from ocxproxy.store.local.segments import SegmentTable
-    from ocxproxy.store.resident import ResidentTier
-    from ocxproxy.store.shards import Shards
+    from ocxproxy.store.local.store import Store
 
 KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response
 
 
 class KeptRecords:
-    """`Store.keep` and the room checks for pinned records (what Store provides, below)."""
+    """`keep` and the room checks for pinned records, on the Store that owns it."""
 
-    if TYPE_CHECKING:
-        _records: Shards[str, Record]
-        _committer: Committer | None
-        index: Records
-        table: SegmentTable
-        ledger: Ledger | None
-        resident: ResidentTier
-        max_disk_bytes: int
-        max_entries: int
-
-        def _drop(
-            self,
-            record: Record,
-            reason: FailureReason | None,
-            label: str | None,
-            *,
-            journaled: bool = True,
-            shared: int = 0,
-        ) -> None: ...
-
-        def _journal_put(self, record: Record, parent: Record | None) -> None: ...
-
-        def _enforce_bounds(self) -> None: ...
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def keep(
         self,
@@ -77,21 +53,22 @@ class KeptRecords:
         pinned: no count or byte cap drops it, and StoreFailure(FULL) refuses a write that
         would need that, unless `force` (a turn already answered: taken even past the
         caps)."""
-        durable = durable and self._committer is not None
+        store = self.store
+        durable = durable and store._committer is not None
         pinned = expires_at >= NEVER
         # A chain is never empty (a row needs a chain): one empty segment.
         chain = chain or (Segment(b"", 0, NO_CALLS, durable=False),)
-        old = self._records.get(record_id)
-        shared = self.index.shared(record_id, chain, durable)
+        old = store._records.get(record_id)
+        shared = store.index.shared(record_id, chain, durable)
         fresh = chain[shared:]
-        size = self.index.pinned_size(record_id, chain, shared, len(meta))
+        size = store.index.pinned_size(record_id, chain, shared, len(meta))
         if pinned and not force and not self._fits(record_id, size, durable=durable):
             raise StoreFailure(FailureReason.FULL, record_id)
-        take = self.table.take
+        take = store.table.take
         taken = [take(s, durable) for s in fresh]
         links = chain_of(taken, old.links if shared and old else None)
         segments = (*(old.segments if shared and old else ()), *taken)
-        response = self.table.intern(Segment(meta, 0, NO_CALLS, durable=False))
+        response = store.table.intern(Segment(meta, 0, NO_CALLS, durable=False))
         record = Record(
             id=record_id,
             scope=scope,
@@ -107,34 +84,37 @@ class KeptRecords:
             built=segments,
             ids=ids,
         )
-        self.table.hold((*segments[shared:], response), durable=durable)  # before old goes
-        journaled = durable and self._committer is not None
-        if old is not None and self.ledger is not None and self.ledger.pending(old):
+        store.table.hold((*segments[shared:], response), durable=durable)  # before old goes
+        journaled = durable and store._committer is not None
+        if old is not None and store.ledger is not None and store.ledger.pending(old):
             # Its PUT is still queued: a DEL after it, then this record's whole row.
-            self._drop(old, None, None, shared=shared)
+            store._drop(old, None, None, shared=shared)
             if journaled:
-                self._journal_put(record, None)
+                store._journal_put(record, None)
         elif old is not None:
             if journaled:  # a PUT of the same id supersedes the old row; name it if it is
                 appended = bool(shared) and shared == len(segments) - 1
                 if ids is not None or old.ids is not None:  # and its ids are old's + one
                     appended = appended and ids is not None and ids[:-1] == old.ids
-                self._journal_put(record, old if appended else None)
-            self._drop(old, None, None, journaled=False, shared=shared)
+                store._journal_put(record, old if appended else None)
+            store._drop(old, None, None, journaled=False, shared=shared)
         elif journaled:
-            self._journal_put(record, None)
-        self.index.add(record, size if pinned else None)
-        self._enforce_bounds()
+            store._journal_put(record, None)
+        store.index.add(record, size if pinned else None)
+        store._enforce_bounds()
         return record
 
     def room_for(self, record_id: str, extra: int) -> bool:
         """Can the pinned record `record_id` (or a new one) grow by `extra` bytes with no
         cap having to drop pinned records?"""
-        return self._fits(record_id, self.index.pinned.get(record_id, 0) + extra, durable=True)
+        return self._fits(
+            record_id, self.store.index.pinned.get(record_id, 0) + extra, durable=True
+        )
 
     def _fits(self, record_id: str, size: int, *, durable: bool) -> bool:
         """Pinned bytes count against the share of the disk cap the store keeps when
         durable, else against the memory cap; their number against the entry cap."""
-        on_disk = durable and self._committer is not None
-        cap = self.max_disk_bytes * DISK_KEEP if on_disk else self.resident.max_bytes
-        return self.index.fits(record_id, size, cap, self.max_entries)
+        store = self.store
+        on_disk = durable and store._committer is not None
+        cap = store.max_disk_bytes * DISK_KEEP if on_disk else store.resident.max_bytes
+        return store.index.fits(record_id, size, cap, store.max_entries)

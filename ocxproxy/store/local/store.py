@@ -53,7 +53,7 @@ def default_state_dir() -> Path:
     return platformdirs.user_state_path("ocxproxy")
 
 
-class Store(KeptRecords):
+class Store:
     """Records by id, their shared segments, and where segment bytes are.
 
     `put` and the `_nowait` forms of `lookup`, `find_item`, `delete` are synchronous and
@@ -97,6 +97,7 @@ class Store(KeptRecords):
         self._records = self.index.by_id  # read here; changed only through the index
         self.items = self.index.items
         self.table = SegmentTable(self.resident, self.metrics, offload)
+        self.kept = KeptRecords(self)  # conversations' and Idempotency-Keys' records
         self.conversations: Conversations = LocalConversations(self)
         self.idempotency: IdempotencyKeys = LocalKeys(self)
         self._started = False
@@ -233,6 +234,34 @@ class Store(KeptRecords):
             self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))
         self._enforce_bounds()
+
+    # -- records kept for others (KeptRecords) --------------------------------------------
+
+    def keep(
+        self,
+        record_id: str,
+        scope: str,
+        chain: Sequence[Segment],
+        meta: bytes,
+        *,
+        created_at: float,
+        expires_at: float = NEVER,
+        durable: bool = True,
+        backend: str | None = None,
+        affinity_key: str | None = None,
+        force: bool = False,
+        ids: list[list[str]] | None = None,
+    ) -> Record:
+        """A record that is not a response (a conversation, a completed Idempotency-Key):
+        `KeptRecords.keep`."""
+        return self.kept.keep(
+            record_id, scope, chain, meta, created_at=created_at, expires_at=expires_at,
+            durable=durable, backend=backend, affinity_key=affinity_key, force=force, ids=ids,
+        )  # fmt: skip
+
+    def room_for(self, record_id: str, extra: int) -> bool:
+        """Can the pinned record grow by `extra` bytes: `KeptRecords.room_for`."""
+        return self.kept.room_for(record_id, extra)
 
     # -- lookups -------------------------------------------------------------------------
 
