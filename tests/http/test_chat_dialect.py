@@ -4,6 +4,7 @@ and continuations. Real loopback servers throughout; the client is the official 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -343,7 +344,6 @@ async def test_failed_turn_is_not_remembered(
             {"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["vs_1"]}]},
             "tools[1].type",
         ),
-        ({"background": True}, "background"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         (
@@ -364,6 +364,24 @@ async def test_unsupported_features_are_400_before_forwarding(
 
 
 # -- continuations stay byte-stable ----------------------------------------------------------
+
+
+async def test_background_turn_runs_on_a_chat_backend(
+    chat_proxy: ProxyHandle, chat_backend: ChatBackend
+) -> None:
+    """background is the proxy's (it runs the turn itself), so a chat backend serves it
+    like any turn: the backend never sees the field."""
+    client: Any = chat_proxy.client()
+    created = await client.responses.create(model="m", input="hello", background=True)
+    assert created.background is True and created.status in ("queued", "in_progress")
+    for _ in range(200):
+        response = await client.responses.retrieve(created.id)
+        if response.status not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.02)
+    assert response.status == "completed"
+    assert response.output_text.endswith("hello")
+    assert all("background" not in chat for chat in chat_backend.chats)
 
 
 async def test_each_turns_messages_extend_the_previous_turns(
