@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.continuation.affinity import ROOT_KEY
-from ocxproxy.continuation.conversation import Meta, assign_ids, not_found_message
+from ocxproxy.continuation.conversation import Meta, assign_ids, not_found_message, split_items
 from ocxproxy.continuation.expand import call_ids_of, serialize_items
 from ocxproxy.continuation.record import item_ids_of
 from ocxproxy.errors import (
@@ -70,6 +70,31 @@ def head_of(conversation_id: str, meta: Meta, backend: str | None) -> bytes:
     """A shared conversation's head: what the single-node store keeps in its record."""
     head = {"created_at": meta.created_at, "metadata": meta.metadata, "backend": backend}
     return orjson.dumps({**head, "affinity": ROOT_KEY + conversation_id})
+
+
+def without_item(
+    conversation: Conversation, seg_index: int, index: int, data: bytes
+) -> tuple[list[Segment], Meta, bool]:
+    """The conversation's chain and `Meta` with item `index` of segment `seg_index` (whose
+    bytes are `data`) cut out: that segment rewritten (the others the same objects), or
+    gone when it held only that item (False)."""
+    spans = split_items(data)
+    del spans[index]
+    ids = [list(ids) for ids in conversation.meta.ids]
+    del ids[seg_index][index]
+    chain = list(conversation.segments)
+    if spans:
+        kept = orjson.loads(b"[" + b",".join(spans) + b"]")
+        chain[seg_index] = Segment(
+            b",".join(spans),
+            len(spans),
+            call_ids_of(kept),
+            durable=False,
+            item_ids=item_ids_of(spans, kept),
+        )
+    else:
+        del chain[seg_index], ids[seg_index]
+    return chain, Meta(conversation.meta.created_at, conversation.meta.metadata, ids), bool(spans)
 
 
 def item_items(conversation: Conversation, datas: list[bytes]) -> list[tuple[str, Any]]:

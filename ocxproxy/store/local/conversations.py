@@ -17,19 +17,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from ocxproxy.continuation.affinity import ROOT_KEY
 from ocxproxy.continuation.conversation import (
     Meta,
     assign_ids,
     is_conversation_id,
     new_conversation_id,
-    split_items,
 )
-from ocxproxy.continuation.expand import call_ids_of
 from ocxproxy.continuation.locks import Lease, Leases
-from ocxproxy.continuation.record import item_ids_of
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store.conversations import (
@@ -44,6 +39,7 @@ from ocxproxy.store.conversations import (
     store_full,
     unavailable,
     unreadable,
+    without_item,
 )
 
 if TYPE_CHECKING:
@@ -115,23 +111,7 @@ class LocalConversations:
         seg_index, index = where
         record = conversation.record
         (data,) = await self._read((conversation.segments[seg_index],))
-        spans = split_items(data)
-        del spans[index]
-        ids = [list(ids) for ids in conversation.meta.ids]
-        del ids[seg_index][index]
-        chain = list(conversation.segments)
-        if spans:
-            kept = orjson.loads(b"[" + b",".join(spans) + b"]")
-            chain[seg_index] = Segment(
-                b",".join(spans),
-                len(spans),
-                call_ids_of(kept),
-                durable=False,
-                item_ids=item_ids_of(spans, kept),
-            )
-        else:
-            del chain[seg_index], ids[seg_index]
-        meta = Meta(conversation.meta.created_at, conversation.meta.metadata, ids)
+        chain, meta, _ = without_item(conversation, seg_index, index, data)
         written = self._write(record.id, record.scope, tuple(chain), meta, backend=record.backend)
         return await self._durable(written)
 

@@ -22,11 +22,8 @@ from ocxproxy.continuation.conversation import (
     assign_ids,
     is_conversation_id,
     new_conversation_id,
-    split_items,
 )
-from ocxproxy.continuation.expand import call_ids_of
 from ocxproxy.continuation.locks import Leases
-from ocxproxy.continuation.record import item_ids_of
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store.conversations import (
@@ -43,6 +40,7 @@ from ocxproxy.store.conversations import (
     store_full,
     unavailable,
     unreadable,
+    without_item,
 )
 from ocxproxy.store.shared.conversations import (
     ConversationRecord,
@@ -135,25 +133,9 @@ class ServerConversations:
             raise item_not_found(item_id)
         seg_index, index = where
         data = conversation.segments[seg_index].data or b""  # read whole with the conversation
-        spans = split_items(data)
-        del spans[index]
-        ids = [list(ids) for ids in conversation.meta.ids]
-        del ids[seg_index][index]
-        chain = list(conversation.segments)
-        if spans:
-            kept = orjson.loads(b"[" + b",".join(spans) + b"]")
-            chain[seg_index] = Segment(
-                b",".join(spans),
-                len(spans),
-                call_ids_of(kept),
-                durable=False,
-                item_ids=item_ids_of(spans, kept),
-            )
-        else:
-            del chain[seg_index], ids[seg_index]
-        meta = Meta(conversation.meta.created_at, conversation.meta.metadata, ids)
-        entry = encode_entry(chain[seg_index], ids[seg_index]) if spans else b""
-        entries = list(zip(chain, ids, strict=True))
+        chain, meta, kept = without_item(conversation, seg_index, index, data)
+        entry = encode_entry(chain[seg_index], meta.ids[seg_index]) if kept else b""
+        entries = list(zip(chain, meta.ids, strict=True))
         return await self._write(conversation, meta, entries, "replace", seg_index, entry)
 
     async def items(self, conversation: Conversation) -> list[tuple[str, Any]]:
