@@ -200,5 +200,7 @@ class StoreInterface(Protocol):
     # -- conversations and their lock: `conversations`; idempotency keys: `idempotency` --
 
     # -- background turns: status and event log ------------------------------------------
-    # (Reserved: the status of a background response and the append-only log of its
-    # events are declared here, beside the responses they belong to.)
+    # (Reserved: store/background.py's `Backgrounds` (a response's status and the
+    # append-only log of its events; local/background.py on one node) is held by the
+    # HTTP layer's `Proxy` for now; it is named here, beside the responses it belongs
+    # to, once each store provides its own.)

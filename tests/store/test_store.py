@@ -210,13 +210,6 @@ async def test_delete_is_journaled_and_compaction_drops_its_bytes(tmp_path: Path
     await store.close()
 
 
-async def test_delete_in_another_scope_is_refused(tmp_path: Path) -> None:
-    store = make_store(None)
-    build_chain(store, 1)
-    assert not store.delete_nowait("scope-b", "r0")
-    assert store.lookup_nowait("scope-a", "r0")
-
-
 async def test_ttl_and_max_entries(tmp_path: Path) -> None:
     clock = Clock()
     store = make_store(tmp_path, clock=clock, ttl=10, max_entries=3, offload=inline)
