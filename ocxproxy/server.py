@@ -32,7 +32,7 @@ from ocxproxy.http.context import CUT_GRACE, PROXY, UNPREFIXED, V1, Proxy
 from ocxproxy.http.front import FrontSite, close_after_answer
 from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
-from ocxproxy.store import Store, default_state_dir, open_store
+from ocxproxy.store import StoreInterface, default_state_dir, open_store
 from ocxproxy.store.compaction_key import compaction_key
 from ocxproxy.upstream.kvsave import KvSaves, default_budget
 from ocxproxy.upstream.pool import UpstreamPool
@@ -191,7 +191,7 @@ async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:
         await proxy.store.close()
 
 
-async def _sweep(store: Store) -> None:
+async def _sweep(store: StoreInterface) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL)
         await store.sweep()

@@ -19,7 +19,7 @@ from ocxproxy.continuation.window import TokenBook
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
-from ocxproxy.store import Backgrounds, LocalBackgrounds, Store
+from ocxproxy.store import Backgrounds, LocalBackgrounds, StoreInterface
 from ocxproxy.upstream.kvsave import KvSaves
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
@@ -66,7 +66,7 @@ class BackgroundRuns:
 @dataclass(slots=True)
 class Proxy:
     config: Config
-    store: Store
+    store: StoreInterface
     pool: UpstreamPool
     metrics: Metrics
     ready: bool = False

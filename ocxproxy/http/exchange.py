@@ -62,7 +62,7 @@ from ocxproxy.http.warm import check_cache, resume, save_after
 from ocxproxy.http.window import book_keys, fit_window, passes_threshold, remember_usage
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
-from ocxproxy.store import ConversationTurn, Store
+from ocxproxy.store import ConversationTurn, Store, StoreInterface
 from ocxproxy.upstream.dialect import UpstreamResponse
 from ocxproxy.upstream.kvsave import Outcome
 from ocxproxy.upstream.pool import Backend, read_chunk
@@ -89,7 +89,7 @@ class Exchange:
     scope: str
     request: Request
     body: bytes  # as forwarded
-    target: Store | None  # where the finished turn is remembered; None: not at all
+    target: StoreInterface | None  # where the finished turn is remembered; None: not at all
     durable: bool = False  # may the turn reach disk
     parent: Record | None = None
     tail: list[bytes] | None = None  # the request's own items as forwarded (serialized)
@@ -304,7 +304,7 @@ async def prepare_exchange(
     resolved, sources = await resolve_items(proxy, scope, refs, local) if refs else ({}, {})
     # A turn holding items of a WebSocket connection's own store stays there, like a
     # chain that started there: its store:false content must not reach disk.
-    parent_store = local if local in sources else None
+    parent_store: StoreInterface | None = local if local in sources else None
     parent: Record | None = None
     history: list[bytes] = []
     expansion: str | None = None

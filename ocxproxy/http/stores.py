@@ -14,12 +14,12 @@ from ocxproxy.continuation.references import not_found
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.http.context import Proxy
 from ocxproxy.model import Record
-from ocxproxy.store import Store
+from ocxproxy.store import Store, StoreInterface
 
 
 async def resolve_items(
     proxy: Proxy, scope: str, refs: dict[int, str], local: Store | None
-) -> tuple[dict[int, bytes], dict[Store, list[str]]]:
+) -> tuple[dict[int, bytes], dict[StoreInterface, list[str]]]:
     """Each referenced item's stored bytes, by input index, and the stores they came from
     (with the ids found in each):
     from the caller's scope, over WebSocket the connection's own store first (its
@@ -28,7 +28,7 @@ async def resolve_items(
     then goes as it came)."""
     metrics = proxy.metrics.item_references
     stores = ((local, True), (proxy.store, False)) if local is not None else ((proxy.store, False),)
-    wanted: dict[Store, list[tuple[int, Record, str]]] = {}
+    wanted: dict[StoreInterface, list[tuple[int, Record, str]]] = {}
     for index, item_id in refs.items():
         for store, unstored in stores:
             try:
@@ -58,7 +58,7 @@ async def resolve_items(
     return resolved, {store: [item_id for *_, item_id in found] for store, found in wanted.items()}
 
 
-async def wait_for_room(proxy: Proxy, target: Store | None) -> None:
+async def wait_for_room(proxy: Proxy, target: StoreInterface | None) -> None:
     """A turn the shared store will take waits while its disk writer is behind (bounded);
     one remembered elsewhere, or nowhere, does not."""
     if target is proxy.store:
@@ -67,7 +67,7 @@ async def wait_for_room(proxy: Proxy, target: Store | None) -> None:
 
 async def resolve_previous(
     proxy: Proxy, scope: str, prev: str, local: Store | None
-) -> tuple[Store, Record]:
+) -> tuple[StoreInterface, Record]:
     """The caller's previous response, over WebSocket from the connection's own store first."""
     if local is not None:
         try:
@@ -81,9 +81,9 @@ def retention(
     proxy: Proxy,
     request: Request,
     local: Store | None,
-    parent_store: Store | None,
+    parent_store: StoreInterface | None,
     remember: bool = True,
-) -> tuple[Store | None, bool]:
+) -> tuple[StoreInterface | None, bool]:
     """Where a turn is remembered and whether it may reach disk (CONTRACT.md C3, C5)."""
     if not remember:
         return None, False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any, Protocol
 
 from ocxproxy.continuation.locks import Leases
@@ -142,6 +143,11 @@ class StoreInterface(Protocol):
         a turn is refused with 503 before anything is forwarded."""
         ...
 
+    @property
+    def state_dir(self) -> Path | None:
+        """The directory the store keeps its files in (None: memory only, or a server)."""
+        ...
+
     async def start(self) -> None:
         """Load or connect; a store that cannot start raises (ConfigError: exit 2)."""
         ...
@@ -187,6 +193,11 @@ class StoreInterface(Protocol):
     async def delete(self, scope: str, response_id: str) -> bool:
         """Forget the caller's response; True when there was one (`commit` makes it
         durable before it is answered)."""
+        ...
+
+    def delete_nowait(self, scope: str, response_id: str) -> bool:
+        """`delete` of a record `put` in this process and not yet committed (a turn that
+        is not kept after all), at once."""
         ...
 
     async def wait_for_room(self) -> None:
