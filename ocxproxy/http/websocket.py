@@ -449,8 +449,19 @@ def warmup_response(response_id: str, created_at: int) -> dict[str, Any]:
 
 
 def ws_error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
-    """The WebSocket error event (`ResponseWsError`): status on top, the error nested."""
+    """The WebSocket error event (`ResponseWsError`): status on top, the error nested.
+    Its `code` is never null: an error with no code of its own (a request error raised
+    without one, a backend's numeric one) carries the one its status stands for, as
+    OpenAI's errors do (`server_error`, `rate_limit_exceeded`, `invalid_request_error`)."""
+    if not isinstance(error.get("code"), str):
+        error = {**error, "code": _code_of(status)}
     return {"type": "error", "status": status, "error": error}
+
+
+def _code_of(status: int) -> str:
+    if status >= 500:
+        return "server_error"
+    return "rate_limit_exceeded" if status == 429 else "invalid_request_error"
 
 
 def backend_error_event(status: int, body: bytes) -> dict[str, Any]:

@@ -509,6 +509,11 @@ async def test_server_shutdown_closes_open_sockets(
             "mutually_exclusive_parameters",
             "previous_response_id",
         ),
+        (  # an error with no code of its own: its type, never null
+            '{"type": "response.create", "input": [{"type": "item_reference"}]}',
+            "invalid_request_error",
+            "input",
+        ),
     ],
 )
 async def test_malformed_frames_are_error_events(
@@ -786,19 +791,30 @@ def test_warmup_response_echoes_the_request() -> None:
         (
             400,
             b'{"object":"error","message":"too long","type":"BadRequestError","code":400}',
-            {"type": "BadRequestError", "code": None, "message": "too long", "param": None},
+            # a numeric code: the one its status stands for, never null
+            {
+                "type": "BadRequestError",
+                "code": "invalid_request_error",
+                "message": "too long",
+                "param": None,
+            },
         ),
         (
             404,
             b'{"detail":"Not Found"}',
-            {"type": "invalid_request_error", "code": None, "message": "Not Found", "param": None},
+            {
+                "type": "invalid_request_error",
+                "code": "invalid_request_error",
+                "message": "Not Found",
+                "param": None,
+            },
         ),
         (
             502,
             b"<html>bad gateway</html>",
             {
                 "type": "server_error",
-                "code": None,
+                "code": "server_error",
                 "message": "<html>bad gateway</html>",  # a text body is the message
                 "param": None,
             },
