@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from ocxproxy.upstream.sse import Event, encode_event, with_data
+from ocxproxy.upstream.sse import Event, encode_event, loads_or_none, with_data
 
 _MISSING: Any = object()
 _NONE = type(None)
@@ -98,12 +98,13 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "safety_identifier": (str, _NONE),
     "prompt_cache_key": (str, _NONE),
 }
+_COMPLETED_AT = frozenset(("completed_at",))
 _STATIC_DEFAULTS = {**_FIXED, **{name: default for name, (_, default) in _ECHOED.items()}}
 _NAMES = tuple(_TYPES)
-_REQUIRED = set(_NAMES)  # (a set: its difference is one, to take from)
-_values = operator.itemgetter(*_NAMES)
-_VALID_SHAPES: set[tuple[type, ...]] = set()  # the members' types of Responses seen valid
-_SHAPES_KEPT = 64
+_REQUIRED = frozenset(_NAMES)
+_NO_MEMBERS: dict[str, Any] = {}
+_PLANS_KEPT = 64
+_SHAPES_KEPT = 8
 _REASONING = {"effort": None, "summary": None}
 # The members echoed from the request that a stateless backend answers null for.
 _NULLS = {
@@ -115,25 +116,68 @@ _OBJECT = re.compile(rb"\s*\{")
 _CLOSE = re.compile(rb"\s*\}")
 
 
-class Patch:
-    """What `Envelope.complete` changed: members inserted (absent before), ids set where
-    they were null, and whether anything else changed (then the object is re-encoded)."""
+class _Plan:
+    """For a Response with these members: the required ones it lacks (completed_at
+    apart: its value depends on the Response), those it has, and the shapes (their
+    types) seen valid."""
 
-    __slots__ = ("ids", "inserted", "rewrite")
+    __slots__ = ("completed_at", "given", "missing", "present", "valid")
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        missing = _REQUIRED.difference(keys)
+        self.completed_at = "completed_at" in missing
+        self.missing = missing - _COMPLETED_AT
+        self.present = tuple(name for name in _NAMES if name not in missing)
+        self.given: Callable[[dict[str, Any]], Any] = _getter(self.present)
+        self.valid: set[tuple[type, ...]] = set()
+
+
+_PLANS: dict[tuple[str, ...], _Plan] = {}
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """The values of `names` in a dict, as a tuple (itemgetter's, whatever their number)."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)
+    if names:
+        one = operator.itemgetter(*names)
+        return lambda response: (one(response),)
+    return lambda response: ()
+
+
+class Patch:
+    """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
+    request's or default values shared by the turn's Responses, with their bytes
+    `encoded` once per turn; `inserted`, the few decided per Response), ids set where they
+    were null, and whether anything else changed (then the object is re-encoded)."""
+
+    __slots__ = ("encoded", "filled", "ids", "inserted", "plan", "rewrite")
 
     def __init__(self) -> None:
+        self.plan: _Plan | None = None
+        self.filled: dict[str, Any] = _NO_MEMBERS
+        self.encoded = b""
         self.inserted: dict[str, Any] = {}
         self.ids: list[str] = []
         self.rewrite = False
 
     def __bool__(self) -> bool:
-        return bool(self.inserted or self.ids or self.rewrite)
+        return bool(self.filled or self.inserted or self.ids or self.rewrite)
 
 
 class Envelope:
     """The members one create request's Responses are completed with."""
 
-    __slots__ = ("_body", "_created_at", "_defaults", "_echo", "_pinned", "_requested", "_served")
+    __slots__ = (
+        "_body",
+        "_created_at",
+        "_defaults",
+        "_echo",
+        "_fills",
+        "_pinned",
+        "_requested",
+        "_served",
+    )
 
     def __init__(
         self,
@@ -147,6 +191,9 @@ class Envelope:
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
         self._pinned: dict[str, Any] | None = None  # members that win over the backend's
         self._defaults: dict[str, Any] | None = None  # built when a member is missing
+        # The members a set of missing ones is filled with, and their bytes: a backend
+        # leaves out the same ones in each of a turn's Responses.
+        self._fills: dict[frozenset[str], tuple[dict[str, Any], bytes]] = {}
         self._created_at = int(time.time()) if created_at is None else created_at
         requested = self._body.get("model")
         self._requested = requested if type(requested) is str else ""
@@ -171,32 +218,45 @@ class Envelope:
         its output items (`written` does those); `final`: it is the terminal one (its
         `completed_at` is now when the backend gave none)."""
         patch = Patch()
-        missing = _REQUIRED.difference(response)
-        if missing:
-            if "completed_at" in missing:
-                response["completed_at"] = self._default("completed_at", response, final)
-                missing.discard("completed_at")
-                patch.inserted["completed_at"] = response["completed_at"]
-            defaults = self._defaults or self._request_defaults()
-            self._defaults = defaults
-            inserted = {name: defaults[name] for name in missing}
-            patch.inserted.update(inserted)
-            response.update(inserted)
-        # The types of the members, checked one by one only for a shape not seen valid
-        # before (a backend answers in one shape, turn after turn).
-        shape = tuple(map(type, _values(response)))
-        if shape not in _VALID_SHAPES:
-            for name, types in _TYPES.items():
-                if type(response[name]) not in types:
+        keys = tuple(response)
+        plan = _PLANS.get(keys)
+        if plan is None:
+            plan = _Plan(keys)
+            if len(_PLANS) < _PLANS_KEPT:
+                _PLANS[keys] = plan
+        patch.plan = plan
+        # The types of the backend's members, checked one by one only for a shape not
+        # seen valid before (a backend answers in one shape, turn after turn).
+        shape = tuple(map(type, plan.given(response)))
+        if shape not in plan.valid:
+            for name in plan.present:
+                if type(response[name]) not in _TYPES[name]:
                     response[name] = self._default(name, response, final)
                     patch.rewrite = True
-            if not patch.rewrite and len(_VALID_SHAPES) < _SHAPES_KEPT:
-                _VALID_SHAPES.add(shape)
+            if not patch.rewrite and len(plan.valid) < _SHAPES_KEPT:
+                plan.valid.add(shape)
+        if plan.completed_at:
+            value = self._default("completed_at", response, final)
+            patch.inserted["completed_at"] = response["completed_at"] = value
+        missing = plan.missing
+        if missing:
+            filled, patch.encoded = self._fills.get(missing) or self._fill(missing)
+            patch.filled = filled
+            response.update(filled)
         self._check_values(response, patch, final)
         return patch
 
+    def _fill(self, missing: frozenset[str]) -> tuple[dict[str, Any], bytes]:
+        defaults = self._defaults or self._request_defaults()
+        self._defaults = defaults
+        filled = {name: defaults[name] for name in _NAMES if name in missing}
+        fill = self._fills[missing] = filled, orjson.dumps(filled)[1:-1]
+        return fill
+
     def _check_values(self, response: dict[str, Any], patch: Patch, final: bool) -> None:
-        """What a member's type does not say: the rest of the schema's rules."""
+        """What a member's type does not say: the rest of the schema's rules (a member
+        filled in from the request or a default keeps them already)."""
+        filled = patch.filled
         if response["object"] != "response":
             self._replace(response, patch, "object", "response")
         if final and response["completed_at"] is None and response.get("status") == "completed":
@@ -208,12 +268,16 @@ class Envelope:
         usage = response["usage"]
         if usage is not None and _complete_usage(usage):
             patch.rewrite = True
-        if type(response["text"].get("format")) is not dict:
+        if "text" not in filled and type(response["text"].get("format")) is not dict:
             self._replace(response, patch, "text", _text(self._body.get("text")))
         reasoning = response["reasoning"]
-        if reasoning is not None and ("effort" not in reasoning or "summary" not in reasoning):
+        if (
+            reasoning is not None
+            and "reasoning" not in filled
+            and ("effort" not in reasoning or "summary" not in reasoning)
+        ):
             self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
-        if response["tools"] and _complete_tools(response["tools"]):
+        if "tools" not in filled and response["tools"] and _complete_tools(response["tools"]):
             patch.rewrite = True
         if self._pinned is not None:
             for name, value in self._pinned.items():
@@ -232,7 +296,7 @@ class Envelope:
     def _replace(response: dict[str, Any], patch: Patch, name: str, value: Any) -> None:
         if name in patch.inserted:
             patch.inserted[name] = value
-        else:
+        else:  # (a filled member's value is shared by the turn's Responses: not changed)
             patch.rewrite = True
         response[name] = value
 
@@ -270,6 +334,54 @@ class Envelope:
         completed in place)."""
         return written(data, response, self.complete(response, final=True))
 
+    def pending_event(self, event: Event) -> Event:
+        """A lifecycle event before the terminal one (`response.created`, …), completed
+        without decoding it when one of the same shape was completed before: the same
+        bytes but for the Response's `id` and `created_at` need the same members."""
+        key = _shape_key(event.data)
+        seen = _PENDING.get(key) if key is not None else None
+        if seen is not None and self._pinned is None:
+            done = self._as_seen(event, seen)
+            if done is not None:
+                return done
+        payload = loads_or_none(event.data)
+        response = payload.get("response") if type(payload) is dict else None
+        if type(response) is not dict:
+            return event
+        model = response.get("model")
+        nulls = frozenset(name for name in _NULLS if response.get(name, _MISSING) is None)
+        absent = "conversation" not in response
+        patch = self.complete(response, final=False)
+        done = written_event(event, payload, patch)
+        if key is not None and not patch.rewrite:  # (written_event sets it for items)
+            if len(_PENDING) >= _PENDING_KEPT:
+                _PENDING.clear()
+            _PENDING[key] = _Seen(patch.plan, model if type(model) is str else None, nulls, absent)
+        return done
+
+    def _as_seen(self, event: Event, seen: _Seen) -> Event | None:
+        plan = seen.plan
+        if plan is None:
+            return None
+        model = seen.model
+        if model is not None and (self._served or model or self._requested) != model:
+            return None
+        patch = Patch()
+        if plan.completed_at:
+            patch.inserted["completed_at"] = None
+        if plan.missing:
+            patch.filled, patch.encoded = self._fills.get(plan.missing) or self._fill(plan.missing)
+        values: dict[str, Any] = {}
+        if self._echo is not None:
+            name, value = self._echo
+            values[name] = value
+            if name in seen.nulls:
+                patch.ids.append(name)
+            elif name == "conversation" and seen.no_conversation:
+                patch.inserted[name] = value
+        data = _apply(event.data, values, patch, _RESPONSE.search, lambda: b"")
+        return with_data(event, data) if data else None
+
     def event(self, event: Event, payload: dict[str, Any], *, final: bool) -> Event:
         """A lifecycle event (`response.created`, …, `response.completed`) with its
         Response completed: `payload` is its data parsed (and is completed in place)."""
@@ -277,6 +389,47 @@ class Envelope:
         if type(response) is not dict:
             return event
         return written_event(event, payload, self.complete(response, final=final))
+
+
+class _Seen:
+    """What completing a pending event of one shape took: its plan, the backend's model
+    (None: it gave none), the echoed members it gave as null, and whether it had no
+    `conversation` member (then one is inserted)."""
+
+    __slots__ = ("model", "no_conversation", "nulls", "plan")
+
+    def __init__(
+        self, plan: _Plan | None, model: str | None, nulls: frozenset[str], no_conversation: bool
+    ) -> None:
+        self.plan = plan
+        self.model = model
+        self.nulls = nulls
+        self.no_conversation = no_conversation
+
+
+_PENDING: dict[bytes, _Seen] = {}
+_PENDING_KEPT = 64
+_ID = b'"id":"'
+_CREATED_AT = b'"created_at":'
+_DIGITS = re.compile(rb"\d+")
+
+
+def _shape_key(data: bytes) -> bytes | None:
+    """`data` without the values of its first `id` and `created_at` members (a plain
+    string, an integer), or None when it has no such id."""
+    start = data.find(_ID) + len(_ID)
+    if start < len(_ID):
+        return None
+    end = data.find(b'"', start)
+    if end < 0 or data.find(b"\\", start, end) >= 0:
+        return None
+    key = data[:start] + data[end:]
+    at = key.find(_CREATED_AT) + len(_CREATED_AT)
+    if at >= len(_CREATED_AT):
+        digits = _DIGITS.match(key, at)
+        if digits is not None:
+            key = key[:at] + key[digits.end() :]
+    return key
 
 
 def written(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
@@ -435,12 +588,15 @@ def _apply(
         data, count = _NULLS[name].subn(_member(name, response[name]), data, count=1)
         if not count:
             return whole()
-    if patch.inserted:
+    if patch.filled or patch.inserted:
         match = find(data)
         if match is None:
             return whole()
         at = match.end()
-        members = orjson.dumps(patch.inserted)[1:-1]
+        members = patch.encoded
+        if patch.inserted:
+            more = orjson.dumps(patch.inserted)[1:-1]
+            members = members + b"," + more if members else more
         empty = _CLOSE.match(data, at) is not None
         data = b"".join((data[:at], members, b"" if empty else b",", data[at:]))
     return data

@@ -69,6 +69,7 @@ from ocxproxy.upstream.pool import Backend, read_chunk
 from ocxproxy.upstream.repair import StreamRepair
 from ocxproxy.upstream.sse import (
     FINAL_EVENTS,
+    PENDING_EVENTS,
     RESPONSE_EVENTS,
     TERMINAL_EVENTS,
     Event,
@@ -599,7 +600,9 @@ async def stream_events(
                     data = orjson.dumps(payload)
                     event = Event(encode_event(event.name, data), event.name, data)
             patch: Patch | None = None
-            if kind in RESPONSE_EVENTS:
+            if kind in PENDING_EVENTS and repair is None and exchange.injection is None:
+                event = envelope.pending_event(event)  # (not decoded when seen before)
+            elif kind in RESPONSE_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict) and type(payload.get("response")) is dict:
                     final = kind in TERMINAL_EVENTS

@@ -21,7 +21,9 @@ SUCCESS_EVENTS = frozenset(("response.completed", "response.incomplete"))
 # The last event a whole stream may end with: a terminal one, or the backend's `error`.
 FINAL_EVENTS = TERMINAL_EVENTS | {"error"}
 # The events that carry a whole Response object (under `response`).
-RESPONSE_EVENTS = TERMINAL_EVENTS | {"response.created", "response.in_progress", "response.queued"}
+# The events that carry a whole Response before the terminal one.
+PENDING_EVENTS = frozenset(("response.created", "response.in_progress", "response.queued"))
+RESPONSE_EVENTS = TERMINAL_EVENTS | PENDING_EVENTS
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 

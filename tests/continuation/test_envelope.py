@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, complete_response, complete_stored
 from ocxproxy.upstream.sse import encode_event, parse_event
 from tests.openresponses import event_problems, response_problems
@@ -315,3 +316,60 @@ def test_echo_keeps_a_conversation_the_backend_named() -> None:
     assert orjson.loads(echo_member(data, "conversation", CONV))["conversation"] == {
         "id": "conv_other"
     }
+
+
+# -- pending events of a shape seen before: completed without decoding ----------------------
+
+
+def pending(rid: str, created_at: int, previous: object = None) -> Any:
+    response = {
+        "id": rid,
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "model": "bench",
+        "output": [],
+        "previous_response_id": previous,
+    }
+    payload = {"type": "response.created", "response": response, "sequence_number": 0}
+    return parse_event(encode_event("response.created", orjson.dumps(payload)))
+
+
+@pytest.mark.parametrize(
+    ("request_body", "echo"),
+    [
+        ({"model": "m"}, None),
+        ({"model": "m", "tools": [TOOL], "temperature": 0.5}, ("previous_response_id", "resp_p")),
+        ({"model": "m", "store": False}, ("conversation", {"id": "conv_1"})),
+    ],
+)
+def test_a_pending_event_of_a_known_shape_is_completed_as_a_new_one_is(
+    request_body: dict[str, Any], echo: tuple[str, Any] | None
+) -> None:
+    """The second event of a shape (another turn's: a new id and created_at, another
+    request) is completed from what the first took, to the same bytes the decoding path
+    gives it."""
+    Envelope({"model": "other"}).pending_event(pending("resp_a", 1700000000))  # seen
+    event = pending("resp_b", 1700000123)
+    assert envelope_module._shape_key(event.data) in envelope_module._PENDING
+    fast = Envelope(request_body, echo=echo, created_at=5).pending_event(event)
+    slow = Envelope(request_body, echo=echo, created_at=5).event(
+        event, orjson.loads(event.data), final=False
+    )
+    assert orjson.loads(fast.data) == orjson.loads(slow.data)
+    assert parse_event(fast.raw) == fast
+    payload = orjson.loads(fast.data)
+    assert event_problems(payload) == []
+    response = payload["response"]
+    assert (response["id"], response["created_at"]) == ("resp_b", 1700000123)
+    if echo is not None:
+        assert response[echo[0]] == echo[1]
+    assert response["tools"] == Envelope(request_body)._request_defaults()["tools"]
+
+
+def test_a_pending_event_the_proxy_must_rewrite_is_decoded_each_time() -> None:
+    """A backend model the served name replaces: never taken from what was seen."""
+    envelope = Envelope({"model": "alias"}, served_models=("alias",))
+    for rid in ("resp_c", "resp_d"):
+        out = orjson.loads(envelope.pending_event(pending(rid, 1700000000)).data)
+        assert out["response"]["model"] == "alias" and out["response"]["id"] == rid
