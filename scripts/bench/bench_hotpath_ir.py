@@ -1,0 +1,104 @@
+"""bench_hotpath's turns counted in CPU instructions (valgrind's callgrind): a figure that
+does not move with the machine's load, to compare two versions on a busy box.
+
+The rig is bench_hotpath.py's (the real request path in one process, in-memory
+transports, `--zdr`); only the measured turns are counted: they run inside
+`functools.reduce`, and callgrind collects only while that C function is on the stack.
+Needs `valgrind` (Debian's package). Prints instructions per continuation turn for JSON and
+SSE at each history size; a turn takes ~2,000 instructions per µs on the 2-core VM of
+docs/BENCHMARKS.md, so 10,000 instructions are ~5 µs.
+
+    python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
+    python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import bench_hotpath as rig
+import orjson
+from benchkit import make_items, user_message
+
+from ocxproxy.config import Config
+from ocxproxy.http.context import PROXY
+from ocxproxy.http.front import FrontEnd
+from ocxproxy.server import build_app
+
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def child(mode: str, size: str, n: int) -> None:
+    """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
+    loop = asyncio.new_event_loop()
+    state_dir = tempfile.mkdtemp()
+
+    async def setup() -> tuple[rig.Client, bytes]:
+        config = Config(
+            upstream=("http://backend.invalid:80",),
+            state_dir=Path(state_dir),
+            zdr=True,
+            health_interval=0,
+        )
+        proxy = build_app(config)[PROXY]
+        await proxy.store.start()
+        backend = rig.Backend()
+        proxy.pool.http._connect = lambda origin: rig._connected(backend)  # type: ignore[method-assign]
+        client = rig.Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
+        first = orjson.dumps({"model": "m", "input": make_items(rig.SIZES[size])})
+        found = rig._RID.search(await client.post(first))
+        assert found is not None
+        turn = {"model": "m", "previous_response_id": found.group(1).decode()}
+        turn |= {"input": [user_message("next")], "stream": mode == "sse"}
+        body = orjson.dumps(turn)
+        for _ in range(100):  # warm-up: caches, the shapes a backend answers in
+            await client.post(body)
+        return client, body
+
+    async def turns(client: rig.Client, body: bytes) -> None:
+        for _ in range(n):
+            await client.post(body)
+
+    client, body = loop.run_until_complete(setup())
+    gc.collect()
+    functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
+
+
+def count(mode: str, size: str, n: int) -> int:
+    command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
+    command += [sys.executable, __file__, "--child", mode, size, str(n)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    found = _COLLECTED.search(result.stderr)
+    if found is None:
+        raise RuntimeError(result.stderr[-2000:])
+    return int(found.group(1)) // n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=100, help="measured turns per case")
+    parser.add_argument("--sizes", default="8k,128k")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, size, n = args.child
+        child(mode, size, int(n))
+        return
+    print("instructions per continuation turn (callgrind, memory-only store)")
+    print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
+    for size in args.sizes.split(","):
+        cells = [f"{count(mode, size, args.n):>12,}" for mode in ("json", "sse")]
+        print(f"{size:<8} {cells[0]} {cells[1]}")
+
+
+if __name__ == "__main__":
+    main()
