@@ -211,9 +211,8 @@ class KvSaves:
             return
         if tokens < self.every:
             return
-        name = chain_digest(scope, segments()) + SUFFIX
         task = asyncio.get_running_loop().create_task(
-            self._save(name, response_id, tokens, previous), name="kv-save"
+            self._save(scope, segments, response_id, tokens, previous), name="kv-save"
         )
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -240,7 +239,15 @@ class KvSaves:
 
     # -- saving
 
-    async def _save(self, name: str, response_id: str, tokens: int, previous: Save | None) -> None:
+    async def _save(
+        self,
+        scope: str,
+        segments: Callable[[], Iterable[str]],
+        response_id: str,
+        tokens: int,
+        previous: Save | None,
+    ) -> None:
+        name = chain_digest(scope, segments()) + SUFFIX  # after the reply, not before
         started = time.monotonic()
         answer = await self._action("save", name + PART)
         saved = answer.get("n_saved") if answer is not None else None
