@@ -11,7 +11,9 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +54,17 @@ class LocalBackgrounds:
         self._pending: list[bytes] = []
         self._writing: asyncio.Lock | None = None
         self._fd: int | None = None  # background.jsonl, open for appends once written
-        metrics.background_jobs.labels(status=QUEUED).set_function(lambda: self._count(QUEUED))
-        metrics.background_jobs.labels(status=IN_PROGRESS).set_function(
-            lambda: self._count(IN_PROGRESS)
+        # Read through a weak reference: the gauges must not make a cycle of it.
+        ref = weakref.ref(self)
+
+        def count(status: str) -> Callable[[], float]:
+            return lambda: float(b._count(status)) if (b := ref()) is not None else 0.0
+
+        for status in (QUEUED, IN_PROGRESS):
+            metrics.background_jobs.labels(status=status).set_function(count(status))
+        metrics.background_log_bytes.set_function(
+            lambda: float(b.log_size) if (b := ref()) is not None else 0.0
         )
-        metrics.background_log_bytes.set_function(lambda: self.log_size)
 
     def _count(self, status: str) -> int:
         return sum(1 for job in self.jobs.values() if job.status == status)
