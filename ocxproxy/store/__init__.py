@@ -15,7 +15,7 @@ files, the committer (committer.py) and the checkpoint. journal.py holds the fil
 (journal, packs, checkpoint) and codec.py their entries, restore.py start-up's rebuilding
 of the index, upkeep.py the maintenance policy and the checkpoint's encoding, stats.py
 the stats and gauges.
-shared/ (--shared-store, store.py: SharedStore, a Store on Valkey/Redis; every key it
+shared/ (--shared-store, store.py: SharedStore, a store on Valkey/Redis; every key it
 names in keys.py, its values and scripts in layout.py, its connection and round trips in
 server.py, its start-up checks in checks.py) is imported only when asked for: its client
 is an extra (ocxproxy[shared]).
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 
-def open_store(config: Config, metrics: Metrics | None = None) -> Store:
+def open_store(config: Config, metrics: Metrics | None = None) -> StoreInterface:
     """The proxy's store: the single-node one, or with --shared-store the shared tier."""
     if config.shared_store is None:
         return Store.from_config(config, metrics)

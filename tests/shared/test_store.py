@@ -339,20 +339,23 @@ async def test_a_corrupt_segment_fails_its_digest(
 
 
 async def test_kept_records_stay_in_the_process_and_never_reach_the_server(
-    make_store: MakeStore,
+    make_store: MakeStore, kv_server: KvServer
 ) -> None:
-    """`keep` serves only a store:false Idempotency-Key's response (memory); shared
-    conversations and keys have their own keys (conversations.py)."""
+    """What the store keeps in `local` (a store:false Idempotency-Key's response) is this
+    process's alone: another replica and the server never see it (shared conversations
+    and keys have their own keys: conversations.py)."""
     a, b = await make_store(), await make_store()
-    with pytest.raises(StoreFailure) as refused:
-        a.keep("conv_1", "scope-a", (), b"{}", created_at=0.0)
-    assert refused.value.reason == FailureReason.WRITE_FAILED
-    kept = a.keep("idem_1", "scope-a", (), b"{}", created_at=0.0, durable=False)
-    assert a.record("scope-a", "idem_1") is kept
+    kept = a.local.keep("idem_1", "scope-a", (), b"{}", created_at=0.0, durable=False)
+    assert a.local.record("scope-a", "idem_1") is kept
     with pytest.raises(StoreFailure):
-        b.record("scope-a", "idem_1")
+        b.local.record("scope-a", "idem_1")
     with pytest.raises(StoreFailure):
         await b.lookup("scope-a", "idem_1")
+    client = await raw_client(kv_server)
+    try:
+        assert not [k async for k in client.scan_iter(match=b"*idem_1*")]
+    finally:
+        await client.aclose()
 
 
 async def test_a_server_down_fails_closed_and_recovers_without_restart(

@@ -1,9 +1,11 @@
 """SharedStore: the store on a Valkey/Redis server that several replicas share (--shared-store).
 
-The same interface as the single-node Store, which it extends: the handlers cannot tell
-them apart. Durable turns (store:true) live on the server (layout and scripts:
-layout.py); what must stay in the process (store:false turns kept with
---retain-unstored) lives in the inherited memory-only Store, never on the server.
+A sibling of the single-node Store (local/store.py): both provide the store interface
+(interface.py), and the handlers cannot tell them apart. Durable turns (store:true) live
+on the server (keys: keys.py; values and scripts: layout.py); what must stay in the
+process (store:false turns kept with --retain-unstored, a store:false Idempotency-Key's
+response) lives in `local`, a memory-only single-node Store this one holds, never on the
+server.
 
 Round trips: `lookup` (a continuation, GET, input_items) is one script returning the
 record and its chain's newest digests (a chain's list only grows, a fork being another
@@ -26,12 +28,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
+from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.store import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
@@ -63,8 +67,8 @@ START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
 
 
-class SharedStore(Store):
-    """Records and segments on a shared Valkey/Redis server; local turns in memory."""
+class SharedStore:
+    """Records and segments on a shared Valkey/Redis server; local turns in `local`."""
 
     def __init__(
         self,
@@ -83,7 +87,8 @@ class SharedStore(Store):
     ) -> None:
         metrics = metrics or Metrics()
         self.server = Server(url, metrics, wait_replicas=wait_replicas)
-        super().__init__(
+        # What never leaves this process, in memory only (no state dir: nothing on disk).
+        self.local = Store(
             max_resident_bytes=max_resident_bytes,
             max_entries=max_entries,
             ttl=ttl,
@@ -91,6 +96,8 @@ class SharedStore(Store):
             clock=clock,
             durability=durability,
         )
+        self.metrics, self.clock, self.ttl, self.durability = metrics, clock, ttl, durability
+        self.state_dir: Path | None = None  # no files: what lasts is on the server
         self.url = url
         self.prefix = prefix
         self.max_bytes = max_bytes
@@ -104,8 +111,8 @@ class SharedStore(Store):
         )
         self.on_server.join = self.commit_with
         self._keys_of = self.on_server.keys  # the scopes' key names, built once
-        self.conversations = ServerConversations(self, self.on_server)
-        self.idempotency = ServerKeys(self.on_server, LocalKeys(self))
+        self.conversations: Conversations = ServerConversations(self, self.on_server)
+        self.idempotency: IdempotencyKeys = ServerKeys(self.on_server, LocalKeys(self.local))
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
@@ -137,16 +144,12 @@ class SharedStore(Store):
         """The server answers; False from a failed round trip until one succeeds."""
         return self.server.available
 
-    @available.setter
-    def available(self, value: bool) -> None:  # (the single-node Store sets it)
-        pass
-
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Connect, check the server's configuration against the durability profile
         (SharedStoreRefused when it does not fit) and load the scripts."""
-        await super().start()
+        await self.local.start()
         await self.server.start(self.durability, self.start_timeout)
 
     async def claim_compaction_key(self, fingerprint: str) -> None:
@@ -163,7 +166,7 @@ class SharedStore(Store):
 
     async def close(self) -> None:
         await self.server.close()
-        await super().close()
+        await self.local.close()
 
     abandon = close  # nothing is queued: a crash and a close leave the server alike
 
@@ -173,7 +176,7 @@ class SharedStore(Store):
         """The caller's record (a turn kept in this process, else the server's), with
         every segment of its chain in hand."""
         with contextlib.suppress(StoreFailure):
-            return self.lookup_nowait(scope, response_id)
+            return self.local.lookup_nowait(scope, response_id)
         if response_id.startswith(KEPT_PREFIXES):
             raise StoreFailure(FailureReason.UNKNOWN)
         keys = self._keys_of(scope)
@@ -189,7 +192,7 @@ class SharedStore(Store):
         """The newest record whose own segment holds the item (kept here, else the
         server's); only that segment is fetched: the record serves `item_bytes` alone."""
         with contextlib.suppress(StoreFailure):
-            return self.find_item_nowait(scope, item_id, unstored=unstored)
+            return self.local.find_item_nowait(scope, item_id, unstored=unstored)
         keys = self._keys_of(scope)
         args = (item_field(item_id), keys.base)
         found = await self.server.script("item", (keys.buckets(),), args)
@@ -292,12 +295,12 @@ class SharedStore(Store):
 
     async def history(self, record: Record) -> list[bytes]:
         if not isinstance(record, SharedRecord):
-            return await super().history(record)
+            return await self.local.history(record)
         return [s.data for s in record.segments if s.data]
 
     async def response_bytes(self, record: Record) -> bytes:
         if not isinstance(record, SharedRecord):
-            return await super().response_bytes(record)
+            return await self.local.response_bytes(record)
         skeleton = record.response.data
         assert skeleton is not None  # in the record's value, as BEGIN returned it
         if record.output_at is None:
@@ -311,7 +314,7 @@ class SharedStore(Store):
         result = []
         for record, item_id in found:
             if not isinstance(record, SharedRecord):
-                result += await super().item_bytes([(record, item_id)])
+                result += await self.local.item_bytes([(record, item_id)])
                 continue
             segment = record.segments[-1]
             span = segment.item_ids.span(item_id)
@@ -330,7 +333,7 @@ class SharedStore(Store):
             parent = as_parent(parent, self._keys_of(turn.scope))
         shared_parent = parent is None or isinstance(parent, SharedRecord)
         if not turn.durable or not shared_parent:
-            return super().put(turn, parent)
+            return self.local.put(turn, parent)
         now = self.clock()
         own = Segment(turn.items, turn.n_items, turn.call_ids, durable=True, item_ids=turn.item_ids)
         skeleton, output_at = split_output(turn.response, turn.items)
@@ -367,7 +370,7 @@ class SharedStore(Store):
         if staged is None or staged[0] is not record:
             if type(record) is SharedRecord and not record.chain:  # put, not written
                 raise StoreFailure(FailureReason.WRITE_FAILED, "its conversation's write failed")
-            await super().commit(record)  # (or written already, with its conversation's)
+            await self.local.commit(record)  # (or written already, with its conversation's)
             return
         del self._staged[staged[0].id]
         await self._write(*staged)
@@ -434,16 +437,20 @@ class SharedStore(Store):
 
     async def delete(self, scope: str, response_id: str) -> bool:
         """Forget a response (kept here, else on the server); True when there was one."""
-        if self.delete_nowait(scope, response_id):
+        if self.local.delete_nowait(scope, response_id):
             return True
         if response_id.startswith(KEPT_PREFIXES):
             return False
         key = self._keys_of(scope).record(response_id)
         return bool(await self.server.write("delete", lambda: ("DEL", key)))
 
-    def keep(self, record_id: str, scope: str, *args: Any, **kw: Any) -> Record:
-        """Only what stays in this process (a store:false Idempotency-Key's response):
-        shared conversations and keys are `self.on_server`'s."""
-        if kw.get("durable", True):
-            raise StoreFailure(FailureReason.WRITE_FAILED, "kept records are not shared")
-        return super().keep(record_id, scope, *args, **kw)
+    # -- what stays in this process: `local`'s -----------------------------------------
+
+    def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
+        return self.local.delete_nowait(scope, response_id, kept=kept)
+
+    async def wait_for_room(self) -> None:
+        """Nothing queues: a commit is its own round trip."""
+
+    async def sweep(self) -> int:
+        return await self.local.sweep()
