@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,9 @@ class LocalConversations:
     """The conversations a Store keeps, and their locks."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        # A weak reference: the store owns this, and a cycle would keep a connection's
+        # memory-only store alive until the garbage collector's next pass.
+        self.store: Store = weakref.proxy(store)
 
     async def load(self, scope: str, conversation_id: str) -> Conversation:
         """The caller's conversation, or NotFound (another credential's is unknown too)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ocxproxy.continuation.locks import InFlight
@@ -18,7 +19,9 @@ class LocalKeys:
     """The Idempotency-Keys a Store holds: running ones, and completed ones as records."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        # A weak reference: the store owns this, and a cycle would keep a connection's
+        # memory-only store alive until the garbage collector's next pass.
+        self.store: Store = weakref.proxy(store)
         self.in_flight = InFlight()
 
     async def begin(self, key: Key, duration: float) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ owner of that state.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,9 @@ class KeptRecords:
     """`keep` and the room checks for pinned records, on the Store that owns it."""
 
     def __init__(self, store: Store) -> None:
-        self.store = store
+        # A weak reference: the store owns this, and a cycle would keep a connection's
+        # memory-only store alive until the garbage collector's next pass.
+        self.store: Store = weakref.proxy(store)
 
     def keep(
         self,
