@@ -7,6 +7,9 @@ share whose cached_tokens / input_tokens is at least 0.9 (target: ≥ 90 %); als
 share over every turn after the first step, the steps included (each step is one
 cache miss by design). A chain's turn adds ~--turn-tokens of user text and a
 --max-output answer, so a step (a quarter of the window) lasts several turns.
+With --tool-loop the chain is one agentic turn: a user message, then every turn a tool
+call and its ~--turn-tokens output (sent by the client, as a tool loop's are), so the
+cut lands inside the turn, after its user message.
 
     python scripts/bench/bench_truncation.py                 # 100 turns, ctx 2048
     python scripts/bench/bench_truncation.py --turns 20 --ctx 1024
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import openai
 
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.e2e.text import long_message
 
 RATIO = 0.9
+TOOLS: Any = [{"type": "function", "name": "read", "parameters": {"type": "object"}}]
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -69,13 +74,22 @@ async def measure(
     max_input = 0
     started = time.perf_counter()
     for turn in range(args.turns):
+        text = long_message(args.turn_tokens, seed=turn)
+        turn_input: Any = text
+        if args.tool_loop and turn:
+            call_id = f"call_{turn}"
+            turn_input = [
+                {"type": "function_call", "call_id": call_id, "name": "read", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": call_id, "output": text},
+            ]
         try:
             answer = await client.responses.create(
                 model="local",
-                input=long_message(args.turn_tokens, seed=turn),
+                input=turn_input,
                 previous_response_id=previous,
                 max_output_tokens=args.max_output,
                 truncation="auto",
+                **({"tools": TOOLS} if args.tool_loop else {}),
             )
         except openai.APIStatusError as error:
             errors += 1
@@ -117,6 +131,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048, help="llama.cpp context size")
     parser.add_argument("--turn-tokens", type=int, default=40, help="user text per turn")
     parser.add_argument("--max-output", type=int, default=16)
+    parser.add_argument("--tool-loop", action="store_true", help="one agentic turn")
     parser.add_argument("--verbose", action="store_true")
     asyncio.run(run(parser.parse_args()))
 
