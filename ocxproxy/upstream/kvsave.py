@@ -152,9 +152,12 @@ class KvSaves:
         """Load `save` into the slot; None when the backend refused (counted)."""
         started = time.monotonic()
         answer = await self._action("restore", save.name)
+        if answer is None:  # once more: the first may have met the previous process's socket
+            answer = await self._action("restore", save.name)
         restored = answer.get("n_restored") if answer is not None else None
         if not isinstance(restored, int) or restored <= 0:
             self.metrics.kv_restores.labels(outcome="error").inc()
+            log.warning("a KV restore on %s was refused; the turn computes it again", self.url)
             return None
         self.metrics.kv_restore_seconds.labels().observe(time.monotonic() - started)
         save.used = time.time()

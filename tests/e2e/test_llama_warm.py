@@ -79,7 +79,11 @@ async def test_a_chain_survives_a_backend_kill(make_proxy: MakeProxy, tmp_path: 
         model="local", input=QUESTIONS[0], previous_response_id=first.id, max_output_tokens=8
     )
     warm = time.monotonic() - started
-    assert cached_ratio(second.usage) >= MIN_CACHED_RATIO, second.usage
+    restores = {
+        outcome: proxy.metric("ocxproxy_kv_restores_total", outcome=outcome)
+        for outcome in ("ok", "failed", "error", "fingerprint_mismatch")
+    }
+    assert cached_ratio(second.usage) >= MIN_CACHED_RATIO, (second.usage, restores)
     assert warm < cold / 2, (warm, cold)
     assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
     assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
