@@ -47,6 +47,9 @@ COMPACTION_PROMPT = (
 SUMMARY_PREFIX = "Summary of the conversation so far (earlier turns were compacted into it):\n\n"
 _PROMPT_ITEM = orjson.dumps({"type": "message", "role": "user", "content": COMPACTION_PROMPT})
 # Fields of a create that do not apply to the proxy's own summary request.
+# A summary's output cap when the request sets none: a small model that never writes its
+# end-of-text would otherwise hold the backend until the context is full.
+SUMMARY_MAX_OUTPUT_TOKENS = 2048
 _NOT_FOR_SUMMARY = ("context_management", "background", "stream_options", "prompt_cache_options")
 
 
@@ -242,6 +245,7 @@ def summary_request(body: dict[str, Any], history: list[bytes], tail: list[bytes
     fields = {k: v for k, v in body.items() if k not in _NOT_FOR_SUMMARY}
     fields["stream"] = False
     fields["store"] = False
+    fields.setdefault("max_output_tokens", SUMMARY_MAX_OUTPUT_TOKENS)
     if fields.get("tools"):  # kept: they are part of the prefix the backend has cached
         fields["tool_choice"] = "none"
     return expand(fields, history, [*tail, _PROMPT_ITEM])

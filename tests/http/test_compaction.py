@@ -17,7 +17,11 @@ import openai
 import orjson
 import pytest
 
-from ocxproxy.continuation.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
+from ocxproxy.continuation.compaction import (
+    COMPACTION_PROMPT,
+    SUMMARY_MAX_OUTPUT_TOKENS,
+    SUMMARY_PREFIX,
+)
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads, top_level_span
@@ -78,6 +82,9 @@ async def test_trigger_answers_exactly_one_sealed_item(
     assert sent[-1] == {"type": "message", "role": "user", "content": COMPACTION_PROMPT}
     body = backend.responses_seen[0].json
     assert body["instructions"] == "Be brief." and body["stream"] is False
+    # A request with no output cap gets the summary's own, so a model that never ends its
+    # text cannot hold the backend until its context is full.
+    assert body["max_output_tokens"] == SUMMARY_MAX_OUTPUT_TOKENS
     # The summary (the fake model echoes the last user text) is sealed, not readable.
     assert "Write a summary" not in item["encrypted_content"]
     assert_never_forwarded(backend)
@@ -188,6 +195,7 @@ async def test_compact_endpoint_with_the_sdk(proxy: ProxyHandle, backend: FakeBa
     sent = backend.responses_seen[0].json
     assert sent["input"][-1]["content"] == COMPACTION_PROMPT
     assert sent["instructions"] == "Be brief." and sent["prompt_cache_key"] == "session-1"
+    assert sent["max_output_tokens"] == SUMMARY_MAX_OUTPUT_TOKENS
     # The window fed back as input works and reaches the backend as the summary.
     window = [*kept, item, {"role": "user", "content": "go on"}]
     answer = await client.responses.create(model="m", input=window, store=False)
