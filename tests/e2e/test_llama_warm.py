@@ -9,12 +9,14 @@ import os
 import signal
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ocxproxy.upstream import local
 from tests.conftest import MakeProxy, ProxyHandle, unavailable
-from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, cached_ratio
+from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, MODEL, cached_ratio
 from tests.e2e.text import QUESTIONS, long_message
 
 pytestmark = [pytest.mark.llama, pytest.mark.timeout(1200)]
@@ -118,3 +120,73 @@ async def test_store_false_turns_are_never_saved(make_proxy: MakeProxy, tmp_path
     await saved(proxy)
     assert [p.name for p in (state / "kv").iterdir() if not p.name.endswith(".json")] == []
     assert proxy.metric("ocxproxy_kv_saves_total", outcome="saved") == 0
+
+
+async def test_a_chain_survives_a_graceful_restart_of_the_proxy(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    before = await make_proxy(state_dir=state)
+    started = time.monotonic()
+    first = await before.client().responses.create(
+        model="local", input=long_message(3000, seed=13), max_output_tokens=8
+    )
+    cold = time.monotonic() - started
+    await saved(before)
+    await before.server.close()  # the embedded backend stops with it
+
+    after = await make_proxy(state_dir=state)  # a new backend process, the same state dir
+    started = time.monotonic()
+    second = await after.client().responses.create(
+        model="local", input=QUESTIONS[0], previous_response_id=first.id, max_output_tokens=8
+    )
+    warm = time.monotonic() - started
+    assert cached_ratio(second.usage) >= MIN_CACHED_RATIO, second.usage
+    assert warm < cold / 2, (warm, cold)
+    assert after.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+
+
+async def test_an_external_llama_server_restarted_by_its_operator(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """A second llama.cpp server process, started here with --slot-save-path, is the
+    proxy's --upstream; the proxy is told where it saves (--kv-save-dir). Killed and
+    started again by its operator, it gets the chain's KV state back from its own save."""
+    assert MODEL is not None
+    slots = tmp_path / "slots"
+    slots.mkdir(mode=0o700)
+    server = local.LocalBackend(MODEL, slot_save_path=slots)
+    url = await server.start()
+    try:
+        proxy = await make_proxy(url, kv_save_dir=slots, health_interval=0.2)
+        client = proxy.client()
+        first = await client.responses.create(
+            model="local", input=long_message(3000, seed=17), max_output_tokens=8
+        )
+        await saved(proxy)
+        assert [p for p in slots.iterdir() if p.name.endswith(".kv")]
+
+        (backend,) = proxy.proxy.pool.fleet.backends
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await until(lambda: not backend.healthy)  # the proxy's probe saw it go
+        await server.start()
+        await until(lambda: backend.healthy)
+
+        second = await client.responses.create(
+            model="local", input=QUESTIONS[0], previous_response_id=first.id, max_output_tokens=8
+        )
+        assert cached_ratio(second.usage) >= MIN_CACHED_RATIO, second.usage
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+    finally:
+        await server.stop()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(600):
+        if condition():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("timed out")
