@@ -29,7 +29,7 @@ import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
-from ocxproxy.continuation.expand import Request, check_request
+from ocxproxy.continuation.expand import Request, check_request, serialize_items
 from ocxproxy.errors import InvalidRequest, OcxError, RateLimited, ShuttingDown
 from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
@@ -109,6 +109,7 @@ async def start(
     if job.log is not None:
         book.append(job, _event("response.created", 0, first))
     copied = CIMultiDict(headers)
+    proxy.background_runs.exchanges[scope, response_id] = exchange
     job.task = spawn(
         _run(proxy, exchange, job, copied, path_qs, timing.request_id),
         name=f"background-{response_id}",
@@ -198,6 +199,7 @@ async def _run(
         log.exception("background response %s failed", job.id)
         reply.fail("server_error", "The proxy failed running this background response.")
     finally:
+        runs.exchanges.pop((job.scope, job.id), None)
         exchange.release()
         if exchange.idempotency_key is not None:
             idempotency.end(proxy, exchange.idempotency_key)
@@ -206,12 +208,38 @@ async def _run(
 
 
 def cancelled(proxy: Proxy, job: Job) -> None:
+    """`job` is cancelled; its stream ends with `response.cancelled` (the Response,
+    `cancelled`), so a client following it knows it ended."""
     if job.terminal:
         return
     response = _loads(job.response)
     response["status"] = "cancelled"
     proxy.metrics.background_cancels.inc()
-    proxy.backgrounds.moved(job, "cancelled", orjson.dumps(response))
+    book = proxy.backgrounds
+    if job.log is not None:
+        book.append(job, _event("response.cancelled", len(job.log.events), response))
+    book.moved(job, "cancelled", orjson.dumps(response))
+
+
+async def delete(proxy: Proxy, job: Job) -> None:
+    """DELETE of a background response: a running or queued one is cancelled first (its
+    backend request closed, nothing kept), then it is forgotten, event log and all."""
+    if not job.terminal:
+        await cancel(proxy, job)
+    proxy.backgrounds.drop(job)
+    await proxy.backgrounds.commit()
+
+
+async def inputs(proxy: Proxy, job: Job) -> list[bytes] | None:
+    """The input items of a queued or running background response, as its turn will be
+    stored (the chain's items, then its own); None once it has ended."""
+    exchange = proxy.background_runs.exchanges.get((job.scope, job.id))
+    if exchange is None or job.terminal:
+        return None
+    assert isinstance(exchange, Exchange)
+    history = await proxy.store.history(exchange.parent) if exchange.parent is not None else []
+    own = exchange.tail if exchange.tail is not None else serialize_items(exchange.request.items)
+    return history + own
 
 
 def _loads(data: bytes) -> dict[str, Any]:

@@ -61,6 +61,8 @@ class BackgroundRuns:
 
     slots: asyncio.Semaphore | None
     waiting: int = 0
+    # The create exchange of each queued or running one, by (scope, id): its input items.
+    exchanges: dict[tuple[str, str], Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

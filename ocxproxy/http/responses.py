@@ -240,7 +240,11 @@ async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamRespons
 async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
-    if not await proxy.store.delete(scope_of(request.headers), response_id):
+    job = _job(proxy, request)
+    if job is not None:  # a queued or running one is cancelled, then deleted
+        await background.delete(proxy, job)
+    deleted = await proxy.store.delete(scope_of(request.headers), response_id)
+    if not deleted and job is None:
         if proxy.config.forward_unknown_ids:
             return await passthrough(request)
         raise _not_found(response_id)
@@ -278,15 +282,23 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
 
 async def list_input_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
-    record = await _lookup(proxy, request)
-    if record is None:
-        return await passthrough(request)
     query = parse_list_query(request.query, includes_of(request.query))
+    job = _job(proxy, request)
     try:
-        history = await proxy.store.history(record)
-        stored = orjson.loads(await proxy.store.response_bytes(record))
-    except StoreFailure:
-        raise _not_found(record.id) from None
-    n_output = len(stored.get("output", []))
-    views = await asyncio.to_thread(input_item_views, record.id, history, n_output, query.include)
+        running = await background.inputs(proxy, job) if job is not None else None
+    except StoreFailure:  # (the chain it continues is gone meanwhile)
+        raise _not_found(request.match_info["response_id"]) from None
+    if running is not None:  # a queued or running background response: its input so far
+        response_id, history, n_output = request.match_info["response_id"], running, 0
+    else:
+        record = await _lookup(proxy, request)
+        if record is None:
+            return await passthrough(request)
+        try:
+            history = await proxy.store.history(record)
+            stored = orjson.loads(await proxy.store.response_bytes(record))
+        except StoreFailure:
+            raise _not_found(record.id) from None
+        response_id, n_output = record.id, len(stored.get("output", []))
+    views = await asyncio.to_thread(input_item_views, response_id, history, n_output, query.include)
     return web.json_response(page(views, query), dumps=lambda obj: orjson.dumps(obj).decode())

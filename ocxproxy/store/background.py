@@ -97,6 +97,9 @@ class Backgrounds(Protocol):
     def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
         """`job` is now `status` (its Response `response`, when given)."""
 
+    def drop(self, job: Job) -> None:
+        """`job` is deleted: forgotten, its log with it (its followers' streams end)."""
+
     async def commit(self) -> None:
         """Until every change so far is durable (a no-op without a state dir)."""
 

@@ -261,3 +261,75 @@ async def test_an_idempotent_retry_gets_the_same_background_response(
     )
     assert again.id == created.id and again.status == "completed"
     assert len(backend.responses_seen) == 1
+
+
+async def test_a_cancelled_stream_ends_with_response_cancelled(make_proxy: MakeProxy) -> None:
+    async with FakeBackend(delay=0.3) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        stream = await client.responses.create(
+            model="m", input="long", background=True, stream=True
+        )
+        events: list[Any] = []
+        async with asyncio.timeout(10):
+            async for event in stream:
+                events.append(event)
+                if len(events) == 3:  # under way: cancelled from elsewhere
+                    cancelled = await proxy.client().responses.cancel(events[0].response.id)
+        assert cancelled.status == "cancelled"
+        assert sequence(events) == list(range(len(events)))
+        last = events[-1].model_dump()  # (the SDK's types do not name this event)
+        assert last["type"] == "response.cancelled"
+        assert last["response"]["status"] == "cancelled"
+        assert last["response"]["id"] == events[0].response.id
+        # A resume after the end gets the same terminal event.
+        (again,) = [
+            e
+            async for e in await client.responses.retrieve(
+                last["response"]["id"], stream=True, starting_after=last["sequence_number"] - 1
+            )
+        ]
+        assert again.model_dump() == last
+
+
+async def test_deleting_a_running_one_cancels_it_and_forgets_it(make_proxy: MakeProxy) -> None:
+    async with FakeBackend(delay=0.5) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        created = await client.responses.create(model="m", input="long", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        deleted = await client.responses.delete(created.id)
+        assert deleted is None  # (the SDK returns nothing for a 200)
+        await backend.wait_for(lambda: backend.cancelled == 1, within=2.0)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(created.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.cancel(created.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.delete(created.id)
+        # A cancelled one, kept as one, is deleted too.
+        other = await client.responses.create(model="m", input="long", background=True)
+        assert (await client.responses.cancel(other.id)).status == "cancelled"
+        await client.responses.delete(other.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(other.id)
+
+
+async def test_input_items_of_a_running_one_are_those_it_will_keep(
+    make_proxy: MakeProxy,
+) -> None:
+    async with FakeBackend(delay=0.3) as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="first")
+        created = await client.responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        assert (await client.responses.retrieve(created.id)).status == "in_progress"
+        running = await client.responses.input_items.list(created.id, order="asc")
+        assert [item.type for item in running.data] == ["message", "message", "message"]
+        assert running.data[-1].content[0].text == "second"  # type: ignore[union-attr]
+        assert (await until_ended(client, created.id)).status == "completed"
+        stored = await client.responses.input_items.list(created.id, order="asc")
+        assert stored.model_dump() == running.model_dump()

@@ -34,6 +34,7 @@ from ocxproxy.store.background import (
 log = logging.getLogger("ocxproxy.background")
 
 FILE = "background.jsonl"
+DELETED = "deleted"  # a journal line's status: the response was deleted
 
 
 class LocalBackgrounds:
@@ -103,10 +104,22 @@ class LocalBackgrounds:
             self.metrics.background_finished.labels(status=status).inc()
         self._journal(job, None if status in STORED or status == IN_PROGRESS else job.response)
 
-    def _journal(self, job: Job, response: bytes | None) -> None:
+    def drop(self, job: Job) -> None:
+        if self.jobs.pop((job.scope, job.id), None) is None:
+            return
+        for kept in (self.ended, self.kept):
+            if job in kept:
+                kept.remove(job)
+        if job.log is not None:
+            self.log_size -= job.log.size
+            job.log.close()
+            job.log = None
+        self._journal(job, None, status=DELETED)
+
+    def _journal(self, job: Job, response: bytes | None, *, status: str | None = None) -> None:
         if self.path is None:
             return
-        entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": job.status}
+        entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": status or job.status}
         if job.stream:
             entry["stream"] = True
         if response is not None:
@@ -159,6 +172,9 @@ class LocalBackgrounds:
         lost = 0
         for entry in entries:
             key = (entry["scope"], entry["id"])
+            if entry["status"] == DELETED:
+                self.jobs.pop(key, None)
+                continue
             job = self.jobs.get(key)
             if job is None:
                 job = Job(
