@@ -107,7 +107,7 @@ class Exchange:
     cached_tokens: int | None = None
     conversation: ConversationTurn | None = None  # the one this turn reads and appends to
     idempotency_key: idempotency.Key | None = None  # the request's Idempotency-Key
-    kept: list[Record] = field(default_factory=list)  # written by Store.keep; commit() waits
+    kept: list[Record] = field(default_factory=list)  # a conversation append, a key; commit() waits
     key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     envelope: Envelope = field(default_factory=Envelope)  # completes each Response sent

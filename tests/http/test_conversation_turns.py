@@ -15,7 +15,7 @@ import pytest
 
 from ocxproxy.aio import spawn
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.store import Store
+from ocxproxy.store.local.kept import KeptRecords
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import sse_payloads
@@ -39,14 +39,14 @@ def refuse_conversation_appends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The store refuses the write that appends an answered turn to its conversation (the
     only write taken past the caps); every other write goes through. A single-node store
     never refuses it today; a shared tier that is down would."""
-    real = Store.keep
+    real = KeptRecords.keep
 
-    def keep(self: Store, record_id: str, *args: Any, **kwargs: Any) -> Any:
+    def keep(self: KeptRecords, record_id: str, *args: Any, **kwargs: Any) -> Any:
         if record_id.startswith("conv_") and kwargs.get("force"):
             raise StoreFailure(FailureReason.WRITE_FAILED, record_id)
         return real(self, record_id, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "keep", keep)
+    monkeypatch.setattr(KeptRecords, "keep", keep)
 
 
 # -- a turn that could not be appended ----------------------------------------------------

@@ -345,7 +345,7 @@ async def test_kept_records_stay_in_the_process_and_never_reach_the_server(
     process's alone: another replica and the server never see it (shared conversations
     and keys have their own keys: conversations.py)."""
     a, b = await make_store(), await make_store()
-    kept = a.local.keep("idem_1", "scope-a", (), b"{}", created_at=0.0, durable=False)
+    kept = a.local.kept.keep("idem_1", "scope-a", (), b"{}", created_at=0.0, durable=False)
     assert a.local.record("scope-a", "idem_1") is kept
     with pytest.raises(StoreFailure):
         b.local.record("scope-a", "idem_1")

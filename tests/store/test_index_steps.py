@@ -121,7 +121,7 @@ def test_evictions_keep_the_order_and_the_pins_and_leave_small_dicts() -> None:
                 orjson.dumps({"role": "user", "content": i}), 1, NO_CALLS, durable=False
             )
             conversations.append(
-                store.keep(f"conv_{i}", "scope-a", (segment,), b"{}", created_at=0)
+                store.kept.keep(f"conv_{i}", "scope-a", (segment,), b"{}", created_at=0)
             )
         else:
             store.put(turn(f"r{i}", f"msg_{i}"), None)

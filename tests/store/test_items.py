@@ -108,7 +108,7 @@ async def test_a_holder_whose_bytes_were_dropped_is_passed_over() -> None:
     assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is newer
     await store.history(older)  # recently used: the newer turn's bytes go first
     store.resident.max_bytes = store.resident.bytes - older.response.size - 1
-    store._enforce_bounds()
+    store.expiry.enforce()
     assert newer.segments[-1].data is None and older.segments[-1].data is not None
     assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is older
     assert await resolve(store, "msg_1", unstored=True) == resent

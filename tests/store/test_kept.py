@@ -1,4 +1,4 @@
-"""Records the store keeps for others (`Store.keep`): conversations are pinned (no expiry,
+"""Records the store keeps for others (`Store.kept`): conversations are pinned (no expiry,
 no cap drops them, a write that would need that is refused), share segments with the
 responses that chain on them, and persist like responses."""
 
@@ -22,7 +22,7 @@ def segment(text: str) -> Segment:
 async def test_a_kept_record_is_no_response_and_outlives_every_ttl(tmp_path: Path) -> None:
     clock = Clock()
     store = make_store(tmp_path, clock=clock)
-    conv = store.keep("conv_a", "scope-a", (segment("hi"),), b"{}", created_at=clock.now)
+    conv = store.kept.keep("conv_a", "scope-a", (segment("hi"),), b"{}", created_at=clock.now)
     with pytest.raises(StoreFailure):
         store.lookup_nowait("scope-a", "conv_a")  # not a response: no chain, GET or delete by it
     assert not store.delete_nowait("scope-a", "conv_a")
@@ -39,10 +39,10 @@ async def test_a_kept_record_is_no_response_and_outlives_every_ttl(tmp_path: Pat
 async def test_rewriting_shares_segments_with_the_responses_on_top(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     first = segment("first")
-    conv = store.keep("conv_a", "scope-a", (first,), b"{}", created_at=1)
+    conv = store.kept.keep("conv_a", "scope-a", (first,), b"{}", created_at=1)
     response = store.put(make_turn("resp_1", "turn"), conv)
     assert response.segments[0] is conv.segments[0]
-    again = store.keep(
+    again = store.kept.keep(
         "conv_a", "scope-a", (*conv.segments, response.segments[-1]), b"{}", created_at=1
     )
     assert again.segments == response.segments  # the same objects: stored once
@@ -55,16 +55,16 @@ async def test_rewriting_shares_segments_with_the_responses_on_top(tmp_path: Pat
 
 async def test_count_cap_evicts_responses_never_conversations(tmp_path: Path) -> None:
     store = make_store(tmp_path, max_entries=3)
-    store.keep("conv_a", "scope-a", (segment("a"),), b"{}", created_at=1)
-    store.keep("conv_b", "scope-a", (segment("b"),), b"{}", created_at=1)
+    store.kept.keep("conv_a", "scope-a", (segment("a"),), b"{}", created_at=1)
+    store.kept.keep("conv_b", "scope-a", (segment("b"),), b"{}", created_at=1)
     for i in range(3):
         store.put(make_turn(f"r{i}", f"u{i}"), None)
     assert store.record("scope-a", "conv_a") and store.record("scope-a", "conv_b")
     assert len(store) == 3
-    store.keep("conv_a", "scope-a", (segment("a"), segment("a2")), b"{}", created_at=1)
-    store.keep("conv_c", "scope-a", (), b"{}", created_at=1)
+    store.kept.keep("conv_a", "scope-a", (segment("a"), segment("a2")), b"{}", created_at=1)
+    store.kept.keep("conv_c", "scope-a", (), b"{}", created_at=1)
     with pytest.raises(StoreFailure) as full:  # only conversations left: a fourth is refused
-        store.keep("conv_d", "scope-a", (), b"{}", created_at=1)
+        store.kept.keep("conv_d", "scope-a", (), b"{}", created_at=1)
     assert full.value.reason == FailureReason.FULL
     assert {"conv_a", "conv_b", "conv_c"} == {
         r for r in ("conv_a", "conv_b", "conv_c") if store.record("scope-a", r)
@@ -73,9 +73,9 @@ async def test_count_cap_evicts_responses_never_conversations(tmp_path: Path) ->
 
 async def test_a_write_past_the_byte_cap_is_refused_not_evicting(tmp_path: Path) -> None:
     store = make_store(None, max_resident_bytes=200)  # no disk: memory is the cap
-    small = store.keep("conv_a", "scope-a", (segment("x" * 50),), b"{}", created_at=1)
+    small = store.kept.keep("conv_a", "scope-a", (segment("x" * 50),), b"{}", created_at=1)
     with pytest.raises(StoreFailure) as full:
-        store.keep("conv_b", "scope-a", (segment("y" * 150),), b"{}", created_at=1)
+        store.kept.keep("conv_b", "scope-a", (segment("y" * 150),), b"{}", created_at=1)
     assert full.value.reason == FailureReason.FULL
     assert store.record("scope-a", "conv_a") is small
     assert await store.history(small)  # still whole
@@ -84,9 +84,9 @@ async def test_a_write_past_the_byte_cap_is_refused_not_evicting(tmp_path: Path)
 async def test_kept_records_persist_and_stay_pinned(tmp_path: Path) -> None:
     store = make_store(tmp_path)
     await store.start()
-    conv = store.keep("conv_a", "scope-a", (segment("a"),), b'{"m":1}', created_at=7)
+    conv = store.kept.keep("conv_a", "scope-a", (segment("a"),), b'{"m":1}', created_at=7)
     store.put(make_turn("resp_1", "turn"), conv)
-    store.keep("conv_empty", "scope-a", (), b"{}", created_at=8)  # no items: still a chain
+    store.kept.keep("conv_empty", "scope-a", (), b"{}", created_at=8)  # no items: still a chain
     await store.close()
 
     again = make_store(tmp_path, max_entries=1)

@@ -485,7 +485,7 @@ class StoreMachine(RuleBasedStateMachine):
         # and start-up keeps no journal file that nothing needs (check() also compares)
         assert set(journal_files(self.dir)) == set(self.store.packs())
 
-    # -- conversations (Store.keep): created, appended a turn at a time, deleted ---------
+    # -- conversations (Store.kept): created, appended a turn at a time, deleted ---------
 
     def conversation_state(self, conv_id: str, scope: str) -> ConvState:
         assert self.store is not None
@@ -516,7 +516,7 @@ class StoreMachine(RuleBasedStateMachine):
         if own is not None:
             chain[-1] = own
         try:
-            record = self.store.keep(
+            record = self.store.kept.keep(
                 conv_id, conv.scope, chain, head, ids=[list(i) for i in ids], created_at=1
             )
         except StoreFailure as failure:

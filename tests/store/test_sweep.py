@@ -16,7 +16,7 @@ import pytest
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment
-from ocxproxy.store.local.store import SWEEP_DROPS
+from ocxproxy.store.local.expiry import SWEEP_DROPS
 from ocxproxy.store.records import CHUNK
 from tests.store.helpers import Clock, inline, make_store, make_turn, sample
 
@@ -31,7 +31,7 @@ async def test_a_sweep_drops_a_few_records_a_step_and_the_rest_still_fail_as_exp
     await store.start()
     for i in range(N):
         store.put(make_turn(f"r{i}", f"u{i}"), None)
-    conv = store.keep(
+    conv = store.kept.keep(
         "conv_a", "scope-a", (Segment(b"", 0, (), durable=False),), b"{}", created_at=clock.now
     )
     clock.now += 5

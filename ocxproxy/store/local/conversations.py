@@ -1,5 +1,5 @@
 """Conversations on the single-node store: each one a record the store keeps until
-deleted (`Store.keep`), its lock a lease in process memory (continuation/locks.py).
+deleted (`Store.kept`), its lock a lease in process memory (continuation/locks.py).
 
 The record's chain holds the items (segments, bytes as forwarded), its response segment
 the `Meta`'s head (created_at, metadata), `Record.ids` the item ids per segment. Every
@@ -190,7 +190,7 @@ class LocalConversations:
         force: bool = False,
     ) -> Conversation:
         try:
-            record = self.store.keep(
+            record = self.store.kept.keep(
                 conversation_id,
                 scope,
                 chain,
@@ -225,7 +225,7 @@ class LocalTurn:
     def check_room(self, extra: int) -> None:
         """StoreFull unless the conversation can grow by `extra` bytes (a turn's own items,
         checked before it runs) without a cap having to drop conversation items."""
-        if not self.conversations.store.room_for(self.conversation.id, extra):
+        if not self.conversations.store.kept.room_for(self.conversation.id, extra):
             raise store_full()
 
     def renew(self) -> None:

@@ -48,7 +48,7 @@ class LocalKeys:
         store = self.store
         now = store.clock()
         try:
-            return store.keep(
+            return store.kept.keep(
                 key.record_id, key.scope, (), entry_of(key, response), created_at=now,
                 expires_at=now + TTL, durable=durable,
             )  # fmt: skip

@@ -1,8 +1,8 @@
 """Records the store keeps for others: conversations and completed Idempotency-Keys.
 
 Their ids (`conv_…`, `idem_…`) are never a response's, so no response lookup answers them.
-`KeptRecords` writes them for the Store that owns it (`Store.kept`; `Store.keep` and
-`Store.room_for` are its public names); it changes records and segments only as
+`KeptRecords` writes them for the Store that owns it (`Store.kept`); it changes records
+and segments only as
 `Store.put` does (through the Store's index, SegmentTable and ledger), never a second
 owner of that state.
 """
@@ -104,7 +104,7 @@ class KeptRecords:
         elif journaled:
             store._journal_put(record, None)
         store.index.add(record, size if pinned else None)
-        store._enforce_bounds()
+        store.expiry.enforce()
         return record
 
     def room_for(self, record_id: str, extra: int) -> bool:

@@ -29,6 +29,7 @@ from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.committer import Committer, Offload
 from ocxproxy.store.local.conversations import LocalConversations
 from ocxproxy.store.local.durable import Durable
+from ocxproxy.store.local.expiry import Expiry
 from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.kept import KEPT_PREFIXES, KeptRecords
@@ -36,7 +37,7 @@ from ocxproxy.store.local.ledger import Ledger
 from ocxproxy.store.local.segment_files import LARGE
 from ocxproxy.store.local.segments import SegmentTable
 from ocxproxy.store.local.stats import StoreStats, register_gauges, stats_of
-from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES, STEP
+from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES
 from ocxproxy.store.output import split_output
 from ocxproxy.store.records import NEVER, Records
 from ocxproxy.store.resident import ResidentTier
@@ -46,7 +47,6 @@ __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 log = logging.getLogger("ocxproxy.store")
 
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
-SWEEP_DROPS = 64  # most expired records one step of the sweep drops
 
 
 def default_state_dir() -> Path:
@@ -98,6 +98,7 @@ class Store:
         self.items = self.index.items
         self.table = SegmentTable(self.resident, self.metrics, offload)
         self.kept = KeptRecords(self)  # conversations' and Idempotency-Keys' records
+        self.expiry = Expiry(self)  # expiry and the caps
         self.conversations: Conversations = LocalConversations(self)
         self.idempotency: IdempotencyKeys = LocalKeys(self)
         self._started = False
@@ -233,35 +234,7 @@ class Store:
         if missing:
             self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))
-        self._enforce_bounds()
-
-    # -- records kept for others (KeptRecords) --------------------------------------------
-
-    def keep(
-        self,
-        record_id: str,
-        scope: str,
-        chain: Sequence[Segment],
-        meta: bytes,
-        *,
-        created_at: float,
-        expires_at: float = NEVER,
-        durable: bool = True,
-        backend: str | None = None,
-        affinity_key: str | None = None,
-        force: bool = False,
-        ids: list[list[str]] | None = None,
-    ) -> Record:
-        """A record that is not a response (a conversation, a completed Idempotency-Key):
-        `KeptRecords.keep`."""
-        return self.kept.keep(
-            record_id, scope, chain, meta, created_at=created_at, expires_at=expires_at,
-            durable=durable, backend=backend, affinity_key=affinity_key, force=force, ids=ids,
-        )  # fmt: skip
-
-    def room_for(self, record_id: str, extra: int) -> bool:
-        """Can the pinned record grow by `extra` bytes: `KeptRecords.room_for`."""
-        return self.kept.room_for(record_id, extra)
+        self.expiry.enforce()
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -366,7 +339,7 @@ class Store:
         self.index.add(record)
         if durable and self._committer is not None:
             self._journal_put(record, parent)
-        self._enforce_bounds()
+        self.expiry.enforce()
         return record
 
     def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
@@ -381,29 +354,8 @@ class Store:
         return True
 
     async def sweep(self) -> int:
-        """Drop expired records; returns how many (not journaled: replay drops them too).
-
-        In steps, the event loop running between them: each looks at one chunk of the
-        index's order (at most records.CHUNK records) and drops at most SWEEP_DROPS of
-        them, fewer once it has worked upkeep.STEP (a long chain's record takes ~0.1 ms).
-        A lookup meanwhile already fails on an expired record (and drops it)."""
-        dropped = 0
-        for number in self.index.numbers():
-            expired = self.index.expired(number, self.clock())
-            expired.reverse()  # (taken from the end)
-            while True:
-                until = time.perf_counter() + STEP
-                for _ in range(min(SWEEP_DROPS, len(expired))):
-                    record = expired.pop()
-                    if self._records.get(record.id) is record:  # (not gone meanwhile)
-                        self._drop(record, FailureReason.EXPIRED, "expired", journaled=False)
-                        dropped += 1
-                    if time.perf_counter() >= until:
-                        break
-                await asyncio.sleep(0)
-                if not expired:
-                    break
-        return dropped
+        """Drop expired records; how many (`Expiry.sweep`)."""
+        return await self.expiry.sweep()
 
     def _journal_put(self, record: Record, parent: Record | None) -> None:
         assert self.ledger is not None
@@ -418,7 +370,7 @@ class Store:
             self.index.fail(record.id, failure)
 
     def settle(self) -> None:
-        self._enforce_bounds()
+        self.expiry.enforce()
 
     def _drop(
         self,
@@ -438,27 +390,10 @@ class Store:
             self.ledger.delete(record, journaled=journaled)
         self.table.release((*record.segments[shared:], record.response), durable=record.durable)
 
-    def _enforce_bounds(self) -> None:
-        while len(self.index) > self.max_entries:
-            victim = self.index.oldest_unpinned()
-            if victim is None:
-                break
-            self._drop(victim, FailureReason.EVICTED, "max_entries")
-        if self.resident.bytes > self.resident.max_bytes:  # (no call in the common case)
-            self.table.shed()
-
     # -- asked by the disk side --------------------------------------------------------
 
     def evict_for_disk(self, target: float) -> None:
-        """The oldest durable records go (journaled, like a delete) until the live segments
-        take `target` bytes of disk; pinned ones (conversations) never go for a cap."""
-        assert self.ledger is not None
-        queued = self.ledger.queued
-        for record in self.index.oldest():
-            if self.table.keydir.live_bytes <= target:
-                return
-            if record.durable and not queued(record.id) and record.expires_at < NEVER:
-                self._drop(record, FailureReason.EVICTED, "disk_bytes")
+        self.expiry.for_disk(target)
 
     def checkpoint_view(self) -> tuple[list[Record], set[str]]:
         assert self.ledger is not None
