@@ -20,7 +20,7 @@ from ocxproxy.cli import main
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.store.local import segment_files
+from ocxproxy.store.local import journal, segment_files
 from ocxproxy.store.local.segments import SegmentTable
 from tests.store.helpers import inline, journal_files, make_store, make_turn, sample
 
@@ -99,6 +99,54 @@ def test_small_segments_stay_in_the_journal(tmp_path: Path) -> None:
 
     asyncio.run(run())
     assert own_files(tmp_path) == {}
+
+
+async def test_a_large_segment_is_compressed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit with a large segment, which the fsync helper cannot write, is encoded
+    when its turn's own commit call tries to send it at once, then written by the
+    committer in a thread: with the encoding kept, each segment is compressed once, also
+    the turns' that joined it meanwhile (each of their commit calls tries again), and
+    those queued after it was encoded are encoded after it."""
+    compressed: list[int] = []
+    real = journal.compressor
+
+    class Counting:
+        def compress(self, data: bytes) -> bytes:
+            compressed.append(len(data))
+            return real().compress(data)
+
+    monkeypatch.setattr(journal, "compressor", Counting)
+    store = make_store(tmp_path, large_segment_bytes=LARGE, fsync_child=True)
+    await store.start()
+    big = store.put(make_turn("r1", noise(20_000, 3)), None)  # ~40 KB: encoded on the loop
+    turns = [make_turn(f"s{n}", f"small {n}") for n in range(3)]
+    small = [store.put(turn, None) for turn in turns[:2]]
+    # Each turn's commit call, run until it waits (as the proxy calls it, in the step that
+    # put the turn): each tries to send what is queued at once.
+    commits = [store.commit(record) for record in (big, *small)]
+    waited = [commit.send(None) for commit in commits]
+    small.append(store.put(turns[2], None))  # joins after the first entries were encoded
+    commits.append(store.commit(small[-1]))
+    waited.append(commits[-1].send(None))
+    await asyncio.wait(waited, timeout=10)
+    for commit in commits:
+        with pytest.raises(StopIteration):
+            commit.send(None)
+    segments = [big.segments[-1], big.response] + [
+        s for r in small for s in (r.segments[-1], r.response)
+    ]
+    assert sorted(compressed) == sorted(s.size for s in segments)  # once each
+    assert list(own_files(tmp_path)) == [big.segments[-1].key]
+    await store.close()
+    reopened = new_store(tmp_path)
+    await reopened.start()
+    assert await history_of(reopened, "r1") == await history_of(store, "r1")
+    for turn in turns:
+        assert await history_of(reopened, turn.response_id) == [turn.items]
+    await reopened.close()
+    assert reopened.check() == []
 
 
 def test_store_false_never_writes_one(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ began. The file's room grows ahead: once less than GROW_BELOW is left, a thread
 allocates and syncs the next PREALLOCATE bytes while commits go on (`Journal.grow`).
 Anything else (a large commit, one with a segment that gets its own file, a new file, room
 used up before it grew, no helper) waits until no commit is in flight and no growth is
-under way, then is encoded, written and synced in a thread.
+under way, then is encoded, written and synced in a thread (what a turn's own call
+encoded on the loop before finding it could not be sent is kept, not encoded again: a
+segment is compressed once).
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight). The room's growth
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.local.journal import PREALLOCATE, Journal
+from ocxproxy.store.local.journal import PREALLOCATE, Encoded, Journal
 from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
@@ -104,6 +106,10 @@ class Committer:
         self.oldest: float | None = None  # monotonic time of the oldest queued entry
         self._jobs: list[tuple[int, Any]] = []
         self._subjects: list[Any] = []
+        # The first entries of `_jobs`, encoded by `hurry` when they could not be sent at
+        # once (a segment that gets its own file, no room): how many, and their encoding,
+        # which the commit that takes them reuses (its segments are compressed once).
+        self._encoded: tuple[int, Encoded] | None = None
         self._future: asyncio.Future[OSError | None] | None = None
         self._inflight: asyncio.Future[OSError | None] | None = None
         self._waiters: dict[asyncio.Future[OSError | None], list[asyncio.Future[Any]]] = {}
@@ -170,11 +176,23 @@ class Committer:
             or self._stopping
             or self.io.locked()
             or self.queued_bytes > INLINE_BYTES
+            or self._encoded is not None  # tried: the committer's next pass writes it
         ):
             return
-        data, relative, own = self.journal.encode(self._jobs)
+        encoded = self._encode()
+        data, relative, own = encoded
         if not own and len(data) <= self.journal.room():  # else the committer writes it
             self._fly(child, *self._take(), data, relative)
+        else:
+            self._encoded = (len(self._jobs), encoded)
+
+    def _encode(self) -> Encoded:
+        """Everything queued, encoded on the loop (what `hurry` encoded before, reused)."""
+        done = self._encoded
+        if done is None:
+            return self.journal.encode(self._jobs)
+        n, encoded = done
+        return encoded if n == len(self._jobs) else self.journal.encode(self._jobs[n:], encoded)
 
     def waiter(self, future: asyncio.Future[OSError | None]) -> asyncio.Future[OSError | None]:
         """A future of one turn's own, resolved with the commit `future` stands for. Unlike
@@ -227,11 +245,13 @@ class Committer:
             if not self._jobs:
                 return None
             raw = self.queued_bytes
-            outcome, future = self._take()
             journal, child = self.journal, self.child
             encoded = None
             if child is not None and raw <= INLINE_BYTES:
-                encoded = journal.encode(outcome.jobs)
+                encoded = self._encode()
+            done = self._encoded
+            outcome, future = self._take()
+            if child is not None and encoded is not None:
                 data, relative, own = encoded
                 if not own and len(data) <= journal.room():
                     self._fly(child, outcome, future, data, relative)
@@ -241,6 +261,9 @@ class Committer:
             try:
                 if encoded is not None:
                     outcome.places = await self.offload(journal.write, *encoded)
+                elif done is not None:  # the rest encoded in the thread, after `hurry`'s
+                    n, first = done
+                    outcome.places = await self.offload(journal.append, outcome.jobs[n:], first)
                 else:
                     outcome.places = await self.offload(journal.append, outcome.jobs)
             except OSError as exc:
@@ -256,6 +279,7 @@ class Committer:
         outcome, future = Outcome(self._jobs, self._subjects), self._future
         assert future is not None
         self._jobs, self._subjects, self._future = [], [], None
+        self._encoded = None
         self.queued_bytes, self.oldest = 0, None
         self._inflight = future
         return outcome, future

@@ -221,12 +221,13 @@ class Journal:
 
     # -- the write side (the committer's) -----------------------------------------------
 
-    def encode(self, jobs: Sequence[tuple[int, Any]]) -> Encoded:
-        return encode(jobs, self.large)
+    def encode(self, jobs: Sequence[tuple[int, Any]], after: Encoded | None = None) -> Encoded:
+        return encode(jobs, self.large, after)
 
-    def append(self, jobs: Sequence[tuple[int, Any]]) -> list[Any]:
-        """encode() and write() one commit (blocking: the committer's thread)."""
-        return self.write(*self.encode(jobs))
+    def append(self, jobs: Sequence[tuple[int, Any]], after: Encoded | None = None) -> list[Any]:
+        """encode() (after the commit's first entries, already encoded) and write() one
+        commit (blocking: the committer's thread)."""
+        return self.write(*self.encode(jobs, after))
 
     def write(
         self, data: bytes, relative: Sequence[Any], blobs: Sequence[tuple[str, bytes]] = ()
@@ -406,18 +407,26 @@ class Journal:
 Encoded = tuple[bytes, list[Any], list[tuple[str, bytes]]]
 
 
-def encode(jobs: Sequence[tuple[int, Any]], large: int = LARGE) -> Encoded:
+def encode(
+    jobs: Sequence[tuple[int, Any]], large: int = LARGE, after: Encoded | None = None
+) -> Encoded:
     """Frame one commit's entries, compressing a SEG's data when it has no blob yet.
 
     A job is (SEG, (row, data or None, blob or None)), (PUT, bytes), (DEL, bytes) or
     (NOP, b""). Returns the bytes; per job, (offset in them, length) of a SEG's blob,
     (-1, length) of one that goes to its own file (`large` compressed bytes or more),
-    else None; and the (key, blob) of those files.
+    else None; and the (key, blob) of those files. With `after` (the encoding of the
+    commit's first entries), `jobs` are the entries that follow them, and the result
+    is the whole commit's: nothing is compressed twice.
     """
     chunks: list[bytes] = []
     places: list[Any] = []
     own: list[tuple[str, bytes]] = []
-    at = 0
+    if after is not None:
+        chunks.append(after[0])
+        places += after[1]
+        own += after[2]
+    at = len(chunks[0]) if chunks else 0
     for kind, job in jobs:
         if kind == SEG:
             row, data, blob = job
