@@ -562,7 +562,8 @@ class Metrics:
         )
         self.background_lost = Counter(
             "ocxproxy_background_lost_total",
-            "Background responses found unfinished at start (their process died): failed",
+            "Background responses whose process died unfinished (found at start, or their "
+            "replica's lease lapsed): failed",
         )
         self.background_log_bytes = Gauge(
             "ocxproxy_background_log_bytes", "Bytes of background event logs kept"

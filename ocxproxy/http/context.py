@@ -19,7 +19,7 @@ from ocxproxy.continuation.window import TokenBook
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
 from ocxproxy.metrics import Metrics, Timing
-from ocxproxy.store import Backgrounds, LocalBackgrounds, StoreInterface
+from ocxproxy.store import Backgrounds, StoreInterface
 from ocxproxy.upstream.kvsave import KvSaves
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
@@ -105,12 +105,7 @@ class Proxy:
         # silent for longer than the backend's read timeout is failing anyway.
         self.leases = Leases(self.config.read_timeout)
         config = self.config
-        self.backgrounds = LocalBackgrounds(
-            self.metrics,
-            state_dir=self.store.state_dir if config.shared_store is None else None,
-            log_bytes=config.background_log_bytes,
-            ttl=config.ttl,
-        )
+        self.backgrounds = self.store.backgrounds(config)
         limit = config.max_background
         self.background_runs = BackgroundRuns(asyncio.Semaphore(limit) if limit else None)
 

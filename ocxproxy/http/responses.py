@@ -169,16 +169,16 @@ def _not_found(response_id: str) -> NotFound:
     return NotFound(f"Response with id '{response_id}' not found.")
 
 
-def _job(proxy: Proxy, request: web.Request) -> Job | None:
+async def _job(proxy: Proxy, request: web.Request) -> Job | None:
     """The caller's background response of that id, while it is kept as one."""
-    return proxy.backgrounds.get(scope_of(request.headers), request.match_info["response_id"])
+    return await proxy.backgrounds.get(scope_of(request.headers), request.match_info["response_id"])
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     if _truthy(request.query.get("stream")):
         return await _stream_again(proxy, request)
-    job = _job(proxy, request)
+    job = await _job(proxy, request)
     if job is not None and not job.terminal:
         return web.Response(body=job.response, content_type="application/json")
     try:  # an ended one the store keeps is the store's, as any (one lost by a restart too)
@@ -214,7 +214,7 @@ async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamRespons
             raise InvalidRequest(
                 "Invalid 'starting_after': expected an integer.", param="starting_after"
             ) from None
-    job = _job(proxy, request)
+    job = await _job(proxy, request)
     if job is None or not job.stream:
         if job is None:
             await _lookup(proxy, request)  # an unknown id is a 404
@@ -240,7 +240,7 @@ async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamRespons
 async def delete_response(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     response_id = request.match_info["response_id"]
-    job = _job(proxy, request)
+    job = await _job(proxy, request)
     if job is not None:  # a queued or running one is cancelled, then deleted
         await background.delete(proxy, job)
     deleted = await proxy.store.delete(scope_of(request.headers), response_id)
@@ -264,7 +264,7 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
     a running one is cancelled, an ended one answered as it is (CONTRACT.md C11); any
     other stored response is a 400, and an unknown id a 404."""
     proxy = proxy_of(request)
-    job = _job(proxy, request)
+    job = await _job(proxy, request)
     if job is not None:
         body = await background.cancel(proxy, job)
         return web.Response(body=body, content_type="application/json")
@@ -283,7 +283,7 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
 async def list_input_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     query = parse_list_query(request.query, includes_of(request.query))
-    job = _job(proxy, request)
+    job = await _job(proxy, request)
     try:
         running = await background.inputs(proxy, job) if job is not None else None
     except StoreFailure:  # (the chain it continues is gone meanwhile)

@@ -89,7 +89,9 @@ class Backgrounds(Protocol):
     def open(self, job: Job) -> None:
         """A new background response (queued)."""
 
-    def get(self, scope: str, response_id: str) -> Job | None: ...
+    async def get(self, scope: str, response_id: str) -> Job | None:
+        """The caller's background response (its log, when kept, to follow)."""
+        ...
 
     def append(self, job: Job, event: bytes) -> None:
         """An event of `job`'s stream (its sequence_number is the log's length)."""

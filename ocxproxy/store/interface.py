@@ -13,7 +13,7 @@ Sections, in the order a turn uses them:
   delete, wait_for_room, sweep (expiry);
 - conversations and their lock (a lease): `conversations`; Idempotency-Keys:
   `idempotency`;
-- background turns' status and event log (marked below).
+- background turns' status and event log: `backgrounds`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+from ocxproxy.config import Config
 from ocxproxy.continuation.locks import Leases
 from ocxproxy.model import Record, Turn
+from ocxproxy.store.background import Backgrounds
 from ocxproxy.store.conversations import Conversation
 from ocxproxy.store.idempotency import Key
 
@@ -211,7 +213,11 @@ class StoreInterface(Protocol):
     # -- conversations and their lock: `conversations`; idempotency keys: `idempotency` --
 
     # -- background turns: status and event log ------------------------------------------
-    # (Reserved: store/background.py's `Backgrounds` (a response's status and the
-    # append-only log of its events; local/background.py on one node) is held by the
-    # HTTP layer's `Proxy` for now; it is named here, beside the responses it belongs
-    # to, once each store provides its own.)
+
+    def backgrounds(self, config: Config) -> Backgrounds:
+        """The bookkeeping of background responses on this store (store/background.py's
+        `Backgrounds`: each one's status and the append-only log of its events), made
+        once per proxy: on one node local/background.py's (memory, journaled in the state
+        dir), on the shared tier shared/background.py's (on the server, readable from
+        every replica, the runner holding a lease)."""
+        ...

@@ -77,7 +77,7 @@ class LocalBackgrounds:
             job.log = EventLog()
         self._journal(job, job.response)
 
-    def get(self, scope: str, response_id: str) -> Job | None:
+    async def get(self, scope: str, response_id: str) -> Job | None:
         return self.jobs.get((scope, response_id))
 
     def append(self, job: Job, event: bytes) -> None:

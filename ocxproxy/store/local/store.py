@@ -25,6 +25,7 @@ from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
+from ocxproxy.store.local.background import LocalBackgrounds
 from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.committer import Committer, Offload
 from ocxproxy.store.local.conversations import LocalConversations
@@ -189,6 +190,13 @@ class Store:
     async def abandon(self) -> None:
         """Stop without writing anything more, as a crash would (for tests)."""
         await self._shutdown(drain=False)
+
+    def backgrounds(self, config: Config) -> LocalBackgrounds:
+        """Background responses' bookkeeping, journaled in this store's state dir."""
+        return LocalBackgrounds(
+            self.metrics, state_dir=self.state_dir, log_bytes=config.background_log_bytes,
+            ttl=self.ttl,
+        )  # fmt: skip
 
     async def _shutdown(self, *, drain: bool) -> None:
         if self.disk is not None:

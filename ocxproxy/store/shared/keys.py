@@ -16,6 +16,9 @@ set), so one credential's keys never answer another's; then a kind and a name:
                             for records expiring in the bucket's span; the hash expires
                             at the span's end (one key per span, not per item)
     d                       the scope's index buckets (a sorted set of ends), newest first
+    b + response id         a background response: a hash (status, the latest Response,
+                            stream, owner: the token of the replica running it, id, scope)
+    b + response id + \\0   its event log: a list, one event's SSE bytes per sequence_number
 
 Conversations, their lease and Idempotency-Keys are named in text, under the prefix and
 the scope as text (a conversation never expires, so these names stay what servers
@@ -31,7 +34,12 @@ already hold):
 The byte budget's bookkeeping (no content) is a reserved scope of length 0,
 `{prefix}{LAYOUT}\\0` + chains, bytes, total (response chains), kept, keptbytes,
 kepttotal (what is kept: conversations, completed keys); the replicas' compaction key
-fingerprint is `{prefix}compaction-key`, a setting that never expires.
+fingerprint is `{prefix}compaction-key`, a setting that never expires. Background
+responses' bookkeeping is there too (background_keys): `bgrunning`, a sorted set of the
+queued and running ones' keys by the end of their owner's lease (ms, the server's clock);
+`bglogs`, the ended ones' event logs by end; `bglogsizes`, each log's bytes; `bglogtotal`,
+their total; and `bg`, the pub/sub channel that tells every replica a log grew or a
+response is to be cancelled.
 """
 
 from __future__ import annotations
@@ -69,6 +77,9 @@ class Keys:
 
     def buckets(self) -> bytes:
         return self.base + b"d"
+
+    def background(self, response_id: str) -> bytes:
+        return self.base + b"b" + response_id.encode()
 
     # -- conversations and Idempotency-Keys (text) ----------------------------------------
 
@@ -143,3 +154,21 @@ def kept_keys(prefix: str) -> list[bytes]:
 def compaction_key_name(prefix: str) -> str:
     """Where the replicas' compaction key fingerprint is kept: a setting, never expired."""
     return prefix + "compaction-key"
+
+
+def background_log(job: bytes) -> bytes:
+    """The event log of the background response whose key is `job`."""
+    return job + b"\0"
+
+
+def background_keys(prefix: str) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """Background bookkeeping: the running ones by lease end, the ended logs by end, the
+    logs' bytes, their total; and the channel."""
+    base = prefix.encode() + LAYOUT + b"\0"
+    return (
+        base + b"bgrunning",
+        base + b"bglogs",
+        base + b"bglogsizes",
+        base + b"bglogtotal",
+        base + b"bg",
+    )

@@ -40,7 +40,8 @@ from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.store import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
 from ocxproxy.store.resident import ResidentTier
-from ocxproxy.store.shared import conversation_scripts, layout
+from ocxproxy.store.shared import background_scripts, conversation_scripts, layout
+from ocxproxy.store.shared.background import SharedBackgrounds
 from ocxproxy.store.shared.chains import Chains, Newest
 from ocxproxy.store.shared.checks import SharedStoreRefused
 from ocxproxy.store.shared.conversation_store import ServerConversations
@@ -62,6 +63,7 @@ __all__ = ["SharedStore"]
 log = logging.getLogger("ocxproxy.store.shared")
 
 register_scripts(conversation_scripts.SCRIPTS)
+register_scripts(background_scripts.SCRIPTS)
 
 START_TIMEOUT = 10.0  # how long start() waits for the server before giving up
 _STAGED = 10_000
@@ -169,6 +171,13 @@ class SharedStore:
         await self.local.close()
 
     abandon = close  # nothing is queued: a crash and a close leave the server alike
+
+    def backgrounds(self, config: Config) -> SharedBackgrounds:
+        """Background responses on the server, readable from every replica."""
+        return SharedBackgrounds(
+            self.server, self.url, self.prefix, self.metrics,
+            log_bytes=config.background_log_bytes, ttl=self.ttl,
+        )  # fmt: skip
 
     # -- lookups -------------------------------------------------------------------------
 

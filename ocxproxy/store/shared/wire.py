@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import hiredis
 import redis.asyncio as aioredis
@@ -127,17 +128,21 @@ class Wire(asyncio.Protocol):
             self._transport.abort()
 
 
-async def open_wire(url: str) -> Wire:
-    """A connection to the server at `url`, authenticated, on its db."""
+W = TypeVar("W", bound=Wire)
+
+
+async def open_wire(url: str, protocol: Callable[[], W] = Wire) -> W:  # type: ignore[assignment]
+    """A connection to the server at `url`, authenticated, on its db (`protocol`: a Wire,
+    or a subclass that reads more than answers: background.py's subscriber)."""
     pool = aioredis.ConnectionPool.from_url(url)  # redis-py's reading of the URL
     conn: Any = pool.connection_class(**pool.connection_kwargs)  # not connected: settings
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(CONNECT_TIMEOUT):
         if getattr(conn, "path", None):  # unix://
-            _, wire = await loop.create_unix_connection(Wire, conn.path)
+            _, wire = await loop.create_unix_connection(protocol, conn.path)
         else:
             ssl_context = conn.ssl_context.get() if hasattr(conn, "ssl_context") else None
-            _, wire = await loop.create_connection(Wire, conn.host, conn.port, ssl=ssl_context)
+            _, wire = await loop.create_connection(protocol, conn.host, conn.port, ssl=ssl_context)
         try:
             if conn.password:
                 user = [conn.username] if conn.username else []

@@ -1,0 +1,500 @@
+"""Background responses' bookkeeping on the shared store (store/background.py's
+`Backgrounds`), so that every replica polls, resumes and cancels any of them.
+
+A background response is a hash on the server (keys.py's `Keys.background`: status, the
+latest Response, stream, owner) and, for `stream: true`, a list of its events' SSE bytes
+(index = sequence_number). The replica that runs it writes both through one script
+(background_scripts.WRITE) in order: each response's changes since its last write go in
+one round trip, a terminal status with its terminal event, and every write publishes a
+wake on the tier's channel. A replica that follows a stream it does not run reads the
+list from where it is (`RemoteLog`), woken by the channel (or every POLL seconds, should a
+message be lost), so a resume on any replica is the same log, gap-free, to its end. The
+replica running a response follows it from memory (its own `EventLog`).
+
+The runner holds a lease: the response's key in `bgrunning`, scored by the lease's end
+(LEASE seconds on the server's clock, renewed every RENEW_EVERY seconds and by every
+write). Every replica claims, every RENEW_EVERY seconds, the responses whose lease ended
+(their owner was killed, or lost the server) and fails them (`background_lost`): an owner
+dead at kill -9 leaves its responses `failed` within LEASE + RENEW_EVERY seconds. An
+owner that finds its lease gone, or its response cancelled by another replica (the
+channel tells it at once, the renewal within RENEW_EVERY), stops the run.
+
+Logs are kept LOG_KEPT seconds after the end, within --background-log-bytes (the oldest
+ended log goes first); a response the store keeps (completed, incomplete) for as long as
+its log, a failed or cancelled one for --ttl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.errors import OcxError, StorageUnavailable, StoreFailure
+from ocxproxy.metrics import Metrics
+from ocxproxy.store.background import (
+    IN_PROGRESS,
+    LOG_KEPT,
+    QUEUED,
+    STORED,
+    TERMINAL,
+    EventLog,
+    Job,
+    lost_response,
+)
+from ocxproxy.store.shared.background_scripts import SHAS
+from ocxproxy.store.shared.keys import ScopeKeys, background_keys, background_log
+from ocxproxy.store.shared.server import UNAVAILABLE, Server
+from ocxproxy.store.shared.wire import ReplyError, Wire, open_wire, pack
+
+log = logging.getLogger("ocxproxy.background")
+
+LEASE = 5.0  # seconds a replica's hold on a response it runs outlives its last renewal
+RENEW_EVERY = 1.0  # seconds between renewals (and between claims of lapsed leases)
+POLL = 1.0  # seconds a follower waits for a wake before it reads the log anyway
+RETRY = 0.5  # seconds before a write the server refused is tried again
+_CLAIMS = 16  # lapsed responses a replica claims per round
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """A response's changes not written yet."""
+
+    job: Job
+    mode: str  # 'open', 'own' or 'cancel'
+    start: int = 0  # the sequence number of the first event
+    events: list[bytes] = field(default_factory=list)
+    status: str = ""
+    response: bytes = b""
+    drop: bool = False  # then the response is deleted
+
+    def merge(self, later: _Pending) -> None:
+        if not self.events:
+            self.start = later.start
+        self.events += later.events
+        if later.status:
+            self.status, self.response = later.status, later.response or self.response
+        self.drop = self.drop or later.drop
+
+
+class SharedBackgrounds:
+    """Background bookkeeping on the shared server; the responses this replica runs also in
+    memory (`jobs`), until their terminal write is in."""
+
+    def __init__(
+        self, server: Server, url: str, prefix: str, metrics: Metrics, *, log_bytes: int,
+        ttl: float,
+    ) -> None:  # fmt: skip
+        self.server, self.url, self.metrics = server, url, metrics
+        self.keys = ScopeKeys(prefix)
+        self.running_key, self.ended_key, self.sizes_key, self.total_key, self.channel = (
+            background_keys(prefix)
+        )
+        self.log_bytes, self.ttl = log_bytes, ttl
+        self.token = secrets.token_hex(16)  # this replica, as the owner of what it runs
+        self.jobs: dict[bytes, Job] = {}  # the ones it runs, by key
+        self.log_size = 0  # the server's total of logs' bytes, as the last write saw it
+        self._pending: dict[bytes, _Pending] = {}
+        self._queued = 0  # changes queued so far
+        self._written = 0  # of them, written (or refused for good)
+        self._failed = 0  # of them, up to which a write failed (commit raises)
+        self._flushed: asyncio.Event | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._watchers: dict[bytes, set[asyncio.Event]] = {}
+        ref = weakref.ref(self)  # the gauges must not make a cycle of it
+
+        def count(status: str) -> Callable[[], float]:
+            return lambda: float(b._count(status)) if (b := ref()) is not None else 0.0
+
+        for status in (QUEUED, IN_PROGRESS):
+            metrics.background_jobs.labels(status=status).set_function(count(status))
+        metrics.background_log_bytes.set_function(
+            lambda: float(b.log_size) if (b := ref()) is not None else 0.0
+        )
+
+    def _count(self, status: str) -> int:
+        return sum(1 for job in self.jobs.values() if job.status == status)
+
+    # -- the Backgrounds interface -------------------------------------------------------
+
+    def open(self, job: Job) -> None:
+        key = self.keys(job.scope).background(job.id)
+        self.jobs[key] = job
+        if job.stream:
+            job.log = EventLog()
+        self._queue(key, _Pending(job, "open", status=job.status, response=job.response))
+
+    async def get(self, scope: str, response_id: str) -> Job | None:
+        key = self.keys(scope).background(response_id)
+        job = self.jobs.get(key)
+        if job is not None:
+            return job
+        packed = pack("HMGET", key, "status", "response", "stream") + pack(
+            "EXISTS", background_log(key)
+        )
+        fields, exists = await self._read("background_get", packed, 2)
+        status, response, stream = fields
+        if status is None:
+            return None
+        job = Job(response_id, scope, status.decode(), response or b"{}", stream == b"1")
+        if job.stream and exists:
+            job.log = RemoteLog(self, key)
+        return job
+
+    def append(self, job: Job, event: bytes) -> None:
+        if job.log is None:
+            return
+        key = self.keys(job.scope).background(job.id)
+        if isinstance(job.log, RemoteLog):  # another replica's (a cancel's last event)
+            self._queue(key, _Pending(job, "cancel", -1, [event]))  # numbered there
+            return
+        job.log.append(event)
+        self._queue(key, _Pending(job, "own", len(job.log.events) - 1, [event]))
+
+    def drop(self, job: Job) -> None:
+        key = self.keys(job.scope).background(job.id)
+        if self.jobs.get(key) is job:
+            del self.jobs[key]
+        if job.log is not None:
+            job.log.close()
+            job.log = None
+        self._queue(key, _Pending(job, "own", drop=True))
+
+    def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
+        if job.terminal:
+            return
+        key = self.keys(job.scope).background(job.id)
+        mine = self.jobs.get(key) is job
+        job.status = status
+        if response is not None:
+            job.response = response
+        if status in TERMINAL:
+            self._ended(job)
+            self.metrics.background_finished.labels(status=status).inc()
+        # Another replica's response (a cancel): written if it has not ended meanwhile.
+        mode = "own" if mine else "cancel"
+        self._queue(key, _Pending(job, mode, status=status, response=response or b""))
+
+    async def commit(self) -> None:
+        """Until every change queued so far is on the server; StorageUnavailable when the
+        server refused it (it is tried again, and the lease lapses if it never is)."""
+        target = self._queued
+        while self._written < target:
+            if self._failed >= target:
+                raise StorageUnavailable(UNAVAILABLE)
+            if self._flushed is None:
+                self._flushed = asyncio.Event()
+            flushed = self._flushed
+            self._kick()
+            await flushed.wait()
+
+    async def load(self) -> None:
+        """Start renewing this replica's leases, claiming lapsed ones, and listening."""
+        self._ticker = spawn(self._tick(), name="background-leases")
+        self._listener = spawn(self._listen(), name="background-channel")
+
+    async def close(self) -> None:
+        with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
+            async with asyncio.timeout(2.0):
+                await self.commit()
+        for task in (self._ticker, self._listener, self._writer):
+            if task is not None:
+                await cancel_and_wait(task)
+        self._ticker = self._listener = self._writer = None
+
+    def running(self) -> list[asyncio.Task[Any]]:
+        return [job.task for job in self.jobs.values() if job.task is not None]
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def _ended(self, job: Job) -> None:
+        job.ended = time.time()
+        job.task = None
+        if job.log is not None:
+            job.log.close()
+
+    def _queue(self, key: bytes, change: _Pending) -> None:
+        pending = self._pending.get(key)
+        if pending is None:
+            self._pending[key] = change
+        else:
+            pending.merge(change)
+        self._queued += 1
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = spawn(self._write(), name="background-writer")
+
+    async def _write(self) -> None:
+        """Write what is pending, each response's changes in one script, all of them in one
+        round trip; again while more came meanwhile."""
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            target = self._queued
+            results = await asyncio.gather(
+                *(self._write_one(key, change) for key, change in batch.items()),
+                return_exceptions=True,
+            )
+            failed = False
+            for (key, change), result in zip(batch.items(), results, strict=True):
+                if isinstance(result, BaseException):
+                    failed = True
+                    later = self._pending.get(key)
+                    if later is not None:  # (kept in order: the failed ones first)
+                        change.merge(later)
+                    self._pending[key] = change
+            if failed:
+                self._failed = target
+            else:
+                self._written = target
+            flushed, self._flushed = self._flushed, None
+            if flushed is not None:
+                flushed.set()
+            if failed:
+                await asyncio.sleep(RETRY)
+
+    async def _write_one(self, key: bytes, change: _Pending) -> None:
+        if change.events or change.status:
+            await self._write_changes(key, change)
+        if change.drop:
+            keys = (key, self.running_key, self.ended_key, self.sizes_key, self.total_key)
+            sha = SHAS["background_drop"]
+            await self.server.write(
+                "background_drop", lambda: ("EVALSHA", sha, len(keys), *keys, self.channel)
+            )
+
+    async def _write_changes(self, key: bytes, change: _Pending) -> None:
+        job = change.job
+        kept = LOG_KEPT if change.status in STORED else self.ttl
+        keys = (key, self.running_key, self.ended_key, self.sizes_key, self.total_key)
+        args = (
+            change.mode, self.token, change.start, change.status, change.response,
+            int(LEASE * 1000), int(LOG_KEPT * 1000), int(kept * 1000), self.log_bytes,
+            self.channel, job.id, job.scope, "1" if job.stream else "0", *change.events,
+        )  # fmt: skip
+        sha = SHAS["background_write"]
+        answer = await self.server.write(
+            "background_write", lambda: ("EVALSHA", sha, len(keys), *keys, *args)
+        )
+        if answer[0] == b"ok":
+            self.log_size = int(answer[1])
+            if job.terminal and self.jobs.get(key) is job:
+                del self.jobs[key]
+            return
+        # Refused: it ended (a cancel from another replica), or its lease went elsewhere.
+        if answer[0] == b"ended":
+            self._settle(key, job, answer[1].decode(), answer[2])
+        else:
+            self._settle(key, job, "failed", lost_response(job.response))
+
+    def _settle(self, key: bytes, job: Job, status: str, response: bytes) -> None:
+        """What the server says of a response this replica thought it ran: so it is, and
+        its run (if any) stops."""
+        task = job.task
+        if status in TERMINAL and not job.terminal:
+            job.status, job.response = status, response
+            if job.log is not None and not job.log.closed:  # (its followers here: the end)
+                job.log.append(_terminal_event(status, len(job.log.events), response))
+            self._ended(job)
+        if self.jobs.get(key) is job:
+            del self.jobs[key]
+        if task is not None and not task.done():
+            job.cancelling = status == "cancelled"
+            task.cancel()
+
+    # -- leases ----------------------------------------------------------------------------
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_EVERY)
+            with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
+                await self._renew()
+            with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
+                await self._claim()
+
+    async def _renew(self) -> None:
+        keys = list(self.jobs)
+        if not keys:
+            return
+        sha = SHAS["background_renew"]
+        args = (self.token, int(LEASE * 1000), *keys)
+        refused = await self.server.write(
+            "background_renew", lambda: ("EVALSHA", sha, 1, self.running_key, *args)
+        )
+        for key, status, response in refused:
+            job = self.jobs.get(key)
+            if job is None or (status == b"" and job.terminal):
+                continue
+            if status.decode() in TERMINAL:
+                self._settle(key, job, status.decode(), response)
+            else:
+                self._settle(key, job, "failed", lost_response(job.response))
+
+    async def _claim(self) -> None:
+        """Fail the responses whose owner's lease lapsed."""
+        sha = SHAS["background_claim"]
+        args = (self.token, int(LEASE * 1000), _CLAIMS)
+        claimed = await self.server.write(
+            "background_claim", lambda: ("EVALSHA", sha, 1, self.running_key, *args)
+        )
+        for key, response_id, scope, status, response, stream, length in claimed:
+            job = Job(response_id.decode(), scope.decode(), status.decode(), response or b"{}",
+                      stream == b"1")  # fmt: skip
+            lost = lost_response(job.response)
+            events = [_terminal_event("failed", int(length), lost)] if job.stream else []
+            job.status, job.response = "failed", lost
+            self._queue(key, _Pending(job, "own", int(length), events, "failed", lost))
+            log.warning("background response %s: its replica's lease lapsed: failed", job.id)
+            self.metrics.background_lost.inc()
+            self.metrics.background_finished.labels(status="failed").inc()
+        if claimed:
+            await self.commit()
+
+    # -- the channel: wakes for followers, cancels for owners -------------------------------
+
+    async def _listen(self) -> None:
+        """Subscribed to the channel, again after a lost connection."""
+        while True:
+            subscriber: _Subscriber | None = None
+            try:
+                subscriber = await open_wire(self.url, lambda: _Subscriber(self._heard))
+                await subscriber.ask("SUBSCRIBE", self.channel)
+                await subscriber.closed
+            except (OSError, ReplyError, TimeoutError) as exc:
+                log.debug("background channel: %s", exc)
+            finally:
+                if subscriber is not None:
+                    subscriber.close()
+            for watchers in self._watchers.values():  # (what was missed meanwhile: read)
+                for watcher in watchers:
+                    watcher.set()
+            await asyncio.sleep(POLL)
+
+    def _heard(self, message: bytes) -> None:
+        kind, key = message[:1], message[1:]
+        if kind == b"e":
+            for watcher in self._watchers.get(key, ()):
+                watcher.set()
+        elif kind == b"c" and (job := self.jobs.get(key)) is not None:
+            # Cancelled by another replica (which wrote it): the run stops here at once.
+            response = loads_or_none(job.response)
+            if type(response) is dict:
+                response["status"] = "cancelled"
+            self._settle(key, job, "cancelled", orjson.dumps(response or {}))
+
+    async def _read(self, op: str, packed: bytes, answers: int) -> list[Any]:
+        replies = await self.server.round_trip(op, packed, answers)
+        for reply in replies:
+            if isinstance(reply, ReplyError):
+                raise StorageUnavailable(UNAVAILABLE)
+        return replies
+
+    async def read_log(self, remote: RemoteLog) -> None:
+        """What a followed log has gained, and whether it is complete (the status read
+        before the events: a terminal one's last event is in by then)."""
+        packed = pack("HGET", remote.key, "status") + pack(
+            "LRANGE", background_log(remote.key), len(remote.events), -1
+        )
+        status, events = await self._read("background_read", packed, 2)
+        for event in events:
+            remote.append(event)
+        if status is None or status.decode() in TERMINAL:
+            remote.close()
+
+    @contextlib.contextmanager
+    def watching(self, key: bytes, woken: asyncio.Event) -> Any:
+        self._watchers.setdefault(key, set()).add(woken)
+        try:
+            yield
+        finally:
+            watchers = self._watchers.get(key)
+            if watchers is not None:
+                watchers.discard(woken)
+                if not watchers:
+                    del self._watchers[key]
+
+
+class RemoteLog(EventLog):
+    """A background response's log as another replica writes it: read from the server."""
+
+    __slots__ = ("book", "key", "read")
+
+    def __init__(self, book: SharedBackgrounds, key: bytes) -> None:
+        super().__init__()
+        self.book, self.key = book, key
+        self.read = False
+
+    async def changed(self) -> None:
+        """Until the log has more events or is complete."""
+        woken = asyncio.Event()
+        with self.book.watching(self.key, woken):
+            while True:
+                had = len(self.events)
+                if self.read:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(woken.wait(), POLL)
+                    woken.clear()
+                self.read = True
+                await self.book.read_log(self)
+                if len(self.events) > had or self.closed:
+                    return
+
+
+class _Subscriber(Wire):
+    """The channel's connection: published messages go to `heard`, other answers (AUTH,
+    SELECT, SUBSCRIBE's) to their callers; `closed` is done when the connection is lost."""
+
+    def __init__(self, heard: Callable[[bytes], None]) -> None:
+        super().__init__()
+        self.heard = heard
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        parser = self._parser
+        parser.feed(data)
+        try:
+            while (reply := parser.gets()) is not False:
+                if type(reply) is list and len(reply) == 3 and reply[0] == b"message":
+                    self.heard(reply[2])
+                elif self._waiting:
+                    future = self._waiting.popleft()
+                    if not future.done():
+                        future.set_result(reply)
+        except Exception as exc:  # garbage from the server: a new connection
+            self.close(ConnectionError(f"background channel: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+def _terminal_event(status: str, sequence_number: int, response: bytes) -> bytes:
+    """The SSE event that ends a log the proxy ended (`response.failed` of a lost one,
+    `response.cancelled`)."""
+    kind = "response." + status
+    payload = {
+        "type": kind,
+        "sequence_number": sequence_number,
+        "response": orjson.Fragment(response),
+    }
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def loads_or_none(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None

@@ -1,0 +1,182 @@
+"""Background responses on the shared store (CONTRACT.md C11), three proxies in this process
+on one real Valkey in front of the fake backend, driven by the openai SDK: created on one,
+polled, resumed and cancelled on the others; the event log and the status are the
+server's, so any replica streams the same events, gap-free, to the end of a turn another
+replica runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from ocxproxy.aio import spawn
+from ocxproxy.store.shared.keys import background_keys
+from tests.conftest import MakeProxy, ProxyHandle
+from tests.fakes.backend import FakeBackend
+from tests.http.test_background import until_ended
+from tests.shared.servers import KvServer
+
+
+async def replicas(
+    make_proxy: MakeProxy, backend: FakeBackend, url: str, n: int = 3, **config: Any
+) -> list[ProxyHandle]:
+    return [
+        await make_proxy(backend.url, shared_store=url, state_dir=None, **config) for _ in range(n)
+    ]
+
+
+def numbers(events: list[Any]) -> list[int]:
+    return [event.sequence_number for event in events]
+
+
+async def test_created_on_one_polled_on_another_finishes_there(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend(delay=0.3) as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        created = await a.client().responses.create(model="m", input="slow", background=True)
+        assert created.status == "queued" and created.background is True
+        polled = await b.client().responses.retrieve(created.id)
+        assert polled.status in ("queued", "in_progress") and polled.id == created.id
+        done = await until_ended(c.client(), created.id)
+        assert done.status == "completed" and done.output_text == "echo#1: slow"
+        assert len(backend.responses_seen) == 1
+        # Finished, it is a stored response on every replica: continue it on another.
+        more = await b.client().responses.create(
+            model="m", input="more", previous_response_id=created.id
+        )
+        assert more.output_text == "echo#3: more"  # (the backend got all three items)
+        # Another credential sees nothing of it.
+        with pytest.raises(openai.NotFoundError):
+            await c.client(api_key="sk-other").responses.retrieve(created.id)
+
+
+async def test_a_stream_cut_on_one_resumes_on_another_while_it_runs(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend(delay=0.2) as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        stream = await a.client().responses.create(
+            model="m", input="stream me across", background=True, stream=True
+        )
+        first: list[Any] = []
+        async for event in stream:
+            first.append(event)
+            if len(first) == 3:
+                break
+        await stream.close()
+        assert numbers(first) == [0, 1, 2]
+        response_id = first[0].response.id
+        # On b, from after 2, while a still runs it: the rest, live, to the terminal event.
+        rest = [
+            event
+            async for event in await b.client().responses.retrieve(
+                response_id, stream=True, starting_after=2
+            )
+        ]
+        assert numbers(rest) == list(range(3, 3 + len(rest)))
+        assert rest[-1].type == "response.completed"
+        assert rest[-1].response.output_text == "echo#1: stream me across"
+        # On c, the whole log: the same events, from 0.
+        replay = [e async for e in await c.client().responses.retrieve(response_id, stream=True)]
+        assert [e.model_dump() for e in replay] == [e.model_dump() for e in first + rest]
+        async with c.client().responses.stream(response_id=response_id, starting_after=4) as h:
+            tail = [event async for event in h]
+            final = await h.get_final_response()
+        assert numbers(tail) == numbers(replay)[5:]
+        assert final.output_text == "echo#1: stream me across"
+        assert b.metric("ocxproxy_background_resumes_total") == 1
+
+
+async def test_a_cancel_on_another_replica_stops_the_owners_backend_request(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        backend.stall_next(60)
+        created = await a.client().responses.create(model="m", input="hang", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        started = time.perf_counter()
+        cancelled = await c.client().responses.cancel(created.id)
+        assert cancelled.status == "cancelled" and cancelled.id == created.id
+        await backend.wait_for(lambda: backend.cancelled == 1, within=1.0)
+        assert time.perf_counter() - started < 1.0
+        again = await b.client().responses.cancel(created.id)
+        assert again.model_dump() == cancelled.model_dump()
+        for proxy in (a, b, c):
+            assert (await proxy.client().responses.retrieve(created.id)).status == "cancelled"
+        with pytest.raises(openai.BadRequestError):  # nothing was kept to continue from
+            await b.client().responses.create(
+                model="m", input="more", previous_response_id=created.id
+            )
+        assert not a.proxy.backgrounds.running()
+
+
+async def test_a_cancelled_stream_ends_with_response_cancelled_on_every_replica(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        backend.stall_next(60)
+        stream = await a.client().responses.create(
+            model="m", input="hang", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+
+        async def rest_on(proxy: ProxyHandle) -> list[Any]:
+            resumed = await proxy.client().responses.retrieve(response_id, stream=True)
+            return [event async for event in resumed]
+
+        following = spawn(rest_on(b), name="follower")
+        await asyncio.sleep(0.3)  # (it has read the log, and waits)
+        assert (await c.client().responses.cancel(response_id)).status == "cancelled"
+        on_a = [event async for event in stream]  # the owner's own follower
+        on_b = await asyncio.wait_for(following, 5)
+        on_c = await rest_on(c)
+        for events in ([first, *on_a], on_b, on_c):
+            assert numbers(events) == [0, 1]
+            assert events[-1].type == "response.cancelled"
+            assert events[-1].model_dump()["response"]["status"] == "cancelled"
+        await backend.wait_for(lambda: backend.cancelled == 1, within=1.0)
+        # Deleted on another replica: gone everywhere, its log with it.
+        deleted = await b.client().responses.delete(response_id)
+        assert deleted is None
+        for proxy in (a, b, c):
+            with pytest.raises(openai.NotFoundError):
+                await proxy.client().responses.retrieve(response_id)
+
+
+async def test_event_logs_beyond_the_budget_go_oldest_first(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2, background_log_bytes=6000)
+        ids = []
+        for n in range(4):
+            stream = await a.client().responses.create(
+                model="m", input=f"turn {n}", background=True, stream=True
+            )
+            events = [event async for event in stream]
+            assert events[-1].type == "response.completed"
+            ids.append(events[0].response.id)
+        assert 0 < a.metric("ocxproxy_background_log_bytes") <= 6000
+        newest = [e async for e in await b.client().responses.retrieve(ids[-1], stream=True)]
+        assert newest[-1].type == "response.completed"
+        with pytest.raises(openai.BadRequestError):  # its events are gone; the response is not
+            await b.client().responses.retrieve(ids[0], stream=True)
+        assert (await b.client().responses.retrieve(ids[0])).output_text == "echo#1: turn 0"
+        server = aioredis.from_url(valkey_server.url)
+        try:
+            _, ended, sizes, total, _ = background_keys("ocx:")
+            kept = int(await server.get(total))
+            assert kept == sum(int(v) for v in (await server.hgetall(sizes)).values())
+            assert 0 < kept <= 6000 and await server.zcard(ended) < 4
+        finally:
+            await server.aclose()
