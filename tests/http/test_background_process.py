@@ -5,8 +5,12 @@ stop lets a running one finish within the shutdown timeout, or fails it past it.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
+
+import openai
+import pytest
 
 from tests.fakes.backend import FakeBackend
 from tests.http.test_background import until_ended
@@ -97,3 +101,64 @@ async def test_past_the_shutdown_timeout_a_running_one_is_failed(
         assert failed.error is not None and failed.error.code == "server_shutting_down"
         await client.close()
         assert await second.stop(signal.SIGTERM) == 0
+
+
+async def test_a_finished_stream_is_resumed_after_a_restart(
+    tmp_path: Path, processes: list[Serve]
+) -> None:
+    """An ended stream's events are kept in the state dir: after a graceful restart, and
+    after kill -9 once its log is written (just after its end), it replays from 0, from
+    any sequence number, and through the SDK's helper, as before."""
+    state = tmp_path / "state"
+    async with FakeBackend(delay=0.05) as backend:
+        for stop in (signal.SIGTERM, signal.SIGKILL):
+            first = Serve(backend.url, state)
+            processes.append(first)
+            await first.start()
+            client = first.client()
+            stream = await client.responses.create(
+                model="m", input=f"keep {stop.name}", background=True, stream=True
+            )
+            events = [event async for event in stream]
+            assert events[-1].type == "response.completed"
+            response_id = events[0].response.id
+            backend.stall_next(60)
+            cut = await client.responses.create(
+                model="m", input="cut", background=True, stream=True
+            )
+            async for event in cut:  # (response.created)
+                cut_id = event.response.id
+                break
+            await cut.close()
+            assert (await client.responses.cancel(cut_id)).status == "cancelled"
+            if stop == signal.SIGKILL:  # its log is written (not synced) just after the end
+                written = state / "background" / f"{cut_id}.log"
+                for _ in range(500):
+                    if written.exists():
+                        break
+                    await asyncio.sleep(0.02)
+                assert written.exists()
+            await client.close()
+            await first.stop(stop)
+
+            second = Serve(backend.url, state)
+            processes.append(second)
+            await second.start()
+            client = second.client()
+            replay = [e async for e in await client.responses.retrieve(response_id, stream=True)]
+            assert [e.model_dump() for e in replay] == [e.model_dump() for e in events]
+            tail = await client.responses.retrieve(response_id, stream=True, starting_after=5)
+            assert [e.sequence_number async for e in tail] == list(range(6, len(events)))
+            async with client.responses.stream(response_id=response_id) as helper:
+                assert (await helper.get_final_response()).output_text.endswith(stop.name)
+            ended = [e async for e in await client.responses.retrieve(cut_id, stream=True)]
+            assert ended[-1].type == "response.cancelled"
+            assert [e.sequence_number for e in ended] == list(range(len(ended)))
+            assert (await client.responses.retrieve(cut_id)).status == "cancelled"
+            # Deleted, it is gone, events and all, and stays gone.
+            await client.responses.delete(response_id)
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(response_id, stream=True)
+            await client.close()
+            assert await second.stop(signal.SIGTERM) == 0
+            assert not (state / "background" / f"{response_id}.log").exists()

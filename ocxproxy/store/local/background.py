@@ -1,13 +1,29 @@
 """Background responses' bookkeeping on one node (store/background.py's `Backgrounds`):
-in process memory and, on a durable store, in `background.jsonl` in the state dir: one
-JSON line per status change (the Response with it only when the store will not hold the
-final one: queued, failed, cancelled), fdatasynced in a thread by `commit`. At start
-`load` folds the file, turns a response left queued or in progress by a process that
-died into `failed` (`background_lost`), and rewrites the file with what is still kept."""
+in process memory and, on a durable store, in the state dir:
+
+    background.jsonl       one JSON line per status change (the Response with it only
+                           when the store will not hold the final one: queued, failed,
+                           cancelled), fdatasynced by `commit`
+    background/<id>.log    an ended stream's event log, written once at its end (a
+                           header line, then the events' bytes), removed with it
+
+`commit` writes the lines queued since the last one, and has them fdatasynced by a
+helper process of its own (store/local/syncer.py's `FsyncChild`, the journal's helper,
+started at the first background response), so neither the write nor the sync runs on the
+event loop nor costs a thread's return to it; without the helper, in a thread. Event
+logs are not synced: a process killed with -9 leaves them in the page cache, and one torn
+by a power loss is refused when read (its sizes do not add up). When the file has grown
+past twice what a rewrite would write, `commit` rewrites it with what is still kept.
+
+At start `load` folds the file, turns a response left queued or in progress by a process
+that died into `failed` (`background_lost`), reads back the event logs still within
+LOG_KEPT and the budget (newest first; a finished stream can be resumed after a restart),
+and rewrites the file."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -19,6 +35,7 @@ from typing import Any
 
 import orjson
 
+from ocxproxy.aio import spawn
 from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
     IN_PROGRESS,
@@ -30,31 +47,44 @@ from ocxproxy.store.background import (
     Job,
     lost_response,
 )
+from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.background")
 
 FILE = "background.jsonl"
+LOGS = "background"  # the ended streams' event logs
 DELETED = "deleted"  # a journal line's status: the response was deleted
+REWRITE_BYTES = 1024**2  # the file is not rewritten below this size
+
+Found = tuple[dict[str, Any], list[bytes], int]  # an event log file read: header, events, size
 
 
 class LocalBackgrounds:
-    """Background bookkeeping in process memory, journaled to `background.jsonl` when
-    `state_dir` is given."""
+    """Background bookkeeping in process memory, journaled in `state_dir` when given."""
 
     def __init__(
         self, metrics: Metrics, *, state_dir: Path | None, log_bytes: int, ttl: float
     ) -> None:
         self.metrics = metrics
         self.path = state_dir / FILE if state_dir is not None else None
+        self.logs = state_dir / LOGS if state_dir is not None else None
         self.log_bytes = log_bytes
         self.ttl = ttl  # how long a response the store does not keep stays here
         self.jobs: dict[tuple[str, str], Job] = {}
         self.ended: deque[Job] = deque()  # terminal jobs, oldest first
         self.kept: deque[Job] = deque()  # failed or cancelled, their logs gone, until the TTL
         self.log_size = 0  # bytes of every event log kept
-        self._pending: list[bytes] = []
-        self._writing: asyncio.Lock | None = None
-        self._fd: int | None = None  # background.jsonl, open for appends once written
+        self.file_bytes = 0  # background.jsonl's size
+        self.logs_on_disk: dict[str, int] = {}  # event log files' sizes, by response id
+        self._pending: list[bytes] = []  # lines to append
+        self._files: list[tuple[str, bytes | None]] = []  # event log files to write (None: remove)
+        self._rewrite_at = REWRITE_BYTES
+        self._writing: asyncio.Lock | None = None  # one writer of the dir at a time
+        self._fd: int | None = None  # background.jsonl, open for writes once written
+        self._generation = 0  # the file's: a rewrite replaces it (the helper's key)
+        self._child: FsyncChild | None = None
+        self._starting: asyncio.Task[None] | None = None  # the helper's start
+        self._flushing: asyncio.Task[None] | None = None  # event log files being written
         # Read through a weak reference: the gauges must not make a cycle of it.
         ref = weakref.ref(self)
 
@@ -70,12 +100,18 @@ class LocalBackgrounds:
     def _count(self, status: str) -> int:
         return sum(1 for job in self.jobs.values() if job.status == status)
 
+    def disk_bytes(self) -> int:
+        """What background responses take in the state dir (counted in --max-disk-bytes)."""
+        return self.file_bytes + sum(self.logs_on_disk.values())
+
     def open(self, job: Job) -> None:
         self._prune()
         self.jobs[job.scope, job.id] = job
         if job.stream:
             job.log = EventLog()
         self._journal(job, job.response)
+        if self.path is not None and self._child is None and self._starting is None:
+            self._starting = spawn(self._start_child(), name="background-fsync-helper")
 
     async def get(self, scope: str, response_id: str) -> Job | None:
         return self.jobs.get((scope, response_id))
@@ -100,6 +136,7 @@ class LocalBackgrounds:
             job.task = None
             if job.log is not None:
                 job.log.close()
+                self._save_log(job)
             self.ended.append(job)
             self.metrics.background_finished.labels(status=status).inc()
         self._journal(job, None if status in STORED or status == IN_PROGRESS else job.response)
@@ -110,33 +147,115 @@ class LocalBackgrounds:
         for kept in (self.ended, self.kept):
             if job in kept:
                 kept.remove(job)
+        self._forget_log(job)
+        self._journal(job, None, status=DELETED)
+
+    def _journal(self, job: Job, response: bytes | None, *, status: str | None = None) -> None:
+        if self.path is not None:
+            self._pending.append(_line(job, response, status))
+
+    # -- event log files -------------------------------------------------------------
+
+    def _save_log(self, job: Job) -> None:
+        """An ended stream's log, to its file (written off the loop, not awaited)."""
+        if self.logs is None or job.log is None:
+            return
+        events = job.log.events
+        sizes = [len(event) for event in events]
+        head = {"id": job.id, "scope": job.scope, "status": job.status, "ended": job.ended}
+        head_bytes = orjson.dumps({**head, "sizes": sizes})
+        self._files.append((job.id, head_bytes + b"\n" + b"".join(events)))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = spawn(self._flush(), name="background-logs")
+
+    def _forget_log(self, job: Job) -> None:
+        """Drop `job`'s event log, in memory and on disk."""
         if job.log is not None:
             self.log_size -= job.log.size
             job.log.close()
             job.log = None
-        self._journal(job, None, status=DELETED)
+        if job.id in self.logs_on_disk or any(name == job.id for name, _ in self._files):
+            self._files.append((job.id, None))
+            if self._flushing is None or self._flushing.done():
+                self._flushing = spawn(self._flush(), name="background-logs")
 
-    def _journal(self, job: Job, response: bytes | None, *, status: str | None = None) -> None:
-        if self.path is None:
-            return
-        entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": status or job.status}
-        if job.stream:
-            entry["stream"] = True
-        if response is not None:
-            entry["response"] = orjson.Fragment(response)
-        self._pending.append(orjson.dumps(entry) + b"\n")
+    async def _flush(self) -> None:
+        async with self._lock():
+            await self._write_files()
 
-    async def commit(self) -> None:
-        if self.path is None or not self._pending:
+    async def _write_files(self) -> None:
+        """The event log files queued (under the lock), in order: a removal after its write."""
+        files, self._files = self._files, []
+        if not files or self.logs is None:
             return
+        done = await asyncio.to_thread(_write_logs, self.logs, files)
+        for name, size in done.items():
+            if size is None:
+                self.logs_on_disk.pop(name, None)
+            else:
+                self.logs_on_disk[name] = size
+
+    # -- background.jsonl ------------------------------------------------------------
+
+    def _lock(self) -> asyncio.Lock:
         if self._writing is None:
             self._writing = asyncio.Lock()
-        async with self._writing:  # the lines queued meanwhile go in the next write
+        return self._writing
+
+    async def commit(self) -> None:
+        if self.path is None or not (self._pending or self._files):
+            return
+        async with self._lock():  # the lines queued meanwhile go in the next write
+            await self._write_files()  # (a deleted one's log goes before its line)
             lines, self._pending = self._pending, []
-            if lines:
-                if self._fd is None:
-                    self._fd = await asyncio.to_thread(_open, self.path)
-                await asyncio.to_thread(_append, self._fd, b"".join(lines))
+            if not lines:
+                return
+            if self.file_bytes > self._rewrite_at:
+                await self._rewrite()  # (what it writes includes those lines' changes)
+                return
+            data = b"".join(lines)
+            if self._fd is None:
+                self._fd, self.file_bytes = await asyncio.to_thread(_open, self.path)
+            at, self.file_bytes = self.file_bytes, self.file_bytes + len(data)
+            await self._append(data, at)
+
+    async def _append(self, data: bytes, at: int) -> None:
+        assert self._fd is not None
+        child = self._child
+        if child is not None and not child.gone:
+            try:
+                await child.write(self._fd, self._generation, data, at)
+                return
+            except ChildGone:
+                pass  # the same bytes at the same place, in a thread
+        await asyncio.to_thread(_pwrite, self._fd, data, at)
+
+    async def _rewrite(self) -> None:
+        """background.jsonl again, with what is still kept (under the lock)."""
+        assert self.path is not None
+        data = b"".join(
+            _line(job, job.response, None) for job in self.jobs.values() if job.status not in STORED
+        )
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        await asyncio.to_thread(_rewrite, self.path, data)
+        self._generation += 1
+        self.file_bytes = len(data)
+        self._rewrite_at = max(REWRITE_BYTES, 2 * len(data))
+
+    async def _start_child(self) -> None:
+        child = await asyncio.to_thread(FsyncChild.spawn)
+        if child is None:
+            return
+        if self._starting is None:  # closed meanwhile
+            child.close()
+            await asyncio.to_thread(child.wait)
+            return
+        child.attach(asyncio.get_running_loop())
+        self._child = child
+
+    # -- upkeep ----------------------------------------------------------------------
 
     def _prune(self, *, over_budget: bool = False) -> None:
         """Drop the event logs past LOG_KEPT (or, over the budget, the oldest ended
@@ -149,8 +268,7 @@ class LocalBackgrounds:
             if job.log is not None:
                 if not old:
                     break
-                self.log_size -= job.log.size
-                job.log = None
+                self._forget_log(job)
             self.ended.popleft()
             if job.status in STORED:
                 self.jobs.pop((job.scope, job.id), None)
@@ -164,17 +282,21 @@ class LocalBackgrounds:
         return [job.task for job in self.jobs.values() if job.task is not None]
 
     async def load(self) -> None:
-        """Fold the journal: a response left queued or in progress is failed now."""
-        if self.path is None:
+        """Fold the journal and read the event logs back: a response left queued or in
+        progress is failed now."""
+        if self.path is None or self.logs is None:
             return
-        entries = await asyncio.to_thread(_read, self.path)
+        entries, logs = await asyncio.to_thread(_read, self.path, self.logs)
         now = time.time()
         lost = 0
+        deleted: set[str] = set()
         for entry in entries:
             key = (entry["scope"], entry["id"])
             if entry["status"] == DELETED:
                 self.jobs.pop(key, None)
+                deleted.add(entry["id"])
                 continue
+            deleted.discard(entry["id"])
             job = self.jobs.get(key)
             if job is None:
                 job = Job(
@@ -184,71 +306,172 @@ class LocalBackgrounds:
             job.status = entry["status"]
             if "response" in entry:
                 job.response = orjson.dumps(entry["response"])
+        doomed = self._attach_logs(logs, deleted, now)
         for key, job in list(self.jobs.items()):
-            if job.status in STORED:
+            if job.status in STORED and job.log is None:
                 del self.jobs[key]
                 continue
             if not job.terminal:
                 job.status, job.response = "failed", lost_response(job.response)
                 lost += 1
-            job.ended = now
-            self.kept.append(job)
+            job.ended = job.ended or now
+        for job in sorted(self.jobs.values(), key=lambda job: job.ended or now):
+            self.ended.append(job)  # (the logs go by age, then the jobs, as they would have)
         if lost:
             log.warning("%d background responses were left running by a stop: failed", lost)
             self.metrics.background_lost.inc(lost)
-        lines = [
-            orjson.dumps(
-                {
-                    "id": job.id,
-                    "scope": job.scope,
-                    "status": job.status,
-                    "response": orjson.Fragment(job.response),
-                }
-            )
-            + b"\n"
-            for job in self.jobs.values()
-        ]
-        await asyncio.to_thread(_rewrite, self.path, b"".join(lines))
+        async with self._lock():
+            self._files = [(name, None) for name in doomed]
+            await self._write_files()
+            await self._rewrite()
+
+    def _attach_logs(self, logs: list[Found], deleted: set[str], now: float) -> list[str]:
+        """The event logs read back, newest first within the budget, onto their jobs;
+        the names of the files to remove (too old, deleted, over the budget)."""
+        doomed = []
+        for head, events, file_size in sorted(logs, key=lambda found: -found[0]["ended"]):
+            name, size = head["id"], sum(map(len, events))
+            if name in deleted or now - head["ended"] > LOG_KEPT or not events:
+                doomed.append(name)
+                continue
+            if self.log_size + size > self.log_bytes:
+                doomed.append(name)
+                continue
+            key = (head["scope"], name)
+            job = self.jobs.get(key)
+            if job is None:  # (a line that was not needed: a stored one's)
+                job = self.jobs[key] = Job(name, head["scope"], head["status"], b"{}", True)
+            if head["status"] in STORED:  # its line has no Response: the terminal event's
+                job.response = _response_of(events[-1]) or job.response
+            job.status, job.stream, job.ended = head["status"], True, head["ended"]
+            job.log = EventLog()
+            for event in events:
+                job.log.append(event)
+            job.log.close()
+            self.log_size += size
+            self.logs_on_disk[name] = file_size
+        return doomed
 
     async def close(self) -> None:
+        if self._flushing is not None:
+            await self._flushing
         await self.commit()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            await starting
+        child, self._child = self._child, None
+        if child is not None:
+            child.close()
+            await asyncio.to_thread(child.wait)
 
 
-def _open(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+def _line(job: Job, response: bytes | None, status: str | None) -> bytes:
+    entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": status or job.status}
+    if job.stream:
+        entry["stream"] = True
+    if response is not None:
+        entry["response"] = orjson.Fragment(response)
+    return orjson.dumps(entry) + b"\n"
 
 
-def _append(fd: int, data: bytes) -> None:
+def _response_of(event: bytes) -> bytes | None:
+    """The Response an SSE event carries, re-encoded; None if it carries none."""
+    try:
+        payload = orjson.loads(event.partition(b"data: ")[2])
+    except orjson.JSONDecodeError:
+        return None
+    found = payload.get("response") if type(payload) is dict else None
+    return orjson.dumps(found) if type(found) is dict else None
+
+
+def _open(path: Path) -> tuple[int, int]:
+    """The file open for writes, and its size (where the next line goes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    return fd, os.fstat(fd).st_size
+
+
+def _pwrite(fd: int, data: bytes, at: int) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view) :]
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
     os.fdatasync(fd)
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def _write_logs(directory: Path, files: list[tuple[str, bytes | None]]) -> dict[str, int | None]:
+    """Write (or, for None, remove) each event log file, in order: its size, or None."""
+    done: dict[str, int | None] = {}
+    for name, data in files:
+        path = directory / f"{name}.log"
+        if data is None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            done[name] = None
+            continue
+        try:
+            directory.mkdir(mode=0o700, exist_ok=True)
+            path.write_bytes(data)
+            done[name] = len(data)
+        except OSError as exc:  # the stream is not resumable after a restart; nothing else
+            log.warning("background event log %s not written: %s", name, exc)
+    return done
+
+
+def _read(path: Path, logs: Path) -> tuple[list[dict[str, Any]], list[Found]]:
+    """background.jsonl's entries, and each whole event log file: (its header, events,
+    its size)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return []
+        data = b""
     entries = []
     for line in data.splitlines():
-        try:
-            entry = orjson.loads(line)
+        try:  # (a hole left by a write that never landed reads as zeros)
+            entry = orjson.loads(line.lstrip(b"\0"))
         except orjson.JSONDecodeError:  # a torn last line: the write never finished
             continue
         if type(entry) is dict and isinstance(entry.get("id"), str):
             entries.append(entry)
-    return entries
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for file in logs.iterdir():
+            read = _read_log(file)
+            if read is None:
+                with contextlib.suppress(OSError):
+                    file.unlink()
+            else:
+                found.append(read)
+    return entries, found
+
+
+def _read_log(file: Path) -> Found | None:
+    try:
+        data = file.read_bytes()
+        head_line, _, body = data.partition(b"\n")
+        head = orjson.loads(head_line)
+        sizes = head["sizes"]
+        if sum(sizes) != len(body) or file.name != f"{head['id']}.log":
+            return None
+        float(head["ended"]), str(head["scope"]), str(head["status"])
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    events, at = [], 0
+    for size in sizes:
+        events.append(body[at : at + size])
+        at += size
+    return head, events, len(data)
 
 
 def _rewrite(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -115,6 +115,7 @@ class Durable:
         self.checkpoint_age = checkpoint_age
         self.fsync_child = fsync_child  # sync commits in a helper process (syncer.py)
         self.child: FsyncChild | None = None
+        self.others: list[Callable[[], int]] = []  # bytes of others' files (Store.count_on_disk)
         self.journal: Journal | None = None
         self.committer: Committer | None = None
         self._lock: files.DirLock | None = None
@@ -348,7 +349,10 @@ class Durable:
 
     def over_disk(self) -> bool:
         keep = self.max_disk_bytes * DISK_KEEP
-        return self.table.keydir.live_bytes + self.checkpoint_size > keep
+        return self.table.keydir.live_bytes + self.checkpoint_size + self.others_bytes() > keep
+
+    def others_bytes(self) -> int:
+        return sum(bytes_used() for bytes_used in self.others)
 
     async def _compact(self) -> None:
         """Re-append the live segments of sparse files the checkpoint covers, in batches
@@ -395,7 +399,7 @@ class Durable:
             # DISK_KEEP of --max-disk-bytes; the rest is room for the journal's tail,
             # compaction's garbage and the next checkpoint. The checkpoint shrinks too
             # once it no longer names the evicted records.
-            keep = self.max_disk_bytes * DISK_KEEP
+            keep = self.max_disk_bytes * DISK_KEEP - self.others_bytes()
             self.owner.evict_for_disk(max(keep - self.checkpoint_size, keep / 2))
         await self._compact()
         # The next file is made (and synced) while commits go on: the rotation, while they
@@ -461,4 +465,5 @@ class Durable:
         room = j.allocated - j.size if j is not None and self.committer is not None else 0
         keydir = self.table.keydir
         own = keydir.live.get(segment_files.FILES, 0)  # (a segment's file, and its SEG entry)
-        return sum(keydir.sizes.values()) + own + self.checkpoint_size + max(room, 0)
+        files = sum(keydir.sizes.values()) + own + self.checkpoint_size + self.others_bytes()
+        return files + max(room, 0)

@@ -169,6 +169,12 @@ class Store:
         """The disk takes writes (always, without one)."""
         return self.disk is None or self.disk.available
 
+    def count_on_disk(self, bytes_used: Callable[[], int]) -> None:
+        """Files of the state dir kept by others (background responses'): counted in
+        --max-disk-bytes with the store's own, so records make room for them."""
+        if self.disk is not None:
+            self.disk.others.append(bytes_used)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -192,11 +198,14 @@ class Store:
         await self._shutdown(drain=False)
 
     def backgrounds(self, config: Config) -> LocalBackgrounds:
-        """Background responses' bookkeeping, journaled in this store's state dir."""
-        return LocalBackgrounds(
+        """Background responses' bookkeeping, journaled in this store's state dir (its
+        files counted in --max-disk-bytes)."""
+        book = LocalBackgrounds(
             self.metrics, state_dir=self.state_dir, log_bytes=config.background_log_bytes,
             ttl=self.ttl,
         )  # fmt: skip
+        self.count_on_disk(book.disk_bytes)
+        return book
 
     async def _shutdown(self, *, drain: bool) -> None:
         if self.disk is not None:

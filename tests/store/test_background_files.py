@@ -1,0 +1,148 @@
+"""Background responses' files on one node (store/local/background.py): status lines
+synced by the fsync helper, rewritten once the file has grown, ended streams' event logs
+read back after a restart (a torn one refused), and all of it counted in
+--max-disk-bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ocxproxy.metrics import Metrics
+from ocxproxy.store.background import Job
+from ocxproxy.store.local import background
+from ocxproxy.store.local.background import LocalBackgrounds
+from tests.store.helpers import inline, make_store, make_turn, sample
+
+pytestmark = pytest.mark.asyncio
+
+
+def book(state: Path, **overrides: int) -> LocalBackgrounds:
+    return LocalBackgrounds(
+        Metrics(), state_dir=state, log_bytes=overrides.get("log_bytes", 1 << 20), ttl=3600
+    )
+
+
+def response(response_id: str, status: str) -> bytes:
+    return orjson.dumps({"id": response_id, "status": status, "background": True})
+
+
+def job(n: int, *, stream: bool = False) -> Job:
+    return Job(f"resp_{n}", "scope", "queued", response(f"resp_{n}", "queued"), stream)
+
+
+def event(kind: str, n: int, status: str = "in_progress") -> bytes:
+    data = {"type": kind, "sequence_number": n, "response": {"id": "resp_1", "status": status}}
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+async def test_status_lines_are_synced_by_the_helper_not_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = book(tmp_path)
+    await first.load()
+    first.open(job(1))
+    assert first._starting is not None
+    await first._starting  # the helper process is up
+    assert first._child is not None and not first._child.gone
+
+    def no_thread(fd: int, data: bytes, at: int) -> None:
+        raise AssertionError("synced in a thread")
+
+    monkeypatch.setattr(background, "_pwrite", no_thread)
+    for n in range(2, 6):
+        first.open(job(n))
+        await first.commit()
+    cancelled = await first.get("scope", "resp_3")
+    assert cancelled is not None
+    first.moved(cancelled, "cancelled", response("resp_3", "cancelled"))
+    await first.commit()
+    await first.close()
+    assert first._child is None
+
+    again = book(tmp_path)
+    await again.load()  # what was left queued is failed now; the cancelled one kept
+    statuses = {key[1]: j.status for key, j in again.jobs.items()}
+    assert statuses == {f"resp_{n}": "cancelled" if n == 3 else "failed" for n in range(1, 6)}
+    await again.close()
+
+
+async def test_the_file_is_rewritten_once_it_has_grown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background, "REWRITE_BYTES", 4000)
+    books = book(tmp_path)
+    await books.load()
+    for n in range(200):  # each opened, then ended as the store keeps it: nothing left
+        one = job(n)
+        books.open(one)
+        books.moved(one, "in_progress")
+        books.moved(one, "completed", response(one.id, "completed"))
+        await books.commit()
+    kept = job(1000)
+    books.open(kept)
+    await books.commit()
+    size = (tmp_path / background.FILE).stat().st_size
+    assert size == books.file_bytes
+    assert size <= 2 * 4000
+    await books.close()
+    again = book(tmp_path)
+    await again.load()
+    assert [key[1] for key in again.jobs] == ["resp_1000"]
+    assert again.jobs["scope", "resp_1000"].status == "failed"
+    await again.close()
+
+
+async def test_an_ended_stream_is_read_back_and_a_torn_one_refused(tmp_path: Path) -> None:
+    books = book(tmp_path)
+    await books.load()
+    one = job(1, stream=True)
+    books.open(one)
+    events = [event("response.created", 0, "queued"), event("response.in_progress", 1)]
+    events.append(event("response.completed", 2, "completed"))
+    for data in events:
+        books.append(one, data)
+    books.moved(one, "completed", response("resp_1", "completed"))
+    await books.close()
+    (tmp_path / "background" / "resp_9.log").write_bytes(
+        orjson.dumps({"id": "resp_9", "scope": "scope", "status": "completed", "ended": 1.0,
+                      "sizes": [100]}) + b"\n" + b"short"
+    )  # fmt: skip
+    again = book(tmp_path)
+    await again.load()
+    read = await again.get("scope", "resp_1")
+    assert read is not None and read.log is not None and read.log.closed
+    assert read.log.events == events
+    assert orjson.loads(read.response)["status"] == "completed"
+    assert await again.get("scope", "resp_9") is None
+    assert not (tmp_path / "background" / "resp_9.log").exists()
+    assert (
+        again.disk_bytes()
+        == (tmp_path / "background" / "resp_1.log").stat().st_size
+        + (tmp_path / background.FILE).stat().st_size
+    )
+    again.drop(read)
+    await again.commit()
+    assert not (tmp_path / "background" / "resp_1.log").exists()
+    await again.close()
+    third = book(tmp_path)
+    await third.load()
+    assert await third.get("scope", "resp_1") is None
+    await third.close()
+
+
+async def test_background_files_count_in_max_disk_bytes(tmp_path: Path) -> None:
+    store = make_store(tmp_path, max_disk_bytes=60_000, max_resident_bytes=1, offload=inline)
+    await store.start()
+    for i in range(16):
+        await store.commit(store.put(make_turn(f"t{i}", f"turn {i} words"), None))
+    before = store.stats().disk_bytes
+    assert await store.flush()
+    assert sample(store.metrics.store_evictions, reason="disk_bytes") == 0
+    store.count_on_disk(lambda: 50_000)  # background files past what the cap leaves
+    assert store.stats().disk_bytes >= before + 50_000
+    assert await store.flush()
+    assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
+    await store.close()
