@@ -7,8 +7,26 @@ import struct
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 _SPAN = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
+
+_T = TypeVar("_T")
+_SHARED: dict[object, object] = {}
+SHARED_MAX = 1 << 15  # distinct values kept
+
+
+def shared(value: _T) -> _T:
+    """One object for each value that 100,000s of segments and records repeat: a size,
+    a length, an output's place in its response (an int above 256 is an object of 28
+    bytes, a pair of them 56 more). The first SHARED_MAX distinct values are kept; call
+    it only for values that repeat, never for offsets or ids."""
+    kept = _SHARED.get(value)
+    if kept is None:
+        if len(_SHARED) >= SHARED_MAX:
+            return value
+        kept = _SHARED[value] = value
+    return kept  # type: ignore[return-value]
 
 
 class ItemIds:
@@ -18,7 +36,7 @@ class ItemIds:
     last item."""
 
     __slots__ = ("_ids", "_spans")
-    _ids: tuple[str, ...]
+    _ids: tuple[str, ...] | str  # the id itself when there is one (a tuple is 56 bytes)
     _spans: bytes
 
     def __init__(self, entries: Sequence[tuple[str, int, int]] = ()) -> None:
@@ -26,7 +44,7 @@ class ItemIds:
         # ids in segment after segment, and after a restart too.
         if len(entries) == 1:  # the usual turn: one output item with an id (5x faster)
             ((item_id, start, end),) = entries
-            self._ids, self._spans = (sys.intern(item_id),), _SPAN.pack(start, end)
+            self._ids, self._spans = sys.intern(item_id), _SPAN.pack(start, end)
             return
         last = {sys.intern(item_id): (start, end) for item_id, start, end in entries}
         self._ids = tuple(last)
@@ -34,26 +52,33 @@ class ItemIds:
 
     def span(self, item_id: str) -> tuple[int, int] | None:
         """The (start, end) of the item with this id, or None."""
-        try:
-            at = self._ids.index(item_id)
-        except ValueError:
-            return None
+        ids = self._ids
+        if type(ids) is str:
+            if ids != item_id:
+                return None
+            at = 0
+        else:
+            try:
+                at = ids.index(item_id)
+            except ValueError:
+                return None
         start, end = _SPAN.unpack_from(self._spans, at * _SPAN.size)
         return start, end
 
     @property
     def ids(self) -> tuple[str, ...]:
-        return self._ids
+        ids = self._ids
+        return (ids,) if type(ids) is str else ids  # type: ignore[return-value]
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
         ids = self._ids
-        if len(ids) == 1:  # the usual segment (a generator over a zip costs ~4 µs)
+        if type(ids) is str:  # the usual segment (a generator over a zip costs ~4 µs)
             start, end = _SPAN.unpack(self._spans)
-            return iter(((ids[0], start, end),))
+            return iter(((ids, start, end),))
         return ((i, s, e) for i, (s, e) in zip(ids, _SPAN.iter_unpack(self._spans), strict=True))
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return 1 if type(self._ids) is str else len(self._ids)
 
     def __repr__(self) -> str:
         return f"ItemIds({list(self)!r})"
@@ -116,7 +141,7 @@ class Segment:
     ) -> None:
         self.key = key
         self.data = None
-        self.size = size
+        self.size = shared(size)
         self.n_items = n_items
         self.call_ids = call_ids or NO_CALLS
         self.durable = durable  # may this reach disk (no store:false content)?

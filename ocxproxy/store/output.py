@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ocxproxy.model import shared
+
 _OUTPUT = b'"output":['
 
 
@@ -22,6 +24,6 @@ def split_output(response: bytes, items: bytes) -> tuple[bytes, tuple[int, int] 
             break
         length = len(items) - at
         if response.startswith(items[at:], start):
-            return response[:start] + response[start + length :], (start, length)
+            return response[:start] + response[start + length :], shared((start, length))
         at = items.find(probe, at + 1)
     return response, None

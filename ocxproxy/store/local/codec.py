@@ -32,7 +32,7 @@ import orjson
 import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment
+from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment, shared
 from ocxproxy.store.compression import compressor as compressor  # (journal.py's)
 from ocxproxy.store.compression import decompressor
 from ocxproxy.store.local.segment_files import FILES
@@ -123,7 +123,7 @@ def restore_segment(
     segment = _new_segment(Segment)
     segment.key = key
     segment.data = None if size else b""
-    segment.size = size
+    segment.size = shared(size)
     segment.n_items = n_items
     segment.call_ids = frozenset(ids) if ids else NO_CALLS
     segment.item_ids = item_spans(items, size) if items else NO_ITEMS
@@ -131,7 +131,7 @@ def restore_segment(
     segment.sid = sid
     segment.pack = pack
     segment.offset = offset
-    segment.length = length if type(length) is int else int(length)
+    segment.length = shared(length if type(length) is int else int(length))
     segment.lost = None
     segment.refs = segment.durable_refs = 0
     return segment

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ocxproxy.model import Segment
+from ocxproxy.model import Segment, shared
 from ocxproxy.store.local.segment_files import FILES
 
 SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
@@ -40,7 +40,8 @@ class Keydir:
         return keys
 
     def locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
-        segment.pack, segment.offset, segment.length, segment.lost = pack, offset, length, None
+        segment.pack, segment.offset, segment.lost = pack, offset, None
+        segment.length = shared(length)
         self.located += 1
         self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
         self.live_bytes += length + SEG_OVERHEAD

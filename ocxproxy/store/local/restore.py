@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ocxproxy.model import Chain, Record, Segment
+from ocxproxy.model import Chain, Record, Segment, shared
 from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.segment_files import FILES
@@ -98,7 +98,7 @@ def rebuild(
         record = Record(  # positional (100,000s of them): Record's field order
             rid, same(scope, scope), created, expires, True, chains[pos], response,  # type: ignore[arg-type]
             same(backend, backend), same(affinity, affinity), row[9],
-            (output_at[0], output_at[1]) if output_at else None, row[10],
+            shared((output_at[0], output_at[1])) if output_at else None, row[10],
         )  # fmt: skip
         if ids is not None:  # a conversation's
             record.ids = ids

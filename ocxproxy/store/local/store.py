@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -339,7 +340,7 @@ class Store:
             chain = Chain(chain_of(segments[:-1]), own)
         record = Record(
             id=turn.response_id,
-            scope=turn.scope,
+            scope=sys.intern(turn.scope),  # (each request's is a new string of its own)
             created_at=now,
             expires_at=now + self.ttl,
             durable=durable,
