@@ -1,65 +1,11 @@
-"""One writer per conversation, and one run per Idempotency-Key: process memory.
-
-On a single node a crashed process holds nothing after a restart; within a process a
-lock is a lease, so a holder that never released it (a bug, a task that vanished)
-cannot keep a conversation locked for longer than the lease. A live holder renews it as
-the backend's bytes arrive.
-"""
+"""One run per Idempotency-Key in process memory (`InFlight`), and the key's derived id
+and errors. (A conversation's lock is the store's: store/lease.py.)"""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from ocxproxy.errors import Conflict, Unprocessable
-
-
-@dataclass(slots=True)
-class Lease:
-    key: str
-    token: int
-    expires_at: float
-
-
-class Leases:
-    """Exclusive leases by key (a conversation id)."""
-
-    def __init__(self, duration: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.duration = duration
-        self.clock = clock
-        self._held: dict[str, Lease] = {}
-        self._tokens = itertools.count(1)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def acquire(self, key: str) -> Lease | None:
-        """A new lease on `key`, or None while another one is live."""
-        now = self.clock()
-        held = self._held.get(key)
-        if held is not None and held.expires_at > now:
-            return None
-        lease = Lease(key, next(self._tokens), now + self.duration)
-        self._held[key] = lease
-        return lease
-
-    def renew(self, lease: Lease) -> bool:
-        """Extend a live lease; False when it was lost (expired and taken, or released)."""
-        if self._held.get(lease.key) is not lease:
-            return False
-        lease.expires_at = self.clock() + self.duration
-        return True
-
-    def holds(self, lease: Lease) -> bool:
-        return self._held.get(lease.key) is lease and lease.expires_at > self.clock()
-
-    def release(self, lease: Lease) -> None:
-        """Idempotent; a lease that expired and was taken by another holder stays theirs."""
-        if self._held.get(lease.key) is lease:
-            del self._held[lease.key]
 
 
 def fingerprint(body: bytes) -> str:

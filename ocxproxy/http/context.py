@@ -14,7 +14,6 @@ from multidict import CIMultiDict
 
 from ocxproxy.config import Config
 from ocxproxy.continuation.compaction import Sealer
-from ocxproxy.continuation.locks import Leases
 from ocxproxy.continuation.window import TokenBook
 from ocxproxy.errors import Unauthorized
 from ocxproxy.http.access_log import AccessLog
@@ -73,7 +72,6 @@ class Proxy:
     metrics: Metrics
     ready: bool = False
     access_log: AccessLog | None = None  # --access-log off: None
-    leases: Leases = field(init=False)  # one writer per conversation (process memory)
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
     cache_book: CacheBook = field(default_factory=CacheBook)  # where turns left their prefix
     kv_saves: KvSaves | None = None  # warm resume's KV saves (the embedded backend's)
@@ -95,15 +93,20 @@ class Proxy:
             loop.call_at(self.stopping.deadline, self.stopping.expire)
         return self.stopping
 
+    @property
+    def lease_duration(self) -> float:
+        """How long a conversation's lock or an in-flight Idempotency-Key outlasts its
+        holder's last progress: a live holder renews it with every chunk from the
+        backend, so one silent for longer than the backend's read timeout is failing
+        anyway."""
+        return self.config.read_timeout
+
     def cut_by_shutdown(self) -> bool:
         """Whether a cancellation now is the graceful stop's deadline (not a client leaving)."""
         return self.stopping is not None and self.stopping.cut
 
     def __post_init__(self) -> None:
         self.served_models = self.served_models or self.config.served_model_name
-        # A live holder renews its lease with every chunk from the backend, so a holder
-        # silent for longer than the backend's read timeout is failing anyway.
-        self.leases = Leases(self.config.read_timeout)
         config = self.config
         self.backgrounds = self.store.backgrounds(config)
         limit = config.max_background

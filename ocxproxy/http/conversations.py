@@ -146,7 +146,7 @@ def _locked(request: web.Request) -> AbstractAsyncContextManager[None]:
     """The conversation's lock around an items or metadata write (400 while taken)."""
     proxy = proxy_of(request)
     return proxy.store.conversations.locked(
-        scope_of(request.headers), request.match_info["conversation_id"], proxy.leases
+        scope_of(request.headers), request.match_info["conversation_id"], proxy.lease_duration
     )
 
 

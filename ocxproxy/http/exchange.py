@@ -317,7 +317,7 @@ async def prepare_exchange(
         if local in sources and request.store:  # the conversation would keep it (on disk)
             raise not_storable(sources[local][0])
         held, history = await proxy.store.conversations.open_turn(
-            scope, conversation_id, proxy.leases, locked=remember
+            scope, conversation_id, proxy.lease_duration, locked=remember
         )
         history = compacted_history(conversation_id, history)  # from its latest summary on
         parent, parent_store, expansion = held.conversation.record, proxy.store, "conversation"

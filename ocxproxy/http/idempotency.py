@@ -42,7 +42,7 @@ def key_of(headers: Mapping[str, str], scope: str, raw: bytes, *, stored: bool) 
 async def begin(proxy: Proxy, key: Key) -> dict[str, Any] | None:
     """The key is in flight until `end` (a retry meanwhile: 409, or 422 for another
     body); the response a completed request with this key got, to answer again."""
-    return await proxy.store.idempotency.begin(key, proxy.leases.duration)
+    return await proxy.store.idempotency.begin(key, proxy.lease_duration)
 
 
 def end(proxy: Proxy, key: Key) -> None:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ocxproxy.config import Config
-from ocxproxy.continuation.locks import Leases
 from ocxproxy.model import Record, Turn
 from ocxproxy.store.background import Backgrounds
 from ocxproxy.store.conversations import Conversation
@@ -117,17 +116,18 @@ class Conversations(Protocol):
         ...
 
     def locked(
-        self, scope: str, conversation_id: str, leases: Leases
+        self, scope: str, conversation_id: str, duration: float
     ) -> AbstractAsyncContextManager[None]:
-        """The conversation's lock (a lease of `leases.duration`) around a write;
-        ConversationLocked while another holds it."""
+        """The conversation's lock (store/lease.py's lease, lasting `duration` past the
+        holder's last progress) around a write; ConversationLocked while another holds it."""
         ...
 
     async def open_turn(
-        self, scope: str, conversation_id: str, leases: Leases, *, locked: bool = True
+        self, scope: str, conversation_id: str, duration: float, *, locked: bool = True
     ) -> tuple[ConversationTurn, list[bytes]]:
-        """A create turn on a conversation: its lock and its items' bytes (spliced in
-        front of the input like a chain's). Without `locked`, a read."""
+        """A create turn on a conversation: its lock (lasting `duration` past the turn's
+        last progress) and its items' bytes (spliced in front of the input like a
+        chain's). Without `locked`, a read."""
         ...
 
 

@@ -80,7 +80,7 @@ async def test_a_conversation_changed_during_the_turn_is_a_409_not_a_silent_200(
     assert "changed" in changed.value.body["message"]
     assert await texts(client, conv.id) == ["meanwhile"]
     assert handle.metric("ocxproxy_turns_not_recorded_total", reason="conversation_changed") == 1
-    assert len(handle.proxy.leases) == 0
+    assert len(handle.proxy.store.conversations.slots) == 0
     again = await client.responses.create(model="m", input="again", conversation=conv.id)
     assert await texts(client, conv.id) == ["meanwhile", "again", again.output_text]
 
@@ -244,9 +244,9 @@ async def test_the_siblings_of_create_expand_a_conversation(
         ]  # fmt: skip
         if route == "input_tokens":
             assert r.status == 200
-    assert len(proxy.proxy.leases) == 1  # the running turn's, untouched
+    assert len(proxy.proxy.store.conversations.slots) == 1  # the running turn's, untouched
     await running
-    assert len(proxy.proxy.leases) == 0
+    assert len(proxy.proxy.store.conversations.slots) == 0
     assert await texts(client, conv.id) == [
         "earlier", "turn", answered.output_text, "running", (await running).output_text,
     ]  # fmt: skip

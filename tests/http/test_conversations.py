@@ -277,7 +277,7 @@ async def test_ten_concurrent_creates_one_backend_call_nine_locked(
     assert write.value.code == "conversation_locked"
     await running
     await client.conversations.items.create(conv.id, items=[user("late")])
-    assert len(proxy.proxy.leases) == 0
+    assert len(proxy.proxy.store.conversations.slots) == 0
 
 
 async def test_the_lock_is_released_on_failure_break_and_disconnect(
@@ -302,12 +302,12 @@ async def test_the_lock_is_released_on_failure_break_and_disconnect(
     auth = {"Authorization": "Bearer sk-test-a"}
     task = spawn(http.post(f"{proxy.base_url}/responses", json=body, headers=auth), name="gone")
     await backend.wait_for(lambda: len(backend.responses_seen) == 4)
-    assert len(proxy.proxy.leases) == 1
+    assert len(proxy.proxy.store.conversations.slots) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await backend.wait_for(lambda: backend.cancelled >= 1)  # the proxy hung up on it
-    assert len(proxy.proxy.leases) == 0
+    assert len(proxy.proxy.store.conversations.slots) == 0
     ok = await client.responses.create(model="m", input="e", conversation=conv.id)
     assert ok.output_text == "echo#1: e"
 
@@ -318,15 +318,15 @@ async def test_a_lost_lease_expires(make_proxy: MakeProxy, backend: FakeBackend)
     handle = await make_proxy(backend.url, read_timeout=1.0)
     client = handle.client()
     conv = await client.conversations.create()
-    lease = handle.proxy.leases.acquire(conv.id)
-    assert lease is not None
+    slots = handle.proxy.store.conversations.slots  # another holder takes the lock for 1 s
+    assert await slots.hold(conv.id, "another holder", 1.0)
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="m", input="x", conversation=conv.id)
     await asyncio.sleep(1.05)
     ok = await client.responses.create(model="m", input="x", conversation=conv.id)
     assert ok.output_text == "echo#1: x"
-    handle.proxy.leases.release(lease)  # the old holder cannot free the new one's lock
-    assert len(handle.proxy.leases) == 0
+    await slots.drop(conv.id, "another holder")  # it cannot free the new one's lock
+    assert len(handle.proxy.store.conversations.slots) == 0
 
 
 async def test_sse_stream_is_relayed_and_appended(
@@ -359,8 +359,8 @@ async def test_websocket_turns_on_a_conversation(
     ]  # fmt: skip
     assert_append_only([seen.body for seen in backend.responses_seen])
     # Locked over the socket too, before anything is forwarded.
-    lease = proxy.proxy.leases.acquire(conv.id)
-    assert lease is not None
+    slots = proxy.proxy.store.conversations.slots  # another holder has the lock
+    assert await slots.hold(conv.id, "another holder", 60.0)
     auth = {"Authorization": "Bearer sk-test-a"}
     async with http.ws_connect(proxy.base_url + "/responses", headers=auth) as ws:
         await ws.send_str(
@@ -372,7 +372,7 @@ async def test_websocket_turns_on_a_conversation(
             error = orjson.loads((await ws.receive()).data)
         assert error["type"] == "error" and error["status"] == 400
         assert error["error"]["code"] == "conversation_locked"
-        proxy.proxy.leases.release(lease)
+        await slots.drop(conv.id, "another holder")
         await ws.send_str(
             orjson.dumps(
                 {"type": "response.create", "model": "m", "input": "x", "conversation": "conv_no"}

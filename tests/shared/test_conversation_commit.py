@@ -71,7 +71,7 @@ async def test_a_conversation_turn_is_two_round_trips_and_one_aof_write(
     ops.clear()
     before = len(aof_increments(valkey_server))
     await client.responses.create(model="m", input="y", conversation=conv.id, store=False)
-    assert ops == ["conversation_load", "lease"]
+    assert ops == ["conversation_load", "lease_drop"]
     assert len(aof_increments(valkey_server)) == before
     assert len(await texts(client, conv.id)) == 7
 

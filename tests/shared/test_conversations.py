@@ -512,8 +512,8 @@ async def test_every_script_recognizes_its_own_earlier_run(
         shared = store.on_server
         head = b'{"created_at": 1, "metadata": {}, "backend": null}'
         record = await shared.create("scope", "conv_1", head, None)
-        token = await shared.acquire("scope", "conv_1", 5.0)
-        assert token is not None
+        token, lease = "token-1", shared.lease_key("scope", "conv_1")
+        assert await shared.hold(lease, token, 5.0)
         entry = encode_entry(
             Segment(b'{"role":"user","content":"x"}', 1, frozenset(), durable=True), ["msg_1"]
         )
@@ -521,7 +521,7 @@ async def test_every_script_recognizes_its_own_earlier_run(
         assert version == 2
         loaded = await shared.load("scope", "conv_1")
         assert loaded is not None and loaded.ids == [["msg_1"]]
-        assert await shared.acquire("scope", "conv_1", 5.0) is not None  # released with it
+        assert await shared.hold(lease, "token-2", 5.0)  # released with it
         assert await shared.write(loaded, "delete") == -1
         assert await shared.load("scope", "conv_1") is None
         state, _ = await shared.idempotency_begin("scope", "idem_1", "fp:marker", 5.0)
@@ -537,13 +537,13 @@ async def test_the_lock_is_free_when_the_answer_arrives(
     """With a slow release (0.3 s), the next write or turn on another replica, sent the
     moment the previous answer arrived, still finds the conversation free: a route's
     write and a turn that appends nothing (store:false) release before they answer."""
-    release = conversations.SharedConversations.release
+    drop = conversations.SharedConversations.drop
 
     async def slow(self: Any, *args: Any) -> None:
         await asyncio.sleep(0.3)
-        await release(self, *args)
+        await drop(self, *args)
 
-    monkeypatch.setattr(conversations.SharedConversations, "release", slow)
+    monkeypatch.setattr(conversations.SharedConversations, "drop", slow)
     a, b = await replicas(make_proxy, backend, valkey_server.url, n=2)
     ca, cb = a.client(), b.client()
     conv = await ca.conversations.create()

@@ -22,7 +22,6 @@ from typing import Any
 import orjson
 import pytest
 
-from ocxproxy.continuation.locks import Leases
 from ocxproxy.errors import (
     Conflict,
     ConversationLocked,
@@ -33,7 +32,7 @@ from ocxproxy.errors import (
 )
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
-from ocxproxy.store import IdempotencyKey, StoreInterface
+from ocxproxy.store import ConversationTurn, IdempotencyKey, StoreInterface
 from ocxproxy.store.shared.store import SharedStore
 from tests.shared.conftest import require
 from tests.shared.servers import KvServer
@@ -249,34 +248,75 @@ async def test_a_conversation_is_unknown_to_another_scope(store: StoreInterface)
 
 async def test_a_conversation_has_one_writer_at_a_time(store: StoreInterface) -> None:
     conv = await store.conversations.create("scope-a", [], {})
-    leases = Leases(30.0)
-    async with store.conversations.locked("scope-a", conv.id, leases):
+    duration = 30.0  # the lock lasts that long past its holder's last progress
+    async with store.conversations.locked("scope-a", conv.id, duration):
         with pytest.raises(ConversationLocked):
-            async with store.conversations.locked("scope-a", conv.id, leases):
+            async with store.conversations.locked("scope-a", conv.id, duration):
                 pass
         with pytest.raises(ConversationLocked):
-            await store.conversations.open_turn("scope-a", conv.id, leases)
-        reader, _ = await store.conversations.open_turn("scope-a", conv.id, leases, locked=False)
+            await store.conversations.open_turn("scope-a", conv.id, duration)
+        reader, _ = await store.conversations.open_turn("scope-a", conv.id, duration, locked=False)
         reader.release()
-    held, _ = await store.conversations.open_turn("scope-a", conv.id, leases)
+    held, _ = await store.conversations.open_turn("scope-a", conv.id, duration)
     with pytest.raises(ConversationLocked):
-        async with store.conversations.locked("scope-a", conv.id, leases):
+        async with store.conversations.locked("scope-a", conv.id, duration):
             pass
     held.release()
     for _ in range(100):  # (a server's lease is let go in the background)
         with contextlib.suppress(ConversationLocked):
-            async with store.conversations.locked("scope-a", conv.id, leases):
+            async with store.conversations.locked("scope-a", conv.id, duration):
                 return
         await asyncio.sleep(0.01)
     pytest.fail("the lease stayed held")
 
 
+async def taken_when_free(
+    store: StoreInterface, conversation_id: str, duration: float
+) -> ConversationTurn:
+    """A create turn's lock on the conversation, as soon as it can be taken."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        with contextlib.suppress(ConversationLocked):
+            held, _ = await store.conversations.open_turn("scope-a", conversation_id, duration)
+            return held
+        if time.monotonic() > deadline:
+            pytest.fail("the lock never lapsed")
+        await asyncio.sleep(0.02)
+
+
+async def test_a_lock_lasts_while_its_holder_makes_progress_then_lapses(
+    store: StoreInterface,
+) -> None:
+    """The lease (store/lease.py, written once over each store's two primitives): renewed
+    by its holder's progress it outlasts its duration; once the holder is silent it lapses
+    that long after, and the old holder's release leaves the new holder's lock alone."""
+    conv = await store.conversations.create("scope-a", [], {})
+    duration = 1.5
+    held, _ = await store.conversations.open_turn("scope-a", conv.id, duration)
+    for _ in range(15):  # 3 s of progress: twice the duration
+        held.renew()
+        await asyncio.sleep(0.2)
+    with pytest.raises(ConversationLocked):
+        async with store.conversations.locked("scope-a", conv.id, duration):
+            pass
+    silent = time.monotonic()
+    other = await taken_when_free(store, conv.id, duration)
+    assert 0.8 <= time.monotonic() - silent < 6.0
+    held.release()  # lapsed: the lock is the other holder's now
+    await asyncio.sleep(0.2)  # (a server's release runs in the background)
+    with pytest.raises(ConversationLocked):
+        async with store.conversations.locked("scope-a", conv.id, duration):
+            pass
+    other.release()
+    await taken_when_free(store, conv.id, duration)
+
+
 async def turn_on(
-    store: StoreInterface, conversation_id: str, turn: Turn, leases: Leases
+    store: StoreInterface, conversation_id: str, turn: Turn, duration: float
 ) -> list[bytes]:
     """A create turn on a conversation, as the HTTP layer runs one: the lock and the
     items, the turn's record put and its append, everything committed before the answer."""
-    held, history = await store.conversations.open_turn("scope-a", conversation_id, leases)
+    held, history = await store.conversations.open_turn("scope-a", conversation_id, duration)
     parent = held.conversation.record
     record = store.put(turn, parent) if held.put_first else None
     items = orjson.loads(b"[" + turn.items + b"]")
@@ -291,16 +331,16 @@ async def turn_on(
 
 async def test_a_turn_on_a_conversation_appends_its_items(store: StoreInterface) -> None:
     conv = await store.conversations.create("scope-a", [user("first")], {})
-    leases = Leases(30.0)
-    history = await turn_on(store, conv.id, make_turn("resp_1", "u1"), leases)
+    duration = 30.0
+    history = await turn_on(store, conv.id, make_turn("resp_1", "u1"), duration)
     assert [orjson.loads(h) for h in history] == [user("first")]
-    await turn_on(store, conv.id, make_turn("resp_2", "u2"), leases)
+    await turn_on(store, conv.id, make_turn("resp_2", "u2"), duration)
     again = await store.conversations.load("scope-a", conv.id)
     assert contents(await store.conversations.items(again))[:2] == ["first", "u1"]
     assert len(again.meta.all_ids()) == 5
     record = await store.lookup("scope-a", "resp_2")
     assert texts(await store.history(record))[-2:] == ["u2", "echo: u2"]
-    async with store.conversations.locked("scope-a", conv.id, leases):  # the turn let go
+    async with store.conversations.locked("scope-a", conv.id, duration):  # the turn let go
         pass
 
 
@@ -308,8 +348,8 @@ async def test_a_conversation_changed_during_a_turn_keeps_nothing_of_it(
     store: StoreInterface,
 ) -> None:
     conv = await store.conversations.create("scope-a", [user("first")], {})
-    leases = Leases(30.0)
-    held, _ = await store.conversations.open_turn("scope-a", conv.id, leases)
+    duration = 30.0
+    held, _ = await store.conversations.open_turn("scope-a", conv.id, duration)
     held.release()  # its lock lapsed, and another writer got in
     moved = await store.conversations.load("scope-a", conv.id)
     await store.conversations.add_items(moved, [user("other")])

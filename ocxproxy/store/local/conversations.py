@@ -1,5 +1,6 @@
 """Conversations on the single-node store: each one a record the store keeps until
-deleted (`Store.kept`), its lock a lease in process memory (continuation/locks.py).
+deleted (`Store.kept`), its lock a lease (store/lease.py) over slots in process memory
+(`MemorySlots`).
 
 The record's chain holds the items (segments, bytes as forwarded), its response segment
 the `Meta`'s head (created_at, metadata), `Record.ids` the item ids per segment. Every
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,6 @@ from ocxproxy.continuation.conversation import (
     is_conversation_id,
     new_conversation_id,
 )
-from ocxproxy.continuation.locks import Lease, Leases
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store.conversations import (
@@ -42,6 +42,7 @@ from ocxproxy.store.conversations import (
     unreadable,
     without_item,
 )
+from ocxproxy.store.lease import Lease, done
 
 if TYPE_CHECKING:
     from ocxproxy.store.local.store import Store
@@ -49,11 +50,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("ocxproxy.responses")
 
 
-def _lock(leases: Leases, conversation_id: str) -> Lease:
-    lease = leases.acquire(conversation_id)
-    if lease is None:
-        raise ConversationLocked()
-    return lease
+class MemorySlots:
+    """The lease's two primitives (store/lease.py's `Slots`) in process memory: by key (a
+    conversation id), the token holding it and until when (`clock`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._held: dict[str, tuple[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, key: str, token: str, ttl: float) -> Awaitable[bool]:
+        now = self.clock()
+        held = self._held.get(key)
+        if held is not None and held[0] != token and held[1] > now:
+            return done(False)
+        self._held[key] = (token, now + ttl)
+        return done(True)
+
+    def drop(self, key: str, token: str) -> Awaitable[None]:
+        held = self._held.get(key)
+        if held is not None and held[0] == token:
+            del self._held[key]
+        return done(None)
 
 
 class LocalConversations:
@@ -63,6 +83,7 @@ class LocalConversations:
         # A weak reference: the store owns this, and a cycle would keep a connection's
         # memory-only store alive until the garbage collector's next pass.
         self.store: Store = weakref.proxy(store)
+        self.slots = MemorySlots()
 
     async def load(self, scope: str, conversation_id: str) -> Conversation:
         """The caller's conversation, or NotFound (another credential's is unknown too)."""
@@ -123,21 +144,23 @@ class LocalConversations:
         return item_items(conversation, await self._read(conversation.segments))
 
     @contextlib.asynccontextmanager
-    async def locked(self, scope: str, conversation_id: str, leases: Leases) -> AsyncIterator[None]:
+    async def locked(
+        self, scope: str, conversation_id: str, duration: float
+    ) -> AsyncIterator[None]:
         """The conversation's lock around an items or metadata write (ConversationLocked
         while another holds it)."""
-        lease = _lock(leases, conversation_id)
+        lease = await self._lock(conversation_id, duration)
         try:
             yield
         finally:
-            leases.release(lease)
+            lease.release()
 
     async def open_turn(
-        self, scope: str, conversation_id: str, leases: Leases, *, locked: bool = True
+        self, scope: str, conversation_id: str, duration: float, *, locked: bool = True
     ) -> tuple[LocalTurn, list[bytes]]:
         """A create turn on a conversation: its lock (ConversationLocked while another
         turn or write holds it) and its items' bytes. Without `locked`, a read."""
-        lease = _lock(leases, conversation_id) if locked else None
+        lease = await self._lock(conversation_id, duration) if locked else None
         try:
             conversation = await self.load(scope, conversation_id)
             try:
@@ -146,9 +169,15 @@ class LocalConversations:
                 raise unreadable(failure) from None
         except BaseException:
             if lease is not None:
-                leases.release(lease)
+                lease.release()
             raise
-        return LocalTurn(self, leases, lease, conversation), history
+        return LocalTurn(self, lease, conversation), history
+
+    async def _lock(self, conversation_id: str, duration: float) -> Lease:
+        lease = await Lease.take(self.slots, conversation_id, duration)
+        if lease is None:
+            raise ConversationLocked()
+        return lease
 
     def append_segment(
         self, conversation: Conversation, segment: Segment, items: list[Any], *,
@@ -214,7 +243,6 @@ class LocalTurn:
     forwarded until the turn ends, and the append of the answered turn."""
 
     conversations: LocalConversations
-    leases: Leases
     lease: Lease | None
     conversation: Conversation
 
@@ -230,12 +258,12 @@ class LocalTurn:
 
     def renew(self) -> None:
         if self.lease is not None:
-            self.leases.renew(self.lease)
+            self.lease.renew()
 
     def release(self) -> None:
         """Let the conversation go (idempotent): on completion, failure, cancel, disconnect."""
         if self.lease is not None:
-            self.leases.release(self.lease)
+            self.lease.release()
             self.lease = None
 
     def let_go(self) -> list[Record]:

@@ -208,19 +208,19 @@ return answer(new, expired)
 """
 )
 
-# KEYS: a lease. ARGV: a new token, its TTL (ms). 1 when the token holds it now.
-ACQUIRE = (
+# KEYS: a lease. ARGV: a token, a TTL (ms). The token holds it for the TTL from now
+# (taken when free, extended when the token holds it): 1; 0 while another token holds it.
+LEASE_HOLD = (
     _MEMORY_ONLY
     + """
 local held = redis.call('GET', KEYS[1])
-if held == ARGV[1] then return 1 end
-if held then return 0 end
+if held and held ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 )
 
-# KEYS: an in-flight key (`idempotency_hold`), or a lease (`lease`: memory only). ARGV:
+# KEYS: an in-flight key (`idempotency_hold`), or a lease (`lease_drop`: memory only). ARGV:
 # its token, and a TTL (ms) to renew it by ('' to release it). 1 while the token holds it.
 HOLD = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -299,8 +299,8 @@ SCRIPTS = {
     "conversation_create": CREATE,
     "conversation_write": WRITE,
     "conversation_turn": TURN,
-    "lease_acquire": ACQUIRE,
-    "lease": _MEMORY_ONLY + HOLD,
+    "lease_hold": LEASE_HOLD,
+    "lease_drop": _MEMORY_ONLY + HOLD,
     "idempotency_hold": HOLD,
     "idempotency_begin": IDEM_BEGIN,
     "idempotency_done": IDEM_DONE,

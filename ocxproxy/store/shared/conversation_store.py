@@ -1,5 +1,6 @@
 """Conversations on the shared store: each one on the server (conversations.py's keys and
-scripts), its lock a lease there (leases.py), so every replica serves it alike.
+scripts), its lock a lease (store/lease.py) over slots there, so every replica serves it
+alike.
 
 Each write names the version it was computed from, so one made after its lock lapsed and
 the conversation changed is refused (409 `conversation_changed`). A turn's append is a
@@ -23,7 +24,6 @@ from ocxproxy.continuation.conversation import (
     is_conversation_id,
     new_conversation_id,
 )
-from ocxproxy.continuation.locks import Leases
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store.conversations import (
@@ -42,15 +42,14 @@ from ocxproxy.store.conversations import (
     unreadable,
     without_item,
 )
+from ocxproxy.store.lease import Lease, new_token, ttl_of
 from ocxproxy.store.shared.conversations import (
     ConversationRecord,
     SharedConversations,
     conversation_record,
     encode_entry,
-    new_token,
     staged_write,
 )
-from ocxproxy.store.shared.leases import SharedLease, ttl_of
 
 if TYPE_CHECKING:
     from ocxproxy.store.shared.store import SharedStore
@@ -143,10 +142,13 @@ class ServerConversations:
         return item_items(conversation, [s.data or b"" for s in conversation.segments])
 
     @contextlib.asynccontextmanager
-    async def locked(self, scope: str, conversation_id: str, leases: Leases) -> AsyncIterator[None]:
+    async def locked(
+        self, scope: str, conversation_id: str, duration: float
+    ) -> AsyncIterator[None]:
         """The conversation's lease around an items or metadata write (ConversationLocked
         while another holds it), let go before the answer."""
-        lease = await SharedLease.acquire(self.server, scope, conversation_id, leases.duration)
+        key = self.server.lease_key(scope, conversation_id)
+        lease = await Lease.take(self.server, key, duration)
         if lease is None:
             raise ConversationLocked()
         try:
@@ -155,7 +157,7 @@ class ServerConversations:
             await lease.let_go()
 
     async def open_turn(
-        self, scope: str, conversation_id: str, leases: Leases, *, locked: bool = True
+        self, scope: str, conversation_id: str, duration: float, *, locked: bool = True
     ) -> tuple[SharedTurn, list[bytes]]:
         """A create turn on a conversation: its lease and its items in one round trip
         (ConversationLocked while another holds it). Without `locked`, a read."""
@@ -166,9 +168,10 @@ class ServerConversations:
             except StoreFailure as failure:
                 raise unreadable(failure) from None
             return SharedTurn(self, None, conversation), history
-        token, duration = new_token(), leases.duration
+        token = new_token()
         found = await self.load(scope, conversation_id, token, ttl_of(duration))
-        held = SharedLease.held(self.server, scope, conversation_id, token, duration)
+        key = self.server.lease_key(scope, conversation_id)
+        held = Lease.held(self.server, key, token, duration)
         history = [s.data for s in found.segments if s.data]
         return SharedTurn(self, held, found), history
 
@@ -201,7 +204,7 @@ class SharedTurn:
     forwarded until the turn ends, and the append of the answered turn (a staged write)."""
 
     conversations: ServerConversations
-    lease: SharedLease | None
+    lease: Lease | None
     conversation: Conversation
     appending: bool = False  # the append is staged: it releases the lease with it
 

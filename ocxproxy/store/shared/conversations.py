@@ -119,10 +119,6 @@ class ConversationRecord(SharedWrite):
     kept: int = 0  # the bytes kept on the server (conversations, keys) when it was read
 
 
-def new_token() -> str:
-    return secrets.token_hex(12)
-
-
 def conversation_record(
     conversation_id: str,
     scope: str,
@@ -339,22 +335,16 @@ class SharedConversations:
                 return version
         return await self._keep("conversation_write", keys, args, ttl=0, force=force)
 
-    # -- the lease -----------------------------------------------------------------------
+    # -- the lease's two primitives (store/lease.py's `Slots`) ---------------------------
 
-    async def acquire(self, scope: str, conversation_id: str, ttl: float) -> str | None:
-        """A token holding the conversation's lease for `ttl` seconds, or None while
-        another holder's is live."""
-        token = new_token()
-        key = self.keys(scope).conversation(conversation_id)[2]
-        taken = await self._run("lease_acquire", [key], [token, max(1, int(ttl * 1000))])
-        return token if taken else None
+    def lease_key(self, scope: str, conversation_id: str) -> str:
+        return self.keys(scope).conversation(conversation_id)[2]
 
-    async def renew(self, scope: str, conversation_id: str, token: str, ttl: float) -> bool:
-        key = self.keys(scope).conversation(conversation_id)[2]
-        return bool(await self._run("lease", [key], [token, max(1, int(ttl * 1000))]))
+    async def hold(self, key: str, token: str, ttl: float) -> bool:
+        return bool(await self._run("lease_hold", [key], [token, max(1, int(ttl * 1000))]))
 
-    async def release(self, scope: str, conversation_id: str, token: str) -> None:
-        await self._run("lease", [self.keys(scope).conversation(conversation_id)[2]], [token, ""])
+    async def drop(self, key: str, token: str) -> None:
+        await self._run("lease_drop", [key], [token, ""])
 
     # -- Idempotency-Keys ----------------------------------------------------------------
 

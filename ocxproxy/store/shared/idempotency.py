@@ -12,9 +12,9 @@ from ocxproxy.aio import spawn
 from ocxproxy.continuation.locks import in_progress, mismatch
 from ocxproxy.model import Record
 from ocxproxy.store.idempotency import TTL, Key, entry_of, response_of
+from ocxproxy.store.lease import quietly, ttl_of
 from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.shared.conversations import SharedConversations, staged_write
-from ocxproxy.store.shared.leases import quietly, ttl_of
 
 
 def _marker(key: Key) -> str:
