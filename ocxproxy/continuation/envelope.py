@@ -279,8 +279,10 @@ class Envelope:
             and ("effort" not in reasoning or "summary" not in reasoning)
         ):
             self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
-        if "tools" not in filled and response["tools"] and _complete_tools(response["tools"]):
-            patch.rewrite = True
+        tools = response["tools"]
+        if "tools" not in filled and tools and _incomplete_tools(tools):
+            # A copy: the list may be the request's own (a Response the proxy builds).
+            self._replace(response, patch, "tools", _tools(tools))
         if self._pinned is not None:
             for name, value in self._pinned.items():
                 if response.get(name, _MISSING) != value:
@@ -540,24 +542,31 @@ def _complete_usage(usage: Any) -> bool:
     return changed
 
 
+_FUNCTION_MEMBERS = ("description", "parameters", "strict")
+
+
 def _tools(given: Any) -> list[Any]:
+    """A copy of the request's tools, function tools with the members a Response's
+    `tools` requires (null when unsaid); the request's own are left as they are."""
     if type(given) is not list:
         return []
-    tools = [dict(tool) if type(tool) is dict else tool for tool in given]
-    _complete_tools(tools)
-    return tools
+    return [_complete_tool(tool) if _incomplete_tool(tool) else tool for tool in given]
 
 
-def _complete_tools(tools: list[Any]) -> bool:
-    """Function tools with the members a Response's `tools` requires (null when unsaid)."""
-    changed = False
-    for tool in tools:
-        if type(tool) is dict and tool.get("type") == "function":
-            for name in ("description", "parameters", "strict"):
-                if name not in tool:
-                    tool[name] = None
-                    changed = True
-    return changed
+def _complete_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {**tool, **{name: None for name in _FUNCTION_MEMBERS if name not in tool}}
+
+
+def _incomplete_tools(tools: list[Any]) -> bool:
+    return any(map(_incomplete_tool, tools))
+
+
+def _incomplete_tool(tool: Any) -> bool:
+    return (
+        type(tool) is dict
+        and tool.get("type") == "function"
+        and any(name not in tool for name in _FUNCTION_MEMBERS)
+    )
 
 
 def _text(given: Any) -> dict[str, Any]:

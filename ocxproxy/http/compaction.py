@@ -76,12 +76,9 @@ async def compaction_turn(
     proxy = exchange.proxy
     item = new_item(seal(exchange, summary))
     exchange.summary = summary_message(summary)
-    warm: bytes | None = None
     if exchange.conversation is None:
         retained = retained_user_messages(summarized_items(exchange.body))
         exchange.retained = ([orjson.dumps(message) for message in retained], retained)
-        if proxy.config.compaction_prewarm:
-            warm = prewarm_body(exchange)
     response = compaction_response(
         exchange.request.body, "resp_" + secrets.token_hex(24), int(time.time()), [item], usage
     )
@@ -89,7 +86,8 @@ async def compaction_turn(
     exchange.finish(response)
     await exchange.commit()
     proxy.metrics.compactions.labels(route="trigger", outcome="completed").inc()
-    if warm is not None:
+    if proxy.config.compaction_prewarm and exchange.conversation is None:
+        warm = prewarm_body(exchange)
         preferred = exchange.backend.url if exchange.backend is not None else None
         path = responses_path(path_qs)
         spawn(_prewarm(proxy, warm, dict(forwarded), path, preferred), name="compaction prewarm")

@@ -84,6 +84,17 @@ def test_members_the_backend_left_out_are_echoed_from_the_request() -> None:
     assert REQUEST["tools"] == [TOOL]  # the request itself is left alone
 
 
+def test_a_response_holding_the_requests_tools_leaves_them_alone() -> None:
+    """A Response the proxy builds itself (a compaction's) holds the request's own tool
+    objects: the completed Response gets copies, the request keeps what the client sent."""
+    request = {"model": "m", "tools": [dict(TOOL)]}
+    response = {**LLAMA, "tools": request["tools"]}
+    out = completed(response, request)
+    Envelope(request).complete(response, final=True)
+    assert request["tools"] == [TOOL]
+    assert out["tools"] == response["tools"] == [{**TOOL, "description": None, "strict": None}]
+
+
 def test_what_the_backend_said_is_kept_when_valid() -> None:
     given = {
         **LLAMA,

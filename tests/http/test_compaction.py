@@ -631,6 +631,7 @@ async def test_prewarm_sends_the_compacted_window_ahead_of_the_next_turn(
     warm = backend.responses_seen[2]
     assert warm.json["max_output_tokens"] == 1 and warm.json["stream"] is False
     assert warm.json["input"][-1]["content"].startswith(SUMMARY_PREFIX)
+    assert warm.json["tools"] == TOOLS  # as the client sent them: the Response's are a copy
     async with asyncio.timeout(5):
         while not proxy.metric("ocxproxy_compaction_prewarms_total", outcome="completed"):  # noqa: ASYNC110
             await asyncio.sleep(0.01)
