@@ -50,7 +50,8 @@ class OcxError(Exception):
             self.status = status
 
     def to_openai_error(self) -> dict[str, Any]:
-        return to_openai_error(self.message, self.type, self.code, self.param)
+        code = self.code or code_for_status(self.status)
+        return to_openai_error(self.message, self.type, code, self.param)
 
     def body(self) -> bytes:
         return orjson.dumps(self.to_openai_error())
@@ -67,6 +68,47 @@ def to_openai_error(
     message: str, type_: str, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def code_for_status(status: int) -> str:
+    """The code of an error that has none of its own (raised without one, a backend's
+    numeric or null one): the one its status stands for, as OpenAI's errors carry, since
+    clients and the Open Responses suite match on `error.code`."""
+    if status >= 500:
+        return "server_error"
+    return "rate_limit_exceeded" if status == 429 else "invalid_request_error"
+
+
+def complete_error_event(payload: dict[str, Any]) -> bool:
+    """A backend's SSE `error` event's payload (changed in place) as the proxy's own are
+    (upstream/sse.py's error_event): the error object nested, its code a string, and the
+    flat members OpenAI's events carry beside it kept; whether it changed."""
+    status = payload.get("status")
+    error = payload.get("error")
+    changed = False
+    if type(error) is not dict:  # OpenAI's flat form only
+        message, param = payload.get("message"), payload.get("param")
+        error = payload["error"] = {
+            "type": "server_error",
+            "code": payload.get("code"),
+            "message": message if type(message) is str else "The backend reported an error.",
+            "param": param if type(param) is str else None,
+        }
+        changed = True
+    if not _is_code(error.get("code")):
+        error = payload["error"] = {
+            **error,
+            "code": code_for_status(status if type(status) is int else 500),
+        }
+        changed = True
+    if "code" in payload and not _is_code(payload["code"]):
+        payload["code"] = error["code"]
+        changed = True
+    return changed
+
+
+def _is_code(code: Any) -> bool:
+    return type(code) is str and code != ""
 
 
 class InvalidRequest(OcxError):
@@ -211,9 +253,20 @@ def _is_context_overflow(kind: Any, code: Any, message: str) -> bool:
     )
 
 
-def is_context_overflow(status: int, body: bytes) -> bool:
-    """Whether a backend's error answer says the input is past its context window."""
-    return status == 400 and backend_error(status, body)["code"] == CONTEXT_LENGTH_EXCEEDED
+def error_answer(status: int, body: bytes) -> bytes | None:
+    """A backend's error answer as the client gets it: None when it is OpenAI-shaped
+    with a string code (relayed as it is), else as `backend_error` shapes it (a code
+    never null, an input past the context window `context_length_exceeded`)."""
+    shaped = backend_error(status, body)
+    if shaped["code"] != CONTEXT_LENGTH_EXCEEDED:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            doc = None
+        error = doc.get("error") if type(doc) is dict else None
+        if type(error) is dict and _is_code(error.get("code")):
+            return None
+    return orjson.dumps({"error": shaped})
 
 
 def backend_error(status: int, body: bytes) -> dict[str, Any]:
@@ -246,7 +299,7 @@ def backend_error(status: int, body: bytes) -> dict[str, Any]:
     shaped: dict[str, Any] = to_openai_error(
         message,
         kind if isinstance(kind, str) and kind else fallback,
-        code if isinstance(code, str) else None,
+        code if _is_code(code) else code_for_status(status),
         param if isinstance(param, str) else None,
     )["error"]
     return shaped

@@ -51,8 +51,8 @@ from ocxproxy.errors import (
     StorageUnavailable,
     StoreFailure,
     UpstreamError,
-    backend_error,
-    is_context_overflow,
+    complete_error_event,
+    error_answer,
 )
 from ocxproxy.http import compaction, idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
@@ -77,6 +77,7 @@ from ocxproxy.upstream.sse import (
     encode_event,
     error_event,
     loads_or_none,
+    with_data,
 )
 
 log = logging.getLogger("ocxproxy.responses")
@@ -491,9 +492,11 @@ async def forward(
             return
         with timing.waiting():
             body = await upstream.read()
-        if is_context_overflow(upstream.status, body):  # in OpenAI's shape (CONTRACT.md C10)
-            body = orjson.dumps({"error": backend_error(upstream.status, body)})
-        answer_headers = client_headers(upstream.headers, body_rewritten=False)
+        shaped = error_answer(upstream.status, body) if upstream.status >= 400 else None
+        answer_headers = client_headers(upstream.headers, body_rewritten=shaped is not None)
+        if shaped is not None:  # in OpenAI's shape, its code never null (CONTRACT.md C10)
+            body = shaped
+            answer_headers["Content-Type"] = "application/json"
         # The turn is remembered, and durable, before the client can see the answer.
         if upstream.status == 200 and "json" in content_type:
             try:
@@ -602,6 +605,10 @@ async def stream_events(
             patch: Patch | None = None
             if kind in PENDING_EVENTS and repair is None and exchange.injection is None:
                 event = envelope.pending_event(event)  # (not decoded when seen before)
+            elif kind == "error":  # the backend's: its error nested, codes never null
+                payload = payload if payload is not None else loads_or_none(event.data)
+                if isinstance(payload, dict) and complete_error_event(payload):
+                    event = with_data(event, orjson.dumps(payload))
             elif kind in RESPONSE_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict) and type(payload.get("response")) is dict:

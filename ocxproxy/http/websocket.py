@@ -40,6 +40,7 @@ from ocxproxy.errors import (
     StoreFailure,
     UpstreamError,
     backend_error,
+    code_for_status,
 )
 from ocxproxy.http.compaction import compact_first, compaction_turn
 from ocxproxy.http.context import (
@@ -449,19 +450,11 @@ def warmup_response(response_id: str, created_at: int) -> dict[str, Any]:
 
 
 def ws_error_event(status: int, error: dict[str, Any]) -> dict[str, Any]:
-    """The WebSocket error event (`ResponseWsError`): status on top, the error nested.
-    Its `code` is never null: an error with no code of its own (a request error raised
-    without one, a backend's numeric one) carries the one its status stands for, as
-    OpenAI's errors do (`server_error`, `rate_limit_exceeded`, `invalid_request_error`)."""
-    if not isinstance(error.get("code"), str):
-        error = {**error, "code": _code_of(status)}
+    """The WebSocket error event (`ResponseWsError`): status on top, the error nested,
+    its `code` never null (errors.code_for_status)."""
+    if not isinstance(error.get("code"), str) or not error["code"]:
+        error = {**error, "code": code_for_status(status)}
     return {"type": "error", "status": status, "error": error}
-
-
-def _code_of(status: int) -> str:
-    if status >= 500:
-        return "server_error"
-    return "rate_limit_exceeded" if status == 429 else "invalid_request_error"
 
 
 def backend_error_event(status: int, body: bytes) -> dict[str, Any]:
@@ -474,9 +467,9 @@ def backend_error_event(status: int, body: bytes) -> dict[str, Any]:
 
 def ws_payload(event: Event) -> tuple[bytes, str | None]:
     """An SSE event → its WebSocket frame and event type. Payloads go out unchanged, except
-    an SSE `error` event (flat: code, message, param), which becomes the WebSocket error
-    shape (status on top, the error nested). Only events without a name, and errors, are
-    parsed."""
+    an SSE `error` event (flat: code, message, param; or an `error` object nested), which
+    becomes the WebSocket error shape (status on top, the error nested, its code never
+    null). Only events without a name, and errors, are parsed."""
     if event.name is not None and event.name != "error":
         return event.data, event.name
     try:
@@ -484,14 +477,17 @@ def ws_payload(event: Event) -> tuple[bytes, str | None]:
     except orjson.JSONDecodeError:
         return event.data, event.name
     kind = payload.get("type") if isinstance(payload, dict) else None
-    if not isinstance(payload, dict) or kind != "error" or isinstance(payload.get("error"), dict):
+    if not isinstance(payload, dict) or kind != "error":
         return event.data, kind if isinstance(kind, str) else event.name
+    nested = payload.get("error")
     detail = {
         "type": "server_error",
         "code": payload.get("code"),
         "message": payload.get("message") or "The backend reported an error.",
         "param": payload.get("param"),
     }
+    if isinstance(nested, dict):
+        detail.update(nested)
     status = payload.get("status")
     converted = ws_error_event(status if isinstance(status, int) else 500, detail)
     if "sequence_number" in payload:

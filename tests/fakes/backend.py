@@ -79,7 +79,7 @@ class Seen:
 class Action:
     """One scripted behaviour, consumed by the next ``POST /v1/responses``."""
 
-    kind: Literal["fail", "hang_up", "stall", "status", "drip"]
+    kind: Literal["fail", "hang_up", "stall", "status", "drip", "error_event"]
     status: int = 0
     body: Json | None = None
     after_events: int = 0
@@ -285,6 +285,11 @@ class FakeBackend:
         """Stream ``after_events`` events, then abort the connection mid-body."""
         self.script.append(Action("hang_up", after_events=after_events))
 
+    def error_event_next(self, after_events: int, payload: Json) -> None:
+        """Stream ``after_events`` events, then an SSE ``error`` event with ``payload``
+        (its ``type`` and ``sequence_number`` added), and end the stream."""
+        self.script.append(Action("error_event", body=payload, after_events=after_events))
+
     def stall_next(self, seconds: float) -> None:
         """Wait ``seconds`` before answering (then answer normally)."""
         self.script.append(Action("stall", seconds=seconds))
@@ -477,6 +482,8 @@ class FakeBackend:
         response, item = self._build(payload, await request.read(), terminal)
         hang_up = action.after_events if action is not None and action.kind == "hang_up" else None
         if payload.get("stream"):
+            if action is not None and action.kind == "error_event":
+                return await self._stream(request, response, item, None, action)
             return await self._stream(request, response, item, hang_up)
         await self._pause()
         if hang_up is not None:
@@ -664,6 +671,7 @@ class FakeBackend:
         response: Json,
         item: Json | None,
         hang_up: int | None,
+        error: Action | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -671,6 +679,11 @@ class FakeBackend:
         await resp.prepare(request)
         llama = self.stream_style == "llama"
         for seq, event in enumerate(self._events(response, item)):
+            if error is not None and seq >= error.after_events:
+                event = {**(error.body or {}), "type": "error", "sequence_number": seq}
+                await resp.write(b"event: error\ndata: " + orjson.dumps(event) + b"\n\n")
+                await resp.write_eof()
+                return resp
             if hang_up is not None and seq >= hang_up:
                 return self._hang_up(request, resp)
             if seq:

@@ -171,3 +171,99 @@ async def test_a_served_model_name_is_what_clients_see(
         listing = await resp.json()
     assert [m["id"] for m in listing["data"]] == ["smollm2", "small"]
     assert b"fake-model" not in orjson.dumps(listing)
+
+
+# -- every error the proxy emits carries a string code -------------------------------------
+
+NULL_CODE = {"message": "the model failed", "type": "server_error", "param": None, "code": None}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code"),
+    [
+        (500, {"error": NULL_CODE}, "server_error"),
+        (400, {"error": {**NULL_CODE, "type": "invalid_request_error"}}, "invalid_request_error"),
+        (429, {"error": {**NULL_CODE, "code": 429}}, "rate_limit_exceeded"),
+        (503, {"detail": "overloaded"}, "server_error"),  # not OpenAI's shape
+    ],
+)
+async def test_a_backend_error_without_a_string_code_gets_one(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    http: aiohttp.ClientSession,
+    status: int,
+    body: dict[str, Any],
+    code: str,
+) -> None:
+    handle = await make_proxy(backend.url)
+    backend.fail_next(status, body)
+    async with http.post(handle.base_url + "/responses", json=BODY) as resp:
+        assert resp.status == status and resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+    assert error["code"] == code and isinstance(error["message"], str)
+
+
+async def test_a_backend_error_with_a_code_is_relayed_as_it_is(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession
+) -> None:
+    handle = await make_proxy(backend.url)
+    given = {"error": {**NULL_CODE, "code": "model_overloaded"}, "extra": 1}
+    backend.fail_next(503, given)
+    async with http.post(handle.base_url + "/responses", json=BODY) as resp:
+        assert resp.status == 503 and await resp.json() == given
+
+
+@pytest.mark.parametrize("nested", [True, False])
+async def test_a_streamed_backend_error_gets_a_string_code(
+    make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession, nested: bool
+) -> None:
+    """A backend's SSE `error` event, its error object nested (Open Responses) or flat
+    (OpenAI's), with a null code: relayed with a string code, over HTTP and WebSocket."""
+    handle = await make_proxy(backend.url)
+    payload: dict[str, Any] = {"error": NULL_CODE} if nested else NULL_CODE
+    backend.error_event_next(2, payload)
+    async with http.post(handle.base_url + "/responses", json={**BODY, "stream": True}) as resp:
+        events = sse_payloads(await resp.read())
+    error = events[-1]
+    assert error["type"] == "error" and [e["type"] for e in events[:2]] == [
+        "response.created",
+        "response.in_progress",
+    ]
+    assert event_problems(error) == []
+    if nested:
+        assert error["error"] == {**NULL_CODE, "code": "server_error"}
+    else:
+        assert error["code"] == "server_error" and error["message"] == NULL_CODE["message"]
+    backend.error_event_next(2, payload)
+    url = handle.base_url.replace("http://", "ws://") + "/responses"
+    async with http.ws_connect(url) as ws:
+        await ws.send_str(orjson.dumps({"type": "response.create", **BODY}).decode())
+        while (frame := orjson.loads((await ws.receive()).data))["type"] != "error":
+            pass
+    assert event_problems(frame) == []
+    assert frame["error"]["code"] == "server_error"
+    assert frame["error"]["message"] == NULL_CODE["message"]
+
+
+async def test_the_proxys_own_errors_carry_a_code(
+    proxy: ProxyHandle, http: aiohttp.ClientSession
+) -> None:
+    """An error raised with no code of its own (a malformed item, a body that is not
+    JSON)."""
+    item_body = orjson.dumps({"model": "m", "input": [{"type": "item_reference"}]})
+    for data in (item_body, b"{not json"):
+        async with http.post(proxy.base_url + "/responses", data=data) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["code"] == "invalid_request_error"
+
+
+async def test_a_chat_backends_error_carries_a_code(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    async with ChatBackend() as chat:
+        handle = await make_proxy(chat.url, upstream_dialect=("chat",))
+        chat.fail_next(500, {"object": "error", "message": "boom", "code": None})
+        async with http.post(handle.base_url + "/responses", json=BODY) as resp:
+            assert resp.status == 500
+            error = (await resp.json())["error"]
+    assert error["code"] == "server_error" and error["message"] == "boom"

@@ -33,15 +33,15 @@ async def still_serves(http: aiohttp.ClientSession, proxy: ProxyHandle) -> None:
 
 
 @pytest.mark.parametrize(
-    ("raw", "param", "code"),
+    ("raw", "param", "code"),  # (a code never null: the status's when none is more exact)
     [
-        (b'{"model": "m", "input": ', None, None),
-        (b"not json at all", None, None),
-        (b"\xff\xfe", None, None),
-        (b"", None, None),
-        (b"[]", None, None),
-        (b"null", None, None),
-        (b'"a string"', None, None),
+        (b'{"model": "m", "input": ', None, "invalid_request_error"),
+        (b"not json at all", None, "invalid_request_error"),
+        (b"\xff\xfe", None, "invalid_request_error"),
+        (b"", None, "invalid_request_error"),
+        (b"[]", None, "invalid_request_error"),
+        (b"null", None, "invalid_request_error"),
+        (b'"a string"', None, "invalid_request_error"),
         (b'{"input": "x", "previous_response_id": 12}', "previous_response_id", "invalid_type"),
         (
             b'{"input": "x", "previous_response_id": {"id": "r"}}',

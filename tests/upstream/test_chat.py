@@ -554,7 +554,12 @@ def test_usage_mapping_defaults() -> None:
         (
             400,
             b'{"object":"error","message":"bad","type":"BadRequestError","param":"messages","code":400}',
-            {"message": "bad", "type": "BadRequestError", "param": "messages", "code": None},
+            {
+                "message": "bad",
+                "type": "BadRequestError",
+                "param": "messages",
+                "code": "invalid_request_error",  # never null: the status's (not 400)
+            },
         ),
         (
             422,
@@ -563,13 +568,18 @@ def test_usage_mapping_defaults() -> None:
                 "message": "Input validation error",
                 "type": "invalid_request_error",
                 "param": None,
-                "code": None,
+                "code": "invalid_request_error",
             },
         ),
         (
             503,
             b"upstream overloaded",
-            {"message": "upstream overloaded", "type": "server_error", "param": None, "code": None},
+            {
+                "message": "upstream overloaded",
+                "type": "server_error",
+                "param": None,
+                "code": "server_error",
+            },
         ),
         (
             500,
@@ -578,7 +588,7 @@ def test_usage_mapping_defaults() -> None:
                 "message": "The backend answered 500.",
                 "type": "server_error",
                 "param": None,
-                "code": None,
+                "code": "server_error",
             },
         ),
         (
