@@ -175,3 +175,15 @@ def test_http_reaches_the_store_through_its_interface_only() -> None:
     }
     assert {name: inside for name, inside in offenders.items() if inside} == {}
     assert "ocxproxy.store" in modules_named(PACKAGE / "http" / "exchange.py")  # the walk sees it
+
+
+def test_the_two_stores_are_siblings() -> None:
+    """store/shared/ and store/local/ never import each other: what both use sits beside
+    them in store/ (the memory-only store a shared store holds is handed to it by the
+    façade, typed as store/process.py's ProcessStore)."""
+    for name, imports in MODULES.items():
+        if name.startswith("ocxproxy.store.shared"):
+            assert not uses(imports, "ocxproxy.store.local"), name
+        if name.startswith("ocxproxy.store.local"):
+            assert not uses(imports, "ocxproxy.store.shared"), name
+    assert uses(MODULES["ocxproxy.store.shared.store"], "ocxproxy.store.process")

@@ -6,9 +6,11 @@ local/ (one node: memory and the journal) and shared/ (Valkey/Redis); beside the
 both use: records.py (the records' index and expiry; items.py the item index, shards.py
 its shards), resident.py (the memory tier's LRU), output.py (items cut out of an output),
 compaction_key.py (the compaction sealing key), compression.py (the plain zstd
-set-up).
-local/: Store (store.py) does every change and owns the records (kept.py its KeptRecords
-part, the records it keeps for conversations and Idempotency-Keys); segments.py's
+set-up), lease.py (a conversation's lock), process.py (what stays in the process:
+ProcessStore, KEPT_PREFIXES; idempotency.py's ProcessKeys).
+local/: Store (store.py) does every change and owns the records (kept.py its KeptRecords,
+the records it keeps for conversations and Idempotency-Keys; expiry.py its Expiry, what
+goes and when); segments.py's
 SegmentTable alone changes segments (keydir.py where their bytes are); ledger.py queues
 a durable record's journal entries and applies each commit's outcome; durable.py owns the
 files, the committer (committer.py) and the checkpoint. journal.py holds the files
@@ -21,10 +23,12 @@ server.py, its start-up checks in checks.py) is imported only when asked for: it
 is an extra (ocxproxy[shared]).
 interface.py declares what `http/` may call on either (StoreInterface).
 Public surface: Store, StoreInterface (and the types it names), StoreStats,
-default_state_dir, open_store.
+default_state_dir, open_store, shared_store.
 """
 
-from typing import TYPE_CHECKING
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ocxproxy.config import Config, ConfigError
 from ocxproxy.metrics import Metrics
@@ -60,6 +64,7 @@ __all__ = [
     "StoreStats",
     "default_state_dir",
     "open_store",
+    "shared_store",
 ]
 
 
@@ -73,11 +78,29 @@ def open_store(config: Config, metrics: Metrics | None = None) -> StoreInterface
         raise ConfigError(
             "--shared-store needs the Valkey/Redis client: pip install 'ocxproxy[shared]'"
         ) from None
-    return SharedStore.from_config(config, metrics)
+    return shared_store(config.shared_store, metrics=metrics, **SharedStore.settings(config))
+
+
+_PROCESS = ("max_resident_bytes", "max_entries", "ttl", "clock", "durability")
+
+
+def shared_store(url: str, *, metrics: Metrics | None = None, **settings: Any) -> SharedStore:
+    """A SharedStore (`settings` as it takes them) and, for what must never leave this
+    process (store:false turns kept with --retain-unstored, a store:false
+    Idempotency-Key's response), the memory-only single-node Store it holds (no state
+    dir: nothing on disk), on the same metrics and clock."""
+    from ocxproxy.store.shared.store import SharedStore
+
+    metrics = metrics or Metrics()
+    local = Store(
+        metrics=metrics, **{name: settings[name] for name in _PROCESS if name in settings}
+    )
+    return SharedStore(url, local=local, metrics=metrics, **settings)
 
 
 if TYPE_CHECKING:  # mypy: both implementations provide the interface
+    from ocxproxy.store.process import ProcessStore
     from ocxproxy.store.shared.store import SharedStore
 
-    def _implements(local: Store, shared: SharedStore) -> list[StoreInterface]:
-        return [local, shared]
+    def _implements(local: Store, shared: SharedStore) -> list[StoreInterface | ProcessStore]:
+        return [local, shared, local]

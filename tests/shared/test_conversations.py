@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
 from ocxproxy.model import Segment
+from ocxproxy.store import shared_store
 from ocxproxy.store.shared import conversations
 from ocxproxy.store.shared.conversations import encode_entry
-from ocxproxy.store.shared.store import SharedStore
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -499,7 +499,7 @@ async def test_every_script_recognizes_its_own_earlier_run(
     error, when the first run may have happened: here every one runs twice, and each
     answers as if it ran once (no 409 for the writer's own append, no lock or key held
     against itself, the item appended once)."""
-    store = SharedStore(valkey_server.url, max_resident_bytes=1 << 20, max_entries=100, ttl=60)
+    store = shared_store(valkey_server.url, max_resident_bytes=1 << 20, max_entries=100, ttl=60)
     await store.start()
     try:
         real = store.server.round_trip

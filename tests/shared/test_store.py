@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
+from ocxproxy.store import shared_store
 from ocxproxy.store.shared import checks
 from ocxproxy.store.shared.checks import SharedStoreRefused
 from ocxproxy.store.shared.keys import LAYOUT, Keys, budget_keys
@@ -77,7 +78,7 @@ async def make_store(kv_server: KvServer) -> AsyncIterator[MakeStore]:
             "start_timeout": 2.0,
         }
         settings.update(options)
-        store = SharedStore(settings.pop("url", kv_server.url), **settings)
+        store = shared_store(settings.pop("url", kv_server.url), **settings)
         await store.start()
         stores.append(store)
         return store
@@ -404,7 +405,7 @@ async def test_start_checks_the_server_against_the_durability_profile(
     refused: str | None,
 ) -> None:
     server = await make_kv_server("valkey", **settings)
-    store = SharedStore(
+    store = shared_store(
         server.url, max_resident_bytes=1024, max_entries=10, ttl=60.0, durability=durability
     )
     try:
@@ -426,7 +427,7 @@ async def test_start_warns_when_the_server_frees_expired_keys_in_its_main_thread
     warned: bool,
 ) -> None:
     server = await make_kv_server("valkey", extra={"lazyfree-lazy-expire": lazy_expire})
-    store = SharedStore(server.url, max_resident_bytes=1024, max_entries=10, ttl=60.0)
+    store = shared_store(server.url, max_resident_bytes=1024, max_entries=10, ttl=60.0)
     try:
         with caplog.at_level(logging.WARNING, logger="ocxproxy.store.shared"):
             await store.start()
@@ -492,7 +493,7 @@ async def test_wait_replicas_acknowledges_only_what_a_replica_holds(
             if acked >= 1:
                 break
             await asyncio.sleep(0.1)
-        store = SharedStore(
+        store = shared_store(
             kv_server.url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0, wait_replicas=1
         )
         await store.start()
@@ -515,8 +516,8 @@ async def test_a_unix_socket_url_serves_like_tcp(
 ) -> None:
     server = await make_kv_server("valkey", unix_socket=True)
     assert server.url.startswith("unix://")
-    a = SharedStore(server.url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
-    b = SharedStore(server.tcp_url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
+    a = shared_store(server.url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
+    b = shared_store(server.tcp_url, max_resident_bytes=1 << 20, max_entries=10, ttl=60.0)
     await a.start()
     await b.start()
     try:

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
+from ocxproxy.store import shared_store
 from ocxproxy.store.shared.store import SharedStore
 from tests.shared.conftest import require
 from tests.shared.servers import KvServer
@@ -68,7 +69,7 @@ class SharedMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coro)
 
     def replica(self) -> SharedStore:
-        store = SharedStore(
+        store = shared_store(
             self.url,
             max_resident_bytes=600,  # a few segments: the cache evicts and refetches
             max_entries=1000,

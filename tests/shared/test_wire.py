@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.errors import StorageUnavailable
+from ocxproxy.store import shared_store
 from ocxproxy.store.shared import wire as shared_wire
 from ocxproxy.store.shared.checks import SharedStoreRefused
 from ocxproxy.store.shared.store import SharedStore
@@ -28,7 +29,7 @@ MakeKv = Callable[..., Awaitable[KvServer]]
 
 
 def store_on(url: str) -> SharedStore:
-    return SharedStore(url, max_resident_bytes=1 << 20, max_entries=100, ttl=60.0)
+    return shared_store(url, max_resident_bytes=1 << 20, max_entries=100, ttl=60.0)
 
 
 async def test_a_password_an_acl_user_and_a_db_number_in_the_url(make_kv_server: MakeKv) -> None:

@@ -32,8 +32,7 @@ from ocxproxy.errors import (
 )
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import ItemIds, Record, Turn
-from ocxproxy.store import ConversationTurn, IdempotencyKey, StoreInterface
-from ocxproxy.store.shared.store import SharedStore
+from ocxproxy.store import ConversationTurn, IdempotencyKey, StoreInterface, shared_store
 from tests.shared.conftest import require
 from tests.shared.servers import KvServer
 from tests.store.helpers import Clock, make_store, make_turn
@@ -60,7 +59,7 @@ async def shared_on_valkey(request: pytest.FixtureRequest, root: Path, clock: Cl
     server = await KvServer("valkey", root / "valkey").astart()
     request.addfinalizer(server.close)
     clock.now = max(clock.now, time.time())
-    store = SharedStore(
+    store = shared_store(
         server.url,
         max_resident_bytes=1 << 20,
         max_entries=1000,

@@ -21,8 +21,6 @@ from ocxproxy.store.records import NEVER
 if TYPE_CHECKING:
     from ocxproxy.store.local.store import Store
 
-KEPT_PREFIXES = ("conv_", "idem_")  # ids of records `keep` writes; never a response
-
 
 class KeptRecords:
     """`keep` and the room checks for pinned records, on the Store that owns it."""

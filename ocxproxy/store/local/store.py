@@ -25,6 +25,7 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
+from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.local.background import LocalBackgrounds
 from ocxproxy.store.local.codec import Loaded
@@ -32,15 +33,15 @@ from ocxproxy.store.local.committer import Committer, Offload
 from ocxproxy.store.local.conversations import LocalConversations
 from ocxproxy.store.local.durable import Durable
 from ocxproxy.store.local.expiry import Expiry
-from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.local.journal import Journal
-from ocxproxy.store.local.kept import KEPT_PREFIXES, KeptRecords
+from ocxproxy.store.local.kept import KeptRecords
 from ocxproxy.store.local.ledger import Ledger
 from ocxproxy.store.local.segment_files import LARGE
 from ocxproxy.store.local.segments import SegmentTable
 from ocxproxy.store.local.stats import StoreStats, register_gauges, stats_of
 from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES
 from ocxproxy.store.output import split_output
+from ocxproxy.store.process import KEPT_PREFIXES
 from ocxproxy.store.records import NEVER, Records
 from ocxproxy.store.resident import ResidentTier
 
@@ -102,7 +103,7 @@ class Store:
         self.kept = KeptRecords(self)  # conversations' and Idempotency-Keys' records
         self.expiry = Expiry(self)  # expiry and the caps
         self.conversations: Conversations = LocalConversations(self)
-        self.idempotency: IdempotencyKeys = LocalKeys(self)
+        self.idempotency: IdempotencyKeys = ProcessKeys(self)
         self._started = False
         # The disk side, with a state dir; its committer once the journal is open.
         self.ledger: Ledger | None = None

@@ -11,9 +11,8 @@ from typing import Any
 from ocxproxy.aio import spawn
 from ocxproxy.continuation.locks import in_progress, mismatch
 from ocxproxy.model import Record
-from ocxproxy.store.idempotency import TTL, Key, entry_of, response_of
+from ocxproxy.store.idempotency import TTL, Key, ProcessKeys, entry_of, response_of
 from ocxproxy.store.lease import quietly, ttl_of
-from ocxproxy.store.local.idempotency import LocalKeys
 from ocxproxy.store.shared.conversations import SharedConversations, staged_write
 
 
@@ -24,7 +23,7 @@ def _marker(key: Key) -> str:
 class ServerKeys:
     """Store:true keys on the server, store:false ones in `local`."""
 
-    def __init__(self, server: SharedConversations, local: LocalKeys) -> None:
+    def __init__(self, server: SharedConversations, local: ProcessKeys) -> None:
         self.server = server
         self.local = local
 

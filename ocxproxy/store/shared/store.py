@@ -4,8 +4,9 @@ A sibling of the single-node Store (local/store.py): both provide the store inte
 (interface.py), and the handlers cannot tell them apart. Durable turns (store:true) live
 on the server (keys: keys.py; values and scripts: layout.py); what must stay in the
 process (store:false turns kept with --retain-unstored, a store:false Idempotency-Key's
-response) lives in `local`, a memory-only single-node Store this one holds, never on the
-server.
+response) lives in `local`, never on the server: a memory-only single-node Store the
+façade (store/__init__.py's `shared_store`) hands this one, typed as process.py's
+`ProcessStore`.
 
 Round trips: `lookup` (a continuation, GET, input_items) is one script returning the
 record and its chain's newest digests (a chain's list only grows, a fork being another
@@ -35,10 +36,10 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
+from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
-from ocxproxy.store.local.idempotency import LocalKeys
-from ocxproxy.store.local.store import KEPT_PREFIXES, Store
 from ocxproxy.store.output import split_output
+from ocxproxy.store.process import KEPT_PREFIXES, ProcessStore
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared import background_scripts, conversation_scripts, layout
 from ocxproxy.store.shared.background import SharedBackgrounds
@@ -76,6 +77,7 @@ class SharedStore:
         self,
         url: str,
         *,
+        local: ProcessStore,
         max_resident_bytes: int,
         max_entries: int,
         ttl: float,
@@ -90,14 +92,7 @@ class SharedStore:
         metrics = metrics or Metrics()
         self.server = Server(url, metrics, wait_replicas=wait_replicas)
         # What never leaves this process, in memory only (no state dir: nothing on disk).
-        self.local = Store(
-            max_resident_bytes=max_resident_bytes,
-            max_entries=max_entries,
-            ttl=ttl,
-            metrics=metrics,
-            clock=clock,
-            durability=durability,
-        )
+        self.local = local
         self.metrics, self.clock, self.ttl, self.durability = metrics, clock, ttl, durability
         self.state_dir: Path | None = None  # no files: what lasts is on the server
         self.url = url
@@ -114,7 +109,7 @@ class SharedStore:
         self.on_server.join = self.commit_with
         self._keys_of = self.on_server.keys  # the scopes' key names, built once
         self.conversations: Conversations = ServerConversations(self, self.on_server)
-        self.idempotency: IdempotencyKeys = ServerKeys(self.on_server, LocalKeys(self.local))
+        self.idempotency: IdempotencyKeys = ServerKeys(self.on_server, ProcessKeys(self.local))
         self._staged: dict[str, tuple[SharedRecord, Record | None]] = {}
         m = self.metrics
         self._hits, self._misses = m.shared_cache.labels("hit"), m.shared_cache.labels("miss")
@@ -123,20 +118,18 @@ class SharedStore:
         m.store_bytes.labels(tier="shared").set_function(lambda: self.shared_bytes)
         m.store_capacity_bytes.labels(tier="shared").set(max_bytes)
 
-    @classmethod
-    def from_config(cls, config: Config, metrics: Metrics | None = None) -> SharedStore:
-        assert config.shared_store is not None
-        return cls(
-            config.shared_store,
-            max_resident_bytes=config.max_resident_bytes,
-            max_entries=config.max_entries,
-            ttl=config.ttl,
-            metrics=metrics,
-            durability=config.durability,
-            prefix=config.shared_prefix,
-            max_bytes=config.shared_max_bytes,
-            wait_replicas=config.shared_wait_replicas,
-        )
+    @staticmethod
+    def settings(config: Config) -> dict[str, Any]:
+        """The configuration's settings for `SharedStore` (but `local` and `metrics`)."""
+        return {
+            "max_resident_bytes": config.max_resident_bytes,
+            "max_entries": config.max_entries,
+            "ttl": config.ttl,
+            "durability": config.durability,
+            "prefix": config.shared_prefix,
+            "max_bytes": config.shared_max_bytes,
+            "wait_replicas": config.shared_wait_replicas,
+        }
 
     def __repr__(self) -> str:
         return f"<SharedStore {self.url!r} {self.cache!r}>"
