@@ -9,17 +9,28 @@ where each write names the version it was computed from.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from ocxproxy.continuation.affinity import ROOT_KEY
-from ocxproxy.continuation.conversation import Meta, assign_ids, not_found_message, split_items
+from ocxproxy.continuation.conversation import (
+    Meta,
+    assign_ids,
+    is_conversation_id,
+    new_conversation_id,
+    not_found_message,
+    split_items,
+)
 from ocxproxy.continuation.expand import call_ids_of, serialize_items
 from ocxproxy.continuation.record import item_ids_of
 from ocxproxy.errors import (
     Conflict,
+    FailureReason,
     NotFound,
     OcxError,
     StorageUnavailable,
@@ -55,6 +66,35 @@ def new_segment(items: list[Any]) -> Segment:
         durable=False,
         item_ids=item_ids_of(parts, items),
     )
+
+
+def new_conversation(
+    items: list[Any], metadata: dict[str, str]
+) -> tuple[str, Meta, Segment | None]:
+    """A new conversation's id, `Meta` and segment of its first items (None: no items)."""
+    meta = Meta(int(time.time()), metadata)
+    if not items:
+        return new_conversation_id(), meta, None
+    meta.ids.append(assign_ids(items, set()))
+    return new_conversation_id(), meta, new_segment(items)
+
+
+@contextlib.contextmanager
+def loading(conversation_id: str) -> Iterator[None]:
+    """Around a conversation's load: NotFound for an id that is none or that the store
+    does not know (another credential's included), `unreadable` for any other failure."""
+    if not is_conversation_id(conversation_id):
+        raise not_found(conversation_id)
+    try:
+        yield
+    except StoreFailure as failure:
+        if failure.reason == FailureReason.UNKNOWN:
+            raise not_found(conversation_id) from None
+        raise unreadable(failure) from None
+
+
+def with_metadata(conversation: Conversation, metadata: dict[str, str]) -> Meta:
+    return Meta(conversation.meta.created_at, metadata, conversation.meta.ids)
 
 
 def appended(conversation: Conversation, items: list[Any]) -> Meta:

@@ -14,11 +14,13 @@ empties (at `CHUNK // 4` records, then at every power of two), and goes once emp
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import Chain, Record, Segment, Turn
 from ocxproxy.store.items import ItemIndex
 from ocxproxy.store.shards import Shards
 
@@ -220,3 +222,45 @@ class Records:
         if record_id not in self.pinned and len(self.pinned) >= max_entries:
             return False
         return self.pinned_bytes - self.pinned.get(record_id, 0) + size <= cap
+
+
+R = TypeVar("R", bound=Record)
+
+
+def own_segment(turn: Turn, *, durable: bool) -> Segment:
+    """A turn's own segment: its items, the bytes the backend was sent."""
+    return Segment(turn.items, turn.n_items, turn.call_ids, durable=durable, item_ids=turn.item_ids)
+
+
+def turn_record(
+    kind: type[R],
+    turn: Turn,
+    parent: Record | None,
+    *,
+    now: float,
+    ttl: float,
+    durable: bool,
+    links: Chain,
+    segments: tuple[Segment, ...],
+    response: Segment,
+    output_at: tuple[int, int] | None,
+    **extra: Any,
+) -> R:
+    """A finished turn's record on top of `parent`'s chain (`segments`, its own last),
+    expiring `ttl` after `now`: as each store's `put` builds it."""
+    return kind(
+        id=turn.response_id,
+        scope=sys.intern(turn.scope),  # (each request's is a new string of its own)
+        created_at=now,
+        expires_at=now + ttl,
+        durable=durable,
+        links=links,
+        response=response,
+        backend=turn.backend,
+        affinity_key=turn.affinity_key,
+        n_items=(parent.n_items if parent else 0) + turn.n_items,
+        output_at=output_at,
+        stored=turn.stored,
+        built=segments,
+        **extra,
+    )

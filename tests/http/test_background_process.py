@@ -53,54 +53,53 @@ async def test_a_response_running_at_kill_9_is_failed_after_restart(
         assert await second.stop(signal.SIGTERM) == 0
 
 
+async def stopped_while_running(
+    backend: FakeBackend, state: Path, processes: list[Serve], shutdown_timeout: str, text: str
+) -> tuple[Serve, str]:
+    """A proxy stopped gracefully (SIGTERM, `--shutdown-timeout`) while a background
+    response runs, and a proxy started again on its state dir: that one, and the id."""
+    first = Serve(backend.url, state, "--shutdown-timeout", shutdown_timeout)
+    processes.append(first)
+    await first.start()
+    client = first.client()
+    created = await client.responses.create(model="m", input=text, background=True)
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
+    await client.close()
+    assert await first.stop(signal.SIGTERM) == 0
+    second = Serve(backend.url, state)
+    processes.append(second)
+    await second.start()
+    return second, created.id
+
+
 async def test_a_graceful_stop_lets_a_running_one_finish(
     tmp_path: Path, processes: list[Serve]
 ) -> None:
-    state = tmp_path / "state"
     async with FakeBackend(delay=0.1) as backend:
-        first = Serve(backend.url, state, "--shutdown-timeout", "10")
-        processes.append(first)
-        await first.start()
-        client = first.client()
-        created = await client.responses.create(model="m", input="finish me", background=True)
-        await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
-        await client.close()
-        assert await first.stop(signal.SIGTERM) == 0
-
-        second = Serve(backend.url, state)
-        processes.append(second)
-        await second.start()
-        client = second.client()
-        finished = await until_ended(client, created.id)
+        proxy, response_id = await stopped_while_running(
+            backend, tmp_path / "state", processes, "10", "finish me"
+        )
+        client = proxy.client()
+        finished = await until_ended(client, response_id)
         assert finished.status == "completed"
         assert finished.output_text == "echo#1: finish me"
         await client.close()
-        assert await second.stop(signal.SIGTERM) == 0
+        assert await proxy.stop(signal.SIGTERM) == 0
 
 
 async def test_past_the_shutdown_timeout_a_running_one_is_failed(
     tmp_path: Path, processes: list[Serve]
 ) -> None:
-    state = tmp_path / "state"
     async with FakeBackend(delay=2.0) as backend:
-        first = Serve(backend.url, state, "--shutdown-timeout", "0.5")
-        processes.append(first)
-        await first.start()
-        client = first.client()
-        created = await client.responses.create(model="m", input="too slow", background=True)
-        await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
-        await client.close()
-        assert await first.stop(signal.SIGTERM) == 0
-
-        second = Serve(backend.url, state)
-        processes.append(second)
-        await second.start()
-        client = second.client()
-        failed = await client.responses.retrieve(created.id)
+        proxy, response_id = await stopped_while_running(
+            backend, tmp_path / "state", processes, "0.5", "too slow"
+        )
+        client = proxy.client()
+        failed = await client.responses.retrieve(response_id)
         assert failed.status == "failed"
         assert failed.error is not None and failed.error.code == "server_shutting_down"
         await client.close()
-        assert await second.stop(signal.SIGTERM) == 0
+        assert await proxy.stop(signal.SIGTERM) == 0
 
 
 async def test_a_finished_stream_is_resumed_after_a_restart(

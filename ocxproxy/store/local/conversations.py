@@ -20,29 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ocxproxy.continuation.affinity import ROOT_KEY
-from ocxproxy.continuation.conversation import (
-    Meta,
-    assign_ids,
-    is_conversation_id,
-    new_conversation_id,
-)
+from ocxproxy.continuation.conversation import Meta
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
-from ocxproxy.store.conversations import (
-    Conversation,
-    appended,
-    changed,
-    item_items,
-    item_not_found,
-    new_segment,
-    not_appended,
-    not_found,
-    store_full,
-    unavailable,
-    unreadable,
-    without_item,
-)
+from ocxproxy.store import conversations as common
+from ocxproxy.store.conversations import Conversation
 from ocxproxy.store.lease import Lease, done
+from ocxproxy.store.records import own_segment
 
 if TYPE_CHECKING:
     from ocxproxy.store.local.store import Store
@@ -87,36 +71,28 @@ class LocalConversations:
 
     async def load(self, scope: str, conversation_id: str) -> Conversation:
         """The caller's conversation, or NotFound (another credential's is unknown too)."""
-        if not is_conversation_id(conversation_id):
-            raise not_found(conversation_id)
         store = self.store
-        try:
+        with common.loading(conversation_id):
             record = store.record(scope, conversation_id)
             meta = Meta.decode(await store.response_bytes(record), record.ids)
-        except StoreFailure as failure:
-            if failure.reason == FailureReason.UNKNOWN:
-                raise not_found(conversation_id) from None
-            raise unreadable(failure) from None
         return Conversation(record, meta)
 
     async def create(self, scope: str, items: list[Any], metadata: dict[str, str]) -> Conversation:
         """A new conversation, durable when returned."""
-        conversation_id = new_conversation_id()
-        meta = Meta(int(time.time()), metadata)
-        chain: tuple[Segment, ...] = ()
-        if items:
-            chain = (new_segment(items),)
-            meta.ids.append(assign_ids(items, set()))
+        conversation_id, meta, first = common.new_conversation(items, metadata)
+        chain = () if first is None else (first,)
         return await self._durable(self._write(conversation_id, scope, chain, meta, backend=None))
 
     async def add_items(self, conversation: Conversation, items: list[Any]) -> Conversation:
         """The items appended (one segment), durable when returned."""
-        return await self._durable(self.append_segment(conversation, new_segment(items), items))
+        return await self._durable(
+            self.append_segment(conversation, common.new_segment(items), items)
+        )
 
     async def set_metadata(
         self, conversation: Conversation, metadata: dict[str, str]
     ) -> Conversation:
-        meta = Meta(conversation.meta.created_at, metadata, conversation.meta.ids)
+        meta = common.with_metadata(conversation, metadata)
         record = conversation.record
         written = self._write(
             record.id, record.scope, conversation.segments, meta, backend=record.backend
@@ -131,17 +107,17 @@ class LocalConversations:
         """Rewrite only the segment holding the item (the later ones stay the same objects)."""
         where = conversation.meta.find(item_id)
         if where is None:
-            raise item_not_found(item_id)
+            raise common.item_not_found(item_id)
         seg_index, index = where
         record = conversation.record
         (data,) = await self._read((conversation.segments[seg_index],))
-        chain, meta, _ = without_item(conversation, seg_index, index, data)
+        chain, meta, _ = common.without_item(conversation, seg_index, index, data)
         written = self._write(record.id, record.scope, tuple(chain), meta, backend=record.backend)
         return await self._durable(written)
 
     async def items(self, conversation: Conversation) -> list[tuple[str, Any]]:
         """(id, item) of every item, oldest first."""
-        return item_items(conversation, await self._read(conversation.segments))
+        return common.item_items(conversation, await self._read(conversation.segments))
 
     @contextlib.asynccontextmanager
     async def locked(
@@ -166,7 +142,7 @@ class LocalConversations:
             try:
                 history = await self.store.history(conversation.record)
             except StoreFailure as failure:
-                raise unreadable(failure) from None
+                raise common.unreadable(failure) from None
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -185,7 +161,7 @@ class LocalConversations:
     ) -> Conversation:  # fmt: skip
         """The conversation with one more segment (its `items`, parsed, for their ids);
         `force` for a turn already answered (taken even past the store's caps)."""
-        meta = appended(conversation, items)
+        meta = common.appended(conversation, items)
         chain = (*conversation.segments, segment)
         record = conversation.record
         return self._write(conversation.id, record.scope, chain, meta, backend=backend, force=force)
@@ -200,13 +176,13 @@ class LocalConversations:
         try:
             await self.store.commit(record)
         except StoreFailure:
-            raise unavailable() from None
+            raise common.unavailable() from None
 
     async def _read(self, segments: tuple[Segment, ...]) -> list[bytes]:
         try:
             return await self.store.segment_bytes(segments)
         except StoreFailure as failure:
-            raise unreadable(failure) from None
+            raise common.unreadable(failure) from None
 
     def _write(
         self,
@@ -232,8 +208,8 @@ class LocalConversations:
             )
         except StoreFailure as failure:
             if failure.reason == FailureReason.FULL:
-                raise store_full() from None
-            raise unreadable(failure) from None
+                raise common.store_full() from None
+            raise common.unreadable(failure) from None
         return Conversation(record, meta)
 
 
@@ -254,7 +230,7 @@ class LocalTurn:
         """StoreFull unless the conversation can grow by `extra` bytes (a turn's own items,
         checked before it runs) without a cap having to drop conversation items."""
         if not self.conversations.store.kept.room_for(self.conversation.id, extra):
-            raise store_full()
+            raise common.store_full()
 
     def renew(self) -> None:
         if self.lease is not None:
@@ -277,21 +253,19 @@ class LocalTurn:
         checked before the turn, for its own items). A conversation another writer changed
         meanwhile (its lease ran out) is a 409 Conflict; a write the store refused, 503."""
         conversation, conversations = self.conversation, self.conversations
-        segment = Segment(
-            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
-        )
+        segment = own_segment(turn, durable=False)
         try:
             current = conversations.store.record(scope, conversation.id)
         except StoreFailure:
             current = None
         if current is not conversation.record:  # deleted, or written by a lease-breaker
             log.warning("conversation %s changed during a turn; not appended", conversation.id)
-            raise changed()
+            raise common.changed()
         try:
             self.conversation = conversations.append_segment(
                 conversation, segment, items, backend=backend, force=True
             )
         except OcxError as error:
             log.error("conversation %s: turn not appended: %s", conversation.id, error)
-            raise not_appended() from None
+            raise common.not_appended() from None
         return self.conversation.record

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,7 +41,7 @@ from ocxproxy.store.local.stats import StoreStats, register_gauges, stats_of
 from ocxproxy.store.local.upkeep import CHECKPOINT_AGE, CHECKPOINT_BYTES
 from ocxproxy.store.output import split_output
 from ocxproxy.store.process import KEPT_PREFIXES
-from ocxproxy.store.records import NEVER, Records
+from ocxproxy.store.records import NEVER, Records, own_segment, turn_record
 from ocxproxy.store.resident import ResidentTier
 
 __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
@@ -325,9 +324,7 @@ class Store:
         if old is not None:  # a reused id: drop the old record before its segments are shared
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
-        own = self.table.intern(
-            Segment(turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids)
-        )
+        own = self.table.intern(own_segment(turn, durable=False))
         skeleton, output_at = split_output(turn.response, turn.items)
         response = self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
         if parent is None:
@@ -339,21 +336,10 @@ class Store:
         else:  # dropped meanwhile, or another store's record: take its segments in
             segments = (*(self.table.adopt(s, durable) for s in parent.segments), own)
             chain = Chain(chain_of(segments[:-1]), own)
-        record = Record(
-            id=turn.response_id,
-            scope=sys.intern(turn.scope),  # (each request's is a new string of its own)
-            created_at=now,
-            expires_at=now + self.ttl,
-            durable=durable,
-            links=chain,
-            response=response,
-            backend=turn.backend,
-            affinity_key=turn.affinity_key,
-            n_items=(parent.n_items if parent else 0) + turn.n_items,
-            output_at=output_at,
-            stored=turn.stored,
-            built=segments,
-        )
+        record = turn_record(
+            Record, turn, parent, now=now, ttl=self.ttl, durable=durable, links=chain,
+            segments=segments, response=response, output_at=output_at,
+        )  # fmt: skip
         self.table.hold((*segments, response), durable=durable)
         self.index.add(record)
         if durable and self._committer is not None:

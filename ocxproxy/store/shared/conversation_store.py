@@ -11,38 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ocxproxy.continuation.conversation import (
-    Meta,
-    assign_ids,
-    is_conversation_id,
-    new_conversation_id,
-)
+from ocxproxy.continuation.conversation import Meta
 from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
-from ocxproxy.store.conversations import (
-    Conversation,
-    appended,
-    changed,
-    entries_of,
-    head_of,
-    item_items,
-    item_not_found,
-    new_segment,
-    not_appended,
-    not_found,
-    store_full,
-    unavailable,
-    unreadable,
-    without_item,
-)
+from ocxproxy.store import conversations as common
+from ocxproxy.store.conversations import Conversation
 from ocxproxy.store.lease import Lease, new_token, ttl_of
+from ocxproxy.store.records import own_segment
 from ocxproxy.store.shared.conversations import (
     ConversationRecord,
     SharedConversations,
@@ -64,7 +45,7 @@ def _meta(record: ConversationRecord) -> Meta:
 
 def _refused(failure: StoreFailure) -> OcxError:
     """A write the server refused: 507 when the byte budget could not take it."""
-    return store_full() if failure.reason == FailureReason.FULL else unavailable()
+    return common.store_full() if failure.reason == FailureReason.FULL else common.unavailable()
 
 
 class ServerConversations:
@@ -79,30 +60,19 @@ class ServerConversations:
     ) -> Conversation:
         """The caller's conversation, or NotFound; with its lease taken by `token` in the
         same round trip."""
-        if not is_conversation_id(conversation_id):
-            raise not_found(conversation_id)
-        try:
+        with common.loading(conversation_id):
             found = await self.server.load(scope, conversation_id, token, ttl)
-        except StoreFailure as failure:
-            if failure.reason == FailureReason.UNKNOWN:
-                raise not_found(conversation_id) from None
-            raise unreadable(failure) from None
         if found is None:
-            raise not_found(conversation_id)
+            raise common.not_found(conversation_id)
         return Conversation(found, _meta(found))
 
     async def create(self, scope: str, items: list[Any], metadata: dict[str, str]) -> Conversation:
         """A new conversation, durable when returned."""
-        conversation_id = new_conversation_id()
-        meta = Meta(int(time.time()), metadata)
-        first: tuple[Segment, list[str]] | None = None
-        if items:
-            segment = new_segment(items)
-            meta.ids.append(assign_ids(items, set()))
-            first = (segment, meta.ids[0])
+        conversation_id, meta, segment = common.new_conversation(items, metadata)
+        first = None if segment is None else (segment, meta.ids[0])
         try:
             record = await self.server.create(
-                scope, conversation_id, head_of(conversation_id, meta, None), first
+                scope, conversation_id, common.head_of(conversation_id, meta, None), first
             )
         except StoreFailure as failure:
             raise _refused(failure) from None
@@ -110,17 +80,17 @@ class ServerConversations:
 
     async def add_items(self, conversation: Conversation, items: list[Any]) -> Conversation:
         """The items appended (one segment), durable when returned."""
-        segment = new_segment(items)
-        meta = appended(conversation, items)
-        entries = [*entries_of(conversation), (segment, meta.ids[-1])]
+        segment = common.new_segment(items)
+        meta = common.appended(conversation, items)
+        entries = [*common.entries_of(conversation), (segment, meta.ids[-1])]
         entry = encode_entry(segment, meta.ids[-1])
         return await self._write(conversation, meta, entries, "append", entry)
 
     async def set_metadata(
         self, conversation: Conversation, metadata: dict[str, str]
     ) -> Conversation:
-        meta = Meta(conversation.meta.created_at, metadata, conversation.meta.ids)
-        return await self._write(conversation, meta, entries_of(conversation), "meta")
+        meta = common.with_metadata(conversation, metadata)
+        return await self._write(conversation, meta, common.entries_of(conversation), "meta")
 
     async def delete(self, conversation: Conversation) -> None:
         await self._write(conversation, conversation.meta, [], "delete")
@@ -129,17 +99,17 @@ class ServerConversations:
         """Rewrite only the segment holding the item (the later ones stay the same objects)."""
         where = conversation.meta.find(item_id)
         if where is None:
-            raise item_not_found(item_id)
+            raise common.item_not_found(item_id)
         seg_index, index = where
         data = conversation.segments[seg_index].data or b""  # read whole with the conversation
-        chain, meta, kept = without_item(conversation, seg_index, index, data)
+        chain, meta, kept = common.without_item(conversation, seg_index, index, data)
         entry = encode_entry(chain[seg_index], meta.ids[seg_index]) if kept else b""
         entries = list(zip(chain, meta.ids, strict=True))
         return await self._write(conversation, meta, entries, "replace", seg_index, entry)
 
     async def items(self, conversation: Conversation) -> list[tuple[str, Any]]:
         """(id, item) of every item, oldest first (read whole with the conversation)."""
-        return item_items(conversation, [s.data or b"" for s in conversation.segments])
+        return common.item_items(conversation, [s.data or b"" for s in conversation.segments])
 
     @contextlib.asynccontextmanager
     async def locked(
@@ -166,7 +136,7 @@ class ServerConversations:
             try:
                 history = await self.store.history(conversation.record)
             except StoreFailure as failure:
-                raise unreadable(failure) from None
+                raise common.unreadable(failure) from None
             return SharedTurn(self, None, conversation), history
         token = new_token()
         found = await self.load(scope, conversation_id, token, ttl_of(duration))
@@ -187,13 +157,13 @@ class ServerConversations:
         it changed since (its lock lapsed and another writer got in)."""
         record = conversation.record
         assert isinstance(record, ConversationRecord)
-        head = head_of(record.id, meta, record.backend)
+        head = common.head_of(record.id, meta, record.backend)
         try:
             version = await self.server.write(record, op, *args, head=head)
         except StoreFailure as failure:
             raise _refused(failure) from None
         if not version:
-            raise changed()
+            raise common.changed()
         written = conversation_record(record.id, record.scope, head, version, entries)
         return Conversation(written, meta)
 
@@ -219,7 +189,7 @@ class SharedTurn:
         assert isinstance(record, ConversationRecord)
         budget = self.conversations.server.budget
         if budget and record.kept + extra > budget:
-            raise store_full()
+            raise common.store_full()
 
     def renew(self) -> None:
         if self.lease is not None:
@@ -247,14 +217,12 @@ class SharedTurn:
         same script (both or neither; the next turn's record chains on its). A
         conversation another writer changed meanwhile is a 409 Conflict there; a write
         the server refused, 503."""
-        segment = Segment(
-            turn.items, turn.n_items, turn.call_ids, durable=False, item_ids=turn.item_ids
-        )
+        segment = own_segment(turn, durable=False)
         conversation = self.conversation
         record = conversation.record
         assert isinstance(record, ConversationRecord)
-        meta = appended(conversation, items)
-        head = head_of(record.id, meta, backend)
+        meta = common.appended(conversation, items)
+        head = common.head_of(record.id, meta, backend)
         entry = encode_entry(segment, meta.ids[-1])
         lease = self.lease
         server, metrics = self.conversations.server, self.conversations.store.metrics
@@ -270,7 +238,7 @@ class SharedTurn:
             except (OcxError, StoreFailure) as error:
                 log.error("conversation %s: turn not appended: %s", record.id, error)
                 metrics.turns_not_recorded.labels(reason="conversation_failed").inc()
-                raise not_appended() from None
+                raise common.not_appended() from None
             finally:
                 self.appending = False
             if lease is not None:
@@ -278,8 +246,8 @@ class SharedTurn:
             if not version:
                 log.warning("conversation %s changed during a turn; not appended", record.id)
                 metrics.turns_not_recorded.labels(reason="conversation_changed").inc()
-                raise changed()
-            entries = [*entries_of(conversation), (segment, meta.ids[-1])]
+                raise common.changed()
+            entries = [*common.entries_of(conversation), (segment, meta.ids[-1])]
             self.conversation = Conversation(
                 conversation_record(record.id, record.scope, head, version, entries), meta
             )

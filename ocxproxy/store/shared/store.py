@@ -40,6 +40,7 @@ from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.output import split_output
 from ocxproxy.store.process import KEPT_PREFIXES, ProcessStore
+from ocxproxy.store.records import own_segment, turn_record
 from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared import background_scripts, conversation_scripts, layout
 from ocxproxy.store.shared.background import SharedBackgrounds
@@ -337,26 +338,15 @@ class SharedStore:
         if not turn.durable or not shared_parent:
             return self.local.put(turn, parent)
         now = self.clock()
-        own = Segment(turn.items, turn.n_items, turn.call_ids, durable=True, item_ids=turn.item_ids)
+        own = own_segment(turn, durable=True)
         skeleton, output_at = split_output(turn.response, turn.items)
         response = Segment.restore("", len(skeleton), 0, NO_CALLS, durable=True, data=skeleton)
         segments = (own,) if parent is None else (*parent.segments, own)
-        record = SharedRecord(
-            id=turn.response_id,
-            scope=turn.scope,
-            created_at=now,
-            expires_at=now + self.ttl,
-            durable=True,
-            links=Chain(parent.links if parent else None, own),
-            built=segments,
-            response=response,
-            backend=turn.backend,
-            affinity_key=turn.affinity_key,
-            n_items=(parent.n_items if parent else 0) + turn.n_items,
-            output_at=output_at,
-            stored=turn.stored,
-            length=len(segments),
-        )
+        record = turn_record(
+            SharedRecord, turn, parent, now=now, ttl=self.ttl, durable=True,
+            links=Chain(parent.links if parent else None, own), segments=segments,
+            response=response, output_at=output_at, length=len(segments),
+        )  # fmt: skip
         self._staged[record.id] = (record, parent)
         if len(self._staged) > _STAGED:  # put, then never committed (cannot happen)
             del self._staged[next(iter(self._staged))]
