@@ -91,14 +91,16 @@ NO_CALLS: frozenset[str] = frozenset()  # shared: an empty frozenset is 216 byte
 class Segment:
     """The serialized items one turn added to its chain: comma-joined JSON values.
 
-    Immutable content, named by its SHA-256; shared by every later record of the chain.
+    Immutable content, named by its SHA-256 (`digest`, 32 bytes: the maps of 100,000s of
+    segments are keyed by it; `key` is its hex, the name on disk and in the journal);
+    shared by every later record of the chain.
     `data` is None while the bytes live only in the journal (or were lost: `lost` then
     holds the FailureReason value that chains needing it answer with). Where the journal
     holds them: file `pack`, `length` compressed bytes at `offset` (pack -1: nowhere).
     """
 
     __slots__ = (
-        "call_ids", "data", "durable", "durable_refs", "item_ids", "key", "length", "lost",
+        "call_ids", "data", "digest", "durable", "durable_refs", "item_ids", "length", "lost",
         "n_items", "offset", "pack", "refs", "sid", "size",
     )  # fmt: skip
     data: bytes | None
@@ -113,7 +115,7 @@ class Segment:
         durable: bool,
         item_ids: ItemIds = NO_ITEMS,
     ) -> None:
-        self._init(hashlib.sha256(data).hexdigest(), len(data), n_items, call_ids, durable)
+        self._init(hashlib.sha256(data).digest(), len(data), n_items, call_ids, durable)
         self.item_ids = item_ids
         self.data = data
 
@@ -129,17 +131,18 @@ class Segment:
         data: bytes | None = None,
         item_ids: ItemIds = NO_ITEMS,
     ) -> Segment:
-        """A segment known by its digest (from the index or another store); no rehash."""
+        """A segment known by its digest, `key` in hex (from the index or another store);
+        no rehash."""
         segment = cls.__new__(cls)
-        segment._init(key, size, n_items, call_ids, durable)
+        segment._init(bytes.fromhex(key), size, n_items, call_ids, durable)
         segment.item_ids = item_ids
         segment.data = data
         return segment
 
     def _init(
-        self, key: str, size: int, n_items: int, call_ids: frozenset[str], durable: bool
+        self, digest: bytes, size: int, n_items: int, call_ids: frozenset[str], durable: bool
     ) -> None:
-        self.key = key
+        self.digest = digest
         self.data = None
         self.size = shared(size)
         self.n_items = n_items
@@ -152,6 +155,11 @@ class Segment:
         self.lost = None
         self.refs = 0  # records holding it
         self.durable_refs = 0  # durable records holding it; `durable` while above 0 in a Store
+
+    @property
+    def key(self) -> str:
+        """The digest in hex: the segment's name in the journal and on disk."""
+        return self.digest.hex()
 
     @property
     def on_disk(self) -> bool:

@@ -94,7 +94,7 @@ class Records:
             by_id[record.id] = record
             place(record)
             if record.expires_at >= NEVER:
-                kept = {s.key: s.size for s in (*record.segments, record.response)}
+                kept = {s.digest: s.size for s in (*record.segments, record.response)}
                 self.pinned[record.id] = size = sum(kept.values())
                 self.pinned_bytes += size
             if tombstones or failed:
@@ -213,7 +213,7 @@ class Records:
         if old is not None and shared and record_id in self.pinned:
             size = self.pinned[record_id] - old.response.size
             return size + sum(s.size for s in chain[shared:]) + meta
-        return sum(s.size for s in {s.key: s for s in chain}.values()) + meta
+        return sum(s.size for s in {s.digest: s for s in chain}.values()) + meta
 
     def fits(self, record_id: str, size: int, cap: float, max_entries: int) -> bool:
         """Can pinned record `record_id` (or a new one) take `size` bytes with no cap

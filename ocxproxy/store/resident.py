@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 
 from ocxproxy.model import Segment
 
 
 class ResidentTier:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, by_digest: bool = False) -> None:
+        """Segments by key (hex), or `by_digest` (32 bytes: half the memory per entry)."""
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._lru: OrderedDict[str, Segment] = OrderedDict()
+        self._name = attrgetter("digest" if by_digest else "key")
+        self._lru: OrderedDict[object, Segment] = OrderedDict()
 
     def __repr__(self) -> str:
         return f"<ResidentTier {len(self._lru)} segments {self.bytes}/{self.max_bytes}B>"
@@ -25,30 +28,31 @@ class ResidentTier:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._lru
+    def __contains__(self, name: object) -> bool:
+        return name in self._lru
 
     def __iter__(self) -> Iterator[Segment]:
         return iter(self._lru.values())
 
-    def get(self, key: str) -> Segment | None:
-        return self._lru.get(key)
+    def get(self, name: object) -> Segment | None:
+        return self._lru.get(name)
 
-    def get_all(self, keys: Sequence[str]) -> list[Segment | None]:
+    def get_all(self, keys: Sequence[object]) -> list[Segment | None]:
         """get() of each key (one C-level pass: a chain's worth per continuation)."""
         return list(map(self._lru.get, keys))
 
     def admit(self, segment: Segment) -> None:
-        if segment.key in self._lru:
-            self._lru.move_to_end(segment.key)
+        name = self._name(segment)
+        if name in self._lru:
+            self._lru.move_to_end(name)
             return
-        self._lru[segment.key] = segment
+        self._lru[name] = segment
         self.bytes += segment.size
 
     def touch_all(self, segments: Sequence[Segment]) -> None:
         """Mark a whole chain recently used (the hot path: one C-level pass)."""
         lru = self._lru
-        keys = [s.key for s in segments]
+        keys = list(map(self._name, segments))
         try:
             deque(map(lru.move_to_end, keys), maxlen=0)
         except KeyError:  # some segment is not resident: the slow, checking way
@@ -57,7 +61,7 @@ class ResidentTier:
                     lru.move_to_end(key)
 
     def remove(self, segment: Segment) -> None:
-        if self._lru.pop(segment.key, None) is not None:
+        if self._lru.pop(self._name(segment), None) is not None:
             self.bytes -= segment.size
 
     def evict_over_budget(self) -> list[Segment]:

@@ -32,7 +32,7 @@ def check_store(store: Store) -> list[str]:
     for key, segment in segments.items():
         if segment.refs != refs.get(key, 0):
             problems.append(f"{key} refs {segment.refs} != {refs.get(key, 0)}")
-        if key in resident and segment.data is None:
+        if segment.digest in resident and segment.data is None:
             problems.append(f"{key} resident without bytes")
         if segment.lost is not None and segment.data is not None:
             problems.append(f"{key} lost ({segment.lost}) but has bytes")

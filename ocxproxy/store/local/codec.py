@@ -121,7 +121,7 @@ def restore_segment(
     if type(key) is not str or len(key) != 64:
         raise ValueError("bad segment row")
     segment = _new_segment(Segment)
-    segment.key = key
+    segment.digest = bytes.fromhex(key)  # (ValueError: not hex)
     segment.data = None if size else b""
     segment.size = shared(size)
     segment.n_items = n_items

@@ -372,7 +372,7 @@ class Durable:
             keys = self.table.keydir.keys.get(pack, [])  # (only the active file's grows)
             for start in range(0, len(keys), SCAN):
                 # (A key listed twice in different slices moves once: move() skips it.)
-                found = {s.key: s for s in self.table.in_file(pack, keys[start : start + SCAN])}
+                found = {s.digest: s for s in self.table.in_file(pack, keys[start : start + SCAN])}
                 moves += sorted(found.values(), key=_OFFSET)
                 await pacer.pause()
         for start in range(0, len(moves), COMPACT_BATCH):

@@ -9,7 +9,7 @@ whenever a segment's location changes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from ocxproxy.model import Segment, shared
 from ocxproxy.store.local.segment_files import FILES
@@ -27,13 +27,13 @@ class Keydir:
         self.live: dict[int, int] = {}  # file -> compressed bytes of those segments
         self.sizes: dict[int, int] = {}  # file -> its size
         self.left_at: dict[int, int] = {}  # file -> capture number when a segment last left
-        self.keys: dict[int, list[str]] = {}  # file -> keys of the segments placed there
+        self.keys: dict[int, list[bytes]] = {}  # file -> digests of the segments placed there
         self.live_bytes = 0
         self.captures = 0  # checkpoints captured
-        self.files: dict[str, None] = {}  # keys of the segments in files of their own
+        self.files: dict[str, None] = {}  # keys (hex) of the segments in files of their own
         self.gone: dict[str, int] = {}  # files no segment needs -> capture number they left at
 
-    def _listed(self, pack: int) -> list[str]:
+    def _listed(self, pack: int) -> list[bytes]:
         keys = self.keys.get(pack)
         if keys is None:
             keys = self.keys[pack] = []
@@ -49,7 +49,7 @@ class Keydir:
             self.files[segment.key] = None
             self.gone.pop(segment.key, None)
         else:
-            self._listed(pack).append(segment.key)
+            self._listed(pack).append(segment.digest)
 
     def restored(self, segments: Iterable[Segment]) -> None:
         """Start-up: count `segments`, whose locations were read from the journal, as
@@ -64,7 +64,7 @@ class Keydir:
                 listed = keys.get(segment.pack)
                 if listed is None:
                     listed = keys[segment.pack] = []
-                listed.append(segment.key)
+                listed.append(segment.digest)
             total += length
             n += 1
         self.live_bytes += total
@@ -109,11 +109,11 @@ class Keydir:
                 budget -= live
         return out
 
-    def placed(self, before: int) -> list[tuple[int, list[str]]]:
-        """(file, the keys listed for it) for each file before `before`, in order, after
+    def placed(self, before: int) -> list[tuple[int, list[bytes]]]:
+        """(file, the digests listed for it) for each file before `before`, in order, after
         those in files of their own."""
         journal = [(p, keys) for p, keys in sorted(self.keys.items()) if p < before]
-        return [(FILES, list(self.files)), *journal]
+        return [(FILES, [bytes.fromhex(key) for key in self.files]), *journal]
 
     def removable(self, before: int, capture: int) -> list[int]:
         """Files before `before` that no live segment has needed since `capture`."""
@@ -123,13 +123,11 @@ class Keydir:
             if p < before and not self.live.get(p) and self.left_at.get(p, -1) < capture
         ]
 
-    def packs(
-        self, segments: Mapping[str, Segment]
-    ) -> dict[int, tuple[dict[str, Segment], int, int]]:
-        """Journal file -> (segments located there, their bytes as counted, its size);
-        segments in files of their own are not listed."""
+    def packs(self, segments: Iterable[Segment]) -> dict[int, tuple[dict[str, Segment], int, int]]:
+        """Journal file -> (segments located there by key, their bytes as counted, its
+        size); segments in files of their own are not listed."""
         held: dict[int, dict[str, Segment]] = {p: {} for p in self.sizes}
-        for segment in segments.values():
+        for segment in segments:
             if segment.pack > FILES:
                 held.setdefault(segment.pack, {})[segment.key] = segment
         return {p: (held[p], self.live.get(p, 0), self.sizes.get(p, -1)) for p in held}

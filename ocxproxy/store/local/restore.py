@@ -16,20 +16,20 @@ from ocxproxy.store.local.segment_files import FILES
 
 
 def rebuild(
-    loaded: Loaded, now: float, segments: dict[str, Segment], keydir: Keydir
+    loaded: Loaded, now: float, segments: dict[bytes, Segment], keydir: Keydir
 ) -> tuple[list[Record], list[str]]:
     """The live records of `loaded` (expired ones left out), oldest first, and the ids of
     those whose chain needs a segment that is gone. Their segments are added to
-    `segments` (by key; their refcounts set) and located in `keydir`; segments no live
+    `segments` (by digest; their refcounts set) and located in `keydir`; segments no live
     record needs are left out of both."""
     by_sid: dict[int, Segment] = {}
     sizes, known = loaded.sizes, segments.get
     for sid, seg in loaded.segments.items():
         if seg.pack not in sizes and seg.pack != FILES:
             continue  # its journal file is gone
-        same_bytes = known(seg.key)
+        same_bytes = known(seg.digest)
         if same_bytes is None:
-            segments[seg.key] = same_bytes = seg
+            segments[seg.digest] = same_bytes = seg
         by_sid[sid] = same_bytes
     find = by_sid.__getitem__
 
@@ -117,7 +117,7 @@ def rebuild(
             while link is not None:
                 link.segment.refs += n
                 link = link.prev
-    gone: list[str] = []
+    gone: list[bytes] = []
     for key, seg in segments.items():
         if seg.refs:
             seg.durable_refs = seg.refs  # every restored record is durable

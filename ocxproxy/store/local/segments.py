@@ -1,6 +1,6 @@
 """The segments records share, and every change to their state (`SegmentTable`).
 
-A segment is interned by key (its content address) and counted by the records that hold
+A segment is interned by digest (its content address) and counted by the records that hold
 it; a segment may reach disk while, and only while, a durable record holds it
 (`durable_refs`). Its bytes are in the resident tier, or in the journal at the place the
 keydir records, or both, or lost. Store calls this table for every segment a record takes
@@ -38,14 +38,14 @@ class SegmentTable:
         self.resident = resident
         self.metrics = metrics
         self.offload = offload
-        self.by_key: Shards[str, Segment] = Shards()  # 100,000s: sharded (shards.py)
+        self.by_key: Shards[bytes, Segment] = Shards()  # by digest; 100,000s: sharded
         self.keydir = Keydir()
-        self.unwritten: dict[str, Segment] = {}  # queued, not yet committed
+        self.unwritten: dict[bytes, Segment] = {}  # queued, not yet committed
         self.sid = 0  # the last segment id given out
         # Set once the journal is open: where SEG entries go and bytes are read back.
         self.committer: Committer | None = None
         self.journal: Journal | None = None
-        self._ghosts: OrderedDict[str, tuple[int, int, int, int]] = OrderedDict()  # forgotten
+        self._ghosts: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()  # forgotten
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -54,7 +54,7 @@ class SegmentTable:
         """Start-up: the segments `loaded` describes, indexed and located; its live
         records and the ids of those that need a segment that is gone (restore.py)."""
         self.sid = max(loaded.next_sid, 1) - 1
-        found: dict[str, Segment] = {}
+        found: dict[bytes, Segment] = {}
         records, missing = rebuild(loaded, now, found, self.keydir)
         self.by_key.absorb(found)
         self.keydir.sizes.update(loaded.sizes)
@@ -64,9 +64,9 @@ class SegmentTable:
 
     def intern(self, segment: Segment) -> Segment:
         """The table's segment with this content: `segment` itself when new."""
-        existing = self.by_key.get(segment.key)
+        existing = self.by_key.get(segment.digest)
         if existing is None:
-            self.by_key[segment.key] = segment
+            self.by_key[segment.digest] = segment
             self._admit(segment)
             return segment
         if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
@@ -80,7 +80,7 @@ class SegmentTable:
     def adopt(self, segment: Segment, durable: bool) -> Segment:
         """This table's segment for a segment object it does not index, for a record that
         is `durable` or not. Bytes it forgot but the journal still holds are taken back."""
-        mine = self.by_key.get(segment.key)
+        mine = self.by_key.get(segment.digest)
         if mine is segment:
             return mine
         if mine is not None:
@@ -97,11 +97,11 @@ class SegmentTable:
             data=segment.data,
             item_ids=segment.item_ids,
         )
-        self.by_key[copy.key] = copy
+        self.by_key[copy.digest] = copy
         if copy.data is not None:
             self._admit(copy)
             return copy
-        ghost = self._ghosts.pop(copy.key, None)
+        ghost = self._ghosts.pop(copy.digest, None)
         if durable and ghost is not None and self._still_there(copy.key, ghost[0]):
             copy.sid = ghost[3]
             self.keydir.locate(copy, *ghost[:3])
@@ -156,10 +156,15 @@ class SegmentTable:
     def _forget(self, segment: Segment) -> None:
         # The object keeps its bytes for anyone still holding it (an in-flight exchange's
         # parent record); put() adopts them back.
-        del self.by_key[segment.key]
+        del self.by_key[segment.digest]
         self.resident.remove(segment)
         if segment.pack >= 0:  # an in-flight child may still need it (see adopt)
-            self._ghosts[segment.key] = (segment.pack, segment.offset, segment.length, segment.sid)
+            self._ghosts[segment.digest] = (
+                segment.pack,
+                segment.offset,
+                segment.length,
+                segment.sid,
+            )
             if len(self._ghosts) > GHOSTS:
                 self._ghosts.popitem(last=False)
         self.keydir.unlocate(segment)
@@ -174,7 +179,7 @@ class SegmentTable:
         for segment in self.resident.evict_over_budget():
             if segment.on_disk:
                 segment.data = None  # the journal holds it: just release the bytes
-            elif segment.key in self.unwritten:
+            elif segment.digest in self.unwritten:
                 pass  # released when its commit lands
             elif segment.durable and self.committer is not None:
                 self.queue(segment)  # (a failed commit's) bytes: write them now
@@ -203,7 +208,7 @@ class SegmentTable:
         got: dict[int, bytes] = {}
         failure: StoreFailure | None = None
         for segment, result in zip(cold, results, strict=True):
-            live = self.by_key.get(segment.key) is segment
+            live = self.by_key.get(segment.digest) is segment
             if isinstance(result, bytes):
                 self.metrics.spill_reads.inc()
                 got[id(segment)] = result
@@ -252,7 +257,7 @@ class SegmentTable:
         for segment in segments:
             # Queued means this very object: a record deleted before its commit can leave
             # its forgotten segment queued under the same key, with another sid.
-            if segment.pack < 0 and self.unwritten.get(segment.key) is not segment:
+            if segment.pack < 0 and self.unwritten.get(segment.digest) is not segment:
                 self.queue(segment)
 
     def queue(self, segment: Segment, blob: bytes | None = None) -> None:
@@ -267,7 +272,7 @@ class SegmentTable:
         row = codec.segment_row(segment)
         size = len(blob) if blob is not None else segment.size
         self.committer.submit(SEG, (row, data, blob), segment, size)
-        self.unwritten[segment.key] = segment
+        self.unwritten[segment.digest] = segment
 
     def committed(self, outcome: Outcome) -> None:
         """A commit's SEG entries: each segment is where it landed (pack, offset, length)."""
@@ -278,15 +283,15 @@ class SegmentTable:
         for (kind, _), segment, place in jobs:
             if kind != SEG:
                 continue
-            if self.unwritten.get(segment.key) is segment:
-                del self.unwritten[segment.key]
+            if self.unwritten.get(segment.digest) is segment:
+                del self.unwritten[segment.digest]
             self.metrics.spill_writes.inc()
-            if self.by_key.get(segment.key) is not segment or not segment.durable:
+            if self.by_key.get(segment.digest) is not segment or not segment.durable:
                 continue  # dropped meanwhile: its bytes in the journal are garbage
             if segment.pack >= 0:
                 self.keydir.unlocate(segment)  # moved by compaction
             self.keydir.locate(segment, *place)
-            if segment.key not in self.resident:  # only held for the write
+            if segment.digest not in self.resident:  # only held for the write
                 if segment.size:
                     segment.data = None
             elif not segment.n_items and segment.size:
@@ -297,9 +302,9 @@ class SegmentTable:
 
     def not_written(self, segment: Segment) -> None:
         """A SEG entry whose commit failed."""
-        if self.unwritten.get(segment.key) is segment:
-            del self.unwritten[segment.key]
-        if segment.key not in self.resident and segment.pack < 0 and segment.size:
+        if self.unwritten.get(segment.digest) is segment:
+            del self.unwritten[segment.digest]
+        if segment.digest not in self.resident and segment.pack < 0 and segment.size:
             segment.data = None  # only held for the write: not kept while disk is full
             segment.lost = str(FailureReason.WRITE_FAILED)
 
@@ -321,8 +326,8 @@ class SegmentTable:
         for pack in packs:
             self.keydir.drop(pack)
 
-    def in_file(self, pack: int, keys: Iterable[str]) -> list[Segment]:
-        """The segments of `keys` (a slice of those the keydir lists for file `pack`) still
+    def in_file(self, pack: int, keys: Iterable[bytes]) -> list[Segment]:
+        """The segments of digests `keys` (a slice of those the keydir lists for file `pack`) still
         located there and not queued (compaction)."""
         get, unwritten, out = self.by_key.get, self.unwritten, []
         for key in keys:
@@ -336,5 +341,5 @@ class SegmentTable:
         moved, went, or is already queued meanwhile."""
         if blob is None or segment.pack != pack or segment.offset != offset:
             return
-        if self.by_key.get(segment.key) is segment and segment.key not in self.unwritten:
+        if self.by_key.get(segment.digest) is segment and segment.digest not in self.unwritten:
             self.queue(segment, blob)

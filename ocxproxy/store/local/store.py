@@ -90,7 +90,7 @@ class Store:
         self.ttl = ttl
         self.metrics = metrics or Metrics()
         self.clock = clock
-        self.resident = ResidentTier(max_resident_bytes)
+        self.resident = ResidentTier(max_resident_bytes, by_digest=True)
         self.backpressure_timeout = BACKPRESSURE_TIMEOUT
         self.state_dir = state_dir
         self.max_disk_bytes = max_disk_bytes
@@ -424,8 +424,9 @@ class Store:
         return self.index.oldest()
 
     def segments(self) -> dict[str, Segment]:
-        return dict(self.table.by_key)
+        """Every segment, by key (hex)."""
+        return {s.key: s for s in self.table.by_key.values()}
 
     def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
         """Journal file -> (segments located there, their bytes as counted, its size)."""
-        return self.table.keydir.packs(self.table.by_key)
+        return self.table.keydir.packs(self.table.by_key.values())

@@ -50,13 +50,13 @@ async def encode_checkpoint(
     position: tuple[int, int],
     written_at: float,
     next_sid: int,
-    placed: Sequence[tuple[int, list[str]]],
-    by_key: Mapping[str, Segment],
+    placed: Sequence[tuple[int, list[bytes]]],
+    by_key: Mapping[bytes, Segment],
     records: list[Record],
     uncommitted: Collection[str] = (),
 ) -> tuple[list[bytes], int]:
     """The checkpoint at journal `position` of the segments located in the files before it
-    (`placed`: each file and the keys the keydir lists for it, looked up in `by_key` as
+    (`placed`: each file and the digests the keydir lists for it, looked up in `by_key` as
     they are read) and of `records` (the durable ones, but those whose ids are
     `uncommitted`), as chunks to write, and how many records it names. A record is named
     by its parent's row when that row is out already; a record that needs a segment the
