@@ -2,7 +2,10 @@
 
 It changes segments only through the SegmentTable (segments.py); a durable record's
 entries go to the journal through the Ledger (ledger.py), whose committer's outcomes come
-back through narrow calls; the disk side (durable.py) owns the files and the checkpoint.
+back through narrow calls (disk_side.py's DiskSide answers them); the disk side
+(durable.py) owns the files and the checkpoint. Collaborators it owns: KeptRecords
+(kept.py: records kept for others), Expiry (expiry.py: what goes and when), DiskSide,
+and its conversations and Idempotency-Keys.
 
 Durability (`ack`, the default): `await commit(record)` returns once the record's entries
 are fsynced, raising StoreFailure when they could not be written; the HTTP layer awaits
@@ -27,9 +30,9 @@ from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
 from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.local.background import LocalBackgrounds
-from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.committer import Committer, Offload
 from ocxproxy.store.local.conversations import LocalConversations
+from ocxproxy.store.local.disk_side import DiskSide
 from ocxproxy.store.local.durable import Durable
 from ocxproxy.store.local.expiry import Expiry
 from ocxproxy.store.local.journal import Journal
@@ -108,10 +111,11 @@ class Store:
         self.ledger: Ledger | None = None
         self.disk: Durable | None = None
         if state_dir is not None:
-            self.ledger = Ledger(self, self.table)
+            self.disk_side = DiskSide(self)  # what the ledger and the disk side ask of it
+            self.ledger = Ledger(self.disk_side, self.table)
             self.disk = Durable(
                 state_dir,
-                self,
+                self.disk_side,
                 self.table,
                 self.ledger.applied,
                 metrics=self.metrics,
@@ -245,15 +249,6 @@ class Store:
         if committer is not None and committer.queued_bytes > budget and self.ledger:
             await self.ledger.wait_for_room(budget, self.backpressure_timeout)
 
-    def restore(self, loaded: Loaded) -> None:
-        """Build records and segments from what start-up read (the disk side's call)."""
-        records, missing = self.table.restore(loaded, self.clock())
-        self.index.restore(records, missing)
-        if missing:
-            self.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
-            log.warning("journal: %d records need segments that are gone", len(missing))
-        self.expiry.enforce()
-
     # -- lookups -------------------------------------------------------------------------
 
     def lookup_nowait(self, scope: str, response_id: str) -> Record:
@@ -368,15 +363,6 @@ class Store:
         named = parent is not None and self._records.get(parent.id) is parent and parent.durable
         self.ledger.put(record, parent.id if named and parent else None)
 
-    def unwritten(self, record: Record, failure: StoreFailure) -> None:
-        """The ledger's call: `record`'s PUT failed; it goes, unacknowledged."""
-        if self._records.get(record.id) is record:
-            self._drop(record, None, None, journaled=False)
-            self.index.fail(record.id, failure)
-
-    def settle(self) -> None:
-        self.expiry.enforce()
-
     def _drop(
         self,
         record: Record,
@@ -394,15 +380,6 @@ class Store:
         if record.durable and self._committer is not None and self.ledger is not None:
             self.ledger.delete(record, journaled=journaled)
         self.table.release((*record.segments[shared:], record.response), durable=record.durable)
-
-    # -- asked by the disk side --------------------------------------------------------
-
-    def evict_for_disk(self, target: float) -> None:
-        self.expiry.for_disk(target)
-
-    def checkpoint_view(self) -> tuple[list[Record], set[str]]:
-        assert self.ledger is not None
-        return self.index.oldest(), self.ledger.uncommitted()
 
     # -- introspection -------------------------------------------------------------------
 
