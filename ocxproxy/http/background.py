@@ -51,6 +51,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 CANCEL_WAIT = 1.0  # seconds a cancel waits for the run to let go of its backend request
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*-?\d+')
 _LIFECYCLE = ("response.created", "response.in_progress", "response.queued")
+_SPECIAL = frozenset((*_LIFECYCLE, *TERMINAL_EVENTS, "error"))  # decoded by JobReply
 
 
 async def start(
@@ -98,6 +99,7 @@ async def start(
             idempotency.end(proxy, key)
         raise
     exchange.idempotency_key = key
+    exchange.pending_raw = True  # (JobReply completes the one it keeps)
     response_id = "resp_" + secrets.token_hex(24)
     exchange.envelope.pin(id=response_id, background=True)
     first = {"id": response_id, "status": QUEUED, "output": []}
@@ -168,7 +170,7 @@ async def _run(
 ) -> None:
     """The turn of a background response, once a slot is free, to its end."""
     book, runs = proxy.backgrounds, proxy.background_runs
-    reply = JobReply(proxy, job)
+    reply = JobReply(proxy, job, exchange)
     try:
         runs.waiting += 1
         try:
@@ -250,9 +252,10 @@ def _loads(data: bytes) -> dict[str, Any]:
 class JobReply:
     """The Reply of a background run: its events become the job's status and log."""
 
-    def __init__(self, proxy: Proxy, job: Job) -> None:
+    def __init__(self, proxy: Proxy, job: Job, exchange: Exchange) -> None:
         self.proxy = proxy
         self.job = job
+        self.envelope = exchange.envelope
         self.splitter = EventSplitter()
         self.started = False  # the backend's first lifecycle event has been seen
 
@@ -278,10 +281,24 @@ class JobReply:
         self.events(self.splitter.feed(data))
 
     def events(self, batch: list[Event]) -> None:
-        """The relayed events (exchange.relay_stream hands them over unsplit)."""
+        """The relayed events (exchange.relay_stream hands them over unsplit). Most are
+        neither lifecycle nor terminal, and already carry the number they get in the log
+        (the backend's `response.created` becomes its `response.in_progress` and its own
+        is dropped): those go in as they came, undecoded."""
+        job, book = self.job, self.proxy.backgrounds
         for event in batch:
+            name = event.name
+            if self.started and name is not None and name not in _SPECIAL:
+                events = job.log.events if job.log is not None else None
+                if events is None or job.terminal:
+                    continue  # (nothing to keep of it)
+                tag = b'"sequence_number":%d' % len(events)
+                raw = event.raw
+                if tag + b"," in raw or tag + b"}" in raw:
+                    book.append(job, raw)
+                    continue
             if event.data and event.data != b"[DONE]":
-                self._event(event.name, event.data)
+                self._event(name, event.data)
 
     async def end(self) -> None:
         pass
@@ -292,7 +309,9 @@ class JobReply:
             return
         kind = name
         payload: Any = None
-        if kind is None or kind in _LIFECYCLE or kind in TERMINAL_EVENTS or kind == "error":
+        if self.started and kind in _LIFECYCLE:
+            return  # one `response.in_progress` in the log
+        if kind is None or kind in _SPECIAL:
             payload = loads_or_none(data)
             if type(payload) is not dict:
                 return
@@ -303,9 +322,11 @@ class JobReply:
             self.started = True
             response = payload.get("response")
             if type(response) is dict:
+                self.envelope.complete(response, final=False)  # (left undone by the relay)
                 response["status"] = IN_PROGRESS
-                book.moved(job, IN_PROGRESS, orjson.dumps(response))
-                self._append("response.in_progress", None, response)
+                encoded = orjson.dumps(response)
+                book.moved(job, IN_PROGRESS, encoded)
+                self._append("response.in_progress", None, orjson.Fragment(encoded))
             return
         if kind in TERMINAL_EVENTS:
             response = payload.get("response")

@@ -112,6 +112,9 @@ class Exchange:
     key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     envelope: Envelope = field(default_factory=Envelope)  # completes each Response sent
+    # A background run's: its Reply keeps one lifecycle event of the backend's and
+    # completes that one itself, so stream_events leaves them as the backend sent them.
+    pending_raw: bool = False
     # The input ended in a compaction trigger: `body` asks the backend for a summary
     # (http/compaction.py answers the client), and the turn is remembered as `summary`
     # (its message bytes) on top of `retained` (a chain starts again from the compacted
@@ -604,7 +607,8 @@ async def stream_events(
                     event = Event(encode_event(event.name, data), event.name, data)
             patch: Patch | None = None
             if kind in PENDING_EVENTS and repair is None and exchange.injection is None:
-                event = envelope.pending_event(event)  # (not decoded when seen before)
+                if not exchange.pending_raw:
+                    event = envelope.pending_event(event)  # (not decoded when seen before)
             elif kind == "error":  # the backend's: its error nested, codes never null
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict) and complete_error_event(payload):

@@ -220,7 +220,8 @@ async def _stream_again(proxy: Proxy, request: web.Request) -> web.StreamRespons
             await _lookup(proxy, request)  # an unknown id is a 404
         raise InvalidRequest(
             "This response cannot be streamed: only a response created with "
-            "background=true and stream=true can be.",
+            "background=true and stream=true can be, while its events are kept (at "
+            "least 10 minutes after it ends); retrieve it without stream.",
             param="stream",
         )
     if job.log is None:

@@ -4,8 +4,9 @@ in process memory and, on a durable store, in the state dir:
     background.jsonl       one JSON line per status change (the Response with it only
                            when the store will not hold the final one: queued, failed,
                            cancelled), fdatasynced by `commit`
-    background/<id>.log    an ended stream's event log, written once at its end (a
-                           header line, then the events' bytes), removed with it
+    background/<id>.log    an ended stream's event log, written once, within
+                           LOG_WRITE_DELAY of its end (a header line, then the events'
+                           bytes), removed with it
 
 `commit` writes the lines queued since the last one, and has them fdatasynced by a
 helper process of its own (store/local/syncer.py's `FsyncChild`, the journal's helper,
@@ -35,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from ocxproxy.aio import spawn
+from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
     IN_PROGRESS,
@@ -55,6 +56,7 @@ FILE = "background.jsonl"
 LOGS = "background"  # the ended streams' event logs
 DELETED = "deleted"  # a journal line's status: the response was deleted
 REWRITE_BYTES = 1024**2  # the file is not rewritten below this size
+LOG_WRITE_DELAY = 0.5  # seconds an ended stream's log waits to be written with others
 
 Found = tuple[dict[str, Any], list[bytes], int]  # an event log file read: header, events, size
 
@@ -180,8 +182,10 @@ class LocalBackgrounds:
                 self._flushing = spawn(self._flush(), name="background-logs")
 
     async def _flush(self) -> None:
-        async with self._lock():
-            await self._write_files()
+        while self._files:
+            await asyncio.sleep(LOG_WRITE_DELAY)  # (the logs ended meanwhile go with it)
+            async with self._lock():
+                await self._write_files()
 
     async def _write_files(self) -> None:
         """The event log files queued (under the lock), in order: a removal after its write."""
@@ -203,14 +207,15 @@ class LocalBackgrounds:
         return self._writing
 
     async def commit(self) -> None:
-        if self.path is None or not (self._pending or self._files):
+        if self.path is None or not self._pending:
             return
         async with self._lock():  # the lines queued meanwhile go in the next write
-            await self._write_files()  # (a deleted one's log goes before its line)
             lines, self._pending = self._pending, []
             if not lines:
                 return
             if self.file_bytes > self._rewrite_at:
+                # (A deleted one's log goes first: no line names it once rewritten.)
+                await self._write_files()
                 await self._rewrite()  # (what it writes includes those lines' changes)
                 return
             data = b"".join(lines)
@@ -353,8 +358,11 @@ class LocalBackgrounds:
         return doomed
 
     async def close(self) -> None:
-        if self._flushing is not None:
-            await self._flushing
+        flushing, self._flushing = self._flushing, None
+        if flushing is not None:
+            await cancel_and_wait(flushing)
+        async with self._lock():
+            await self._write_files()
         await self.commit()
         if self._fd is not None:
             os.close(self._fd)
