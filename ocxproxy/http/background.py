@@ -116,7 +116,8 @@ async def start(
         _run(proxy, exchange, job, copied, path_qs, timing.request_id),
         name=f"background-{response_id}",
     )
-    if proxy.config.durability == "ack":  # answered once the response is kept
+    # Answered once the response is kept (on a shared store always: every replica finds it).
+    if proxy.config.durability == "ack" or proxy.config.shared_store is not None:
         await book.commit()
     if request.stream:
         await reply.start(200, CIMultiDict(SSE_HEADERS))

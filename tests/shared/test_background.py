@@ -34,11 +34,12 @@ def numbers(events: list[Any]) -> list[int]:
     return [event.sequence_number for event in events]
 
 
+@pytest.mark.parametrize("durability", ["ack", "relaxed"])
 async def test_created_on_one_polled_on_another_finishes_there(
-    make_proxy: MakeProxy, valkey_server: KvServer
+    make_proxy: MakeProxy, valkey_server: KvServer, durability: str
 ) -> None:
     async with FakeBackend(delay=0.3) as backend:
-        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url, durability=durability)
         created = await a.client().responses.create(model="m", input="slow", background=True)
         assert created.status == "queued" and created.background is True
         polled = await b.client().responses.retrieve(created.id)

@@ -102,6 +102,7 @@ class SharedBackgrounds:
         self.log_bytes, self.ttl = log_bytes, ttl
         self.token = secrets.token_hex(16)  # this replica, as the owner of what it runs
         self.jobs: dict[bytes, Job] = {}  # the ones it runs, by key
+        self._opening: set[bytes] = set()  # of them, those not on the server yet
         self.log_size = 0  # the server's total of logs' bytes, as the last write saw it
         self._pending: dict[bytes, _Pending] = {}
         self._queued = 0  # changes queued so far
@@ -131,6 +132,7 @@ class SharedBackgrounds:
     def open(self, job: Job) -> None:
         key = self.keys(job.scope).background(job.id)
         self.jobs[key] = job
+        self._opening.add(key)
         if job.stream:
             job.log = EventLog()
         self._queue(key, _Pending(job, "open", status=job.status, response=job.response))
@@ -166,6 +168,7 @@ class SharedBackgrounds:
         key = self.keys(job.scope).background(job.id)
         if self.jobs.get(key) is job:
             del self.jobs[key]
+            self._opening.discard(key)
         if job.log is not None:
             job.log.close()
             job.log = None
@@ -288,6 +291,8 @@ class SharedBackgrounds:
         answer = await self.server.write(
             "background_write", lambda: ("EVALSHA", sha, len(keys), *keys, *args)
         )
+        if change.mode == "open":
+            self._opening.discard(key)
         if answer[0] == b"ok":
             self.log_size = int(answer[1])
             if job.terminal and self.jobs.get(key) is job:
@@ -325,7 +330,7 @@ class SharedBackgrounds:
                 await self._claim()
 
     async def _renew(self) -> None:
-        keys = list(self.jobs)
+        keys = [key for key in self.jobs if key not in self._opening]
         if not keys:
             return
         sha = SHAS["background_renew"]
