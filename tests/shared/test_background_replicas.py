@@ -7,6 +7,7 @@ streams ending with `response.failed`."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from typing import Any
 
@@ -137,3 +138,21 @@ async def _events(client: Any, response_id: str) -> list[Any]:
 async def _metrics(url: str) -> str:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         return await r.text()
+
+
+async def test_a_replica_stopped_gracefully_fails_what_it_could_not_finish(
+    valkey_server: KvServer, make_replicas: MakeReplicas, backend: FakeBackend
+) -> None:
+    replicas = await make_replicas(valkey_server.url, 2, "--shutdown-timeout", "0.5")
+    owner, other = replicas[0].client(), replicas[1].client()
+    try:
+        backend.stall_next(60)
+        created = await owner.responses.create(model="m", input="too slow", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1, within=10)
+        assert await replicas[0].stop(signal.SIGTERM) == 0
+        failed = await other.responses.retrieve(created.id)  # at once: no lease to wait out
+        assert failed.status == "failed"
+        assert failed.error is not None and failed.error.code == "server_shutting_down"
+    finally:
+        await owner.close()
+        await other.close()
