@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.store.shared.background import RENEW_EVERY, SharedBackgrounds
 from ocxproxy.store.shared.keys import background_keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
@@ -181,3 +182,26 @@ async def test_event_logs_beyond_the_budget_go_oldest_first(
             assert 0 < kept <= 6000 and await server.zcard(ended) < 4
         finally:
             await server.aclose()
+
+
+async def test_a_renewal_before_the_first_write_is_in_leaves_the_run_alone(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend(delay=0.2) as backend:  # (still running at the renewal)
+        (a,) = await replicas(make_proxy, backend, valkey_server.url, 1)
+        book = a.proxy.backgrounds
+        assert isinstance(book, SharedBackgrounds)
+        server, write = book.server, book.server.write
+        slowed: list[str] = []
+
+        async def slow_first_write(op: str, command: Any) -> Any:
+            if op == "background_write" and not slowed:  # the create's: its response's first
+                slowed.append(op)
+                await asyncio.sleep(RENEW_EVERY * 1.5)  # a renewal runs meanwhile
+            return await write(op, command)
+
+        monkeypatch.setattr(server, "write", slow_first_write)
+        created = await a.client().responses.create(model="m", input="hello", background=True)
+        assert slowed
+        done = await until_ended(a.client(), created.id)
+        assert done.status == "completed" and done.output_text == "echo#1: hello"

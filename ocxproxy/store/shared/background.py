@@ -322,12 +322,17 @@ class SharedBackgrounds:
     # -- leases ----------------------------------------------------------------------------
 
     async def _tick(self) -> None:
+        """Renew, then claim, every RENEW_EVERY seconds; a round that fails is tried again
+        next time (this task must not end: without it this replica's leases lapse)."""
         while True:
             await asyncio.sleep(RENEW_EVERY)
-            with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
-                await self._renew()
-            with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
-                await self._claim()
+            for step in (self._renew, self._claim):
+                try:
+                    await step()
+                except (StorageUnavailable, StoreFailure, OcxError):
+                    pass  # the server is unavailable: its probe says so
+                except Exception:
+                    log.exception("background leases: %s failed", step.__name__)
 
     async def _renew(self) -> None:
         keys = [key for key in self.jobs if key not in self._opening]
