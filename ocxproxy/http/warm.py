@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from ocxproxy.model import Record
+from ocxproxy.model import Record, shared
 from ocxproxy.upstream.misses import Served, head_of, miss_of
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
         return
     proxy = exchange.proxy
     book = proxy.cache_book
-    head = head_of(exchange.request.body)
+    head = shared(head_of(exchange.request.body))  # (kept in the book: one object a value)
     parent = exchange.parent
     if cached is not None and parent is not None:
         restored = exchange.restored
