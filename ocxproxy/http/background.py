@@ -52,6 +52,7 @@ CANCEL_WAIT = 1.0  # seconds a cancel waits for the run to let go of its backend
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*-?\d+')
 _LIFECYCLE = ("response.created", "response.in_progress", "response.queued")
 _SPECIAL = frozenset((*_LIFECYCLE, *TERMINAL_EVENTS, "error"))  # decoded by JobReply
+_QUEUED, _IN_PROGRESS = b'"status":"queued"', b'"status":"in_progress"'
 
 
 async def start(
@@ -99,7 +100,7 @@ async def start(
             idempotency.end(proxy, key)
         raise
     exchange.idempotency_key = key
-    exchange.pending_raw = True  # (JobReply completes the one it keeps)
+    exchange.pending_raw = True  # (JobReply makes its own)
     response_id = "resp_" + secrets.token_hex(24)
     exchange.envelope.pin(id=response_id, background=True)
     first = {"id": response_id, "status": QUEUED, "output": []}
@@ -109,7 +110,7 @@ async def start(
     book = proxy.backgrounds
     book.open(job)
     if job.log is not None:
-        book.append(job, _event("response.created", 0, first))
+        book.append(job, _event("response.created", 0, orjson.Fragment(first_bytes)))
     copied = CIMultiDict(headers)
     proxy.background_runs.exchanges[scope, response_id] = exchange
     job.task = spawn(
@@ -124,6 +125,12 @@ async def start(
         await follow(job, reply, -1)
     else:
         reply.answer(200, CIMultiDict(JSON_HEADERS), first_bytes)
+
+
+def _numbered(raw: bytes, sequence_number: int) -> bool:
+    """Whether an SSE event's bytes carry this `sequence_number` (compact JSON)."""
+    tag = b'"sequence_number":%d' % sequence_number
+    return tag + b"," in raw or tag + b"}" in raw
 
 
 def _event(kind: str, sequence_number: int, response: Any) -> bytes:
@@ -171,7 +178,7 @@ async def _run(
 ) -> None:
     """The turn of a background response, once a slot is free, to its end."""
     book, runs = proxy.backgrounds, proxy.background_runs
-    reply = JobReply(proxy, job, exchange)
+    reply = JobReply(proxy, job)
     try:
         runs.waiting += 1
         try:
@@ -253,10 +260,9 @@ def _loads(data: bytes) -> dict[str, Any]:
 class JobReply:
     """The Reply of a background run: its events become the job's status and log."""
 
-    def __init__(self, proxy: Proxy, job: Job, exchange: Exchange) -> None:
+    def __init__(self, proxy: Proxy, job: Job) -> None:
         self.proxy = proxy
         self.job = job
-        self.envelope = exchange.envelope
         self.splitter = EventSplitter()
         self.started = False  # the backend's first lifecycle event has been seen
 
@@ -290,30 +296,27 @@ class JobReply:
         for event in batch:
             name = event.name
             if self.started and name is not None and name not in _SPECIAL:
-                events = job.log.events if job.log is not None else None
-                if events is None or job.terminal:
+                if job.log is None or job.terminal:
                     continue  # (nothing to keep of it)
-                tag = b'"sequence_number":%d' % len(events)
-                raw = event.raw
-                if tag + b"," in raw or tag + b"}" in raw:
-                    book.append(job, raw)
+                if _numbered(event.raw, len(job.log.events)):
+                    book.append(job, event.raw)
                     continue
             if event.data and event.data != b"[DONE]":
-                self._event(name, event.data)
+                self._event(name, event)
 
     async def end(self) -> None:
         pass
 
-    def _event(self, name: str | None, data: bytes) -> None:
+    def _event(self, name: str | None, event: Event) -> None:
         job, book = self.job, self.proxy.backgrounds
         if job.terminal:
             return
         kind = name
         payload: Any = None
-        if self.started and kind in _LIFECYCLE:
-            return  # one `response.in_progress` in the log
-        if kind is None or kind in _SPECIAL:
-            payload = loads_or_none(data)
+        if kind in _LIFECYCLE:
+            pass  # (the name says enough)
+        elif kind is None or kind in _SPECIAL:
+            payload = loads_or_none(event.data)
             if type(payload) is not dict:
                 return
             kind = payload.get("type")
@@ -321,18 +324,17 @@ class JobReply:
             if self.started:
                 return  # one `response.in_progress` in the log
             self.started = True
-            response = payload.get("response")
-            if type(response) is dict:
-                self.envelope.complete(response, final=False)  # (left undone by the relay)
-                response["status"] = IN_PROGRESS
-                encoded = orjson.dumps(response)
-                book.moved(job, IN_PROGRESS, encoded)
-                self._append("response.in_progress", None, orjson.Fragment(encoded))
+            # The queued Response, in progress: the backend's lifecycle Responses carry
+            # nothing the proxy's lacks (the relay leaves them uncompleted for this).
+            # `status` is the queued Response's second member, before any other.
+            progress = job.response.replace(_QUEUED, _IN_PROGRESS, 1)
+            book.moved(job, IN_PROGRESS, progress)
+            self._append("response.in_progress", None, orjson.Fragment(progress))
             return
         if kind in TERMINAL_EVENTS:
-            response = payload.get("response")
-            if type(response) is dict:
-                self._terminal(kind.removeprefix("response."), response, data)
+            final = payload.get("response") if payload is not None else None
+            if type(final) is dict:
+                self._terminal(kind.removeprefix("response."), final, event)
             return
         if kind == "error":
             error = payload.get("error")
@@ -342,17 +344,21 @@ class JobReply:
         if not self.started:
             self.started = True
             book.moved(job, IN_PROGRESS)
-        self._append(kind, data, None)
+        self._append(kind, event, None)
 
-    def _append(self, kind: str | None, data: bytes | None, response: Any) -> None:
-        """An event into the log, numbered next."""
+    def _append(self, kind: str | None, given: Event | None, response: Any) -> None:
+        """An event into the log, numbered next: `given` (renumbered when it must be),
+        else one of `kind` carrying `response`."""
         job = self.job
         if job.log is None:
             return
         seq = len(job.log.events)
-        if data is None:
+        if given is None:
             event = _event(kind or "", seq, response)
+        elif given.name == kind and _numbered(given.raw, seq):
+            event = given.raw
         else:
+            data = given.data
             numbered, count = _SEQUENCE.subn(b'"sequence_number":%d' % seq, data, count=1)
             if not count:
                 payload = _loads(data)
@@ -361,15 +367,12 @@ class JobReply:
             event = encode_event(kind, numbered)
         self.proxy.backgrounds.append(job, event)
 
-    def _terminal(self, status: str, response: dict[str, Any], data: bytes | None = None) -> None:
+    def _terminal(self, status: str, response: dict[str, Any], given: Event | None = None) -> None:
         if status not in TERMINAL:
             status = "failed"
         response["status"] = status
         kind = "response." + status
-        if data is not None:
-            self._append(kind, data, None)
-        else:
-            self._append(kind, None, response)
+        self._append(kind, given, None if given is not None else response)
         self.proxy.backgrounds.moved(self.job, status, orjson.dumps(response))
 
     def fail(self, code: str, message: str) -> None:

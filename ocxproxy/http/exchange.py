@@ -112,8 +112,8 @@ class Exchange:
     key_entry: Record | None = None  # the completed Idempotency-Key, committed after the turn
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     envelope: Envelope = field(default_factory=Envelope)  # completes each Response sent
-    # A background run's: its Reply keeps one lifecycle event of the backend's and
-    # completes that one itself, so stream_events leaves them as the backend sent them.
+    # A background run's: its Reply makes its own lifecycle events from the proxy's
+    # queued Response, so stream_events leaves the backend's as they came (undecoded).
     pending_raw: bool = False
     # The input ended in a compaction trigger: `body` asks the backend for a summary
     # (http/compaction.py answers the client), and the turn is remembered as `summary`

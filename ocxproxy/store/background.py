@@ -40,7 +40,8 @@ class EventLog:
     def append(self, event: bytes) -> None:
         self.events.append(event)
         self.size += len(event)
-        self._wake()
+        if self._waiters:
+            self._wake()
 
     def close(self) -> None:
         self.closed = True

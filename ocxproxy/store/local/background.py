@@ -78,6 +78,7 @@ class LocalBackgrounds:
         self.log_size = 0  # bytes of every event log kept
         self.file_bytes = 0  # background.jsonl's size
         self.logs_on_disk: dict[str, int] = {}  # event log files' sizes, by response id
+        self.logs_bytes = 0  # their sum
         self._pending: list[bytes] = []  # lines to append
         self._files: list[tuple[str, bytes | None]] = []  # event log files to write (None: remove)
         self._rewrite_at = REWRITE_BYTES
@@ -104,7 +105,7 @@ class LocalBackgrounds:
 
     def disk_bytes(self) -> int:
         """What background responses take in the state dir (counted in --max-disk-bytes)."""
-        return self.file_bytes + sum(self.logs_on_disk.values())
+        return self.file_bytes + self.logs_bytes
 
     def open(self, job: Job) -> None:
         self._prune()
@@ -141,7 +142,8 @@ class LocalBackgrounds:
                 self._save_log(job)
             self.ended.append(job)
             self.metrics.background_finished.labels(status=status).inc()
-        self._journal(job, None if status in STORED or status == IN_PROGRESS else job.response)
+        if status != IN_PROGRESS:  # (queued or in progress, a restart fails it all the same)
+            self._journal(job, None if status in STORED else job.response)
 
     def drop(self, job: Job) -> None:
         if self.jobs.pop((job.scope, job.id), None) is None:
@@ -194,10 +196,10 @@ class LocalBackgrounds:
             return
         done = await asyncio.to_thread(_write_logs, self.logs, files)
         for name, size in done.items():
-            if size is None:
-                self.logs_on_disk.pop(name, None)
-            else:
+            self.logs_bytes -= self.logs_on_disk.pop(name, 0)
+            if size is not None:
                 self.logs_on_disk[name] = size
+                self.logs_bytes += size
 
     # -- background.jsonl ------------------------------------------------------------
 
@@ -355,6 +357,7 @@ class LocalBackgrounds:
             job.log.close()
             self.log_size += size
             self.logs_on_disk[name] = file_size
+            self.logs_bytes += file_size
         return doomed
 
     async def close(self) -> None:
