@@ -1,7 +1,10 @@
 """Warm resume on the embedded llama.cpp backend, against ocxproxy in this process: a chain
 whose first message is ~--tokens tokens, then its continuation after the backend was
 killed (-9) and restarted by the watchdog, and after a graceful restart of the whole
-proxy on the same state dir.
+proxy on the same state dir. With `--rewarm N`: instead, N chains on a llama.cpp server
+with no save API (a second process, the proxy's --upstream, --rewarm-budget on), the
+server killed and started again, and the first continuation of each chain once the
+re-warm is done.
 
 Prints: the continuation's latency after the kill ÷ the cold first turn (target ≤ 0.25)
 and its cached/input (≥ 0.9); the same after the proxy's restart; the save cost on the
@@ -10,6 +13,7 @@ alternated); bytes saved per token; restore seconds.
 
     python scripts/bench/bench_warm.py                     # ~3,000 tokens
     python scripts/bench/bench_warm.py --tokens 7000
+    python scripts/bench/bench_warm.py --rewarm 10 --tokens 400
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class Running:
 
     @classmethod
     async def start(cls, state: Path, **settings: Any) -> Running:
-        app = build_app(Config(state_dir=state, port=0, health_interval=0, **settings))
+        settings.setdefault("health_interval", 0)
+        app = build_app(Config(state_dir=state, port=0, **settings))
         return cls(app, await listen(app, "127.0.0.1", 0))
 
     @property
@@ -77,8 +82,8 @@ class Running:
             await asyncio.sleep(0.1)
         raise SystemExit("the watchdog did not restart the backend")
 
-    def sample(self, name: str) -> float:
-        value = self.proxy.metrics.registry.get_sample_value(name)
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
     async def stop(self) -> None:
@@ -160,11 +165,60 @@ async def run(args: argparse.Namespace) -> None:
     print(f"| restore seconds | {restore_seconds:.3f} | |")
 
 
+async def rewarmed(args: argparse.Namespace) -> None:
+    """N chains on an external server with no save API, which is killed and started
+    again; the first continuation of each once the proxy has re-warmed them."""
+    model = local.default_model_path()
+    assert model is not None
+    server = local.LocalBackend(model)
+    url = await server.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        proxy = await Running.start(
+            Path(tmp) / "state", upstream=(url,), health_interval=0.2, rewarm_budget=1 << 20
+        )
+        try:
+            chains = []
+            for n in range(args.rewarm):
+                response, _ = await proxy.turn(long_message(args.tokens, seed=100 + n), None)
+                chains.append(response)
+            (backend,) = proxy.proxy.pool.fleet.backends
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(600):
+                if not backend.healthy:
+                    break
+                await asyncio.sleep(0.1)
+            await server.start()
+            started = time.perf_counter()
+            for _ in range(36000):
+                if proxy.sample("ocxproxy_rewarm_total", outcome="warmed") >= len(chains):
+                    break
+                await asyncio.sleep(0.1)
+            rewarm_seconds = time.perf_counter() - started
+            ratios = []
+            for chain in reversed(chains):  # the newest chain first, as a user returns
+                response, _ = await proxy.turn(QUESTIONS[0], chain.id)
+                ratios.append(ratio(response.usage))
+        finally:
+            await proxy.stop()
+            await server.stop()
+    load = os.getloadavg()[0]
+    print(f"{len(chains)} chains of ~{args.tokens} tokens, load average {load:.1f}")
+    print("| figure | value | target |")
+    print("|---|---|---|")
+    print(f"| re-warm after the restart | {rewarm_seconds:.1f} s | |")
+    print(f"| first continuations' cached/input, least | {min(ratios):.3f} | ≥ 0.9 |")
+    print(f"| the same, median | {statistics.median(ratios):.3f} | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=3000, help="the first message's size")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the save-cost part")
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--rewarm", type=int, default=0, help="N chains re-warmed (no save API)")
+    args = parser.parse_args()
+    asyncio.run(rewarmed(args) if args.rewarm else run(args))
 
 
 if __name__ == "__main__":
