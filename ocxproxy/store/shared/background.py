@@ -113,6 +113,7 @@ class SharedBackgrounds:
         self._ticker: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._watchers: dict[bytes, set[asyncio.Event]] = {}
+        self._abandoned = False
         ref = weakref.ref(self)  # the gauges must not make a cycle of it
 
         def count(status: str) -> Callable[[], float]:
@@ -193,7 +194,7 @@ class SharedBackgrounds:
         """Until every change queued so far is on the server; StorageUnavailable when the
         server refused it (it is tried again, and the lease lapses if it never is)."""
         target = self._queued
-        while self._written < target:
+        while self._written < target and not self._abandoned:
             if self._failed >= target:
                 raise StorageUnavailable(UNAVAILABLE)
             if self._flushed is None:
@@ -208,13 +209,27 @@ class SharedBackgrounds:
         self._listener = spawn(self._listen(), name="background-channel")
 
     async def close(self) -> None:
-        with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError):
+        with contextlib.suppress(StorageUnavailable, StoreFailure, OcxError, TimeoutError):
             async with asyncio.timeout(2.0):
                 await self.commit()
+        await self._stop()
+
+    async def _stop(self) -> None:
         for task in (self._ticker, self._listener, self._writer):
             if task is not None:
                 await cancel_and_wait(task)
         self._ticker = self._listener = self._writer = None
+
+    async def abandon(self) -> None:
+        """Stop as a killed process would (for tests): nothing more is written or renewed,
+        and the runs here are cut; their leases lapse on the server."""
+        self._abandoned = True
+        self._pending.clear()
+        await self._stop()
+        if self._flushed is not None:  # (a commit waiting ends)
+            self._flushed.set()
+        for task in self.running():
+            task.cancel()
 
     def running(self) -> list[asyncio.Task[Any]]:
         return [job.task for job in self.jobs.values() if job.task is not None]
@@ -228,6 +243,8 @@ class SharedBackgrounds:
             job.log.close()
 
     def _queue(self, key: bytes, change: _Pending) -> None:
+        if self._abandoned:
+            return
         pending = self._pending.get(key)
         if pending is None:
             self._pending[key] = change
