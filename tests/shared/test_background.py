@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.shared.background import RENEW_EVERY, SharedBackgrounds
+from ocxproxy.store.shared.background import LEASE, RENEW_EVERY, SharedBackgrounds
 from ocxproxy.store.shared.keys import background_keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
@@ -205,3 +205,36 @@ async def test_a_renewal_before_the_first_write_is_in_leaves_the_run_alone(
         assert slowed
         done = await until_ended(a.client(), created.id)
         assert done.status == "completed" and done.output_text == "echo#1: hello"
+
+
+async def test_a_turn_stored_before_its_replica_died_ends_as_stored(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
+        book = a.proxy.backgrounds
+        assert isinstance(book, SharedBackgrounds)
+        server, write = book.server, book.server.write
+        held = asyncio.Event()
+
+        async def never_the_end(op: str, command: Any) -> Any:
+            if op == "background_write" and "completed" in command():
+                held.set()
+                await asyncio.Event().wait()  # the replica dies before its last write
+            return await write(op, command)
+
+        monkeypatch.setattr(server, "write", never_the_end)
+        stream = await a.client().responses.create(
+            model="m", input="stored", background=True, stream=True
+        )
+        response_id = (await anext(aiter(stream))).response.id
+        await stream.close()
+        await asyncio.wait_for(held.wait(), 5)  # the turn is stored by then
+        await book.abandon()
+        ended = await until_ended(b.client(), response_id, within=LEASE + 5)
+        assert ended.status == "completed" and ended.output_text == "echo#1: stored"
+        events = [e async for e in await b.client().responses.retrieve(response_id, stream=True)]
+        assert numbers(events) == list(range(len(events)))
+        assert events[-1].type == "response.completed"
+        assert events[-1].response.output_text == "echo#1: stored"
+        assert b.metric("ocxproxy_background_lost_total") == 0

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +92,12 @@ class SharedBackgrounds:
 
     def __init__(
         self, server: Server, url: str, prefix: str, metrics: Metrics, *, log_bytes: int,
-        ttl: float,
+        ttl: float, stored: Callable[[str, str], Awaitable[bytes | None]] | None = None,
     ) -> None:  # fmt: skip
         self.server, self.url, self.metrics = server, url, metrics
+        # The store's Response of a turn it keeps (scope, id), or None: a run whose replica
+        # died after its turn was stored ends as stored, not lost.
+        self.stored = stored
         self.keys = ScopeKeys(prefix)
         self.running_key, self.ended_key, self.sizes_key, self.total_key, self.channel = (
             background_keys(prefix)
@@ -370,7 +373,8 @@ class SharedBackgrounds:
                 self._settle(key, job, "failed", lost_response(job.response))
 
     async def _claim(self) -> None:
-        """Fail the responses whose owner's lease lapsed."""
+        """End the responses whose owner's lease lapsed: failed (lost), or as the store
+        keeps them when their turn was stored before the owner died."""
         sha = SHAS["background_claim"]
         args = (self.token, int(LEASE * 1000), _CLAIMS)
         claimed = await self.server.write(
@@ -379,15 +383,29 @@ class SharedBackgrounds:
         for key, response_id, scope, status, response, stream, length in claimed:
             job = Job(response_id.decode(), scope.decode(), status.decode(), response or b"{}",
                       stream == b"1")  # fmt: skip
-            lost = lost_response(job.response)
-            events = [_terminal_event("failed", int(length), lost)] if job.stream else []
-            job.status, job.response = "failed", lost
-            self._queue(key, _Pending(job, "own", int(length), events, "failed", lost))
-            log.warning("background response %s: its replica's lease lapsed: failed", job.id)
-            self.metrics.background_lost.inc()
-            self.metrics.background_finished.labels(status="failed").inc()
+            final = await self._final(job)
+            if final is None:
+                status, final = "failed", lost_response(job.response)
+                log.warning("background response %s: its replica's lease lapsed: failed", job.id)
+                self.metrics.background_lost.inc()
+            else:
+                status = str(loads_or_none(final)["status"])
+            events = [_terminal_event(status, int(length), final)] if job.stream else []
+            job.status, job.response = status, final
+            self._queue(key, _Pending(job, "own", int(length), events, status, final))
+            self.metrics.background_finished.labels(status=status).inc()
         if claimed:
             await self.commit()
+
+    async def _final(self, job: Job) -> bytes | None:
+        """The Response the store keeps of `job`'s turn (completed, incomplete), or None."""
+        if self.stored is None:
+            return None
+        final = await self.stored(job.scope, job.id)
+        if final is None:
+            return None
+        body = loads_or_none(final)
+        return final if type(body) is dict and body.get("status") in STORED else None
 
     # -- the channel: wakes for followers, cancels for owners -------------------------------
 

@@ -170,8 +170,14 @@ class SharedStore:
         """Background responses on the server, readable from every replica."""
         return SharedBackgrounds(
             self.server, self.url, self.prefix, self.metrics,
-            log_bytes=config.background_log_bytes, ttl=self.ttl,
+            log_bytes=config.background_log_bytes, ttl=self.ttl, stored=self._stored_response,
         )  # fmt: skip
+
+    async def _stored_response(self, scope: str, response_id: str) -> bytes | None:
+        try:
+            return await self.response_bytes(await self.lookup(scope, response_id))
+        except StoreFailure:
+            return None
 
     # -- lookups -------------------------------------------------------------------------
 
