@@ -24,12 +24,12 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ocxproxy.aio import spawn
-from ocxproxy.errors import OcxError, StoreFailure
+from ocxproxy.errors import ConversationLocked, OcxError, StoreFailure
 
 HEARTBEAT = 10.0  # seconds: the longest a dead replica holds a lease or an in-flight key
 
@@ -116,6 +116,19 @@ class Lease:
         self.stop()
         if token is not None:
             await quietly(self.slots.drop(self.key, token))
+
+
+@contextlib.asynccontextmanager
+async def holding(slots: Slots, key: str, duration: float) -> AsyncIterator[None]:
+    """The lease around a write (ConversationLocked while another holds it), let go
+    before the answer."""
+    lease = await Lease.take(slots, key, duration)
+    if lease is None:
+        raise ConversationLocked()
+    try:
+        yield
+    finally:
+        await lease.let_go()
 
 
 async def quietly(call: Awaitable[Any]) -> None:

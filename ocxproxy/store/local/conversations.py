@@ -11,11 +11,11 @@ Every write is durable before it returns (ack mode).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFa
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import conversations as common
 from ocxproxy.store.conversations import Conversation
-from ocxproxy.store.lease import Lease, done
+from ocxproxy.store.lease import Lease, done, holding
 from ocxproxy.store.records import own_segment
 
 if TYPE_CHECKING:
@@ -119,17 +119,12 @@ class LocalConversations:
         """(id, item) of every item, oldest first."""
         return common.item_items(conversation, await self._read(conversation.segments))
 
-    @contextlib.asynccontextmanager
-    async def locked(
+    def locked(
         self, scope: str, conversation_id: str, duration: float
-    ) -> AsyncIterator[None]:
+    ) -> AbstractAsyncContextManager[None]:
         """The conversation's lock around an items or metadata write (ConversationLocked
         while another holds it)."""
-        lease = await self._lock(conversation_id, duration)
-        try:
-            yield
-        finally:
-            lease.release()
+        return holding(self.slots, conversation_id, duration)
 
     async def open_turn(
         self, scope: str, conversation_id: str, duration: float, *, locked: bool = True

@@ -9,20 +9,19 @@ write `SharedStore.commit` runs, with the turn's record, in one script.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ocxproxy.continuation.conversation import Meta
-from ocxproxy.errors import ConversationLocked, FailureReason, OcxError, StoreFailure
+from ocxproxy.errors import FailureReason, OcxError, StoreFailure
 from ocxproxy.model import Record, Segment, Turn
 from ocxproxy.store import conversations as common
 from ocxproxy.store.conversations import Conversation
-from ocxproxy.store.lease import Lease, new_token, ttl_of
+from ocxproxy.store.lease import Lease, holding, new_token, ttl_of
 from ocxproxy.store.records import own_segment
 from ocxproxy.store.shared.conversations import (
     ConversationRecord,
@@ -111,20 +110,12 @@ class ServerConversations:
         """(id, item) of every item, oldest first (read whole with the conversation)."""
         return common.item_items(conversation, [s.data or b"" for s in conversation.segments])
 
-    @contextlib.asynccontextmanager
-    async def locked(
+    def locked(
         self, scope: str, conversation_id: str, duration: float
-    ) -> AsyncIterator[None]:
+    ) -> AbstractAsyncContextManager[None]:
         """The conversation's lease around an items or metadata write (ConversationLocked
         while another holds it), let go before the answer."""
-        key = self.server.lease_key(scope, conversation_id)
-        lease = await Lease.take(self.server, key, duration)
-        if lease is None:
-            raise ConversationLocked()
-        try:
-            yield
-        finally:
-            await lease.let_go()
+        return holding(self.server, self.server.lease_key(scope, conversation_id), duration)
 
     async def open_turn(
         self, scope: str, conversation_id: str, duration: float, *, locked: bool = True
