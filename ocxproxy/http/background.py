@@ -130,7 +130,7 @@ async def start(
 def _numbered(raw: bytes, sequence_number: int) -> bool:
     """Whether an SSE event's bytes carry this `sequence_number` (compact JSON)."""
     tag = b'"sequence_number":%d' % sequence_number
-    return tag + b"," in raw or tag + b"}" in raw
+    return raw.endswith(tag + b"}\n\n") or tag + b"," in raw or tag + b"}" in raw
 
 
 def _event(kind: str, sequence_number: int, response: Any) -> bytes:
@@ -263,7 +263,7 @@ class JobReply:
     def __init__(self, proxy: Proxy, job: Job) -> None:
         self.proxy = proxy
         self.job = job
-        self.splitter = EventSplitter()
+        self.splitter: EventSplitter | None = None  # (for what the relay writes itself)
         self.started = False  # the backend's first lifecycle event has been seen
 
     def answer(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
@@ -285,6 +285,8 @@ class JobReply:
 
     async def write(self, data: bytes) -> None:
         """What the relay writes itself (its closing `error` event)."""
+        if self.splitter is None:
+            self.splitter = EventSplitter()
         self.events(self.splitter.feed(data))
 
     def events(self, batch: list[Event]) -> None:
