@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Chain, Record, Segment, Turn
@@ -244,7 +244,6 @@ def turn_record(
     segments: tuple[Segment, ...],
     response: Segment,
     output_at: tuple[int, int] | None,
-    **extra: Any,
 ) -> R:
     """A finished turn's record on top of `parent`'s chain (`segments`, its own last),
     expiring `ttl` after `now`: as each store's `put` builds it."""
@@ -262,5 +261,4 @@ def turn_record(
         output_at=output_at,
         stored=turn.stored,
         built=segments,
-        **extra,
     )

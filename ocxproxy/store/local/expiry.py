@@ -31,6 +31,10 @@ class Expiry:
         # A weak reference: the store owns this, and a cycle would keep a connection's
         # memory-only store alive until the garbage collector's next pass.
         self.store: Store = weakref.proxy(store)
+        # What `enforce` reads after every change, held here: the store's own objects
+        # (a read through the weak proxy costs more than the check).
+        self.index, self.resident, self.table = store.index, store.resident, store.table
+        self.max_entries = store.max_entries
 
     async def sweep(self) -> int:
         """Drop expired records; returns how many (not journaled: replay drops them too).
@@ -62,15 +66,14 @@ class Expiry:
     def enforce(self) -> None:
         """The oldest unpinned records go over --max-entries; segments leave memory over
         the memory cap."""
-        store = self.store
-        index = store.index
-        while len(index) > store.max_entries:
+        index, resident = self.index, self.resident
+        while len(index) > self.max_entries:
             victim = index.oldest_unpinned()
             if victim is None:
                 break
-            store._drop(victim, FailureReason.EVICTED, "max_entries")
-        if store.resident.bytes > store.resident.max_bytes:  # (no call in the common case)
-            store.table.shed()
+            self.store._drop(victim, FailureReason.EVICTED, "max_entries")
+        if resident.bytes > resident.max_bytes:  # (no call in the common case)
+            self.table.shed()
 
     def for_disk(self, target: float) -> None:
         """The oldest durable records go (journaled, like a delete) until the live segments

@@ -351,8 +351,9 @@ class SharedStore:
         record = turn_record(
             SharedRecord, turn, parent, now=now, ttl=self.ttl, durable=True,
             links=Chain(parent.links if parent else None, own), segments=segments,
-            response=response, output_at=output_at, length=len(segments),
+            response=response, output_at=output_at,
         )  # fmt: skip
+        record.length = len(segments)
         self._staged[record.id] = (record, parent)
         if len(self._staged) > _STAGED:  # put, then never committed (cannot happen)
             del self._staged[next(iter(self._staged))]
