@@ -315,8 +315,8 @@ class SharedBackgrounds:
             self._opening.discard(key)
         if answer[0] == b"ok":
             self.log_size = int(answer[1])
-            if job.terminal and self.jobs.get(key) is job:
-                del self.jobs[key]
+            if change.status in TERMINAL and self.jobs.get(key) is job:
+                del self.jobs[key]  # (its end is on the server: the server's from now on)
             return
         # Refused: it ended (a cancel from another replica), or its lease went elsewhere.
         if answer[0] == b"ended":
