@@ -360,9 +360,10 @@ class SharedBackgrounds:
             return
         sha = SHAS["background_renew"]
         args = (self.token, int(LEASE * 1000), *keys)
-        refused = await self.server.write(
+        renewal = self.server.write(
             "background_renew", lambda: ("EVALSHA", sha, 1, self.running_key, *args)
         )
+        refused = await self.server.probing("background_renew", renewal)
         for key, status, response in refused:
             job = self.jobs.get(key)
             if job is None or (status == b"" and job.terminal):
@@ -377,9 +378,10 @@ class SharedBackgrounds:
         keeps them when their turn was stored before the owner died."""
         sha = SHAS["background_claim"]
         args = (self.token, int(LEASE * 1000), _CLAIMS)
-        claimed = await self.server.write(
+        claim = self.server.write(
             "background_claim", lambda: ("EVALSHA", sha, 1, self.running_key, *args)
         )
+        claimed = await self.server.probing("background_claim", claim)
         for key, response_id, scope, status, response, stream, length in claimed:
             job = Job(response_id.decode(), scope.decode(), status.decode(), response or b"{}",
                       stream == b"1")  # fmt: skip

@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ocxproxy.aio import cancel_and_wait, spawn
@@ -188,6 +188,19 @@ class Server:
             if acked < self.wait_replicas:
                 raise StoreFailure(FailureReason.WRITE_FAILED, f"{acked} replicas acknowledged")
         return result
+
+    async def probing(self, op: str, call: Awaitable[Any]) -> Any:
+        """The answer of a periodic task's round trip (background leases, every second):
+        sent on an idle connection it is a probe too, since the probe's own PING would
+        wait behind it: no answer within PING_TIMEOUT makes the server unavailable."""
+        wire = self._wire
+        if wire is not None and wire.busy:  # behind other commands: the stall check's
+            return await call
+        try:
+            return await asyncio.wait_for(call, PING_TIMEOUT)
+        except TimeoutError:
+            self._down(op, TimeoutError(f"no answer within {PING_TIMEOUT:g} s"))
+            raise StorageUnavailable(UNAVAILABLE) from None
 
     def commit_command(self, keys: Sequence[bytes | str], args: Sequence[Any]) -> tuple[Any, ...]:
         return ("EVALSHA", _SHAS["commit"], len(keys), *keys, *args)
