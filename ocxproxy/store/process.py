@@ -22,17 +22,12 @@ KEPT_PREFIXES = ("conv_", "idem_")  # ids of records a store keeps for others; n
 
 
 class Keeper(Protocol):
+    """What `ProcessKeys` asks of the records a store keeps for others (`Store.kept`)."""
+
     def keep(
-        self,
-        record_id: str,
-        scope: str,
-        chain: Sequence[Segment],
-        meta: bytes,
-        *,
-        created_at: float,
-        expires_at: float = NEVER,
-        durable: bool = True,
-    ) -> Record:
+        self, record_id: str, scope: str, chain: Sequence[Segment], meta: bytes, *,
+        created_at: float, expires_at: float = NEVER, durable: bool = True,
+    ) -> Record:  # fmt: skip
         """A record that is not a response (a completed Idempotency-Key), with `meta` as
         its response segment."""
         ...
