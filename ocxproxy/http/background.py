@@ -178,7 +178,7 @@ async def _run(
 ) -> None:
     """The turn of a background response, once a slot is free, to its end."""
     book, runs = proxy.backgrounds, proxy.background_runs
-    reply = JobReply(proxy, job)
+    reply = JobReply(proxy, job, exchange)
     try:
         runs.waiting += 1
         try:
@@ -260,9 +260,10 @@ def _loads(data: bytes) -> dict[str, Any]:
 class JobReply:
     """The Reply of a background run: its events become the job's status and log."""
 
-    def __init__(self, proxy: Proxy, job: Job) -> None:
+    def __init__(self, proxy: Proxy, job: Job, exchange: Exchange) -> None:
         self.proxy = proxy
         self.job = job
+        self.exchange = exchange
         self.splitter: EventSplitter | None = None  # (for what the relay writes itself)
         self.started = False  # the backend's first lifecycle event has been seen
 
@@ -315,7 +316,8 @@ class JobReply:
             return
         kind = name
         payload: Any = None
-        if kind in _LIFECYCLE:
+        final = self.exchange.final  # (the terminal event's Response, decoded by the relay)
+        if kind in _LIFECYCLE or (kind in TERMINAL_EVENTS and type(final) is dict):
             pass  # (the name says enough)
         elif kind is None or kind in _SPECIAL:
             payload = loads_or_none(event.data)
@@ -334,7 +336,8 @@ class JobReply:
             self._append("response.in_progress", None, orjson.Fragment(progress))
             return
         if kind in TERMINAL_EVENTS:
-            final = payload.get("response") if payload is not None else None
+            if payload is not None:
+                final = payload.get("response")
             if type(final) is dict:
                 self._terminal(kind.removeprefix("response."), final, event)
             return

@@ -115,6 +115,7 @@ class Exchange:
     # A background run's: its Reply makes its own lifecycle events from the proxy's
     # queued Response, so stream_events leaves the backend's as they came (undecoded).
     pending_raw: bool = False
+    final: Any = None  # the terminal Response, as finished (completed in place after)
     # The input ended in a compaction trigger: `body` asks the backend for a summary
     # (http/compaction.py answers the client), and the turn is remembered as `summary`
     # (its message bytes) on top of `retained` (a chain starts again from the compacted
@@ -140,6 +141,7 @@ class Exchange:
         append it to its conversation, and let the conversation go: before the client can
         see the end."""
         self.finished = True
+        self.final = response
         metrics = self.proxy.metrics
         self.observe_usage(response)
         reason = not_recordable_reason(response)
