@@ -58,10 +58,10 @@ def test_parse_request_reads_fields(
 @pytest.mark.parametrize(
     ("raw", "param", "code"),
     [
-        (b"{", None, None),
-        (b"", None, None),
-        (b"[1, 2]", None, None),
-        (b'"text"', None, None),
+        (b"{", None, "invalid_request_error"),
+        (b"", None, "invalid_request_error"),
+        (b"[1, 2]", None, "invalid_request_error"),
+        (b'"text"', None, "invalid_request_error"),
         (b'{"previous_response_id": 5}', "previous_response_id", "invalid_type"),
         (b'{"previous_response_id": ""}', "previous_response_id", "invalid_type"),
         (b'{"previous_response_id": ["r"]}', "previous_response_id", "invalid_type"),
