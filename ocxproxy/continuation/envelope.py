@@ -137,6 +137,49 @@ class _Plan:
 _PLANS: dict[tuple[str, ...], _Plan] = {}
 
 
+class _Fill:
+    """The members a Response lacking `missing` is filled with, for every request that
+    gives the same values for them: `members` (shared by every such turn's Responses:
+    never changed) and their bytes; `created_at` and `previous_response_id`, which
+    differ from turn to turn, are each Envelope's own (`created_at`, `previous`: they
+    are missing too)."""
+
+    __slots__ = ("created_at", "encoded", "members", "previous")
+
+    def __init__(self, envelope: Envelope, missing: frozenset[str]) -> None:
+        defaults = envelope._request_defaults()
+        self.members = {name: defaults[name] for name in _NAMES if name in missing - _PER_TURN}
+        self.encoded = orjson.dumps(self.members)[1:-1]
+        self.created_at = "created_at" in missing
+        self.previous = "previous_response_id" in missing
+
+
+_PER_TURN = frozenset(("created_at", "previous_response_id"))
+# The request members a filled one can come from.
+_FROM_REQUEST = frozenset((*_ECHOED, "tools", "text", "reasoning"))
+_FILLS: dict[tuple[Any, ...], _Fill] = {}
+_FILLS_KEPT = 64
+
+
+def _fill_of(envelope: Envelope, missing: frozenset[str]) -> _Fill:
+    """The _Fill of `missing` for the envelope's request: one built for an earlier
+    request with the same values for what it fills in, else a new one."""
+    body = envelope._body
+    given = _FROM_REQUEST.intersection(body)
+    try:
+        values = orjson.dumps([[name, body[name]] for name in sorted(given)]) if given else b""
+    except orjson.JSONEncodeError:  # (not from JSON): its own
+        return _Fill(envelope, missing)
+    key = (missing, envelope._shown_model(), values)
+    fill = _FILLS.get(key)
+    if fill is None:
+        fill = _Fill(envelope, missing)
+        if len(_FILLS) >= _FILLS_KEPT:
+            _FILLS.clear()
+        _FILLS[key] = fill
+    return fill
+
+
 def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """The values of `names` in a dict, as a tuple (itemgetter's, whatever their number)."""
     if len(names) > 1:
@@ -164,7 +207,7 @@ class Patch:
         self.rewrite = False
 
     def __bool__(self) -> bool:
-        return bool(self.filled or self.inserted or self.ids or self.rewrite)
+        return bool(self.encoded or self.inserted or self.ids or self.rewrite)
 
 
 class Envelope:
@@ -192,10 +235,10 @@ class Envelope:
         self._body = body if body is not None else {}
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
         self._pinned: dict[str, Any] | None = None  # members that win over the backend's
-        self._defaults: dict[str, Any] | None = None  # built when a member is missing
-        # The members a set of missing ones is filled with, and their bytes: a backend
-        # leaves out the same ones in each of a turn's Responses.
-        self._fills: dict[frozenset[str], tuple[dict[str, Any], bytes]] = {}
+        self._defaults: dict[str, Any] | None = None  # built when a member is invalid
+        # What each set of missing members is filled with (a backend leaves out the same
+        # ones in each of a turn's Responses): its shared _Fill, and the turn's bytes.
+        self._fills: dict[frozenset[str], tuple[_Fill, bytes]] | None = None
         self._created_at = int(time.time()) if created_at is None else created_at
         requested = self._body.get("model")
         self._requested = requested if type(requested) is str else ""
@@ -240,20 +283,43 @@ class Envelope:
         if plan.completed_at:
             value = self._default("completed_at", response, final)
             patch.inserted["completed_at"] = response["completed_at"] = value
-        missing = plan.missing
-        if missing:
-            filled, patch.encoded = self._fills.get(missing) or self._fill(missing)
-            patch.filled = filled
-            response.update(filled)
+        if plan.missing:
+            fill = self._filled(plan.missing, patch)
+            response.update(fill.members)
+            if fill.created_at:
+                response["created_at"] = self._created_at
+            if fill.previous:
+                response["previous_response_id"] = self._previous()
         self._check_values(response, patch, final)
         return patch
 
-    def _fill(self, missing: frozenset[str]) -> tuple[dict[str, Any], bytes]:
-        defaults = self._defaults or self._request_defaults()
-        self._defaults = defaults
-        filled = {name: defaults[name] for name in _NAMES if name in missing}
-        fill = self._fills[missing] = filled, orjson.dumps(filled)[1:-1]
+    def _filled(self, missing: frozenset[str], patch: Patch) -> _Fill:
+        """The members `missing` is filled with, set in `patch` with their bytes."""
+        fills = self._fills
+        if fills is None:
+            fills = self._fills = {}
+        done = fills.get(missing)
+        if done is None:
+            fill = _fill_of(self, missing)
+            turn = []
+            if fill.created_at:
+                turn.append(b'"created_at":%d' % self._created_at)
+            if fill.previous:
+                turn.append(b'"previous_response_id":' + orjson.dumps(self._previous()))
+            if fill.encoded:
+                turn.append(fill.encoded)
+            done = fills[missing] = fill, b",".join(turn)
+        fill, patch.encoded = done
+        patch.filled = fill.members
         return fill
+
+    def _previous(self) -> str | None:
+        echo = self._echo
+        return echo[1] if echo is not None and echo[0] == "previous_response_id" else None
+
+    def _shown_model(self) -> str:
+        """The model a Response filled in here names."""
+        return self._served or self._requested
 
     def _check_values(self, response: dict[str, Any], patch: Patch, final: bool) -> None:
         """What a member's type does not say: the rest of the schema's rules (a member
@@ -268,7 +334,7 @@ class Envelope:
         if model != shown:
             self._replace(response, patch, "model", shown)
         usage = response["usage"]
-        if usage is not None and _complete_usage(usage):
+        if usage is not None and not _usage_complete(usage) and _complete_usage(usage):
             patch.rewrite = True
         if "text" not in filled and type(response["text"].get("format")) is not dict:
             self._replace(response, patch, "text", _text(self._body.get("text")))
@@ -315,14 +381,13 @@ class Envelope:
     def _request_defaults(self) -> dict[str, Any]:
         """Every member's value from the request, else the documented default."""
         body = self._body
-        echo = self._echo
         defaults = {
             **_STATIC_DEFAULTS,
             "output": [],
             "metadata": {},
             "created_at": self._created_at,
-            "model": self._served or self._requested,
-            "previous_response_id": echo[1] if echo and echo[0] == "previous_response_id" else None,
+            "model": self._shown_model(),
+            "previous_response_id": self._previous(),
             "tools": _tools(body.get("tools")),
             "text": _text(body.get("text")),
             "reasoning": _reasoning(body.get("reasoning")),
@@ -374,7 +439,7 @@ class Envelope:
         if plan.completed_at:
             patch.inserted["completed_at"] = None
         if plan.missing:
-            patch.filled, patch.encoded = self._fills.get(plan.missing) or self._fill(plan.missing)
+            self._filled(plan.missing, patch)
         values: dict[str, Any] = {}
         if self._echo is not None:
             name, value = self._echo
@@ -481,9 +546,25 @@ def complete_items(items: list[Any]) -> bool:
     """Output items as the schema wants them (in place); whether any changed."""
     changed = False
     for item in items:
-        if type(item) is dict and complete_item(item):
+        if type(item) is dict and not _item_complete(item) and complete_item(item):
             changed = True
     return changed
+
+
+def _item_complete(item: dict[str, Any]) -> bool:
+    """The usual output item, checked at once: a message with its status whose parts are
+    output texts with their annotations, or another item with its status."""
+    if "status" not in item:
+        return False
+    if item.get("type") != "message":
+        return item.get("type") != "reasoning"
+    content = item.get("content")
+    return type(content) is list and all(
+        type(part) is dict
+        and part.get("type") == "output_text"
+        and type(part.get("annotations")) is list
+        for part in content
+    )
 
 
 def complete_item(item: dict[str, Any], status: str = "completed") -> bool:
@@ -515,6 +596,21 @@ def complete_part(part: dict[str, Any]) -> bool:
         return False
     part["annotations"] = []
     return True
+
+
+def _usage_complete(usage: Any) -> bool:
+    """Whether `usage` has every member the schema requires (the usual case, checked at
+    once: `_complete_usage` completes one that has not)."""
+    try:
+        return (
+            type(usage["input_tokens"]) is int
+            and type(usage["output_tokens"]) is int
+            and type(usage["total_tokens"]) is int
+            and type(usage["input_tokens_details"]["cached_tokens"]) is int
+            and type(usage["output_tokens_details"]["reasoning_tokens"]) is int
+        )
+    except (KeyError, TypeError):
+        return False
 
 
 def _complete_usage(usage: Any) -> bool:
@@ -591,15 +687,15 @@ def _apply(
     whole: Callable[[], bytes],
 ) -> bytes:
     """`data` with the patch written into the bytes of the object `find` locates."""
-    if not patch:
-        return data
     if patch.rewrite:
         return whole()
+    if not (patch.encoded or patch.inserted or patch.ids):
+        return data
     for name in patch.ids:  # a JSON string cannot hold the key's unescaped quotes
         data, count = _NULLS[name].subn(_member(name, response[name]), data, count=1)
         if not count:
             return whole()
-    if patch.filled or patch.inserted:
+    if patch.encoded or patch.inserted:
         match = find(data)
         if match is None:
             return whole()
