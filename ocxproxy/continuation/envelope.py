@@ -501,6 +501,13 @@ def _shape_key(data: bytes) -> bytes | None:
     return key
 
 
+def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
+    """The JSON bytes of a Response that `complete` patched, its output items as the
+    backend gave them: what the store keeps (the next turn's input is the bytes the
+    backend itself produced); `written` after that gives the client's."""
+    return _apply(data, response, patch, _OBJECT.match, lambda: orjson.dumps(response))
+
+
 def written(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
     """The JSON bytes of a Response that `complete` patched, its output items completed
     too. The turn is recorded in between, so the store keeps the items as the backend

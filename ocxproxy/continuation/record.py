@@ -52,12 +52,18 @@ def build_turn(
     affinity_key: str | None = None,
     stored: bool = True,
     output_parts: list[bytes] | None = None,
+    encoded: bytes | None = None,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded (one serialized item each, parsed
     in `tail_items`), then the output items (or `output_parts`, what later turns forward
-    in their place: a compaction item's summary message)."""
+    in their place: a compaction item's summary message). `encoded`: the response's
+    bytes, kept when they hold the output encoded as the items are."""
     output = response["output"]
-    parts = [*tail, *(serialize_items(output) if output_parts is None else output_parts)]
+    output_bytes = serialize_items(output) if output_parts is None else output_parts
+    parts = [*tail, *output_bytes]
+    if encoded is None or output_parts is not None or not _holds(encoded, output_bytes):
+        # Encoded like the items, so the store finds the output in them and keeps it once.
+        encoded = orjson.dumps(response)
     return Turn(
         response_id=response["id"],
         scope=scope,
@@ -65,13 +71,19 @@ def build_turn(
         items=b",".join(parts),
         n_items=len(parts),
         call_ids=call_ids_of(tail_items) | call_ids_of(output),
-        # Encoded like the items, so the store finds the output in them and keeps it once.
-        response=orjson.dumps(response),
+        response=encoded,
         item_ids=item_ids_of(parts, [*tail_items, *output]),
         backend=backend,
         affinity_key=affinity_key,
         stored=stored,
     )
+
+
+def _holds(response: bytes, output: list[bytes]) -> bool:
+    """Whether the first `"output":` array of a response's bytes is `output` (store/output.py
+    looks for it there)."""
+    at = response.find(b'"output":[')
+    return at >= 0 and response.startswith(b"[" + b",".join(output) + b"]", at + 9)
 
 
 def item_ids_of(parts: list[bytes], items: list[Any]) -> ItemIds:

@@ -31,7 +31,7 @@ from ocxproxy.continuation.compaction import (
     with_summaries,
 )
 from ocxproxy.continuation.conversation import conversation_id_of
-from ocxproxy.continuation.envelope import Envelope, Patch, written, written_event
+from ocxproxy.continuation.envelope import Envelope, Patch, spliced, written, written_event
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -136,10 +136,10 @@ class Exchange:
     cache_expect: int | None = None  # the tokens of the chain's save, when it has one
     restored: Outcome | None = None  # the restore made before sending, to verify
 
-    def finish(self, response: Any) -> None:
+    def finish(self, response: Any, encoded: bytes | None = None) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
         append it to its conversation, and let the conversation go: before the client can
-        see the end."""
+        see the end. `encoded`: the response's bytes, when they are at hand."""
         self.finished = True
         self.final = response
         metrics = self.proxy.metrics
@@ -147,7 +147,7 @@ class Exchange:
         reason = not_recordable_reason(response)
         if self.conversation is not None:
             if reason is None and self.request.store:  # store:false content never on disk
-                reason = self._append(response)
+                reason = self._append(response, encoded)
             self.kept += self.conversation.let_go()  # before the client sees the end
         done = response if reason is None else None  # what a retry with its key gets
         if reason is None and self.target is None:
@@ -157,21 +157,21 @@ class Exchange:
         else:
             assert self.target is not None  # else reason is "store_false"
             if self.record is None:  # (a conversation turn's may be put already: _append)
-                self.record = self.target.put(self._turn(response), self._chains_on())
+                self.record = self.target.put(self._turn(response, encoded), self._chains_on())
             self.recorded = True
         if self.idempotency_key is not None:  # after the turn, in the journal as in commit()
             self.key_entry = idempotency.complete(
                 self.proxy, self.idempotency_key, done, durable=self.durable
             )
 
-    def _append(self, response: dict[str, Any]) -> str | None:
+    def _append(self, response: dict[str, Any], encoded: bytes | None) -> str | None:
         """Append the turn to its conversation; else the reason it was not (a metric
         label), and the error that answers the client instead (commit() raises it)."""
         assert self.conversation is not None
         items = [*self.request.items, *response["output"]]
         backend = self.backend.url if self.backend else None
         try:
-            turn = self._turn(response)
+            turn = self._turn(response, encoded)
             if self.target is not None and self.conversation.put_first:
                 # Put while the conversation's record it chains on is live, so its row
                 # names it: after the append it would need its whole chain (O(length)).
@@ -196,7 +196,7 @@ class Exchange:
         conversation (its window starts a chain: later turns forward only that)."""
         return None if self.summary is not None and self.conversation is None else self.parent
 
-    def _turn(self, response: dict[str, Any]) -> Turn:
+    def _turn(self, response: dict[str, Any], encoded: bytes | None = None) -> Turn:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
         tail, tail_items = self.tail, self.request.items
@@ -226,6 +226,7 @@ class Exchange:
             affinity_key=chain_key(self.affinity_key, self.parent, response),
             stored=self.request.store,
             output_parts=None if self.summary is None else [self.summary],
+            encoded=encoded,
         )
 
     async def commit(self) -> None:
@@ -514,8 +515,9 @@ async def forward(
                         exchange.injection.into(response)
                     patch = exchange.envelope.complete(response, final=True)
                     patch.rewrite = patch.rewrite or exchange.injection is not None
-                    exchange.finish(response)  # the backend's items, as it gave them
-                    body = written(body, response, patch)
+                    stored = spliced(body, response, patch)
+                    exchange.finish(response, stored)  # the backend's items, as it gave them
+                    body = written(stored, response, Patch())
                 else:
                     exchange.finish(response)
             await exchange.commit()
