@@ -157,7 +157,7 @@ async def raw_backend() -> AsyncIterator[ScriptedPeer]:
         yield peer
 
 
-def assert_openai_error(answer: Answer, status: int, code: str | None) -> dict[str, Any]:
+def assert_openai_error(answer: Answer, status: int, code: str) -> dict[str, Any]:
     assert answer.status == status
     assert answer.headers["Content-Type"].startswith("application/json")
     body = answer.json()
@@ -290,7 +290,7 @@ async def test_bad_json_is_400_and_the_connection_serves_on(
 ) -> None:
     async with connect(proxy) as conn:
         bad = await conn.ask(post(b'{"model": "m", "input": '))
-        assert_openai_error(bad, 400, None)
+        assert_openai_error(bad, 400, "invalid_request_error")
         assert "Connection" not in bad.headers
         assert backend.seen == []
         good = await conn.ask(post(turn("fine")))
@@ -409,7 +409,7 @@ async def test_malformed_header_line_is_400_and_the_connection_closes(
     head, body = request.split(b"\r\n\r\n", 1)
     async with connect(proxy) as conn:
         answer = await conn.ask(head + b"\r\n" + line + b"\r\n\r\n" + body)
-        assert_openai_error(answer, 400, None)
+        assert_openai_error(answer, 400, "invalid_request_error")
         assert answer.headers["Connection"] == "close"
         assert await conn.closed_by_server()
     assert backend.seen == []
@@ -665,7 +665,7 @@ async def test_a_bad_head_is_400_at_once_and_nothing_is_forwarded(
         await conn.send(spoil(create_request(way, turn("x"))))
         async with asyncio.timeout(1):  # at once, not at a deadline
             answer = await conn.answer()
-        assert_openai_error(answer, 400, None)
+        assert_openai_error(answer, 400, "invalid_request_error")
         assert await conn.closed_by_server()
     assert raw_backend.requests == []
 
