@@ -148,7 +148,8 @@ class _Fill:
 
     def __init__(self, envelope: Envelope, missing: frozenset[str]) -> None:
         defaults = envelope._request_defaults()
-        self.members = {name: defaults[name] for name in _NAMES if name in missing - _PER_TURN}
+        shared = missing - _PER_TURN
+        self.members = {name: defaults[name] for name in _NAMES if name in shared}
         self.encoded = orjson.dumps(self.members)[1:-1]
         self.created_at = "created_at" in missing
         self.previous = "previous_response_id" in missing
@@ -219,6 +220,7 @@ class Envelope:
         "_defaults",
         "_echo",
         "_fills",
+        "_inserts",
         "_pinned",
         "_requested",
         "_served",
@@ -239,6 +241,7 @@ class Envelope:
         # What each set of missing members is filled with (a backend leaves out the same
         # ones in each of a turn's Responses): its shared _Fill, and the turn's bytes.
         self._fills: dict[frozenset[str], tuple[_Fill, bytes]] | None = None
+        self._inserts: dict[_Seen, bytes] | None = None  # a pending event's, by its shape
         self._created_at = int(time.time()) if created_at is None else created_at
         requested = self._body.get("model")
         self._requested = requested if type(requested) is str else ""
@@ -407,8 +410,14 @@ class Envelope:
         """A lifecycle event before the terminal one (`response.created`, …), completed
         without decoding it when one of the same shape was completed before: the same
         bytes but for the Response's `id` and `created_at` need the same members."""
-        key = _shape_key(event.data)
-        seen = _PENDING.get(key) if key is not None else None
+        data = event.data
+        seen = _last_seen(data, event.name)
+        key: bytes | None = None
+        if seen is None:
+            key = _shape_key(data)
+            seen = _PENDING.get(key) if key is not None else None
+            if seen is not None:
+                _remember_last(data, event.name, seen)
         if seen is not None and self._pinned is None:
             done = self._as_seen(event, seen)
             if done is not None:
@@ -425,7 +434,10 @@ class Envelope:
         if key is not None and not patch.rewrite:  # (written_event sets it for items)
             if len(_PENDING) >= _PENDING_KEPT:
                 _PENDING.clear()
-            _PENDING[key] = _Seen(patch.plan, model if type(model) is str else None, nulls, absent)
+            model = model if type(model) is str else None
+            seen = _Seen(patch.plan, model, nulls, absent, _insertion(event.data))
+            _PENDING[key] = seen
+            _remember_last(event.data, event.name, seen)
         return done
 
     def _as_seen(self, event: Event, seen: _Seen) -> Event | None:
@@ -435,6 +447,44 @@ class Envelope:
         model = seen.model
         if model is not None and (self._served or model or self._requested) != model:
             return None
+        at = seen.at
+        if at:  # the members go in at the same place: the turn's bytes of them, once
+            members = self._inserts.get(seen) if self._inserts is not None else None
+            if members is None:
+                members = self._members_as_seen(seen)
+            if members is not None:
+                data = event.data
+                return with_data(event, b"".join((data[:at], members, b",", data[at:])))
+        return self._as_seen_patched(event, seen)
+
+    def _members_as_seen(self, seen: _Seen) -> bytes | None:
+        """The bytes of the members a pending event of a seen shape gets, when they are
+        all inserted (None: an echoed member is null in it)."""
+        echo = self._echo
+        if echo is not None and echo[0] in seen.nulls:
+            return None
+        plan = seen.plan
+        assert plan is not None
+        patch = Patch()
+        if plan.missing:
+            self._filled(plan.missing, patch)
+        inserted = {"completed_at": None} if plan.completed_at else {}
+        if echo is not None and echo[0] == "conversation" and seen.no_conversation:
+            inserted["conversation"] = echo[1]
+        members = patch.encoded
+        if inserted:
+            more = orjson.dumps(inserted)[1:-1]
+            members = members + b"," + more if members else more
+        if not members:
+            return None
+        if self._inserts is None:
+            self._inserts = {}
+        self._inserts[seen] = members
+        return members
+
+    def _as_seen_patched(self, event: Event, seen: _Seen) -> Event | None:
+        plan = seen.plan
+        assert plan is not None
         patch = Patch()
         if plan.completed_at:
             patch.inserted["completed_at"] = None
@@ -462,18 +512,37 @@ class Envelope:
 
 class _Seen:
     """What completing a pending event of one shape took: its plan, the backend's model
-    (None: it gave none), the echoed members it gave as null, and whether it had no
-    `conversation` member (then one is inserted)."""
+    (None: it gave none), the echoed members it gave as null, whether it had no
+    `conversation` member (then one is inserted), and where in its bytes members are
+    inserted (0: not at one place for every event of the shape)."""
 
-    __slots__ = ("model", "no_conversation", "nulls", "plan")
+    __slots__ = ("at", "model", "no_conversation", "nulls", "plan")
 
     def __init__(
-        self, plan: _Plan | None, model: str | None, nulls: frozenset[str], no_conversation: bool
+        self,
+        plan: _Plan | None,
+        model: str | None,
+        nulls: frozenset[str],
+        no_conversation: bool,
+        at: int,
     ) -> None:
         self.plan = plan
         self.model = model
         self.nulls = nulls
         self.no_conversation = no_conversation
+        self.at = at
+
+
+def _insertion(data: bytes) -> int:
+    """Where members go into a pending event's Response: after its opening brace, when
+    the id and created_at, which differ from one event of the shape to the next, come
+    after that (else 0)."""
+    match = _RESPONSE.search(data)
+    if match is None or _CLOSE.match(data, match.end()) is not None:
+        return 0
+    at = match.end()
+    created_at = data.find(_CREATED_AT)
+    return at if at <= data.find(_ID) and (created_at < 0 or at <= created_at) else 0
 
 
 _PENDING: dict[bytes, _Seen] = {}
@@ -499,6 +568,42 @@ def _shape_key(data: bytes) -> bytes | None:
         if digits is not None:
             key = key[:at] + key[digits.end() :]
     return key
+
+
+# The shape each event name was last seen in, by its bytes around the id's value and the
+# created_at's digits: an event is matched against it without building its shape key.
+_LAST: dict[str | None, tuple[bytes, bytes, bytes, _Seen]] = {}
+
+
+def _last_seen(data: bytes, name: str | None) -> _Seen | None:
+    """The _Seen of the shape `name` was last seen in, when `data` is of that shape."""
+    last = _LAST.get(name)
+    if last is None:
+        return None
+    prefix, middle, suffix, seen = last
+    if not data.startswith(prefix):
+        return None
+    start = len(prefix)
+    end = data.find(b'"', start)
+    if end < 0 or data.find(b"\\", start, end) >= 0 or not data.startswith(middle, end):
+        return None
+    digits = _DIGITS.match(data, end + len(middle))
+    if digits is None or len(data) - digits.end() != len(suffix) or not data.endswith(suffix):
+        return None
+    return seen
+
+
+def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
+    start = data.find(_ID) + len(_ID)
+    end = data.find(b'"', start) if start >= len(_ID) else -1
+    if end < 0 or data.find(b"\\", start, end) >= 0:
+        return
+    at = data.find(_CREATED_AT, end) + len(_CREATED_AT)
+    digits = _DIGITS.match(data, at) if at >= len(_CREATED_AT) else None
+    if digits is not None:
+        if len(_LAST) >= _PENDING_KEPT:
+            _LAST.clear()
+        _LAST[name] = (data[:start], data[end:at], data[digits.end() :], seen)
 
 
 def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:

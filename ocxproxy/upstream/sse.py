@@ -7,7 +7,7 @@ the proxy reads: the `event:` name and the joined `data:` payload.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -32,6 +32,9 @@ class Event:
     raw: bytes  # including its terminating blank line
     name: str | None
     data: bytes
+    # Where `data` starts in `raw` when `raw` is a head, `data` and the blank line (the
+    # usual one-line payload: `with_data` then needs no check); -1 when not known.
+    at: int = field(default=-1, compare=False)
 
 
 def parse_event(raw: bytes) -> Event:
@@ -62,7 +65,7 @@ def _parse_simple(raw: bytes) -> Event | None:
     at += 6 if raw.startswith(b" ", at + 5) else 5
     if raw.find(b"\n", at) != len(raw) - 2:
         return None  # more lines than that
-    return Event(raw, name, raw[at:-2])
+    return Event(raw, name, raw[at:-2], at)
 
 
 class EventSplitter:
@@ -99,11 +102,13 @@ class EventSplitter:
 def with_data(event: Event, data: bytes) -> Event:
     """The event carrying `data` instead: framed as it was when its payload was one line
     at its end (the usual case), else re-encoded."""
-    raw, old = event.raw, event.data
-    end = len(raw) - 2
-    if raw.endswith(b"\n\n") and b"\n" not in old and raw.endswith(old, 0, end):
-        return Event(raw[: end - len(old)] + data + b"\n\n", event.name, data)
-    return Event(encode_event(event.name, data), event.name, data)
+    raw, old, at = event.raw, event.data, event.at
+    if at < 0:
+        end = len(raw) - 2
+        if not (raw.endswith(b"\n\n") and b"\n" not in old and raw.endswith(old, 0, end)):
+            return Event(encode_event(event.name, data), event.name, data)
+        at = end - len(old)
+    return Event(b"".join((raw[:at], data, b"\n\n")), event.name, data, at)
 
 
 def encode_event(name: str | None, data: bytes) -> bytes:
