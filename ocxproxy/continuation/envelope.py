@@ -18,8 +18,10 @@ Cost: the completed dict is written back into the backend's bytes by inserting t
 missing members after the object's opening brace (and the echoed ids in place of their
 nulls), so a long output is not encoded again; only a member present with an invalid
 value, or an incomplete output item, re-encodes the object. What a Response lacks is
-worked out once per shape of its members (`_Plan`), the members filled in are encoded
-once per turn, and a pending event whose shape was seen is not decoded (`pending_event`).
+worked out once per shape of its members (`_Plan`), the members filled in are built and
+encoded once for every request that gives the same values for them (`_Fill`), a pending
+event whose shape was seen is not decoded (`pending_event`), and a JSON answer's spliced
+bytes are what the store keeps (`spliced`).
 """
 
 from __future__ import annotations
