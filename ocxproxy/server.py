@@ -10,6 +10,7 @@ import signal
 import sys
 import weakref
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from ocxproxy.http.middleware import handle_errors, tag_answer
 from ocxproxy.metrics import Metrics
 from ocxproxy.store import StoreInterface, default_state_dir, open_store
 from ocxproxy.store.compaction_key import compaction_key
+from ocxproxy.upstream.fleet import Backend
 from ocxproxy.upstream.kvsave import KvSaves, default_budget
 from ocxproxy.upstream.pool import UpstreamPool
 
@@ -143,24 +145,32 @@ async def _kv_saves(proxy: Proxy, directory: Path | None = None) -> KvSaves | No
 
 
 async def _external_kv_saves(proxy: Proxy) -> KvSaves | None:
-    """With --kv-save-dir, warm resume on the one --upstream, a llama-server started with
-    --slot-save-path (and one slot): else a warning, and none."""
+    """With --kv-save-dir, warm resume on each --upstream that is a llama-server started
+    with --slot-save-path there (and one slot): a chain saved on one is restored on
+    another it is routed to. The others get a warning; none: no warm resume."""
     config = proxy.config
     if config.kv_save_dir is None:
         return None
     saves = await _kv_saves(proxy, config.kv_save_dir)
     if saves is None:
         return None
-    (backend, *others) = proxy.pool.fleet.backends
-    why = "several --upstream were given" if others else await saves.supported(backend.url)
-    if why is not None:
-        log.warning("--kv-save-dir: no warm resume on %s: %s", backend.url, why)
+    started = secrets.token_hex(8)  # a start is known as this proxy's and the backend's downs
+    for backend in proxy.pool.fleet.backends:
+        why = await saves.supported(backend.url)
+        if why is not None:
+            log.warning("--kv-save-dir: no warm resume on %s: %s", backend.url, why)
+            continue
+        await saves.attach(backend.url, partial(_boot_of, started, backend), None)
+        log.info("warm resume on %s: KV saves in %s", backend.url, config.kv_save_dir)
+    if not saves.backends:
+        await saves.close()
         return None
-    started = secrets.token_hex(8)  # its start is known as this proxy's and its downs
-    await saves.attach(backend.url, lambda: f"{started}:{backend.epoch}", None)
     proxy.kv_saves = saves
-    log.info("warm resume on %s: KV saves in %s", backend.url, config.kv_save_dir)
     return saves
+
+
+def _boot_of(started: str, backend: Backend) -> str:
+    return f"{started}:{backend.epoch}"
 
 
 async def _store_lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -75,7 +75,7 @@ class Proxy:
     access_log: AccessLog | None = None  # --access-log off: None
     book: TokenBook = field(default_factory=TokenBook)  # tokens of recent turns (window)
     cache_book: CacheBook = field(default_factory=CacheBook)  # where turns left their prefix
-    kv_saves: KvSaves | None = None  # warm resume's KV saves (the embedded backend's)
+    kv_saves: KvSaves | None = None  # warm resume's KV saves (llama.cpp backends')
     # The model names clients see (--served-model-name, or the embedded model's); ():
     # each backend's own.
     served_models: tuple[str, ...] = ()

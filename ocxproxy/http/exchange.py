@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -425,9 +426,16 @@ def _envelope(proxy: Proxy, request: Request, echo: tuple[str, Any] | None) -> E
 
 
 def open_upstream(
-    exchange: Exchange, path_qs: str, headers: Mapping[str, str], timing: Timing
+    exchange: Exchange,
+    path_qs: str,
+    headers: Mapping[str, str],
+    timing: Timing,
+    *,
+    turn: bool = False,
 ) -> AbstractAsyncContextManager[tuple[Backend, UpstreamResponse]]:
-    """The backend request of a create exchange, routed by its chain's affinity (CONTRACT.md C6)."""
+    """The backend request of a create exchange, routed by its chain's affinity (CONTRACT.md C6).
+    A `turn`'s chain the chosen backend lost gets its saved KV state there first."""
+    warm = turn and exchange.proxy.kv_saves is not None and exchange.parent is not None
     return exchange.proxy.pool.open(
         "POST",
         path_qs,
@@ -436,6 +444,7 @@ def open_upstream(
         timing=timing,
         affinity_key=exchange.affinity_key,
         preferred=exchange.parent.backend if exchange.parent else None,
+        prepare=partial(resume, exchange) if warm else None,
     )
 
 
@@ -489,8 +498,10 @@ async def forward(
     forwarded["Content-Type"] = "application/json"
     if exchange.pending is not None:  # context_management's threshold passed
         await compaction.compact_first(exchange, forwarded, path_qs, timing)
-    await resume(exchange)  # a chain the backend lost: its saved KV state first
-    async with open_upstream(exchange, path_qs, forwarded, timing) as (backend, upstream):
+    async with open_upstream(exchange, path_qs, forwarded, timing, turn=True) as (
+        backend,
+        upstream,
+    ):
         exchange.backend = backend
         content_type = upstream.headers.get("Content-Type", "")
         if upstream.status == 200 and content_type.startswith("text/event-stream"):

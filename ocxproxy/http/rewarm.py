@@ -50,7 +50,9 @@ async def watch(proxy: Proxy) -> None:
                 continue
             seen[backend.url] = backend.epoch
             saves = proxy.kv_saves
-            if backend.dialect != "responses" or (saves is not None and saves.url == backend.url):
+            if backend.dialect != "responses" or (
+                saves is not None and backend.url in saves.backends
+            ):
                 continue
             try:
                 await rewarm(proxy, backend)

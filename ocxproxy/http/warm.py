@@ -1,5 +1,6 @@
 """Warm resume on the request path (CONTRACT.md C12): a continuation the backend has lost
-gets its chain's saved KV state restored first (upstream/kvsave.py), and every
+gets its chain's saved KV state restored first, on whichever backend of those that
+save into the directory it is routed to (upstream/kvsave.py), and every
 continuation's cached tokens are compared with the prefix its parent left, a shortfall
 counted by reason (upstream/misses.py); an acknowledged durable turn is saved off the
 reply path."""
@@ -13,31 +14,39 @@ from ocxproxy.upstream.misses import Served, head_of, miss_of
 
 if TYPE_CHECKING:
     from ocxproxy.http.exchange import Exchange
+    from ocxproxy.upstream.fleet import Backend
 
 PIN: Final = b'{"id_slot":0,'  # the restored slot (the embedded backend has one)
 
 
-async def resume(exchange: Exchange) -> None:
-    """Before a continuation is sent: when its chain's longest saved prefix is not in the
-    backend's cache (the backend started since), restore it into the slot and pin the
-    request there. A save of another fingerprint is dropped and noted; any failure
-    leaves the turn to a full prefill."""
+async def resume(exchange: Exchange, backend: Backend) -> bytes | None:
+    """Before a continuation is sent to `backend` (the pool's `prepare`): when its
+    chain's longest saved prefix is not in that backend's cache (it started since, or the
+    chain was served on another one), restore it into the slot; the request, pinned
+    there, is returned. A save of another fingerprint is noted; any failure leaves the
+    turn to a full prefill."""
+    exchange.restored = None  # (one on a backend that failed this request before)
     saves, parent = exchange.proxy.kv_saves, exchange.parent
     if saves is None or parent is None:
-        return
-    save = saves.saved_for(parent.id)
-    if save is None:
-        return
+        return None
+    found = saves.saved_for(parent.id, backend.url)
+    if found is None:
+        return None
+    save, slots = found
     exchange.cache_expect = save.tokens
-    if saves.mismatched(save):
+    if saves.mismatched(save, slots):
         exchange.cache_note = "fingerprint_mismatch"
-        return
-    if not saves.restoring:
-        return
-    outcome = await saves.restore(save)
-    if outcome is not None and exchange.body[:1] == b"{" and exchange.body[1:2] != b"}":
-        exchange.restored = outcome
-        exchange.body = PIN + exchange.body[1:]
+        return None
+    if not slots.restoring:
+        return None
+    outcome = await saves.restore(save, slots)
+    body = exchange.body
+    if outcome is None or body[:1] != b"{" or body[1:2] == b"}":
+        return None
+    exchange.restored = outcome
+    if not body.startswith(PIN):  # (pinned already when an earlier backend failed)
+        exchange.body = PIN + body[1:]
+    return exchange.body
 
 
 def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: int | None) -> None:
@@ -101,8 +110,6 @@ def save_after(exchange: Exchange, record: Record) -> None:
     saves = exchange.proxy.kv_saves
     if saves is None or record is None or not record.durable or exchange.backend is None:
         return
-    if exchange.backend.url != saves.url:
-        return
     fact = exchange.proxy.book.get(record.id)
     if fact is None:
         return
@@ -113,4 +120,5 @@ def save_after(exchange: Exchange, record: Record) -> None:
         record.scope,
         fact.tokens,
         lambda: (segment.key for segment in record.segments),
+        exchange.backend.url,
     )

@@ -61,7 +61,6 @@ from ocxproxy.http.exchange import (
 from ocxproxy.http.headers import upstream_headers
 from ocxproxy.http.middleware import SELF_TIMED
 from ocxproxy.http.passthrough import passthrough
-from ocxproxy.http.warm import resume
 from ocxproxy.metrics import Metrics, Timing
 from ocxproxy.store import Store
 from ocxproxy.upstream.sse import SUCCESS_EVENTS, Event
@@ -325,8 +324,7 @@ class Connection:
         self.headers["X-Request-Id"] = timing.request_id  # one turn at a time
         if exchange.pending is not None:  # context_management's threshold passed
             await compact_first(exchange, self.headers, self.path_qs, timing)
-        await resume(exchange)  # a chain the backend lost: its saved KV state first
-        async with open_upstream(exchange, self.path_qs, self.headers, timing) as (
+        async with open_upstream(exchange, self.path_qs, self.headers, timing, turn=True) as (
             backend,
             upstream,
         ):

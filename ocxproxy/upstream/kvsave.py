@@ -3,11 +3,13 @@ after its turn is acknowledged, and restored into the backend's slot before a
 continuation the backend has lost (it restarted since), so the turn costs its tail.
 
 The embedded backend runs with one slot (slot 0) and `--slot-save-path` set to this
-directory (0700; llama.cpp writes the files with umask 077). A save is named by its
-chain's digest (SHA-256 of the scope and the chain's segment digests), never by a
-response id; `index.json` keeps, per save: its fingerprint, tokens, bytes, when it was
-last used, the backend start it is known to be cached in, and the turns of the chain it
-is the longest saved prefix of. A chain is saved again once it grew by `every` tokens;
+directory (0700; llama.cpp writes the files with umask 077). External llama-servers may
+share it (each started with `--slot-save-path` there and one slot): a save made on one
+is restored on another the chain is routed to, when their fingerprints match. A save is
+named by its chain's digest (SHA-256 of the scope and the chain's segment digests), never
+by a response id; `index.json` keeps, per save: its fingerprint, tokens, bytes, when it
+was last used, the backend and start it is known to be cached in, and the turns of the
+chain it is the longest saved prefix of. A chain is saved again once it grew by `every` tokens;
 the new save supersedes the older one. The directory's files stay within a byte budget
 (the least recently used go first).
 
@@ -61,7 +63,23 @@ class Save:
     size: int  # bytes on disk
     used: float  # wall time it was last saved or restored
     responses: list[str]  # the chain's turns whose longest saved prefix it is
-    boot: str = ""  # the backend start whose cache holds it ("": none running now)
+    boot: str = ""  # the backend and start whose cache holds it ("": none running now)
+
+
+@dataclass(slots=True)
+class Slots:
+    """One llama.cpp backend that saves into the directory, and its slot actions."""
+
+    url: str
+    boot: Callable[[], str]  # its current start's identity
+    fingerprint: str = ""
+    restoring: bool = True  # off after repeated restores that did not take
+    failures: int = 0  # restores in a row that did not take
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot action at a time
+
+    def start(self) -> str:
+        """Where a save's state is cached: this backend, in its current start."""
+        return f"{self.url} {self.boot()}"
 
 
 @dataclass(slots=True)
@@ -70,26 +88,22 @@ class Outcome:
 
     save: Save
     tokens: int  # n_restored
+    slots: Slots  # the backend it was restored on
 
 
 @dataclass(slots=True)
 class KvSaves:
-    """The saves of one llama.cpp backend (the embedded one, or the --upstream of
-    --kv-save-dir) and its slot actions."""
+    """The saves in one directory, of the llama.cpp backends that write there (the
+    embedded one, or the --upstream servers of --kv-save-dir)."""
 
     directory: Path
     budget: int  # bytes the directory's saves may occupy
     every: int  # a chain is saved again once it grew by this many tokens
     http: Http1Client
     metrics: Metrics
-    url: str = ""  # the backend (set by `attach`)
-    boot: Callable[[], str] = field(default=lambda: "")  # its current start's identity
-    fingerprint: str = ""
-    restoring: bool = True  # off after repeated restores that did not take
-    failures: int = 0  # restores in a row that did not take
+    backends: dict[str, Slots] = field(default_factory=dict)  # by url (set by `attach`)
     by_name: dict[str, Save] = field(default_factory=dict)
     by_response: dict[str, Save] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot action at a time
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     version: int = 0  # of the index, as changed on the loop
     written: int = 0  # the version on disk
@@ -109,24 +123,25 @@ class KvSaves:
         """The backend at `url` (started, healthy) runs `model` (None: the file its
         `/props` names, when this machine can read it); `boot()` names its current start.
         Its fingerprint is made from its `/props` and the model file."""
-        self.url, self.boot = url, boot
-        props = await self._ask("GET", "/props", None) or {}
+        props = await self._ask(url, "GET", "/props", None) or {}
         if model is None and isinstance(props.get("model_path"), str):
             model = Path(props["model_path"])
-        self.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+        slots = self.backends.get(url) or Slots(url, boot)
+        slots.boot = boot
+        slots.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+        self.backends[url] = slots
 
     async def supported(self, url: str) -> str | None:
         """Whether the llama.cpp server at `url` takes slot actions into one slot: None
         when it does, else why not. Asks a restore of a file that does not exist: a
         server started without `--slot-save-path` refuses the action itself."""
-        self.url = url
-        props = await self._ask("GET", "/props", None)
+        props = await self._ask(url, "GET", "/props", None)
         if props is None:
             return "it has no /props (not llama.cpp's server?)"
         if props.get("total_slots", 1) != 1:
             return f"it has {props.get('total_slots')} slots (warm resume needs --parallel 1)"
         body = orjson.dumps({"filename": "ocxproxy-probe" + SUFFIX})
-        status, answer = await self._status("POST", f"/slots/{SLOT}?action=restore", body)
+        status, answer = await self._status(url, "POST", f"/slots/{SLOT}?action=restore", body)
         if status == 400 and b"restore" in answer.lower():
             return None  # it looked for the file: slot actions are on
         return "it was not started with --slot-save-path"
@@ -139,60 +154,62 @@ class KvSaves:
 
     # -- the request path
 
-    def saved_for(self, response_id: str) -> Save | None:
-        """The longest saved prefix of the chain ending at `response_id`, when the
-        backend's cache does not hold it (it restarted since): None when nothing is to
-        be restored."""
-        save = self.by_response.get(response_id)
-        if save is None or save.boot == self.boot():
+    def saved_for(self, response_id: str, url: str) -> tuple[Save, Slots] | None:
+        """The longest saved prefix of the chain ending at `response_id`, when the cache
+        of the backend at `url` does not hold it (it restarted since, or the chain was
+        served elsewhere): None when nothing is to be restored there."""
+        save, slots = self.by_response.get(response_id), self.backends.get(url)
+        if save is None or slots is None or save.boot == slots.start():
             return None
-        return save
+        return save, slots
 
-    async def restore(self, save: Save) -> Outcome | None:
-        """Load `save` into the slot; None when the backend refused (counted)."""
+    async def restore(self, save: Save, slots: Slots) -> Outcome | None:
+        """Load `save` into the slot of `slots`' backend; None when it refused (counted)."""
         started = time.monotonic()
-        answer = await self._action("restore", save.name)
+        answer = await self._action(slots, "restore", save.name)
         if answer is None:  # once more: the first may have met the previous process's socket
-            answer = await self._action("restore", save.name)
+            answer = await self._action(slots, "restore", save.name)
         restored = answer.get("n_restored") if answer is not None else None
         if not isinstance(restored, int) or restored <= 0:
             self.metrics.kv_restores.labels(outcome="error").inc()
-            log.warning("a KV restore on %s was refused; the turn computes it again", self.url)
+            log.warning("a KV restore on %s was refused; the turn computes it again", slots.url)
             return None
         self.metrics.kv_restore_seconds.labels().observe(time.monotonic() - started)
         save.used = time.time()
-        return Outcome(save, restored)
+        return Outcome(save, restored, slots)
 
     def verify(self, outcome: Outcome, cached: int) -> bool:
         """Whether the restore took: the turn's cached tokens cover what was restored.
         One that did not is dropped; after FAILURES_TO_STOP in a row restores stop."""
-        save = outcome.save
+        save, slots = outcome.save, outcome.slots
         if cached + SLACK >= outcome.tokens:
-            self.failures = 0
-            save.boot = self.boot()
+            slots.failures = 0
+            save.boot = slots.start()
             self.metrics.kv_restores.labels(outcome="ok").inc()
             return True
         self.metrics.kv_restores.labels(outcome="failed").inc()
         self.drop(save)
-        self.failures += 1
-        if self.failures >= FAILURES_TO_STOP and self.restoring:
-            self.restoring = False
+        slots.failures += 1
+        if slots.failures >= FAILURES_TO_STOP and slots.restoring:
+            slots.restoring = False
             log.warning(
                 "KV restores on %s did not take %d times in a row (the backend reported "
                 "no cache use after a successful restore); restores are off until the "
                 "proxy restarts. Saves go on. Backend build fingerprint %s",
-                self.url,
-                self.failures,
-                self.fingerprint[:16],
+                slots.url,
+                slots.failures,
+                slots.fingerprint[:16],
             )
         return False
 
-    def mismatched(self, save: Save) -> bool:
-        """A save made for another model, context, template or build: dropped, counted."""
-        if save.fingerprint == self.fingerprint:
+    def mismatched(self, save: Save, slots: Slots) -> bool:
+        """A save made for another model, context, template or build than `slots`'
+        backend runs: counted; dropped when no backend that saves here runs that one."""
+        if save.fingerprint == slots.fingerprint:
             return False
         self.metrics.kv_restores.labels(outcome="fingerprint_mismatch").inc()
-        self.drop(save)
+        if all(save.fingerprint != other.fingerprint for other in self.backends.values()):
+            self.drop(save)
         return True
 
     def after_turn(
@@ -202,11 +219,16 @@ class KvSaves:
         scope: str,
         tokens: int,
         segments: Callable[[], Iterable[str]],
+        url: str,
     ) -> None:
         """A durable turn was acknowledged, `tokens` long (input and output), served by
-        this backend in its current start: saved off the reply path when its chain grew
-        by `every` tokens since the chain's last save, else the turn joins that save's
-        chain. `segments`: the chain's segment digests, oldest first."""
+        the backend at `url` (one that saves here, else nothing is done): saved off the
+        reply path when its chain grew by `every` tokens since the chain's last save, else
+        the turn joins that save's chain. `segments`: the chain's segment digests, oldest
+        first."""
+        slots = self.backends.get(url)
+        if slots is None:
+            return
         previous = self.by_response.get(parent_id) if parent_id is not None else None
         if previous is not None and tokens - previous.tokens < self.every:
             previous.responses.append(response_id)
@@ -215,7 +237,7 @@ class KvSaves:
         if tokens < self.every:
             return
         task = asyncio.get_running_loop().create_task(
-            self._save(scope, segments, response_id, tokens, previous), name="kv-save"
+            self._save(slots, scope, segments, response_id, tokens, previous), name="kv-save"
         )
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -244,6 +266,7 @@ class KvSaves:
 
     async def _save(
         self,
+        slots: Slots,
         scope: str,
         segments: Callable[[], Iterable[str]],
         response_id: str,
@@ -252,7 +275,7 @@ class KvSaves:
     ) -> None:
         name = chain_digest(scope, segments()) + SUFFIX  # after the reply, not before
         started = time.monotonic()
-        answer = await self._action("save", name + PART)
+        answer = await self._action(slots, "save", name + PART)
         saved = answer.get("n_saved") if answer is not None else None
         if not isinstance(saved, int) or abs(saved - tokens) > SLACK:
             # Refused, or the slot held another prompt by then: not this chain's state.
@@ -274,7 +297,7 @@ class KvSaves:
         if previous is not None:  # superseded by this longer prefix of its chain
             self.drop(previous)
         self._add(
-            Save(name, self.fingerprint, saved, size, time.time(), [response_id], self.boot())
+            Save(name, slots.fingerprint, saved, size, time.time(), [response_id], slots.start())
         )
         self._evict()
         await asyncio.to_thread(self._write_index, self._rows())
@@ -288,13 +311,15 @@ class KvSaves:
             self.metrics.kv_evictions.inc()
             self.drop(save)
 
-    async def _action(self, action: str, filename: str) -> dict[str, Any] | None:
+    async def _action(self, slots: Slots, action: str, filename: str) -> dict[str, Any] | None:
         body = orjson.dumps({"filename": filename})
-        async with self.lock:
-            return await self._ask("POST", f"/slots/{SLOT}?action={action}", body)
+        async with slots.lock:
+            return await self._ask(slots.url, "POST", f"/slots/{SLOT}?action={action}", body)
 
-    async def _ask(self, method: str, path: str, body: bytes | None) -> dict[str, Any] | None:
-        status, data = await self._status(method, path, body)
+    async def _ask(
+        self, url: str, method: str, path: str, body: bytes | None
+    ) -> dict[str, Any] | None:
+        status, data = await self._status(url, method, path, body)
         if status != 200:
             log.debug("%s %s answered %d: %s", method, path, status, data[:200])
             return None
@@ -304,12 +329,14 @@ class KvSaves:
             return None
         return answer if isinstance(answer, dict) else None
 
-    async def _status(self, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+    async def _status(
+        self, url: str, method: str, path: str, body: bytes | None
+    ) -> tuple[int, bytes]:
         """The answer's status and body (0 when there was none)."""
         headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
             async with asyncio.timeout(ACTION_TIMEOUT):
-                response = await self.http.request(method, self.url, path, headers, body)
+                response = await self.http.request(method, url, path, headers, body)
                 try:
                     data = await response.read()
                 except BaseException:

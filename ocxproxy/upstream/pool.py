@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeAlias, cast
 
 from ocxproxy.config import Config
 from ocxproxy.errors import UpstreamError
@@ -40,6 +40,8 @@ __all__ = ["Backend", "BackendRequest", "UpstreamPool", "read_chunk"]
 
 PROBE_TIMEOUT = 5.0  # seconds; a health path that takes longer counts as down
 MODELS_PATH = "/v1/models"  # the probe's second proof when the health path is a 404
+# Awaited with the backend chosen for a request, before it is sent: a body to send instead.
+Prepare: TypeAlias = Callable[[Backend], Awaitable[bytes | None]]
 IDEMPOTENT = frozenset(("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"))  # RFC 9110 §9.2.2
 
 
@@ -186,6 +188,7 @@ class UpstreamPool:
         affinity_key: str | None = None,
         preferred: str | None = None,
         retry: bool = True,
+        prepare: Prepare | None = None,
     ) -> BackendRequest:
         """`async with pool.open(...) as (backend, response)`: send the request; the
         backend and its response with headers read.
@@ -193,11 +196,13 @@ class UpstreamPool:
         The backend is the Fleet's choice (affinity key, then `preferred`, the backend that
         served the chain). With `retry`, a request that got no answer is sent again when
         that is safe (the module's docstring says when); once the headers are in, it is
-        never sent again, so a client never sees two answers.
+        never sent again, so a client never sees two answers. `prepare`: awaited with
+        each backend chosen, before the request goes to it; the body it returns, if
+        any, is sent instead (warm resume restores a chain's KV state there first).
         """
         translator = Translator(method, path_qs, data)
         return BackendRequest(
-            self, method, headers, translator, timing, affinity_key, preferred, retry
+            self, method, headers, translator, timing, affinity_key, preferred, retry, prepare
         )
 
     async def dial(self, request: BackendRequest) -> tuple[Backend, Http1Response, float]:
@@ -222,6 +227,12 @@ class UpstreamPool:
             start = time.perf_counter()
             answered = False
             try:
+                if request.prepare is not None:
+                    data = await request.prepare(backend)
+                    if data is not None:
+                        request.translator = Translator(
+                            request.method, request.translator.path_qs, data
+                        )
                 # A chat backend gets the request translated (InvalidRequest: unsent).
                 path, body = request.translator.request(backend.dialect)
                 try:
@@ -312,6 +323,7 @@ class BackendRequest:
         "method",
         "pool",
         "preferred",
+        "prepare",
         "retry",
         "timing",
         "translator",
@@ -327,6 +339,7 @@ class BackendRequest:
         affinity_key: str | None,
         preferred: str | None,
         retry: bool,
+        prepare: Prepare | None = None,
     ) -> None:
         self.pool = pool
         self.method = method
@@ -336,6 +349,7 @@ class BackendRequest:
         self.affinity_key = affinity_key
         self.preferred = preferred
         self.retry = retry
+        self.prepare = prepare
         self.idempotency_key = headers.get("Idempotency-Key") is not None
 
     async def __aenter__(self) -> tuple[Backend, UpstreamResponse]:

@@ -216,6 +216,8 @@ class FakeBackend:
         self.slot_dir = slot_dir
         self.restores = restores
         self.template = "fake-template"
+        # (action, filename, how many /v1/responses requests came before it)
+        self.slot_actions: list[tuple[str, str, int]] = []
         self._last: tuple[bytes, int] = (b"", 0)  # the last prompt and its tokens with the output
         self.stream_style: StreamStyle = stream_style
         self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
@@ -393,6 +395,8 @@ class FakeBackend:
         if isinstance(payload, web.Response):
             return payload
         path = self.slot_dir / str(payload.get("filename"))
+        action = request.query.get("action", "")
+        self.slot_actions.append((action, path.name, len(self.responses_seen)))
         if request.query.get("action") == "save":
             prompt, tokens = self._last
             path.write_bytes(b"%d\n" % tokens + prompt)

@@ -111,7 +111,7 @@ async def test_a_restore_that_did_not_take_is_counted_dropped_and_stops_after_th
             assert old not in warm.files()  # dropped (the turn after it is saved anew)
             assert warm.metric("ocxproxy_kv_restores_total", outcome="failed") == n + 1
             assert warm.metric("ocxproxy_cache_miss_total", reason="restore_failed") == n + 1
-        assert not warm.saves.restoring
+        assert not warm.saves.backends[warm.fake.url].restoring
         assert "restores are off" in caplog.text
         first = await turn(warm, FIRST, None)
         warm.restart()
@@ -196,8 +196,10 @@ async def test_saves_outlive_the_proxy_and_strays_are_removed(
         assert warm.files() == [name]
         assert not (warm.directory / "cut-short.kv.part").exists()
         await again.attach(warm.fake.url, lambda: "a later start", tmp_path / "model.gguf")
-        save = again.saved_for(first)
-        assert save is not None and save.name == name and save.fingerprint == again.fingerprint
+        found = again.saved_for(first, warm.fake.url)
+        assert found is not None
+        save, slots = found
+        assert save.name == name and save.fingerprint == slots.fingerprint
     finally:
         await warm.fake.close()
 
@@ -210,7 +212,7 @@ async def test_an_external_llama_server_with_slot_saves_is_detected_and_used(
     async with FakeBackend(slot_dir=directory) as fake:
         proxy = await make_proxy(fake.url, kv_save_dir=directory, kv_save_every=100)
         saves = proxy.proxy.kv_saves
-        assert saves is not None and saves.url == fake.url
+        assert saves is not None and list(saves.backends) == [fake.url]
         client = proxy.client()
         first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
         while saves.tasks:
@@ -234,3 +236,38 @@ async def test_an_external_server_without_slot_saves_gets_none(
         proxy = await make_proxy(fake.url, kv_save_dir=tmp_path / "slots")
         assert proxy.proxy.kv_saves is None
         assert "was not started with --slot-save-path" in caplog.text
+
+
+async def test_a_chain_whose_backend_is_down_is_restored_on_another_of_the_fleet(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    async with FakeBackend(slot_dir=directory) as one, FakeBackend(slot_dir=directory) as two:
+        proxy = await make_proxy(one.url, two.url, kv_save_dir=directory, kv_save_every=100)
+        saves = proxy.proxy.kv_saves
+        assert saves is not None and set(saves.backends) == {one.url, two.url}
+        client = proxy.client()
+        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+        while saves.tasks:
+            await asyncio.wait(list(saves.tasks))
+        home, other = (one, two) if one.responses_seen else (two, one)
+        assert [a[0] for a in chain_actions(home)] == ["save"] and chain_actions(other) == []
+        (name,) = (p.name for p in directory.glob("*.kv"))
+        await home.close()  # the chain's home is down: affinity sends it elsewhere
+        await client.responses.create(model="m", input="again", previous_response_id=first.id)
+        assert chain_actions(other)[0] == ("restore", name, 0)  # before the turn it served
+        (turn,) = other.responses_seen
+        assert turn.body.startswith(b'{"id_slot":0,')
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="rerouted") == 0
+        restores = [a for a in chain_actions(other) if a[0] == "restore"]
+        second = await client.responses.create(
+            model="m", input="and again", previous_response_id=first.id
+        )
+        assert second.id and [a for a in chain_actions(other) if a[0] == "restore"] == restores
+
+
+def chain_actions(fake: FakeBackend) -> list[tuple[str, str, int]]:
+    """The slot actions on chains' saves (not the probe the proxy starts with)."""
+    return [action for action in fake.slot_actions if action[1] != "ocxproxy-probe.kv"]
