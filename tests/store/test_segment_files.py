@@ -242,6 +242,27 @@ def test_a_file_goes_only_once_a_durable_checkpoint_no_longer_needs_it(tmp_path:
     assert not orphan.exists()
 
 
+def test_a_file_written_after_its_turn_was_deleted_goes_too(tmp_path: Path) -> None:
+    """A turn deleted before its commit lands: the commit still writes the large
+    segment's file, and that file is removed as any unneeded one is (after the next
+    durable checkpoint), never left on disk unknown to the store."""
+
+    async def run() -> None:
+        store = new_store(tmp_path)
+        await store.start()
+        gone = store.put(make_turn("gone", noise(40_000, 8)), None)
+        assert store.delete_nowait("scope-a", "gone")  # before its commit is written
+        await store.commit()
+        assert gone.segments[-1].key in own_files(tmp_path)
+        assert store.check() == []
+        assert await store.flush()
+        assert own_files(tmp_path) == {}
+        assert store.check() == []
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_the_same_bytes_again_after_a_delete(tmp_path: Path) -> None:
     """The same large content deleted and stored again before the checkpoint: the
     checkpoint's removal leaves the file the new turn needs."""

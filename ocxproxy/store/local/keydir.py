@@ -84,6 +84,12 @@ class Keydir:
             self.left_at[pack] = self.captures
         segment.pack = -1
 
+    def written_unneeded(self, key: str) -> None:
+        """A segment file written for a segment dropped while its commit was in flight:
+        removed like one that left, unless a live segment was placed in it since."""
+        if key not in self.files:
+            self.gone[key] = self.captures
+
     def unneeded(self, capture: int) -> list[str]:
         """Keys of the files no segment has needed since before `capture`."""
         return [key for key, left in self.gone.items() if left < capture]

@@ -287,7 +287,11 @@ class SegmentTable:
                 del self.unwritten[segment.digest]
             self.metrics.spill_writes.inc()
             if self.by_key.get(segment.digest) is not segment or not segment.durable:
-                continue  # dropped meanwhile: its bytes in the journal are garbage
+                # Dropped meanwhile: its bytes in the journal are garbage; a file of its
+                # own goes the way of any file no segment needs.
+                if place[0] == FILES:
+                    self.keydir.written_unneeded(segment.key)
+                continue
             if segment.pack >= 0:
                 self.keydir.unlocate(segment)  # moved by compaction
             self.keydir.locate(segment, *place)
