@@ -52,6 +52,7 @@ TOOLING_ENV = (
     "OCXPROXY_PROFILE_CLOCK",
     "OCXPROXY_BENCH_ABLATE",
     "OCXPROXY_CODEX",  # the Codex CLI binary of the Codex tests and benchmark
+    "OCXPROXY_OPENAI_NODE",  # openai-node's node_modules, for the tests through it
 )
 UNITS = (
     "SIZE is bytes, or a number with a unit: 500kb, 64MiB, 1GiB (k, m, g: powers of 1000; "
