@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import orjson
+
+from ocxproxy.metrics import Metrics
 
 QUEUED, IN_PROGRESS = "queued", "in_progress"
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -111,6 +116,32 @@ class Backgrounds(Protocol):
     async def close(self) -> None: ...
 
     def running(self) -> list[asyncio.Task[Any]]: ...
+
+
+class Gauged(Protocol):
+    """What the background gauges read of a Backgrounds: its jobs and its logs' bytes."""
+
+    @property
+    def jobs(self) -> Mapping[Any, Job]: ...
+
+    @property
+    def log_size(self) -> int: ...
+
+
+def register_gauges(metrics: Metrics, backgrounds: Gauged) -> None:
+    """The queued/running counts and the logs' bytes, read from `backgrounds` through a
+    weak reference: the gauges must not make a cycle of it."""
+    ref = weakref.ref(backgrounds)
+
+    def count(status: str) -> float:
+        b = ref()
+        return 0.0 if b is None else float(sum(1 for j in b.jobs.values() if j.status == status))
+
+    for status in (QUEUED, IN_PROGRESS):
+        metrics.background_jobs.labels(status=status).set_function(partial(count, status))
+    metrics.background_log_bytes.set_function(
+        lambda: float(b.log_size) if (b := ref()) is not None else 0.0
+    )
 
 
 def lost_response(response: bytes) -> bytes:

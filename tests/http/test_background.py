@@ -72,10 +72,12 @@ async def test_cancel_stops_the_backend_and_keeps_nothing(make_proxy: MakeProxy)
         client = proxy.client()
         created = await client.responses.create(model="m", input="long", background=True)
         await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        assert proxy.metric("ocxproxy_background_responses", status="in_progress") == 1
         started = time.perf_counter()
         cancelled = await client.responses.cancel(created.id)
         assert time.perf_counter() - started < 1.0
         assert cancelled.status == "cancelled" and cancelled.id == created.id
+        assert proxy.metric("ocxproxy_background_responses", status="in_progress") == 0
         await backend.wait_for(lambda: backend.cancelled == 1, within=2.0)
         again = await client.responses.cancel(created.id)
         assert again.model_dump() == cancelled.model_dump()

@@ -28,9 +28,7 @@ import contextlib
 import logging
 import os
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +39,12 @@ from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
     IN_PROGRESS,
     LOG_KEPT,
-    QUEUED,
     STORED,
     TERMINAL,
     EventLog,
     Job,
     lost_response,
+    register_gauges,
 )
 from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
@@ -88,20 +86,7 @@ class LocalBackgrounds:
         self._child: FsyncChild | None = None
         self._starting: asyncio.Task[None] | None = None  # the helper's start
         self._flushing: asyncio.Task[None] | None = None  # event log files being written
-        # Read through a weak reference: the gauges must not make a cycle of it.
-        ref = weakref.ref(self)
-
-        def count(status: str) -> Callable[[], float]:
-            return lambda: float(b._count(status)) if (b := ref()) is not None else 0.0
-
-        for status in (QUEUED, IN_PROGRESS):
-            metrics.background_jobs.labels(status=status).set_function(count(status))
-        metrics.background_log_bytes.set_function(
-            lambda: float(b.log_size) if (b := ref()) is not None else 0.0
-        )
-
-    def _count(self, status: str) -> int:
-        return sum(1 for job in self.jobs.values() if job.status == status)
+        register_gauges(metrics, self)
 
     def disk_bytes(self) -> int:
         """What background responses take in the state dir (counted in --max-disk-bytes)."""

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import secrets
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,14 +41,13 @@ from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.errors import OcxError, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
-    IN_PROGRESS,
     LOG_KEPT,
-    QUEUED,
     STORED,
     TERMINAL,
     EventLog,
     Job,
     lost_response,
+    register_gauges,
 )
 from ocxproxy.store.shared.background_scripts import SHAS
 from ocxproxy.store.shared.keys import ScopeKeys, background_keys, background_log
@@ -117,19 +115,7 @@ class SharedBackgrounds:
         self._listener: asyncio.Task[None] | None = None
         self._watchers: dict[bytes, set[asyncio.Event]] = {}
         self._abandoned = False
-        ref = weakref.ref(self)  # the gauges must not make a cycle of it
-
-        def count(status: str) -> Callable[[], float]:
-            return lambda: float(b._count(status)) if (b := ref()) is not None else 0.0
-
-        for status in (QUEUED, IN_PROGRESS):
-            metrics.background_jobs.labels(status=status).set_function(count(status))
-        metrics.background_log_bytes.set_function(
-            lambda: float(b.log_size) if (b := ref()) is not None else 0.0
-        )
-
-    def _count(self, status: str) -> int:
-        return sum(1 for job in self.jobs.values() if job.status == status)
+        register_gauges(metrics, self)
 
     # -- the Backgrounds interface -------------------------------------------------------
 
