@@ -93,6 +93,8 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
     async with _locked(request):
         _, _, conversation = await _load(request)
         await proxy.store.conversations.delete(conversation)
+    if proxy.kv_saves is not None:  # its turns' KV save goes too
+        proxy.kv_saves.forget(conversation.id)
     return _json(deleted_object(conversation.id))
 
 

@@ -26,10 +26,10 @@ async def resume(exchange: Exchange, backend: Backend) -> bytes | None:
     there, is returned. A save of another fingerprint is noted; any failure leaves the
     turn to a full prefill."""
     exchange.restored = None  # (one on a backend that failed this request before)
-    saves, parent = exchange.proxy.kv_saves, exchange.parent
-    if saves is None or parent is None:
+    saves, chain = exchange.proxy.kv_saves, chain_of(exchange)
+    if saves is None or chain is None:
         return None
-    found = saves.saved_for(parent.id, backend.url)
+    found = saves.saved_for(chain, backend.url)
     if found is None:
         return None
     save, slots = found
@@ -49,6 +49,22 @@ async def resume(exchange: Exchange, backend: Backend) -> bytes | None:
     return exchange.body
 
 
+def conversation_of(exchange: Exchange) -> str | None:
+    """The conversation a turn reads and appends to, if any."""
+    held = exchange.conversation
+    return held.conversation.id if held is not None else None
+
+
+def chain_of(exchange: Exchange) -> str | None:
+    """What the chain a turn continues is known by, in the cache book, the window's facts
+    and the saves: its conversation (a conversation's turns all chain on its record), else
+    its parent response; None for a first turn."""
+    conversation = conversation_of(exchange)
+    if conversation is not None:
+        return conversation
+    return exchange.parent.id if exchange.parent is not None else None
+
+
 def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: int | None) -> None:
     """Verify a restore by the cached tokens; compare a continuation's cached tokens with
     the prefix its parent left (the parent's window fact and `Served`, in memory; else
@@ -62,14 +78,14 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
     proxy = exchange.proxy
     book = proxy.cache_book
     head = shared(head_of(exchange.request.body))  # (kept in the book: one object a value)
-    parent = exchange.parent
-    if cached is not None and parent is not None:
+    chain = chain_of(exchange)
+    if cached is not None and chain is not None:
         restored = exchange.restored
         saves = proxy.kv_saves
         took = restored is not None and saves is not None and saves.verify(restored, cached)
         if restored is not None and not took:
             exchange.cache_note = "restore_failed"
-        served, fact = book.get(parent.id), proxy.book.get(parent.id)
+        served, fact = book.get(chain), proxy.book.get(chain)
         found: tuple[Served, int, int] | None = None
         if served is not None and fact is not None:
             found = served, fact.tokens, fact.cut.items
@@ -100,7 +116,11 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
                 metrics.cache_missed_tokens.labels(reason=miss.reason).inc(
                     miss.expected - miss.cached
                 )
-    book.put(response_id, Served(backend.url, backend.epoch, head, exchange.scope))
+    here = Served(backend.url, backend.epoch, head, exchange.scope)
+    book.put(response_id, here)
+    conversation = conversation_of(exchange)
+    if conversation is not None and exchange.request.store:  # what its next turn follows
+        book.put(conversation, here)
 
 
 def save_after(exchange: Exchange, record: Record) -> None:
@@ -110,13 +130,14 @@ def save_after(exchange: Exchange, record: Record) -> None:
     saves = exchange.proxy.kv_saves
     if saves is None or record is None or not record.durable or exchange.backend is None:
         return
-    fact = exchange.proxy.book.get(record.id)
+    conversation = conversation_of(exchange)
+    key = conversation or record.id  # what the chain's next turn looks its save up by
+    fact = exchange.proxy.book.get(key)
     if fact is None:
         return
-    parent = exchange.parent.id if exchange.parent is not None else None
     saves.after_turn(
-        record.id,
-        parent,
+        key,
+        chain_of(exchange),
         record.scope,
         fact.tokens,
         lambda: (segment.key for segment in record.segments),

@@ -224,15 +224,17 @@ class KvSaves:
         """A durable turn was acknowledged, `tokens` long (input and output), served by
         the backend at `url` (one that saves here, else nothing is done): saved off the
         reply path when its chain grew by `every` tokens since the chain's last save, else
-        the turn joins that save's chain. `segments`: the chain's segment digests, oldest
-        first."""
+        the turn joins that save's chain. A conversation's turns come as the conversation
+        (`response_id` and `parent_id` its id). `segments`: the chain's segment digests,
+        oldest first."""
         slots = self.backends.get(url)
         if slots is None:
             return
         previous = self.by_response.get(parent_id) if parent_id is not None else None
         if previous is not None and tokens - previous.tokens < self.every:
-            previous.responses.append(response_id)
-            self.by_response[response_id] = previous
+            if response_id != parent_id:  # (a conversation's turns are the conversation's)
+                previous.responses.append(response_id)
+                self.by_response[response_id] = previous
             return
         if tokens < self.every:
             return

@@ -91,3 +91,23 @@ async def test_a_chain_moved_to_another_backend_was_rerouted(make_proxy: MakePro
         await home.close()  # refused: marked down, the turn goes to the other one
         await turn(client, "elsewhere", prev)
         assert misses(proxy) == {"rerouted": 1}
+
+
+async def test_a_conversations_turns_are_compared_like_a_chains(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    proxy = await make_proxy(backend.url)
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    for text in (FIRST, "second", "third"):
+        await client.responses.create(model="m", input=text, conversation=conversation.id)  # type: ignore[arg-type]
+    assert proxy.metric("ocxproxy_cache_checks_total") == 2
+    assert misses(proxy) == {}
+    backend.forget_cache()
+    await client.responses.create(model="m", input="fourth", conversation=conversation.id)
+    assert misses(proxy) == {"evicted": 1}
+    (served,) = proxy.proxy.pool.fleet.backends
+    proxy.proxy.pool.fleet.restarted(served)
+    backend.forget_cache()
+    await client.responses.create(model="m", input="fifth", conversation=conversation.id)
+    assert misses(proxy) == {"evicted": 1, "backend_restarted": 1}

@@ -123,6 +123,36 @@ async def test_a_restore_that_did_not_take_is_counted_dropped_and_stops_after_th
         await warm.fake.close()
 
 
+async def test_a_conversations_turns_are_saved_and_restored_like_a_chains(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    warm = await warm_proxy(make_proxy, tmp_path)
+    try:
+        conversation = await warm.client.conversations.create()
+
+        async def say(text: str | list[dict[str, str]]) -> None:
+            await warm.client.responses.create(model="m", input=text, conversation=conversation.id)  # type: ignore[arg-type]
+            await warm.settled()
+
+        await say(FIRST)
+        (first,) = warm.files()
+        await say("short")  # grew < 100 tokens: the same save
+        assert warm.files() == [first]
+        warm.restart()
+        await say("after the restart")
+        assert warm.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert warm.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+        assert warm.fake.responses_seen[-1].body.startswith(b'{"id_slot":0,')
+        await say([*FIRST, {"role": "user", "content": "it grew"}])  # a longer save
+        (second,) = warm.files()
+        assert second != first
+        await warm.client.conversations.delete(conversation.id)
+        await warm.settled()
+        assert warm.files() == []
+    finally:
+        await warm.fake.close()
+
+
 async def test_another_fingerprint_is_not_restored(make_proxy: MakeProxy, tmp_path: Path) -> None:
     warm = await warm_proxy(make_proxy, tmp_path)
     try:
