@@ -16,8 +16,9 @@ the new save supersedes the older one. The directory's files stay within a byte 
 A restore is trusted only when the fingerprint matches exactly (model file size and
 SHA-256, context size, KV cache types, chat template, backend build), and only once
 verified: the continuation's cached tokens must cover what was restored; one that did
-not take drops the save, and restores are switched off after `FAILURES_TO_STOP` in a
-row. A miss costs latency, never correctness: the full history is always sent.
+not take is not tried on that backend again (the save goes once no backend that could
+use it is left), and that backend's restores are switched off after `FAILURES_TO_STOP`
+in a row. A miss costs latency, never correctness: the full history is always sent.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Save:
     used: float  # wall time it was last saved or restored
     responses: list[str]  # the chain's turns whose longest saved prefix it is
     boot: str = ""  # the backend and start whose cache holds it ("": none running now)
+    # The backends (urls) a restore of it did not take on, since the proxy started: it is
+    # not tried there again, and goes when every backend that could use it is among them.
+    failed: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -159,7 +163,7 @@ class KvSaves:
         of the backend at `url` does not hold it (it restarted since, or the chain was
         served elsewhere): None when nothing is to be restored there."""
         save, slots = self.by_response.get(response_id), self.backends.get(url)
-        if save is None or slots is None or save.boot == slots.start():
+        if save is None or slots is None or save.boot == slots.start() or url in save.failed:
             return None
         return save, slots
 
@@ -180,7 +184,9 @@ class KvSaves:
 
     def verify(self, outcome: Outcome, cached: int) -> bool:
         """Whether the restore took: the turn's cached tokens cover what was restored.
-        One that did not is dropped; after FAILURES_TO_STOP in a row restores stop."""
+        One that did not is not tried on that backend again, and dropped once no backend
+        that could use it is left; after FAILURES_TO_STOP in a row on a backend, its
+        restores stop."""
         save, slots = outcome.save, outcome.slots
         if cached + SLACK >= outcome.tokens:
             slots.failures = 0
@@ -188,7 +194,12 @@ class KvSaves:
             self.metrics.kv_restores.labels(outcome="ok").inc()
             return True
         self.metrics.kv_restores.labels(outcome="failed").inc()
-        self.drop(save)
+        save.failed.add(slots.url)
+        if all(
+            other.url in save.failed or other.fingerprint != save.fingerprint
+            for other in self.backends.values()
+        ):
+            self.drop(save)
         slots.failures += 1
         if slots.failures >= FAILURES_TO_STOP and slots.restoring:
             slots.restoring = False
@@ -231,7 +242,8 @@ class KvSaves:
         if slots is None:
             return
         previous = self.by_response.get(parent_id) if parent_id is not None else None
-        if previous is not None and tokens - previous.tokens < self.every:
+        joins = previous is not None and url not in previous.failed  # (else: saved anew)
+        if previous is not None and joins and tokens - previous.tokens < self.every:
             if response_id != parent_id:  # (a conversation's turns are the conversation's)
                 previous.responses.append(response_id)
                 self.by_response[response_id] = previous
@@ -387,7 +399,7 @@ class KvSaves:
         """The index as it is now, numbered: threads write it in any order, the newest
         stays."""
         self.version += 1
-        return self.version, [{**asdict(save), "boot": ""} for save in self.by_name.values()]
+        return self.version, [_row(save) for save in self.by_name.values()]
 
     def _remove(self, name: str, rows: tuple[int, list[dict[str, Any]]]) -> None:
         self._unlink(name)
@@ -415,6 +427,15 @@ class KvSaves:
     def _unlink(self, name: str) -> None:
         with contextlib.suppress(OSError):
             (self.directory / name).unlink()
+
+
+def _row(save: Save) -> dict[str, Any]:
+    """A save as the index keeps it: what holds it in a cache, and where its restores did
+    not take, last only while the proxy runs."""
+    row = asdict(save)
+    row["boot"] = ""
+    del row["failed"]
+    return row
 
 
 def chain_digest(scope: str, segments: Iterable[str]) -> str:

@@ -301,3 +301,47 @@ async def test_a_chain_whose_backend_is_down_is_restored_on_another_of_the_fleet
 def chain_actions(fake: FakeBackend) -> list[tuple[str, str, int]]:
     """The slot actions on chains' saves (not the probe the proxy starts with)."""
     return [action for action in fake.slot_actions if action[1] != "ocxproxy-probe.kv"]
+
+
+async def test_a_restore_that_did_not_take_on_one_backend_leaves_the_save_to_the_others(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    one, two = FakeBackend(slot_dir=directory), FakeBackend(slot_dir=directory)
+    await one.start()
+    await two.start()
+    again = FakeBackend(slot_dir=directory)  # the chain's home started again, cache empty
+    try:
+        proxy = await make_proxy(
+            one.url, two.url, kv_save_dir=directory, kv_save_every=100, health_interval=0.05
+        )
+        saves = proxy.proxy.kv_saves
+        assert saves is not None
+        client = proxy.client()
+        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+        while saves.tasks:
+            await asyncio.wait(list(saves.tasks))
+        home, other = (one, two) if one.responses_seen else (two, one)
+        other.restores = False  # says it restored, and did not
+        (name,) = (p.name for p in directory.glob("*.kv"))
+        fleet = proxy.proxy.pool.fleet
+        served = next(b for b in fleet.backends if b.url == home.url)
+        await home.close()
+        await fleet.wait_for(lambda: not served.healthy, within=10)
+        await client.responses.create(
+            model="m", input="elsewhere", previous_response_id=first.id, store=False
+        )
+        assert chain_actions(other)[0] == ("restore", name, 0)
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="failed") == 1
+        assert [p.name for p in directory.glob("*.kv")] == [name]  # kept for its home
+        assert saves.saved_for(first.id, other.url) is None  # not tried there again
+        await again.start(port=int(home.url.rsplit(":", 1)[1]))
+        await fleet.wait_for(lambda: served.healthy, within=10)
+        await client.responses.create(model="m", input="home", previous_response_id=first.id)
+        assert chain_actions(again)[0] == ("restore", name, 0)
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+    finally:
+        await one.close()
+        await two.close()
+        await again.close()
