@@ -93,9 +93,13 @@ async def start(
     body = {name: value for name, value in request.body.items() if name != "background"}
     body["stream"] = True
     forwarded = orjson.dumps(body)
+    exchange: Exchange | None = None
     try:
         exchange = await prepare_exchange(proxy, scope, check_request(body), forwarded)
+        inputs = await _inputs(proxy, exchange)
     except BaseException:
+        if exchange is not None:
+            exchange.release()
         if key is not None:
             idempotency.end(proxy, key)
         raise
@@ -106,7 +110,10 @@ async def start(
     first = {"id": response_id, "status": QUEUED, "output": []}
     exchange.envelope.complete(first, final=False)
     first_bytes = orjson.dumps(first)
-    job = Job(response_id, scope, QUEUED, first_bytes, request.stream)
+    job = Job(
+        response_id, scope, QUEUED, first_bytes, request.stream, inputs=inputs,
+        durable=exchange.durable,
+    )  # fmt: skip
     book = proxy.backgrounds
     book.open(job)
     if job.log is not None:
@@ -240,16 +247,13 @@ async def delete(proxy: Proxy, job: Job) -> None:
     await proxy.backgrounds.commit()
 
 
-async def inputs(proxy: Proxy, job: Job) -> list[bytes] | None:
-    """The input items of a queued or running background response, as its turn will be
-    stored (the chain's items, then its own); None once it has ended."""
-    exchange = proxy.background_runs.exchanges.get((job.scope, job.id))
-    if exchange is None or job.terminal:
-        return None
-    assert isinstance(exchange, Exchange)
+async def _inputs(proxy: Proxy, exchange: Exchange) -> bytes:
+    """The input items of a background response, as its turn will be stored (the chain's
+    items, then its own), as a segment's bytes: `input_items` lists them while the store
+    does not hold the turn (queued, running, failed, cancelled), on any replica."""
     history = await proxy.store.history(exchange.parent) if exchange.parent is not None else []
     own = exchange.tail if exchange.tail is not None else serialize_items(exchange.request.items)
-    return history + own
+    return b",".join([*history, *own])
 
 
 def _loads(data: bytes) -> dict[str, Any]:

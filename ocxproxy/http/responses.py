@@ -39,7 +39,7 @@ from ocxproxy.http.exchange import create, open_upstream, prepare_exchange
 from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
-from ocxproxy.store import Job
+from ocxproxy.store import STORED, Job
 from ocxproxy.upstream.sse import loads_or_none
 
 
@@ -285,12 +285,15 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     proxy = proxy_of(request)
     query = parse_list_query(request.query, includes_of(request.query))
     job = await _job(proxy, request)
-    try:
-        running = await background.inputs(proxy, job) if job is not None else None
-    except StoreFailure:  # (the chain it continues is gone meanwhile)
-        raise _not_found(request.match_info["response_id"]) from None
-    if running is not None:  # a queued or running background response: its input so far
-        response_id, history, n_output = request.match_info["response_id"], running, 0
+    # A background response whose turn the store does not hold (queued, running, failed,
+    # cancelled): the input it was created with.
+    inputs = (
+        await proxy.backgrounds.inputs(job)
+        if job is not None and job.status not in STORED
+        else None
+    )
+    if inputs is not None:
+        response_id, history, n_output = request.match_info["response_id"], [inputs], 0
     else:
         record = await _lookup(proxy, request)
         if record is None:

@@ -83,6 +83,11 @@ class Job:
     log: EventLog | None = None
     task: asyncio.Task[Any] | None = None  # the run (http/background.py), while it runs
     cancelling: bool = False
+    # Its input items as its turn is stored (the chain's, then its own), as a segment's
+    # bytes (items joined by commas), while the store does not hold them: queued,
+    # running, failed, cancelled. `durable`: they may reach disk or the shared server.
+    inputs: bytes | None = None
+    durable: bool = True
 
     @property
     def terminal(self) -> bool:
@@ -104,6 +109,10 @@ class Backgrounds(Protocol):
 
     def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
         """`job` is now `status` (its Response `response`, when given)."""
+
+    async def inputs(self, job: Job) -> bytes | None:
+        """`job`'s input items (Job.inputs), or None when they are not known here."""
+        ...
 
     def drop(self, job: Job) -> None:
         """`job` is deleted: forgotten, its log with it (its followers' streams end)."""

@@ -341,3 +341,28 @@ async def test_input_items_of_a_running_one_are_those_it_will_keep(
         assert (await until_ended(client, created.id)).status == "completed"
         stored = await client.responses.input_items.list(created.id, order="asc")
         assert stored.model_dump() == running.model_dump()
+
+
+async def test_input_items_of_a_failed_or_cancelled_one_are_its_input(
+    make_proxy: MakeProxy,
+) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="first")
+        backend.fail_next(500)
+        failed = await client.responses.create(
+            model="m", input="fails", previous_response_id=first.id, background=True
+        )
+        assert (await until_ended(client, failed.id)).status == "failed"
+        backend.stall_next(60)
+        cancelled = await client.responses.create(
+            model="m", input="cut", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 3)
+        assert (await client.responses.cancel(cancelled.id)).status == "cancelled"
+        for response_id, text in ((failed.id, "fails"), (cancelled.id, "cut")):
+            items = await client.responses.input_items.list(response_id, order="asc")
+            texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
+            assert texts == ["first", "echo#1: first", text]
+            assert items.first_id == items.data[0].id and items.has_more is False

@@ -48,6 +48,9 @@ async def test_a_response_running_at_kill_9_is_failed_after_restart(
         assert lost.error.message.startswith("background_lost")
         assert (await client.responses.retrieve(cancelled.id)).status == "cancelled"
         assert (await client.responses.cancel(running.id)).status == "failed"  # as it is
+        for response_id, text in ((running.id, "slow"), (cancelled.id, "cut")):
+            items = await client.responses.input_items.list(response_id)  # journaled
+            assert [item.content[0].text for item in items.data] == [text]  # type: ignore[union-attr]
         assert (await client.responses.retrieve(done.id)).output_text == "echo#1: quick"
         await client.close()
         assert await second.stop(signal.SIGTERM) == 0

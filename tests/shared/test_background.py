@@ -238,3 +238,48 @@ async def test_a_turn_stored_before_its_replica_died_ends_as_stored(
         assert events[-1].type == "response.completed"
         assert events[-1].response.output_text == "echo#1: stored"
         assert b.metric("ocxproxy_background_lost_total") == 0
+
+
+async def test_input_items_on_any_replica_while_it_runs_and_once_it_failed_or_was_cancelled(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        first = await a.client().responses.create(model="m", input="first")
+
+        async def texts(proxy: ProxyHandle, response_id: str) -> list[str]:
+            items = await proxy.client().responses.input_items.list(response_id, order="asc")
+            return [item.content[0].text for item in items.data]  # type: ignore[union-attr]
+
+        expected = ["first", "echo#1: first", "second"]
+        backend.stall_next(60)
+        running = await a.client().responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        for proxy in (a, b, c):
+            assert await texts(proxy, running.id) == expected
+        assert (await c.client().responses.cancel(running.id)).status == "cancelled"
+        for proxy in (a, b, c):
+            assert await texts(proxy, running.id) == expected
+        backend.fail_next(500)
+        failed = await b.client().responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        assert (await until_ended(c.client(), failed.id)).status == "failed"
+        for proxy in (a, b, c):
+            assert await texts(proxy, failed.id) == expected
+        # Once the store holds the turn, it is the store's: no copy stays with the status.
+        done = await a.client().responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        assert (await until_ended(b.client(), done.id)).status == "completed"
+        assert await texts(c, done.id) == expected
+        server = aioredis.from_url(valkey_server.url)
+        try:
+            keys = [key async for key in server.scan_iter(match="ocx:*")]
+            kept = [key for key in keys if await server.type(key) == b"hash"]
+            inputs = [await server.hget(key, "input") for key in kept]
+            assert sum(value is not None for value in inputs) == 2  # the cancelled, the failed
+        finally:
+            await server.aclose()

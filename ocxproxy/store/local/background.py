@@ -3,7 +3,8 @@ in process memory and, on a durable store, in the state dir:
 
     background.jsonl       one JSON line per status change (the Response with it only
                            when the store will not hold the final one: queued, failed,
-                           cancelled), fdatasynced by `commit`
+                           cancelled; the input items with the first), fdatasynced by
+                           `commit`
     background/<id>.log    an ended stream's event log, written once, within
                            LOG_WRITE_DELAY of its end (a header line, then the events'
                            bytes), removed with it
@@ -97,12 +98,15 @@ class LocalBackgrounds:
         self.jobs[job.scope, job.id] = job
         if job.stream:
             job.log = EventLog()
-        self._journal(job, job.response)
+        self._journal(job, job.response, inputs=True)
         if self.path is not None and self._child is None and self._starting is None:
             self._starting = spawn(self._start_child(), name="background-fsync-helper")
 
     async def get(self, scope: str, response_id: str) -> Job | None:
         return self.jobs.get((scope, response_id))
+
+    async def inputs(self, job: Job) -> bytes | None:
+        return job.inputs
 
     def append(self, job: Job, event: bytes) -> None:
         """An event of `job`'s stream (its sequence_number is the log's length)."""
@@ -119,6 +123,8 @@ class LocalBackgrounds:
         job.status = status
         if response is not None:
             job.response = response
+        if status in STORED:
+            job.inputs = None  # (the store's now)
         if status in TERMINAL:
             job.ended = time.time()
             job.task = None
@@ -139,9 +145,11 @@ class LocalBackgrounds:
         self._forget_log(job)
         self._journal(job, None, status=DELETED)
 
-    def _journal(self, job: Job, response: bytes | None, *, status: str | None = None) -> None:
+    def _journal(
+        self, job: Job, response: bytes | None, *, status: str | None = None, inputs: bool = False
+    ) -> None:
         if self.path is not None:
-            self._pending.append(_line(job, response, status))
+            self._pending.append(_line(job, response, status, inputs=inputs))
 
     # -- event log files -------------------------------------------------------------
 
@@ -226,7 +234,9 @@ class LocalBackgrounds:
         """background.jsonl again, with what is still kept (under the lock)."""
         assert self.path is not None
         data = b"".join(
-            _line(job, job.response, None) for job in self.jobs.values() if job.status not in STORED
+            _line(job, job.response, None, inputs=True)
+            for job in self.jobs.values()
+            if job.status not in STORED
         )
         if self._fd is not None:
             os.close(self._fd)
@@ -298,6 +308,8 @@ class LocalBackgrounds:
             job.status = entry["status"]
             if "response" in entry:
                 job.response = orjson.dumps(entry["response"])
+            if "input" in entry:
+                job.inputs = b",".join(map(orjson.dumps, entry["input"]))
         doomed = self._attach_logs(logs, deleted, now)
         for key, job in list(self.jobs.items()):
             if job.status in STORED and job.log is None:
@@ -364,12 +376,14 @@ class LocalBackgrounds:
             await asyncio.to_thread(child.wait)
 
 
-def _line(job: Job, response: bytes | None, status: str | None) -> bytes:
+def _line(job: Job, response: bytes | None, status: str | None, *, inputs: bool = False) -> bytes:
     entry: dict[str, Any] = {"id": job.id, "scope": job.scope, "status": status or job.status}
     if job.stream:
         entry["stream"] = True
     if response is not None:
         entry["response"] = orjson.Fragment(response)
+    if inputs and job.inputs is not None and job.durable:
+        entry["input"] = orjson.Fragment(b"[" + job.inputs + b"]")
     return orjson.dumps(entry) + b"\n"
 
 

@@ -2,14 +2,15 @@
 `Backgrounds`), so that every replica polls, resumes and cancels any of them.
 
 A background response is a hash on the server (keys.py's `Keys.background`: status, the
-latest Response, stream, owner) and, for `stream: true`, a list of its events' SSE bytes
-(index = sequence_number). The replica that runs it writes both through one script
-(background_scripts.WRITE) in order: each response's changes since its last write go in
-one round trip, a terminal status with its terminal event, and every write publishes a
-wake on the tier's channel. A replica that follows a stream it does not run reads the
-list from where it is (`RemoteLog`), woken by the channel (or every POLL seconds, should a
-message be lost), so a resume on any replica is the same log, gap-free, to its end. The
-replica running a response follows it from memory (its own `EventLog`).
+latest Response, stream, owner, and its input items until the store holds its turn) and,
+for `stream: true`, a list of its events' SSE bytes (index = sequence_number). The replica
+that runs it writes both through one script (background_scripts.WRITE) in order: each
+response's changes since its last write go in one round trip, a terminal status with its
+terminal event, and every write publishes a wake on the tier's channel. A replica that
+follows a stream it does not run reads the list from where it is (`RemoteLog`), woken by
+the channel (or every POLL seconds, should a message be lost), so a resume on any replica
+is the same log, gap-free, to its end. The replica running a response follows it from
+memory (its own `EventLog`).
 
 The runner holds a lease: the response's key in `bgrunning`, scored by the lease's end
 (LEASE seconds on the server's clock, renewed every RENEW_EVERY seconds and by every
@@ -73,6 +74,7 @@ class _Pending:
     events: list[bytes] = field(default_factory=list)
     status: str = ""
     response: bytes = b""
+    inputs: bytes = b""  # (an open's) the input items, a JSON array
     drop: bool = False  # then the response is deleted
 
     def merge(self, later: _Pending) -> None:
@@ -81,6 +83,7 @@ class _Pending:
         self.events += later.events
         if later.status:
             self.status, self.response = later.status, later.response or self.response
+        self.inputs = self.inputs or later.inputs
         self.drop = self.drop or later.drop
 
 
@@ -125,7 +128,9 @@ class SharedBackgrounds:
         self._opening.add(key)
         if job.stream:
             job.log = EventLog()
-        self._queue(key, _Pending(job, "open", status=job.status, response=job.response))
+        inputs = b"[" + job.inputs + b"]" if job.inputs is not None and job.durable else b""
+        self._queue(key, _Pending(job, "open", status=job.status, response=job.response,
+                                  inputs=inputs))  # fmt: skip
 
     async def get(self, scope: str, response_id: str) -> Job | None:
         key = self.keys(scope).background(response_id)
@@ -143,6 +148,13 @@ class SharedBackgrounds:
         if job.stream and exists:
             job.log = RemoteLog(self, key)
         return job
+
+    async def inputs(self, job: Job) -> bytes | None:
+        key = self.keys(job.scope).background(job.id)
+        if self.jobs.get(key) is job:
+            return job.inputs
+        (inputs,) = await self._read("background_inputs", pack("HGET", key, "input"), 1)
+        return inputs[1:-1] if inputs else None
 
     def append(self, job: Job, event: bytes) -> None:
         if job.log is None:
@@ -291,7 +303,8 @@ class SharedBackgrounds:
         args = (
             change.mode, self.token, change.start, change.status, change.response,
             int(LEASE * 1000), int(LOG_KEPT * 1000), int(kept * 1000), self.log_bytes,
-            self.channel, job.id, job.scope, "1" if job.stream else "0", *change.events,
+            self.channel, job.id, job.scope, "1" if job.stream else "0", change.inputs,
+            *change.events,
         )  # fmt: skip
         sha = SHAS["background_write"]
         answer = await self.server.write(
