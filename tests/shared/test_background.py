@@ -19,7 +19,7 @@ from ocxproxy.store.shared.background import LEASE, RENEW_EVERY, SharedBackgroun
 from ocxproxy.store.shared.keys import background_keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
-from tests.http.test_background import until_ended
+from tests.http.test_background import unfinished, until_ended
 from tests.shared.servers import KvServer
 
 
@@ -283,3 +283,23 @@ async def test_input_items_on_any_replica_while_it_runs_and_once_it_failed_or_wa
             assert sum(value is not None for value in inputs) == 2  # the cancelled, the failed
         finally:
             await server.aclose()
+
+
+async def test_each_replica_counts_the_runs_it_owns_so_their_sum_is_the_fleets(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        ids = []
+        for owner in (a, a, b):
+            backend.stall_next(60)
+            created = await owner.client().responses.create(model="m", input="x", background=True)
+            ids.append(created.id)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 3)
+        for response_id in ids:  # polled, and followed, on the one that runs none of them
+            polled = await c.client().responses.retrieve(response_id)
+            assert polled.status in ("queued", "in_progress")  # (queued until its first event)
+        assert [unfinished(proxy) for proxy in (a, b, c)] == [2, 1, 0]
+        for response_id in ids:
+            assert (await c.client().responses.cancel(response_id)).status == "cancelled"
+        assert [unfinished(proxy) for proxy in (a, b, c)] == [0, 0, 0]
