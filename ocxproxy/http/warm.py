@@ -23,13 +23,19 @@ async def resume(exchange: Exchange, backend: Backend) -> bytes | None:
     """Before a continuation is sent to `backend` (the pool's `prepare`): when its
     chain's longest saved prefix is not in that backend's cache (it started since, or the
     chain was served on another one), restore it into the slot; the request, pinned
-    there, is returned. A save of another fingerprint is noted; any failure leaves the
-    turn to a full prefill."""
+    there, is returned. An external llama-server that should hold the chain is asked
+    first whether it was started again unseen (`KvSaves.restarted`): a miss there would
+    cost the whole prefill, the question one local round trip. A save of another
+    fingerprint is noted; any failure leaves the turn to a full prefill."""
     exchange.restored = None  # (one on a backend that failed this request before)
     saves, chain = exchange.proxy.kv_saves, chain_of(exchange)
     if saves is None or chain is None:
         return None
     found = saves.saved_for(chain, backend.url)
+    if found is None and saves.unsure(chain, backend.url):
+        if await saves.restarted(backend.url):  # a new epoch: its saves are not cached
+            exchange.proxy.pool.fleet.restarted(backend)
+        found = saves.saved_for(chain, backend.url)
     if found is None:
         return None
     save, slots = found

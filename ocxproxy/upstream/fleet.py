@@ -367,7 +367,8 @@ class Fleet:
         return True
 
     def restarted(self, backend: Backend) -> None:
-        """Its process was started again (the embedded backend's watchdog): a new epoch."""
+        """Its process was started again (the embedded backend's watchdog, or warm
+        resume's read of a llama-server's slot): a new epoch."""
         backend.restarts += 1
         self._bump(freed=False)
 

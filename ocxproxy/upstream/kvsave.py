@@ -79,6 +79,12 @@ class Slots:
     fingerprint: str = ""
     restoring: bool = True  # off after repeated restores that did not take
     failures: int = 0  # restores in a row that did not take
+    # An external llama-server, whose start is known only by the health probe's downs:
+    # its slot's task id is read before a continuation whose save it should hold
+    # (`restarted`). `task`: the last it showed, in the start `task_start`.
+    tasks: bool = False
+    task: int | None = None
+    task_start: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one slot action at a time
 
     def start(self) -> str:
@@ -123,16 +129,30 @@ class KvSaves:
             self._add(save)
         self.metrics.kv_saved_bytes.set_function(lambda: sum(s.size for s in self.by_name.values()))
 
-    async def attach(self, url: str, boot: Callable[[], str], model: Path | None) -> None:
+    async def attach(
+        self, url: str, boot: Callable[[], str], model: Path | None, *, external: bool = False
+    ) -> None:
         """The backend at `url` (started, healthy) runs `model` (None: the file its
         `/props` names, when this machine can read it); `boot()` names its current start.
-        Its fingerprint is made from its `/props` and the model file."""
+        Its fingerprint is made from its `/props` and the model file. An `external`
+        server's slot task ids are read from its `/slots` to notice a restart the health
+        probe missed, when it answers that."""
         props = await self._ask(url, "GET", "/props", None) or {}
         if model is None and isinstance(props.get("model_path"), str):
             model = Path(props["model_path"])
         slots = self.backends.get(url) or Slots(url, boot)
         slots.boot = boot
         slots.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+        if external:
+            answered, slots.task = await self._slot_task(url)
+            slots.tasks, slots.task_start = answered, slots.start()
+            if not answered:
+                log.warning(
+                    "warm resume on %s: it does not answer GET /slots, so a restart between "
+                    "two health probes goes unnoticed (its chains then compute their history "
+                    "again once)",
+                    url,
+                )
         self.backends[url] = slots
 
     async def supported(self, url: str) -> str | None:
@@ -166,6 +186,59 @@ class KvSaves:
         if save is None or slots is None or save.boot == slots.start() or url in save.failed:
             return None
         return save, slots
+
+    def unsure(self, response_id: str, url: str) -> bool:
+        """Whether the chain ending at `response_id` has a save the external server at
+        `url` should hold in its cache, as far as the health probe knows: worth
+        `restarted`'s read before the continuation is sent."""
+        save, slots = self.by_response.get(response_id), self.backends.get(url)
+        return (
+            save is not None
+            and slots is not None
+            and slots.tasks
+            and slots.restoring
+            and save.boot == slots.start()
+            and url not in save.failed
+        )
+
+    async def restarted(self, url: str) -> bool:
+        """Whether the server at `url` was started again since its current start began,
+        unseen by the health probe (llama-server exposes no start identity): its slot
+        shows no task, though a continuation's save is known to be in it (a turn or a
+        restore ran there), or a task id below one seen before (each process numbers its
+        tasks from 0). One GET /slots; False when it did not answer, or when a restart
+        was noticed meanwhile."""
+        slots = self.backends[url]
+        start = slots.start()
+        answered, task = await self._slot_task(url)
+        if not answered or slots.start() != start:
+            return False
+        known = slots.task if slots.task_start == start else None  # (another start's ids)
+        fresh = task is None or (known is not None and task < known)
+        slots.task, slots.task_start = task, start
+        if fresh:
+            log.warning(
+                "%s was started again since its last health probe (its slot's task ids "
+                "began anew): its chains' KV saves are restored",
+                url,
+            )
+        return fresh
+
+    async def _slot_task(self, url: str) -> tuple[bool, int | None]:
+        """Whether `url` answered GET /slots, and its slot's last task id (None: it has
+        run none)."""
+        for _ in range(2):  # once more: the first may have met the previous process's socket
+            status, data = await self._status(url, "GET", "/slots", None)
+            if status:
+                break
+        try:
+            listing = orjson.loads(data) if status == 200 else None
+        except orjson.JSONDecodeError:
+            listing = None
+        if not isinstance(listing, list) or not listing or not isinstance(listing[0], dict):
+            return False, None
+        task = listing[0].get("id_task")
+        return True, task if isinstance(task, int) and not isinstance(task, bool) else None
 
     async def restore(self, save: Save, slots: Slots) -> Outcome | None:
         """Load `save` into the slot of `slots`' backend; None when it refused (counted)."""

@@ -207,10 +207,11 @@ class FakeBackend:
         quarter of the bytes, everywhere. `eager_tools`: a model that calls the first of
         the request's tools whatever it is asked, unless `tool_choice` is `"none"`, or
         even then (a backend that does not enforce it). `slot_dir`: llama.cpp's slot
-        actions (`POST /slots/0?action=save|restore`, files in that directory, and
-        `/props`); a restore puts the saved prompt back in the simulated cache, unless
-        `restores` is False (it then says it restored and does nothing, as some llama.cpp
-        builds do)."""
+        actions (`POST /slots/0?action=save|restore`, files in that directory, `/props`,
+        and `GET /slots` with the slot's last task id, numbered per process as llama.cpp
+        numbers its tasks, absent before its first); a restore puts the saved prompt back
+        in the simulated cache, unless `restores` is False (it then says it restored and
+        does nothing, as some llama.cpp builds do)."""
         self.window = window
         self.eager_tools = eager_tools
         self.slot_dir = slot_dir
@@ -218,6 +219,8 @@ class FakeBackend:
         self.template = "fake-template"
         # (action, filename, how many /v1/responses requests came before it)
         self.slot_actions: list[tuple[str, str, int]] = []
+        self.tasks = 0  # llama.cpp's task ids (a /slots read takes one too)
+        self.slot_task: int | None = None  # the last task the slot ran
         self._last: tuple[bytes, int] = (b"", 0)  # the last prompt and its tokens with the output
         self.stream_style: StreamStyle = stream_style
         self.rejects_images = rejects_images  # as llama.cpp without a vision model: a 500
@@ -248,6 +251,7 @@ class FakeBackend:
         if self.slot_dir is not None:
             app.router.add_get("/props", self._props)
             app.router.add_post("/slots/{slot}", self._slot_action)
+            app.router.add_get("/slots", self._slots)
         app.on_response_prepare.append(self._add_request_id)
         runner = web.AppRunner(
             app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1
@@ -389,11 +393,19 @@ class FakeBackend:
         props = {"default_generation_settings": {"n_ctx": n_ctx}, "chat_template": self.template}
         return _json_response({**props, "build_info": "fake"})
 
+    async def _slots(self, request: web.Request) -> web.Response:
+        self.tasks += 1
+        slot: Json = {"id": 0, "n_ctx": 8192, "is_processing": False}
+        if self.slot_task is not None:
+            slot["id_task"] = self.slot_task
+        return _json_response([slot])
+
     async def _slot_action(self, request: web.Request) -> web.Response:
         assert self.slot_dir is not None
         payload = await self._payload(request)
         if isinstance(payload, web.Response):
             return payload
+        self.tasks += 1
         path = self.slot_dir / str(payload.get("filename"))
         action = request.query.get("action", "")
         self.slot_actions.append((action, path.name, len(self.responses_seen)))
@@ -529,6 +541,8 @@ class FakeBackend:
                 prefix = max(prefix, _common_prefix_len(canonical, prev))
         self._stats.history.append(canonical)
         cached = min(prefix // 4, input_tokens)
+        self.tasks += 1
+        self.slot_task = self.tasks
 
         item: Json | None
         if turn.call_name is not None:

@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import openai
 import pytest
 
@@ -345,3 +346,50 @@ async def test_a_restore_that_did_not_take_on_one_backend_leaves_the_save_to_the
         await one.close()
         await two.close()
         await again.close()
+
+
+@pytest.mark.parametrize("seen", ["not", "not, another client first", "by the probe"])
+async def test_an_external_server_restarted_between_two_probes_is_noticed_before_the_turn(
+    make_proxy: MakeProxy, tmp_path: Path, seen: str
+) -> None:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    old, new = FakeBackend(slot_dir=directory), FakeBackend(slot_dir=directory)
+    await old.start()
+    try:
+        proxy = await make_proxy(
+            old.url, kv_save_dir=directory, kv_save_every=100, health_interval=60
+        )
+        saves = proxy.proxy.kv_saves
+        assert saves is not None
+        client = proxy.client()
+        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+        while saves.tasks:
+            await asyncio.wait(list(saves.tasks))
+        (name,) = (p.name for p in directory.glob("*.kv"))
+        second = await client.responses.create(
+            model="m", input="the same process", previous_response_id=first.id
+        )
+        assert chain_actions(old) == [("save", name + ".part", 1)]  # nothing restored
+        await old.close()  # a new process on its port before the probe looks again
+        await new.start(port=int(old.url.rsplit(":", 1)[1]))
+        if seen == "not, another client first":  # its slot ran a task, numbered anew
+            async with aiohttp.ClientSession() as session:
+                await session.post(f"{new.url}/v1/responses", json={"model": "m", "input": "hi"})
+        elif seen == "by the probe":
+            fleet = proxy.proxy.pool.fleet
+            (backend,) = fleet.backends
+            fleet.mark_down(backend, "restarting")
+            fleet.mark_up(backend)
+        await client.responses.create(model="m", input="restarted", previous_response_id=second.id)
+        assert chain_actions(new)[0][:2] == ("restore", name)
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="evicted") == 0
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+        await client.responses.create(model="m", input="again", previous_response_id=second.id)
+        restores = [action for action in chain_actions(new) if action[0] == "restore"]
+        assert len(restores) == 1  # the same process: nothing restored again
+        assert proxy.proxy.pool.fleet.backends[0].epoch == 1
+    finally:
+        await old.close()
+        await new.close()
