@@ -29,6 +29,7 @@ import orjson
 from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
+from ocxproxy.continuation.envelope import complete_items
 from ocxproxy.continuation.expand import Request, check_request, serialize_items
 from ocxproxy.errors import InvalidRequest, OcxError, RateLimited, ShuttingDown
 from ocxproxy.http import idempotency
@@ -343,7 +344,7 @@ class JobReply:
             if payload is not None:
                 final = payload.get("response")
             if type(final) is dict:
-                self._terminal(kind.removeprefix("response."), final, event)
+                self._terminal(kind.removeprefix("response."), final)
             return
         if kind == "error":
             error = payload.get("error")
@@ -376,13 +377,16 @@ class JobReply:
             event = encode_event(kind, numbered)
         self.proxy.backgrounds.append(job, event)
 
-    def _terminal(self, status: str, response: dict[str, Any], given: Event | None = None) -> None:
+    def _terminal(self, status: str, response: dict[str, Any]) -> None:
+        """The run's end: its Response (the relay's, completed but for its output items)
+        encoded once, for the terminal event and the job alike."""
         if status not in TERMINAL:
             status = "failed"
         response["status"] = status
-        kind = "response." + status
-        self._append(kind, given, None if given is not None else response)
-        self.proxy.backgrounds.moved(self.job, status, orjson.dumps(response))
+        complete_items(response.get("output") or [])
+        encoded = orjson.dumps(response)
+        self._append("response." + status, None, orjson.Fragment(encoded))
+        self.proxy.backgrounds.moved(self.job, status, encoded)
 
     def fail(self, code: str, message: str) -> None:
         """The run ended without the backend's terminal event: `failed`, with why."""

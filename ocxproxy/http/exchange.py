@@ -114,7 +114,8 @@ class Exchange:
     failure: OcxError | None = None  # why the finished turn must not be acknowledged
     envelope: Envelope = field(default_factory=Envelope)  # completes each Response sent
     # A background run's: its Reply makes its own lifecycle events from the proxy's
-    # queued Response, so stream_events leaves the backend's as they came (undecoded).
+    # queued Response, and its terminal event from `final`, so stream_events leaves the
+    # backend's as they came (undecoded, not written again).
     pending_raw: bool = False
     final: Any = None  # the terminal Response, as finished (completed in place after)
     # The input ended in a compaction trigger: `body` asks the backend for a summary
@@ -641,7 +642,7 @@ async def stream_events(
                 if isinstance(payload, dict):
                     exchange.finish(payload.get("response"))  # its items as the backend gave them
                     terminal = len(batch)
-            if patch is not None:
+            if patch is not None and not exchange.pending_raw:
                 event = written_event(event, payload, patch)
             last = kind
             batch.append(event)
