@@ -30,10 +30,10 @@ from multidict import CIMultiDict
 
 from ocxproxy.aio import spawn
 from ocxproxy.continuation.envelope import complete_items
-from ocxproxy.continuation.expand import Request, check_request, serialize_items
+from ocxproxy.continuation.expand import Request, serialize_items
 from ocxproxy.errors import InvalidRequest, OcxError, RateLimited, ShuttingDown
 from ocxproxy.http import idempotency
-from ocxproxy.http.context import Proxy, Reply, scope_of
+from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
 from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
@@ -58,6 +58,7 @@ _QUEUED, _IN_PROGRESS = b'"status":"queued"', b'"status":"in_progress"'
 
 async def start(
     proxy: Proxy,
+    scope: str,
     headers: Mapping[str, str],
     path_qs: str,
     raw: bytes,
@@ -81,7 +82,6 @@ async def start(
         raise RateLimited(
             "Too many background responses are waiting to run; retry later.",
         )
-    scope = scope_of(headers)
     key = idempotency.key_of(headers, scope, raw, stored=True)
     done = await idempotency.begin(proxy, key) if key is not None else None
     if done is not None:  # answered before: the same response again
@@ -94,9 +94,10 @@ async def start(
     body = {name: value for name, value in request.body.items() if name != "background"}
     body["stream"] = True
     forwarded = orjson.dumps(body)
+    checked = Request(body, request.previous_response_id, True, request.store, request.items)
     exchange: Exchange | None = None
     try:
-        exchange = await prepare_exchange(proxy, scope, check_request(body), forwarded)
+        exchange = await prepare_exchange(proxy, scope, checked, forwarded)
         inputs = await _inputs(proxy, exchange)
     except BaseException:
         if exchange is not None:

@@ -464,7 +464,7 @@ async def create(
     if request.body.get("background") not in (None, False):
         from ocxproxy.http import background  # (it builds on this module)
 
-        await background.start(proxy, headers, path_qs, raw, request, timing, reply)
+        await background.start(proxy, scope, headers, path_qs, raw, request, timing, reply)
         return
     key = idempotency.key_of(headers, scope, raw, stored=request.store)
     done = await idempotency.begin(proxy, key) if key is not None else None
