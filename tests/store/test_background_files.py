@@ -5,6 +5,9 @@ read back after a restart (a torn one refused), and all of it counted in
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -146,3 +149,93 @@ async def test_background_files_count_in_max_disk_bytes(tmp_path: Path) -> None:
     assert await store.flush()
     assert sample(store.metrics.store_evictions, reason="disk_bytes") > 0
     await store.close()
+
+
+async def test_creates_arriving_during_a_sync_share_the_next_one_sent_at_once(
+    tmp_path: Path,
+) -> None:
+    """A commit in flight does not hold up the next: the lines queued while it syncs go
+    out at once, all in one write (one sync serves every create waiting), and each of
+    those commits returns only once the lines before theirs are durable too."""
+    books = book(tmp_path)
+    await books.load()
+    books.open(job(0))
+    assert books._starting is not None
+    await books._starting
+    child = books._child
+    assert child is not None
+    sent: list[bytes] = []
+    held = asyncio.Event()  # the first write lands (is answered) only once this is set
+    real = child.write
+
+    def counted(fd: int, key: int, data: bytes, offset: int) -> asyncio.Future[None]:
+        sent.append(data)
+        synced = real(fd, key, data, offset)
+        if len(sent) > 1:
+            return synced
+
+        async def late() -> None:
+            await synced
+            await held.wait()
+
+        return asyncio.ensure_future(late())
+
+    child.write = counted  # type: ignore[method-assign]
+    first = asyncio.ensure_future(books.commit())
+    await until(lambda: len(sent) == 1)
+    for n in range(1, 9):
+        books.open(job(n))
+    creates = [asyncio.ensure_future(books.commit()) for _ in range(8)]
+    await until(lambda: len(sent) == 2)  # sent while the first one still syncs
+    assert all(b'"resp_%d"' % n in sent[1] for n in range(1, 9))
+    await asyncio.sleep(0.05)
+    assert not first.done() and not any(create.done() for create in creates)
+    held.set()
+    await asyncio.gather(first, *creates)
+    assert len(sent) == 2  # nine creates, two syncs
+    await books.close()
+    again = book(tmp_path)
+    await again.load()
+    assert sorted(key[1] for key in again.jobs) == sorted(f"resp_{n}" for n in range(9))
+    await again.close()
+
+
+async def test_a_commit_does_not_wait_for_event_log_files_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ended streams' log files are written beside the status lines, not before them: a
+    create is not held up by a slow disk writing someone else's log."""
+    monkeypatch.setattr(background, "LOG_WRITE_DELAY", 0.0)
+    writing, release = threading.Event(), threading.Event()
+    write_logs = background._write_logs
+
+    def slow(directory: Path, files: list[tuple[str, bytes | None]]) -> dict[str, int | None]:
+        writing.set()
+        release.wait(10)
+        return write_logs(directory, files)
+
+    monkeypatch.setattr(background, "_write_logs", slow)
+    books = book(tmp_path)
+    await books.load()
+    ended = job(1, stream=True)
+    books.open(ended)
+    await books.commit()
+    books.append(ended, event("response.created", 0, "queued"))
+    books.moved(ended, "cancelled", response("resp_1", "cancelled"))
+    await until(writing.is_set)  # its log file is being written (and stays so)
+    books.open(job(2))
+    try:
+        async with asyncio.timeout(5):
+            await books.commit()
+    finally:
+        release.set()
+    await books.close()
+    assert (tmp_path / "background" / "resp_1.log").exists()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")

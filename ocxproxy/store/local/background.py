@@ -12,7 +12,10 @@ in process memory and, on a durable store, in the state dir:
 `commit` writes the lines queued since the last one, and has them fdatasynced by a
 helper process of its own (store/local/syncer.py's `FsyncChild`, the journal's helper,
 started at the first background response), so neither the write nor the sync runs on the
-event loop nor costs a thread's return to it; without the helper, in a thread. Event
+event loop nor costs a thread's return to it; without the helper, in a thread. Commits
+are grouped: up to MAX_FLIGHTS writes sync side by side, and the lines queued while they
+do go out together in the next one, one sync for every create waiting. The event log
+files are written beside, never holding up a status line (a rewrite waits for both). Event
 logs are not synced: a process killed with -9 leaves them in the page cache, and one torn
 by a power loss is refused when read (its sizes do not add up). When the file has grown
 past twice what a rewrite would write, `commit` rewrites it with what is still kept.
@@ -30,6 +33,7 @@ import logging
 import os
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,7 @@ LOGS = "background"  # the ended streams' event logs
 DELETED = "deleted"  # a journal line's status: the response was deleted
 REWRITE_BYTES = 1024**2  # the file is not rewritten below this size
 LOG_WRITE_DELAY = 0.5  # seconds an ended stream's log waits to be written with others
+MAX_FLIGHTS = 2  # status line writes at the fsync helper at once
 
 Found = tuple[dict[str, Any], list[bytes], int]  # an event log file read: header, events, size
 
@@ -81,8 +86,10 @@ class LocalBackgrounds:
         self._pending: list[bytes] = []  # lines to append
         self._files: list[tuple[str, bytes | None]] = []  # event log files to write (None: remove)
         self._rewrite_at = REWRITE_BYTES
-        self._writing: asyncio.Lock | None = None  # one writer of the dir at a time
+        self._writing: asyncio.Lock | None = None  # event log files, or a rewrite
         self._fd: int | None = None  # background.jsonl, open for writes once written
+        self._flights: deque[asyncio.Future[None]] = deque()  # writes being synced
+        self._slow: asyncio.Task[None] | None = None  # the file rewritten or opened
         self._generation = 0  # the file's: a rewrite replaces it (the helper's key)
         self._child: FsyncChild | None = None
         self._starting: asyncio.Task[None] | None = None  # the helper's start
@@ -202,33 +209,89 @@ class LocalBackgrounds:
         return self._writing
 
     async def commit(self) -> None:
-        if self.path is None or not self._pending:
+        """Until every status line queued so far is durable. A commit sends what is
+        queued at once, while up to MAX_FLIGHTS writes are in flight (the helper syncs
+        them side by side); past that it waits for the oldest to land, and then one write
+        takes every line queued meanwhile: one sync serves all the commits waiting."""
+        if self.path is None:
             return
-        async with self._lock():  # the lines queued meanwhile go in the next write
-            lines, self._pending = self._pending, []
-            if not lines:
-                return
-            if self.file_bytes > self._rewrite_at:
-                # (A deleted one's log goes first: no line names it once rewritten.)
-                await self._write_files()
-                await self._rewrite()  # (what it writes includes those lines' changes)
-                return
-            data = b"".join(lines)
-            if self._fd is None:
-                self._fd, self.file_bytes = await asyncio.to_thread(_open, self.path)
-            at, self.file_bytes = self.file_bytes, self.file_bytes + len(data)
-            await self._append(data, at)
+        while self._pending:
+            if self._slow is not None:  # a rewrite (or the file's opening): after it
+                await asyncio.shield(self._slow)
+            elif self._fd is None or self.file_bytes > self._rewrite_at:
+                self._slow = spawn(self._write_slowly(), name="background-rewrite")
+            elif len(self._flights) >= MAX_FLIGHTS:
+                with contextlib.suppress(OSError):  # (its own commits raise it)
+                    await asyncio.shield(self._flights[0])
+            else:
+                self._send()
+        if self._slow is not None:  # (it took the lines)
+            await asyncio.shield(self._slow)
+        for flight in tuple(self._flights):  # ours last: the lines before it land first
+            await asyncio.shield(flight)
 
-    async def _append(self, data: bytes, at: int) -> None:
+    def _send(self) -> None:
+        """Every line queued, in one write at the file's end (a flight until synced)."""
         assert self._fd is not None
+        data = b"".join(self._pending)
+        self._pending = []
+        at, self.file_bytes = self.file_bytes, self.file_bytes + len(data)
+        flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flights.append(flight)
+        flight.add_done_callback(self._landed)
         child = self._child
         if child is not None and not child.gone:
             try:
-                await child.write(self._fd, self._generation, data, at)
-                return
+                synced = child.write(self._fd, self._generation, data, at)
             except ChildGone:
-                pass  # the same bytes at the same place, in a thread
-        await asyncio.to_thread(_pwrite, self._fd, data, at)
+                pass
+            else:
+                synced.add_done_callback(partial(self._synced, flight, data, at))
+                return
+        spawn(self._in_thread(flight, data, at), name="background-sync")
+
+    def _synced(
+        self, flight: asyncio.Future[None], data: bytes, at: int, synced: asyncio.Future[None]
+    ) -> None:
+        error = synced.exception()
+        if isinstance(error, ChildGone):  # the same bytes at the same place, in a thread
+            spawn(self._in_thread(flight, data, at), name="background-sync")
+        elif error is not None:
+            flight.set_exception(error)
+        else:
+            flight.set_result(None)
+
+    async def _in_thread(self, flight: asyncio.Future[None], data: bytes, at: int) -> None:
+        assert self._fd is not None
+        try:
+            await asyncio.to_thread(_pwrite, self._fd, data, at)
+        except OSError as error:
+            flight.set_exception(error)
+        else:
+            flight.set_result(None)
+
+    def _landed(self, flight: asyncio.Future[None]) -> None:
+        self._flights.remove(flight)
+        if not flight.cancelled():
+            flight.exception()  # (retrieved: the commits that wait for it raise it)
+
+    async def _write_slowly(self) -> None:
+        """Once the writes in flight have landed: the file opened, or rewritten once it
+        has grown past twice what a rewrite would write."""
+        try:
+            if self._flights:
+                await asyncio.wait(tuple(self._flights))
+            assert self.path is not None
+            async with self._lock():
+                if self.file_bytes > self._rewrite_at:
+                    # (A deleted one's log goes first: no line names it once rewritten.)
+                    await self._write_files()
+                    self._pending = []  # (what the rewrite writes includes their changes)
+                    await self._rewrite()
+                if self._fd is None:
+                    self._fd, self.file_bytes = await asyncio.to_thread(_open, self.path)
+        finally:
+            self._slow = None
 
     async def _rewrite(self) -> None:
         """background.jsonl again, with what is still kept (under the lock)."""
