@@ -17,10 +17,11 @@ exactly the blocks the device had been given, not what sat dirty in the page cac
 it. Unsynced writes stay in that page cache: the mount's `commit=600` keeps jbd2 from
 committing on its 5 s timer, the kernel writes dirty pages back only once they are 30 s old
 (`vm.dirty_expire_centisecs`, left as it is; a proxy lives a few seconds here), and nothing
-calls `sync`. What this cannot see: an fsync of any file commits ext4's whole running
-transaction, every directory entry made so far included, so a missing fsync of a directory
-stays hidden here, and a proxy lives too short a time to write a checkpoint
-(tests/store/powerloss.py's simulated layer covers both).
+calls `sync`; the test checks it with a write of its own, never synced, made right before
+each stop, which must be gone from most copies. What this cannot see: an fsync of any file
+commits ext4's whole running transaction, every directory entry made so far included, so a
+missing fsync of a directory stays hidden here, and a proxy lives too short a time to write
+a checkpoint (tests/store/powerloss.py's simulated layer covers both).
 
 Root and loop devices are needed (`losetup`, `mkfs.ext4`, `mount`); without them the test
 is skipped with the reason. OCX_POWER_SEED=n replays a run, OCX_POWER_ROUNDS=n sets how
@@ -54,6 +55,7 @@ WINDOW = 2.0 + 2.0  # relaxed: --snapshot-delay, plus two journal writes on a di
 IMAGE_BYTES = 128 * 1024**2
 LARGE_EVERY = 4  # every 4th turn of a chain carries ~12 KB of incompressible text
 CHUNK = 1 << 20
+CANARY = 64 * 1024  # bytes the test writes and never syncs right before each loss
 TORN = "torn or corrupt journal at"  # the only problem `state verify` may report here
 
 pytestmark = pytest.mark.timeout(400)
@@ -166,6 +168,19 @@ def make_image(path: Path) -> None:
 def writeback_after() -> float:
     """How old dirty pages get before the kernel writes them back by itself."""
     return int(Path("/proc/sys/vm/dirty_expire_centisecs").read_text()) / 100
+
+
+def write_unsynced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def kept(path: Path, data: bytes) -> bool:
+    """Whether all of `data` made it to `path`."""
+    try:
+        return path.read_bytes() == data
+    except FileNotFoundError:
+        return False
 
 
 def group_tasks(group: int) -> list[Path]:
@@ -472,7 +487,7 @@ async def test_answered_turns_survive_power_loss_on_ext4(
     chains = [Chain(f"c{i}") for i in range(8)]
     ledger = Ledger()
     seen = Seen(backend)
-    torn = copies = 0
+    torn = copies = dropped = 0
     cutoff = 0.0
     for n in range(rounds + 1):
         where = f"after power loss {n} (seed {seed}, {durability})"
@@ -502,6 +517,8 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         # With ack, an answer still on its way to the client at the stop was released
         # before it (its fsync done): it counts too, whenever it arrives.
         cutoff = float("inf") if durability == "ack" else time.monotonic() - WINDOW
+        unsynced = rng.randbytes(CANARY)
+        write_unsynced(disk.path / "canary", unsynced)
         await stop_group(proxy.pid)
         copy = tmp_path / f"disk{n + 1}.img"
         copies += await asyncio.to_thread(copy_device, disk, copy)
@@ -511,6 +528,7 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         disks.unmount(disk)
         disk.image.unlink()
         disk = disks.mount(copy, tmp_path / f"mnt{n + 1}")
+        dropped += not kept(disk.path / "canary", unsynced)
     disks.unmount(disk)
     print(
         f"seed {seed}, {durability}: {rounds} power losses, {len(ledger.acked)} turns "
@@ -518,9 +536,14 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         f"{ledger.checked} checks of turns that had to be there, {ledger.window_lost} lost "
         f"within the window, {len(ledger.deleted)} DELETEs, {ledger.unacked_kept} "
         f"unacknowledged turns kept whole, {torn} torn journal tails, {copies} copies taken, "
+        f"an unsynced write dropped by {dropped} of {rounds} losses, "
         f"dirty pages written back after {writeback_after()} s"
     )
     assert min(ledger.per_round) >= 5, ledger.per_round  # every loss came amid traffic
     assert ledger.deleted, "no DELETE was acknowledged: the test proved nothing about them"
     assert ledger.large, "no large segment was acknowledged"
     assert ledger.checked > rounds * 10, "too few turns were old enough to be checked"
+    # The test's own write, never synced, must be gone after most losses, or the copies
+    # were not what a power loss leaves (the kernel wrote the page cache back: its dirty
+    # memory past vm.dirty_background_ratio, or a short vm.dirty_expire_centisecs).
+    assert dropped > rounds // 2, f"an unsynced write survived {rounds - dropped} of {rounds}"
