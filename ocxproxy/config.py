@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 ENV_PREFIX = "OCXPROXY_"
@@ -175,6 +175,27 @@ def connections_for_fds() -> int:
     0 (no bound) when the process has no limit."""
     limit = fd_limit()
     return 0 if limit is None else max(1, (limit - RESERVED_FDS) // 2)
+
+
+# llama.cpp's KV cache types (llama-server's --cache-type-k/--cache-type-v); f16 its default.
+KV_CACHE_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def parse_kv_cache_types(text: str) -> str:
+    """`K/V`, or one type for both: `K/V` in lower case."""
+    types = text.strip().lower().split("/")
+    if len(types) == 1:
+        types *= 2
+    if len(types) != 2 or any(kind not in KV_CACHE_TYPES for kind in types):
+        raise ValueError(
+            f"not KV cache types: {text!r} (K/V, each one of {', '.join(KV_CACHE_TYPES)})"
+        )
+    return "/".join(types)
+
+
+def _kv_cache_types(value: str) -> None:
+    if parse_kv_cache_types(value) != value:
+        raise ValueError(f"must be K/V in lower case, e.g. q8_0/q8_0: {value!r}")
 
 
 # Checks of one value: raise ValueError with what is wrong (the caller names the setting).
@@ -543,6 +564,16 @@ class Config:
         group=BACKENDS,
         parse=Path,
         metavar="DIR",
+    )
+    kv_cache_types: str = setting(
+        "f16/f16",
+        "the KV cache types of the --kv-save-dir llama-servers, as their --cache-type-k "
+        "and --cache-type-v (K/V; llama-server does not report them): a save is restored "
+        "only on a server of the same types (default: llama.cpp's own)",
+        group=BACKENDS,
+        parse=parse_kv_cache_types,
+        check=_kv_cache_types,
+        metavar="K/V",
     )
     rewarm_budget: int = setting(
         0,

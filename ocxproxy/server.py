@@ -160,7 +160,13 @@ async def _external_kv_saves(proxy: Proxy) -> KvSaves | None:
         if why is not None:
             log.warning("--kv-save-dir: no warm resume on %s: %s", backend.url, why)
             continue
-        await saves.attach(backend.url, partial(_boot_of, started, backend), None, external=True)
+        await saves.attach(
+            backend.url,
+            partial(_boot_of, started, backend),
+            None,
+            external=True,
+            kv_types=config.kv_cache_types,
+        )
         log.info("warm resume on %s: KV saves in %s", backend.url, config.kv_save_dir)
     if not saves.backends:
         await saves.close()

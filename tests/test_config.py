@@ -18,6 +18,7 @@ from ocxproxy.config import (
     parse_bool,
     parse_bytes,
     parse_duration,
+    parse_kv_cache_types,
     parse_port,
     parse_upstreams,
 )
@@ -89,6 +90,26 @@ def test_parse_bool(text: str, value: bool) -> None:
 def test_parse_bool_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="not a boolean"):
         parse_bool(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("f16", "f16/f16"), ("Q8_0/q4_0", "q8_0/q4_0"), ("f16/f16", "f16/f16")]
+)
+def test_parse_kv_cache_types(text: str, value: str) -> None:
+    assert parse_kv_cache_types(text) == value
+
+
+@pytest.mark.parametrize("text", ["q8", "f16/f16/f16", "", "q8_0/"])
+def test_parse_kv_cache_types_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="not KV cache types"):
+        parse_kv_cache_types(text)
+
+
+def test_kv_cache_types_come_from_the_environment_in_their_canonical_form() -> None:
+    raw = build_config({"kv_cache_types": "Q8_0"}, sources={"kv_cache_types": "x"})
+    assert raw.kv_cache_types == "q8_0/q8_0"
+    with pytest.raises(ValueError, match="K/V in lower case"):
+        Config(kv_cache_types="q8_0")
 
 
 @pytest.mark.parametrize(("text", "value"), [("0", 0), ("8080", 8080), ("65535", 65535)])

@@ -130,11 +130,18 @@ class KvSaves:
         self.metrics.kv_saved_bytes.set_function(lambda: sum(s.size for s in self.by_name.values()))
 
     async def attach(
-        self, url: str, boot: Callable[[], str], model: Path | None, *, external: bool = False
+        self,
+        url: str,
+        boot: Callable[[], str],
+        model: Path | None,
+        *,
+        external: bool = False,
+        kv_types: str = KV_TYPES,
     ) -> None:
         """The backend at `url` (started, healthy) runs `model` (None: the file its
-        `/props` names, when this machine can read it); `boot()` names its current start.
-        Its fingerprint is made from its `/props` and the model file. An `external`
+        `/props` names, when this machine can read it) with `kv_types` (K/V: llama-server
+        reports none); `boot()` names its current start. Its fingerprint is made from its
+        `/props`, the model file and those types. An `external`
         server's slot task ids are read from its `/slots` to notice a restart the health
         probe missed, when it answers that."""
         props = await self._ask(url, "GET", "/props", None) or {}
@@ -142,7 +149,9 @@ class KvSaves:
             model = Path(props["model_path"])
         slots = self.backends.get(url) or Slots(url, boot)
         slots.boot = boot
-        slots.fingerprint = await asyncio.to_thread(fingerprint_of, props, model, self.directory)
+        slots.fingerprint = await asyncio.to_thread(
+            fingerprint_of, props, model, self.directory, kv_types
+        )
         if external:
             answered, slots.task = await self._slot_task(url)
             slots.tasks, slots.task_start = answered, slots.start()
@@ -528,10 +537,12 @@ def default_budget(directory: Path) -> int:
     return min(stats.f_bavail * stats.f_frsize // 10, 16 * 1024**3)
 
 
-def fingerprint_of(props: dict[str, Any], model: Path | None, directory: Path) -> str:
+def fingerprint_of(
+    props: dict[str, Any], model: Path | None, directory: Path, kv_types: str = KV_TYPES
+) -> str:
     """Everything that changes the KV state: the model file (size and SHA-256, hashed
-    once per file version and kept in the directory), the context size, the cache types,
-    the chat template and the backend's build. Runs in a thread."""
+    once per file version and kept in the directory), the context size, the cache types
+    (`kv_types`, K/V), the chat template and the backend's build. Runs in a thread."""
     settings = props.get("default_generation_settings")
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
     try:
@@ -541,7 +552,7 @@ def fingerprint_of(props: dict[str, Any], model: Path | None, directory: Path) -
     parts = {
         "model": model_digest(model, directory) if model is not None else None,
         "n_ctx": n_ctx,
-        "kv": KV_TYPES,
+        "kv": kv_types,
         "template": props.get("chat_template"),
         "build": [props.get("build_info"), build],
     }

@@ -393,3 +393,33 @@ async def test_an_external_server_restarted_between_two_probes_is_noticed_before
     finally:
         await old.close()
         await new.close()
+
+
+@pytest.mark.parametrize(("types", "restored"), [("f16/f16", True), ("q8_0/q8_0", False)])
+async def test_an_external_servers_kv_cache_types_are_in_the_fingerprint(
+    make_proxy: MakeProxy, tmp_path: Path, types: str, restored: bool
+) -> None:
+    directory, state = tmp_path / "slots", tmp_path / "kept"
+    directory.mkdir()
+    async with FakeBackend(slot_dir=directory) as fake:
+        settings = {"kv_save_dir": directory, "kv_save_every": 100, "state_dir": state}
+        before = await make_proxy(fake.url, **settings)  # llama.cpp's default types
+        saves = before.proxy.kv_saves
+        assert saves is not None
+        first = await before.client().responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+        while saves.tasks:
+            await asyncio.wait(list(saves.tasks))
+        (name,) = (p.name for p in directory.glob("*.kv"))
+        await before.server.close()
+        fake.forget_cache()  # its operator started it again, with `types` this time
+        proxy = await make_proxy(fake.url, kv_cache_types=types, **settings)
+        await proxy.client().responses.create(
+            model="m", input="after", previous_response_id=first.id
+        )
+        assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == int(restored)
+        mismatch = proxy.metric("ocxproxy_kv_restores_total", outcome="fingerprint_mismatch")
+        assert mismatch == int(not restored)
+        misses = proxy.metric("ocxproxy_cache_miss_total", reason="fingerprint_mismatch")
+        assert misses == int(not restored)
+        assert (("restore", name, 1) in chain_actions(fake)) == restored
+        assert (directory / name).exists() == restored  # no backend of those types is left
