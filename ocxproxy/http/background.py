@@ -19,6 +19,7 @@ At most `--max-background` run at once; the rest wait `queued`, up to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -204,7 +205,8 @@ async def _run(
                 runs.slots.release()
     except asyncio.CancelledError:
         if exchange.recorded and not job.terminal:  # cut once stored: not kept after all
-            proxy.store.delete_nowait(job.scope, job.id)
+            with contextlib.suppress(OcxError):  # (on the shared server too)
+                await proxy.store.delete(job.scope, job.id)
         if job.cancelling:
             cancelled(proxy, job)
         else:
@@ -236,7 +238,7 @@ def cancelled(proxy: Proxy, job: Job) -> None:
     proxy.metrics.background_cancels.inc()
     book = proxy.backgrounds
     if job.log is not None:
-        book.append(job, _event("response.cancelled", len(job.log.events), response))
+        book.append(job, _event("response.cancelled", len(job.log.events), response), ends=True)
     book.moved(job, "cancelled", orjson.dumps(response))
 
 
@@ -357,7 +359,9 @@ class JobReply:
             book.moved(job, IN_PROGRESS)
         self._append(kind, event, None)
 
-    def _append(self, kind: str | None, given: Event | None, response: Any) -> None:
+    def _append(
+        self, kind: str | None, given: Event | None, response: Any, *, ends: bool = False
+    ) -> None:
         """An event into the log, numbered next: `given` (renumbered when it must be),
         else one of `kind` carrying `response`."""
         job = self.job
@@ -376,7 +380,7 @@ class JobReply:
                 payload["sequence_number"] = seq
                 numbered = orjson.dumps(payload)
             event = encode_event(kind, numbered)
-        self.proxy.backgrounds.append(job, event)
+        self.proxy.backgrounds.append(job, event, ends=ends)
 
     def _terminal(self, status: str, response: dict[str, Any]) -> None:
         """The run's end: its Response (the relay's, completed but for its output items)
@@ -386,7 +390,7 @@ class JobReply:
         response["status"] = status
         complete_items(response.get("output") or [])
         encoded = orjson.dumps(response)
-        self._append("response." + status, None, orjson.Fragment(encoded))
+        self._append("response." + status, None, orjson.Fragment(encoded), ends=True)
         self.proxy.backgrounds.moved(self.job, status, encoded)
 
     def fail(self, code: str, message: str) -> None:

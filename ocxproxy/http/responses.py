@@ -179,7 +179,8 @@ async def get_response(request: web.Request) -> web.StreamResponse:
     if _truthy(request.query.get("stream")):
         return await _stream_again(proxy, request)
     job = await _job(proxy, request)
-    if job is not None and not job.terminal:
+    if job is not None and (not job.terminal or job.status == "cancelled"):
+        # (a cancelled one keeps nothing: a turn its run stored meanwhile is being deleted)
         return web.Response(body=job.response, content_type="application/json")
     try:  # an ended one the store keeps is the store's, as any (one lost by a restart too)
         record = await _lookup(proxy, request)

@@ -104,8 +104,9 @@ class Backgrounds(Protocol):
         """The caller's background response (its log, when kept, to follow)."""
         ...
 
-    def append(self, job: Job, event: bytes) -> None:
-        """An event of `job`'s stream (its sequence_number is the log's length)."""
+    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
+        """An event of `job`'s stream (its sequence_number is the log's length); `ends`:
+        its terminal event, which `moved` to the terminal status follows."""
 
     def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
         """`job` is now `status` (its Response `response`, when given)."""

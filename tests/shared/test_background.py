@@ -303,3 +303,121 @@ async def test_each_replica_counts_the_runs_it_owns_so_their_sum_is_the_fleets(
         for response_id in ids:
             assert (await c.client().responses.cancel(response_id)).status == "cancelled"
         assert [unfinished(proxy) for proxy in (a, b, c)] == [0, 0, 0]
+
+
+async def _hold_writes(
+    monkeypatch: pytest.MonkeyPatch, proxy: ProxyHandle, status: str
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold `proxy`'s background write that sets `status` until `release` is set;
+    `held` is set when it is held."""
+    book = proxy.proxy.backgrounds
+    assert isinstance(book, SharedBackgrounds)
+    server, write = book.server, book.server.write
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def holding(op: str, command: Any) -> Any:
+        if op == "background_write" and status in command() and not held.is_set():
+            held.set()
+            await release.wait()
+        return await write(op, command)
+
+    monkeypatch.setattr(server, "write", holding)
+    return held, release
+
+
+async def test_a_cancel_that_beats_the_owners_end_to_the_server_wins_everywhere(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        held, release = await _hold_writes(monkeypatch, a, "completed")
+        stream = await a.client().responses.create(
+            model="m", input="race", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        following = spawn(_rest(stream), name="owner's follower")
+        await asyncio.wait_for(held.wait(), 5)  # a finished the turn (stored it) first
+        cancelled = await c.client().responses.cancel(response_id)  # ... the server: c
+        assert cancelled.status == "cancelled"
+        release.set()
+        events = [first, *await asyncio.wait_for(following, 5)]
+        assert numbers(events) == list(range(len(events)))
+        ends = ("response.completed", "response.cancelled", "response.failed")
+        assert [e.type for e in events if e.type in ends] == ["response.cancelled"]
+        for proxy in (a, b, c):
+            assert (await proxy.client().responses.retrieve(response_id)).status == "cancelled"
+            replay = [e async for e in await proxy.client().responses.retrieve(
+                response_id, stream=True)]  # fmt: skip
+            assert replay[-1].type == "response.cancelled"
+        items = await b.client().responses.input_items.list(response_id)
+        assert [item.content[0].text for item in items.data] == ["race"]  # type: ignore[union-attr]
+        async with asyncio.timeout(5):  # the turn a stored goes: nothing is kept of it
+            while True:
+                try:
+                    await b.client().responses.create(
+                        model="m", input="more", previous_response_id=response_id
+                    )
+                except openai.BadRequestError:
+                    break
+                await asyncio.sleep(0.05)
+
+
+async def test_an_end_that_beats_a_cancel_to_the_server_is_what_the_cancel_answers(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        backend.stall_next(1.0)
+        stream = await a.client().responses.create(
+            model="m", input="race", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        following = spawn(_rest(stream), name="owner's follower")
+        held, release = await _hold_writes(monkeypatch, c, "cancelled")
+        cancelling = spawn(c.client().responses.cancel(response_id), name="cancel")
+        await asyncio.wait_for(held.wait(), 5)  # c cancelled it, but the server ...
+        done = await until_ended(b.client(), response_id)  # ... took a's end first
+        assert done.status == "completed"
+        release.set()
+        answered = await asyncio.wait_for(cancelling, 5)
+        assert answered.status == "completed" and answered.output_text == "echo#1: race"
+        events = [first, *await asyncio.wait_for(following, 5)]
+        assert events[-1].type == "response.completed"
+        for proxy in (a, b, c):
+            assert (await proxy.client().responses.retrieve(response_id)).status == "completed"
+        more = await b.client().responses.create(
+            model="m", input="more", previous_response_id=response_id
+        )
+        assert more.output_text == "echo#3: more"
+
+
+async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend(delay=0.01) as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        outcomes = set()
+        for n in range(60):  # (until the race went both ways, and a dozen times)
+            if n >= 12 and len(outcomes) == 2:
+                break
+            stream = await a.client().responses.create(
+                model="m", input=f"race {n}", background=True, stream=True
+            )
+            first = await anext(aiter(stream))
+            response_id = first.response.id
+            following = spawn(_rest(stream), name="owner's follower")
+            await asyncio.sleep(0.01 * n)  # (from well before its end to after it)
+            answered = (await c.client().responses.cancel(response_id)).status
+            events = [first, *await asyncio.wait_for(following, 10)]
+            status = events[-1].type.removeprefix("response.")
+            assert status in ("completed", "cancelled") and answered == status, n
+            for proxy in (a, b, c):
+                assert (await proxy.client().responses.retrieve(response_id)).status == status
+            outcomes.add(status)
+        assert outcomes == {"completed", "cancelled"}  # (the race went both ways)
+
+
+async def _rest(stream: Any) -> list[Any]:
+    return [event async for event in stream]

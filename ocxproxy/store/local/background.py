@@ -115,7 +115,7 @@ class LocalBackgrounds:
     async def inputs(self, job: Job) -> bytes | None:
         return job.inputs
 
-    def append(self, job: Job, event: bytes) -> None:
+    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
         """An event of `job`'s stream (its sequence_number is the log's length)."""
         if job.log is None:
             return

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,11 +94,15 @@ class SharedBackgrounds:
     def __init__(
         self, server: Server, url: str, prefix: str, metrics: Metrics, *, log_bytes: int,
         ttl: float, stored: Callable[[str, str], Awaitable[bytes | None]] | None = None,
+        forget: Callable[[str, str], Coroutine[Any, Any, object]] | None = None,
     ) -> None:  # fmt: skip
         self.server, self.url, self.metrics = server, url, metrics
         # The store's Response of a turn it keeps (scope, id), or None: a run whose replica
         # died after its turn was stored ends as stored, not lost.
         self.stored = stored
+        # Deletes the stored turn (scope, id) of a run that finished here while the server
+        # had it end otherwise (cancelled from another replica, its lease lost).
+        self.forget = forget
         self.keys = ScopeKeys(prefix)
         self.running_key, self.ended_key, self.sizes_key, self.total_key, self.channel = (
             background_keys(prefix)
@@ -107,6 +111,10 @@ class SharedBackgrounds:
         self.token = secrets.token_hex(16)  # this replica, as the owner of what it runs
         self.jobs: dict[bytes, Job] = {}  # the ones it runs, by key
         self._opening: set[bytes] = set()  # of them, those not on the server yet
+        # Of them, those that ended here, until the server takes the end (the first to
+        # write an end wins: another replica's cancel may): each one's terminal event,
+        # which its followers here see only then (None: not streamed).
+        self._ending: dict[bytes, bytes | None] = {}
         self.log_size = 0  # the server's total of logs' bytes, as the last write saw it
         self._pending: dict[bytes, _Pending] = {}
         self._queued = 0  # changes queued so far
@@ -136,6 +144,8 @@ class SharedBackgrounds:
         key = self.keys(scope).background(response_id)
         job = self.jobs.get(key)
         if job is not None:
+            if key in self._ending:  # (its end as the server takes it)
+                await self.commit()
             return job
         packed = pack("HMGET", key, "status", "response", "stream") + pack(
             "EXISTS", background_log(key)
@@ -156,12 +166,16 @@ class SharedBackgrounds:
         (inputs,) = await self._read("background_inputs", pack("HGET", key, "input"), 1)
         return inputs[1:-1] if inputs else None
 
-    def append(self, job: Job, event: bytes) -> None:
+    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
         if job.log is None:
             return
         key = self.keys(job.scope).background(job.id)
         if isinstance(job.log, RemoteLog):  # another replica's (a cancel's last event)
             self._queue(key, _Pending(job, "cancel", -1, [event]))  # numbered there
+            return
+        if ends:  # into the log once the server has taken it (_write_changes)
+            self._ending[key] = event
+            self._queue(key, _Pending(job, "own", len(job.log.events), [event]))
             return
         job.log.append(event)
         self._queue(key, _Pending(job, "own", len(job.log.events) - 1, [event]))
@@ -171,6 +185,7 @@ class SharedBackgrounds:
         if self.jobs.get(key) is job:
             del self.jobs[key]
             self._opening.discard(key)
+            self._ending.pop(key, None)
         if job.log is not None:
             job.log.close()
             job.log = None
@@ -185,7 +200,9 @@ class SharedBackgrounds:
         if response is not None:
             job.response = response
         if status in TERMINAL:
-            self._ended(job)
+            if mine:
+                self._ending.setdefault(key, None)
+            self._ended(job, close=not mine)
             self.metrics.background_finished.labels(status=status).inc()
         # Another replica's response (a cancel): written if it has not ended meanwhile.
         mode = "own" if mine else "cancel"
@@ -237,10 +254,10 @@ class SharedBackgrounds:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _ended(self, job: Job) -> None:
+    def _ended(self, job: Job, *, close: bool = True) -> None:
         job.ended = time.time()
         job.task = None
-        if job.log is not None:
+        if close and job.log is not None:
             job.log.close()
 
     def _queue(self, key: bytes, change: _Pending) -> None:
@@ -316,21 +333,34 @@ class SharedBackgrounds:
             self.log_size = int(answer[1])
             if change.status in TERMINAL and self.jobs.get(key) is job:
                 del self.jobs[key]  # (its end is on the server: the server's from now on)
+                end = self._ending.pop(key, None)
+                if job.log is not None and not isinstance(job.log, RemoteLog):
+                    if end is not None:
+                        job.log.append(end)
+                    job.log.close()
             return
         # Refused: it ended (a cancel from another replica), or its lease went elsewhere.
         if answer[0] == b"ended":
             self._settle(key, job, answer[1].decode(), answer[2])
         else:
-            self._settle(key, job, "failed", lost_response(job.response))
+            self._settle(key, job, "failed", lost_response(job.response), lost=True)
 
-    def _settle(self, key: bytes, job: Job, status: str, response: bytes) -> None:
-        """What the server says of a response this replica thought it ran: so it is, and
-        its run (if any) stops."""
+    def _settle(
+        self, key: bytes, job: Job, status: str, response: bytes, *, lost: bool = False
+    ) -> None:
+        """What the server says of a response this replica thought it ran, or cancelled:
+        so it is (an end this replica wrote loses to the one the server took first), and
+        its run (if any) stops. `lost`: its lease went to another replica, which ends it
+        as the store has it."""
         task = job.task
-        if status in TERMINAL and not job.terminal:
+        self._ending.pop(key, None)
+        if status in TERMINAL:
+            if job.status in STORED and status not in STORED and not lost and self.forget:
+                spawn(self.forget(job.scope, job.id), name=f"background-forget-{job.id}")
             job.status, job.response = status, response
-            if job.log is not None and not job.log.closed:  # (its followers here: the end)
-                job.log.append(_terminal_event(status, len(job.log.events), response))
+            log = job.log
+            if log is not None and not isinstance(log, RemoteLog) and not log.closed:
+                log.append(_terminal_event(status, len(log.events), response))  # (followers)
             self._ended(job)
         if self.jobs.get(key) is job:
             del self.jobs[key]
@@ -370,7 +400,7 @@ class SharedBackgrounds:
             if status.decode() in TERMINAL:
                 self._settle(key, job, status.decode(), response)
             else:
-                self._settle(key, job, "failed", lost_response(job.response))
+                self._settle(key, job, "failed", lost_response(job.response), lost=True)
 
     async def _claim(self) -> None:
         """End the responses whose owner's lease lapsed: failed (lost), or as the store
@@ -433,8 +463,9 @@ class SharedBackgrounds:
         if kind == b"e":
             for watcher in self._watchers.get(key, ()):
                 watcher.set()
-        elif kind == b"c" and (job := self.jobs.get(key)) is not None:
-            # Cancelled by another replica (which wrote it): the run stops here at once.
+        elif kind == b"c" and (job := self.jobs.get(key)) is not None and key not in self._ending:
+            # Cancelled by another replica (which wrote it): the run stops here at once
+            # (one that ended here meanwhile learns which end won from its own write).
             response = loads_or_none(job.response)
             if type(response) is dict:
                 response["status"] = "cancelled"

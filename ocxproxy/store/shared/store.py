@@ -171,6 +171,7 @@ class SharedStore:
         return SharedBackgrounds(
             self.server, self.url, self.prefix, self.metrics,
             log_bytes=config.background_log_bytes, ttl=self.ttl, stored=self._stored_response,
+            forget=self.delete,
         )  # fmt: skip
 
     async def _stored_response(self, scope: str, response_id: str) -> bytes | None:
