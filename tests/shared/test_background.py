@@ -303,7 +303,9 @@ async def test_each_replica_counts_the_runs_it_owns_so_their_sum_is_the_fleets(
         for response_id in ids:
             assert (await c.client().responses.cancel(response_id)).status == "cancelled"
         async with asyncio.timeout(2 * RENEW_EVERY):  # (the owners hear of it on the channel)
-            while [unfinished(proxy) for proxy in (a, b, c)] != [0, 0, 0]:
+            while True:
+                if [unfinished(proxy) for proxy in (a, b, c)] == [0, 0, 0]:
+                    break
                 await asyncio.sleep(0.02)
 
 
