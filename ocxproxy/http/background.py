@@ -149,7 +149,9 @@ def _event(kind: str, sequence_number: int, response: Any) -> bytes:
 
 
 async def follow(job: Job, reply: Reply, after: int) -> None:
-    """The events of `job`'s log after `after`, then each as it comes, to the end."""
+    """The events of `job`'s log after `after`, then each as it comes, to the end; a
+    log that cannot be read (the shared store is down) ends the stream with an `error`
+    event: the client resumes after the last event it got."""
     at = after + 1
     while True:
         events = job.log
@@ -162,7 +164,15 @@ async def follow(job: Job, reply: Reply, after: int) -> None:
             continue
         if events.closed:
             break
-        await events.changed()
+        try:
+            await events.changed()
+        except OcxError as error:
+            # (no sequence_number of its own: it is not in the log, and must not be
+            # taken for its next event)
+            body = error.to_openai_error()["error"]
+            payload = {**body, "type": "error", "error": body}
+            await reply.write(encode_event("error", orjson.dumps(payload)))
+            break
     await reply.end()
 
 

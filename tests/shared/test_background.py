@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
-from ocxproxy.store.shared.background import LEASE, RENEW_EVERY, SharedBackgrounds
+from ocxproxy.store.shared.background import LEASE, OUTAGE, RENEW_EVERY, SharedBackgrounds
 from ocxproxy.store.shared.keys import background_keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
@@ -423,5 +423,85 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
         assert outcomes == {"completed", "cancelled"}  # (the race went both ways)
 
 
+async def _follow(
+    proxy: ProxyHandle,
+    response_id: str,
+    after: int | None = None,
+    reading: asyncio.Event | None = None,
+) -> tuple[list[Any], openai.APIError | None]:
+    """A stream's events, and the `error` event that ended it (the SDK raises it);
+    `reading` is set at the first event."""
+    resumed = await proxy.client().responses.retrieve(
+        response_id, stream=True, **({} if after is None else {"starting_after": after})
+    )
+    events: list[Any] = []
+    try:
+        async for event in resumed:
+            events.append(event)
+            if reading is not None:
+                reading.set()
+    except openai.APIError as error:
+        return events, error
+    return events, None
+
+
 async def _rest(stream: Any) -> list[Any]:
     return [event async for event in stream]
+
+
+async def _poll_while_down(proxy: ProxyHandle, response_id: str) -> None:
+    """A poll while the server is down: 503, OpenAI-shaped, `storage_unavailable`."""
+    with pytest.raises(openai.InternalServerError) as caught:
+        await proxy.client().responses.retrieve(response_id)
+    assert caught.value.status_code == 503
+    assert caught.value.body["code"] == "storage_unavailable"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("down", [1.0, OUTAGE + 3 * RENEW_EVERY])
+async def test_a_server_restart_mid_run_ends_it_completed_or_failed_never_running(
+    make_proxy: MakeProxy, valkey_server: KvServer, down: float
+) -> None:
+    async with FakeBackend(delay=0.15) as backend:  # (a turn of a second or two)
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
+        stream = await a.client().responses.create(
+            model="m", input="through a restart", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        following = spawn(_rest(stream), name="owner's follower")
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        reading = asyncio.Event()
+        elsewhere = spawn(_follow(b, response_id, reading=reading), name="a follower on b")
+        await asyncio.wait_for(reading.wait(), 5)
+        valkey_server.kill9()
+        await _poll_while_down(b, response_id)
+        # The replica running it answers what it knows: running (an end only once taken).
+        assert (await a.client().responses.retrieve(response_id)).status == "in_progress"
+        await asyncio.sleep(down)
+        await valkey_server.astart()  # same data dir, same port
+        ended = await until_ended(b.client(), response_id, within=LEASE + 15)
+        assert ended.status in ("completed", "failed"), ended.status
+        if ended.status == "failed":
+            assert ended.error is not None and ended.error.code in (
+                "server_error", "storage_unavailable"
+            )  # fmt: skip
+        else:
+            assert ended.output_text == "echo#1: through a restart"
+        events = [first, *await asyncio.wait_for(following, LEASE + 15)]
+        assert numbers(events) == list(range(len(events)))
+        assert events[-1].type == "response." + ended.status
+        # A stream followed on another replica goes on through a short outage; cut by
+        # a long one with an `error` event, it resumes after its last event.
+        followed, error = await asyncio.wait_for(elsewhere, LEASE + 15)
+        if error is not None:
+            assert down > OUTAGE and error.code == "storage_unavailable", (down, error)
+            more, error = await _follow(b, response_id, followed[-1].sequence_number)
+            assert error is None
+            followed += more
+        assert [e.model_dump() for e in followed] == [e.model_dump() for e in events]
+        for proxy in (a, b):
+            assert (await proxy.client().responses.retrieve(response_id)).status == ended.status
+            replay = [e async for e in await proxy.client().responses.retrieve(
+                response_id, stream=True)]  # fmt: skip
+            assert replay[-1].type == "response." + ended.status
+            assert numbers(replay) == list(range(len(replay)))

@@ -60,6 +60,7 @@ log = logging.getLogger("ocxproxy.background")
 LEASE = 5.0  # seconds a replica's hold on a response it runs outlives its last renewal
 RENEW_EVERY = 1.0  # seconds between renewals (and between claims of lapsed leases)
 POLL = 1.0  # seconds a follower waits for a wake before it reads the log anyway
+OUTAGE = LEASE  # seconds a follower reads again (every POLL) a log the server cannot give
 RETRY = 0.5  # seconds before a write the server refused is tried again
 _CLAIMS = 16  # lapsed responses a replica claims per round
 
@@ -514,8 +515,10 @@ class RemoteLog(EventLog):
         self.read = False
 
     async def changed(self) -> None:
-        """Until the log has more events or is complete."""
+        """Until the log has more events or is complete; StorageUnavailable once the
+        server has not answered for OUTAGE seconds (a restart of it is waited out)."""
         woken = asyncio.Event()
+        down: float | None = None  # since when reads fail
         with self.book.watching(self.key, woken):
             while True:
                 had = len(self.events)
@@ -524,7 +527,14 @@ class RemoteLog(EventLog):
                         await asyncio.wait_for(woken.wait(), POLL)
                     woken.clear()
                 self.read = True
-                await self.book.read_log(self)
+                try:
+                    await self.book.read_log(self)
+                except StorageUnavailable:
+                    down = down or time.monotonic()
+                    if time.monotonic() - down >= OUTAGE:
+                        raise
+                    continue
+                down = None
                 if len(self.events) > had or self.closed:
                     return
 
