@@ -146,19 +146,24 @@ async def test_a_chain_survives_a_graceful_restart_of_the_proxy(
     assert after.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
 
 
+@pytest.mark.parametrize("probe_sees_it", [True, False])
 async def test_an_external_llama_server_restarted_by_its_operator(
-    make_proxy: MakeProxy, tmp_path: Path
+    make_proxy: MakeProxy, tmp_path: Path, probe_sees_it: bool
 ) -> None:
     """A second llama.cpp server process, started here with --slot-save-path, is the
     proxy's --upstream; the proxy is told where it saves (--kv-save-dir). Killed and
-    started again by its operator, it gets the chain's KV state back from its own save."""
+    started again by its operator, it gets the chain's KV state back from its own save:
+    whether the health probe saw it down, or it came back before the probe looked (the
+    slot's task ids, read before the continuation, began anew)."""
     assert MODEL is not None
     slots = tmp_path / "slots"
     slots.mkdir(mode=0o700)
     server = local.LocalBackend(MODEL, slot_save_path=slots)
     url = await server.start()
     try:
-        proxy = await make_proxy(url, kv_save_dir=slots, health_interval=0.2)
+        proxy = await make_proxy(
+            url, kv_save_dir=slots, health_interval=0.2 if probe_sees_it else 600
+        )
         client = proxy.client()
         first = await client.responses.create(
             model="local", input=long_message(3000, seed=17), max_output_tokens=8
@@ -170,9 +175,12 @@ async def test_an_external_llama_server_restarted_by_its_operator(
         pid = server.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        await until(lambda: not backend.healthy)  # the proxy's probe saw it go
+        if probe_sees_it:
+            await until(lambda: not backend.healthy)  # the proxy's probe saw it go
+        await until(lambda: not Path(f"/proc/{pid}").exists())  # gone, and reaped
         await server.start()
         await until(lambda: backend.healthy)
+        assert backend.epoch == (1 if probe_sees_it else 0)
 
         second = await client.responses.create(
             model="local", input=QUESTIONS[0], previous_response_id=first.id, max_output_tokens=8
