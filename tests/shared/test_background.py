@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any
 
 import openai
@@ -403,6 +404,7 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
     async with FakeBackend(delay=0.01) as backend:
         a, b, c = await replicas(make_proxy, backend, valkey_server.url)
         outcomes = set()
+        counted: Counter[str] = Counter()
         for n in range(60):  # (until the race went both ways, and a dozen times)
             if n >= 12 and len(outcomes) == 2:
                 break
@@ -420,7 +422,11 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
             for proxy in (a, b, c):
                 assert (await proxy.client().responses.retrieve(response_id)).status == status
             outcomes.add(status)
+            counted[status] += 1
         assert outcomes == {"completed", "cancelled"}  # (the race went both ways)
+        finished = "ocxproxy_background_finished_total"
+        for status, count in counted.items():  # each end counted once, as it ended
+            assert sum(p.metric(finished, status=status) for p in (a, b, c)) == count, status
 
 
 async def _follow(

@@ -204,7 +204,6 @@ class SharedBackgrounds:
             if mine:
                 self._ending.setdefault(key, None)
             self._ended(job, close=not mine)
-            self.metrics.background_finished.labels(status=status).inc()
         # Another replica's response (a cancel): written if it has not ended meanwhile.
         mode = "own" if mine else "cancel"
         self._queue(key, _Pending(job, mode, status=status, response=response or b""))
@@ -332,6 +331,8 @@ class SharedBackgrounds:
             self._opening.discard(key)
         if answer[0] == b"ok":
             self.log_size = int(answer[1])
+            if change.status in TERMINAL:  # (counted once, by the replica whose end won)
+                self.metrics.background_finished.labels(status=change.status).inc()
             if change.status in TERMINAL and self.jobs.get(key) is job:
                 del self.jobs[key]  # (its end is on the server: the server's from now on)
                 end = self._ending.pop(key, None)
@@ -425,7 +426,6 @@ class SharedBackgrounds:
             events = [_terminal_event(status, int(length), final)] if job.stream else []
             job.status, job.response = status, final
             self._queue(key, _Pending(job, "own", int(length), events, status, final))
-            self.metrics.background_finished.labels(status=status).inc()
         if claimed:
             await self.commit()
 
