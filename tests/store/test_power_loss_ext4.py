@@ -58,7 +58,8 @@ CHUNK = 1 << 20
 CANARY = 64 * 1024  # bytes the test writes and never syncs right before each loss
 TORN = "torn or corrupt journal at"  # the only problem `state verify` may report here
 
-pytestmark = pytest.mark.timeout(400)
+ASKED = int(os.environ.get("OCX_POWER_ROUNDS") or 0)  # OCX_POWER_ROUNDS: losses per test
+pytestmark = pytest.mark.timeout(120 + 30 * (ASKED or max(ROUNDS.values())))
 
 
 def _missing() -> str | None:
@@ -171,7 +172,9 @@ def writeback_after() -> float:
 
 
 def write_unsynced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """A new file (ext4 pushes out at once what replaces a file's contents by truncating
+    it: its auto_da_alloc)."""
+    with open(path, "xb") as f:
         f.write(data)
 
 
@@ -479,11 +482,14 @@ async def test_answered_turns_survive_power_loss_on_ext4(
     answered before the last WINDOW seconds does; the traffic runs longer than that."""
     seed = int(os.environ.get("OCX_POWER_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
-    rounds = int(os.environ.get("OCX_POWER_ROUNDS") or ROUNDS[durability])
+    rounds = ASKED or ROUNDS[durability]
     traffic_for = (0.2, 1.5) if durability == "ack" else (WINDOW + 0.5, WINDOW + 2)
     image = tmp_path / "disk0.img"
     make_image(image)
-    disk = disks.mount(image, tmp_path / "mnt0")
+    try:
+        disk = disks.mount(image, tmp_path / "mnt0")
+    except OSError as exc:  # e.g. root in a container that may not mount
+        pytest.skip(f"cannot mount an ext4 image on a loop device here: {exc}")
     chains = [Chain(f"c{i}") for i in range(8)]
     ledger = Ledger()
     seen = Seen(backend)
@@ -518,7 +524,7 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         # before it (its fsync done): it counts too, whenever it arrives.
         cutoff = float("inf") if durability == "ack" else time.monotonic() - WINDOW
         unsynced = rng.randbytes(CANARY)
-        write_unsynced(disk.path / "canary", unsynced)
+        write_unsynced(disk.path / f"unsynced{n}", unsynced)
         await stop_group(proxy.pid)
         copy = tmp_path / f"disk{n + 1}.img"
         copies += await asyncio.to_thread(copy_device, disk, copy)
@@ -528,7 +534,7 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         disks.unmount(disk)
         disk.image.unlink()
         disk = disks.mount(copy, tmp_path / f"mnt{n + 1}")
-        dropped += not kept(disk.path / "canary", unsynced)
+        dropped += not kept(disk.path / f"unsynced{n}", unsynced)
     disks.unmount(disk)
     print(
         f"seed {seed}, {durability}: {rounds} power losses, {len(ledger.acked)} turns "
