@@ -317,10 +317,13 @@ class JobReply:
         for event in batch:
             name = event.name
             if self.started and name is not None and name not in _SPECIAL:
-                if job.log is None or job.terminal:
+                log = job.log
+                if log is None or job.status in TERMINAL:
                     continue  # (nothing to keep of it)
-                if _numbered(event.raw, len(job.log.events)):
-                    book.append(job, event.raw)
+                raw = event.raw  # (`_numbered`, written out: this runs for every event)
+                tag = b'"sequence_number":%d' % len(log.events)
+                if raw.endswith(tag + b"}\n\n") or tag + b"," in raw or tag + b"}" in raw:
+                    book.append(job, raw)
                     continue
             if event.data and event.data != b"[DONE]":
                 self._event(name, event)

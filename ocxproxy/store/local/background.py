@@ -94,6 +94,8 @@ class LocalBackgrounds:
         self._child: FsyncChild | None = None
         self._starting: asyncio.Task[None] | None = None  # the helper's start
         self._flushing: asyncio.Task[None] | None = None  # event log files being written
+        finished = metrics.background_finished
+        self._finished = {status: finished.labels(status=status) for status in TERMINAL}
         register_gauges(metrics, self)
 
     def disk_bytes(self) -> int:
@@ -139,7 +141,7 @@ class LocalBackgrounds:
                 job.log.close()
                 self._save_log(job)
             self.ended.append(job)
-            self.metrics.background_finished.labels(status=status).inc()
+            self._finished[status].inc()
         if status != IN_PROGRESS:  # (queued or in progress, a restart fails it all the same)
             self._journal(job, None if status in STORED else job.response)
 
@@ -165,7 +167,7 @@ class LocalBackgrounds:
         if self.logs is None or job.log is None:
             return
         events = job.log.events
-        sizes = [len(event) for event in events]
+        sizes = list(map(len, events))
         head = {"id": job.id, "scope": job.scope, "status": job.status, "ended": job.ended}
         head_bytes = orjson.dumps({**head, "sizes": sizes})
         self._files.append((job.id, head_bytes + b"\n" + b"".join(events)))
