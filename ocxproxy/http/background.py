@@ -312,8 +312,9 @@ class JobReply:
         """The relayed events (exchange.relay_stream hands them over unsplit). Most are
         neither lifecycle nor terminal, and already carry the number they get in the log
         (the backend's `response.created` becomes its `response.in_progress` and its own
-        is dropped): those go in as they came, undecoded."""
+        is dropped): those go in as they came, undecoded, together."""
         job, book = self.job, self.proxy.backgrounds
+        run: list[bytes] = []  # such events, not appended yet
         for event in batch:
             name = event.name
             if self.started and name is not None and name not in _SPECIAL:
@@ -321,12 +322,17 @@ class JobReply:
                 if log is None or job.status in TERMINAL:
                     continue  # (nothing to keep of it)
                 raw = event.raw  # (`_numbered`, written out: this runs for every event)
-                tag = b'"sequence_number":%d' % len(log.events)
+                tag = b'"sequence_number":%d' % (len(log.events) + len(run))
                 if raw.endswith(tag + b"}\n\n") or tag + b"," in raw or tag + b"}" in raw:
-                    book.append(job, raw)
+                    run.append(raw)
                     continue
+            if run:
+                book.append(job, *run)
+                run.clear()
             if event.data and event.data != b"[DONE]":
                 self._event(name, event)
+        if run:
+            book.append(job, *run)
 
     async def end(self) -> None:
         pass

@@ -42,9 +42,9 @@ class EventLog:
         self.closed = False  # the terminal event (or the end: cancelled, lost) is in
         self._waiters: list[asyncio.Future[None]] = []
 
-    def append(self, event: bytes) -> None:
-        self.events.append(event)
-        self.size += len(event)
+    def append(self, *events: bytes) -> None:
+        self.events += events
+        self.size += sum(map(len, events))
         if self._waiters:
             self._wake()
 
@@ -104,9 +104,10 @@ class Backgrounds(Protocol):
         """The caller's background response (its log, when kept, to follow)."""
         ...
 
-    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
-        """An event of `job`'s stream (its sequence_number is the log's length); `ends`:
-        its terminal event, which `moved` to the terminal status follows."""
+    def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
+        """Events of `job`'s stream, in order (the first one's sequence_number is the
+        log's length); `ends`: its terminal event, which `moved` to the terminal status
+        follows."""
 
     def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
         """`job` is now `status` (its Response `response`, when given)."""

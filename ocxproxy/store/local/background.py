@@ -117,12 +117,15 @@ class LocalBackgrounds:
     async def inputs(self, job: Job) -> bytes | None:
         return job.inputs
 
-    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
-        """An event of `job`'s stream (its sequence_number is the log's length)."""
-        if job.log is None:
+    def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
+        """Events of `job`'s stream, in order (the first one's sequence_number is the
+        log's length)."""
+        log = job.log
+        if log is None:
             return
-        job.log.append(event)
-        self.log_size += len(event)
+        size = log.size
+        log.append(*events)
+        self.log_size += log.size - size
         if self.log_size > self.log_bytes:
             self._prune(over_budget=True)
 

@@ -167,19 +167,20 @@ class SharedBackgrounds:
         (inputs,) = await self._read("background_inputs", pack("HGET", key, "input"), 1)
         return inputs[1:-1] if inputs else None
 
-    def append(self, job: Job, event: bytes, *, ends: bool = False) -> None:
+    def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
         if job.log is None:
             return
         key = self.keys(job.scope).background(job.id)
         if isinstance(job.log, RemoteLog):  # another replica's (a cancel's last event)
-            self._queue(key, _Pending(job, "cancel", -1, [event]))  # numbered there
+            self._queue(key, _Pending(job, "cancel", -1, [*events]))  # numbered there
             return
-        if ends:  # into the log once the server has taken it (_write_changes)
-            self._ending[key] = event
-            self._queue(key, _Pending(job, "own", len(job.log.events), [event]))
+        start = len(job.log.events)
+        if ends:  # (the terminal event) into the log once the server has taken it (_write_changes)
+            self._ending[key] = events[-1]
+            self._queue(key, _Pending(job, "own", start, [*events]))
             return
-        job.log.append(event)
-        self._queue(key, _Pending(job, "own", len(job.log.events) - 1, [event]))
+        job.log.append(*events)
+        self._queue(key, _Pending(job, "own", start, [*events]))
 
     def drop(self, job: Job) -> None:
         key = self.keys(job.scope).background(job.id)
