@@ -155,6 +155,17 @@ def register_gauges(metrics: Metrics, backgrounds: Gauged) -> None:
     )
 
 
+def response_event(kind: str, sequence_number: int, response: bytes) -> bytes:
+    """The SSE event of `kind` (`response.created`, a terminal one) that carries the
+    Response `response` (its JSON bytes), numbered `sequence_number`."""
+    payload = {
+        "type": kind,
+        "sequence_number": sequence_number,
+        "response": orjson.Fragment(response),
+    }
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
 def lost_response(response: bytes) -> bytes:
     """The Response of a background response whose run was lost: failed, typed."""
     try:

@@ -164,3 +164,53 @@ async def test_a_finished_stream_is_resumed_after_a_restart(
             await client.close()
             assert await second.stop(signal.SIGTERM) == 0
             assert not (state / "background" / f"{response_id}.log").exists()
+
+
+async def test_a_stream_killed_mid_turn_is_resumed_to_its_failure_after_restart(
+    tmp_path: Path, processes: list[Serve]
+) -> None:
+    """kill -9 while a background stream runs: after the restart its events, as far as
+    they reached the disk (written every half second as it runs), replay from 0 and
+    from any number, then its `response.failed` (`background_lost`), numbered next."""
+    state = tmp_path / "state"
+    async with FakeBackend(delay=0.4) as backend:  # ~11 events, 0.4 s apart
+        first = Serve(backend.url, state)
+        processes.append(first)
+        await first.start()
+        client = first.client()
+        stream = await client.responses.create(
+            model="m", input="a long one", background=True, stream=True
+        )
+        seen = []
+        async for event in stream:
+            seen.append(event)
+            if event.sequence_number == 4:
+                break
+        await stream.close()
+        response_id = seen[0].response.id
+        await asyncio.sleep(1.2)  # (past the next write of its events, before its end)
+        await client.close()
+        await first.kill9()
+
+        second = Serve(backend.url, state)
+        processes.append(second)
+        await second.start()
+        client = second.client()
+        replay = [e async for e in await client.responses.retrieve(response_id, stream=True)]
+        numbers = [event.sequence_number for event in replay]
+        assert numbers == list(range(len(replay)))
+        assert len(replay) > 6  # what it saw, and at least the next one, then the end
+        assert [e.model_dump() for e in replay[:5]] == [e.model_dump() for e in seen]
+        end = replay[-1]
+        assert end.type == "response.failed" and end.response.id == response_id
+        assert end.response.error is not None and end.response.error.code == "server_error"
+        assert end.response.error.message.startswith("background_lost")
+        assert all(event.type != "response.completed" for event in replay)
+        tail = await client.responses.retrieve(response_id, stream=True, starting_after=4)
+        assert [e async for e in tail] == replay[5:]
+        polled = await client.responses.retrieve(response_id)
+        assert polled.status == "failed" and polled.error == end.response.error
+        await client.close()
+        assert await second.stop(signal.SIGTERM) == 0
+        assert (state / "background" / f"{response_id}.log").exists()
+        assert not (state / "background" / f"{response_id}.part").exists()

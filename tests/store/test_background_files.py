@@ -239,3 +239,43 @@ async def until(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("timed out")
+
+
+async def test_a_running_streams_part_is_read_back_to_its_last_whole_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's events are appended to its .part as it runs; a process that died
+    leaves it failed, its log the .part's whole events then its `response.failed`."""
+    monkeypatch.setattr(background, "LOG_WRITE_DELAY", 0.01)
+    books = book(tmp_path)
+    await books.load()
+    one = job(1, stream=True)
+    books.open(one)
+    await books.commit()
+    events = [event("response.created", 0, "queued"), event("response.in_progress", 1)]
+    events.append(event("response.output_text.delta", 2))
+    books.append(one, *events)
+    part = tmp_path / "background" / "resp_1.part"
+    size = sum(len(b"%d\n" % len(data)) + len(data) for data in events)
+    await until(lambda: part.exists() and part.stat().st_size == size)
+    await books.close()  # (as a kill: the run never ended)
+    with part.open("r+b") as file:
+        file.truncate(size - 5)  # its last event's write torn
+    again = book(tmp_path)
+    await again.load()
+    read = await again.get("scope", "resp_1")
+    assert read is not None and read.status == "failed"
+    assert read.log is not None and read.log.closed
+    assert read.log.events[:2] == events[:2]
+    assert len(read.log.events) == 3
+    ended = orjson.loads(read.log.events[2].partition(b"data: ")[2])
+    assert ended["type"] == "response.failed" and ended["sequence_number"] == 2
+    assert ended["response"]["error"]["message"].startswith("background_lost")
+    await again.close()
+    assert not part.exists()
+    assert (tmp_path / "background" / "resp_1.log").exists()
+    third = book(tmp_path)  # and so it stays
+    await third.load()
+    kept = await third.get("scope", "resp_1")
+    assert kept is not None and kept.log is not None and kept.log.events == read.log.events
+    await third.close()

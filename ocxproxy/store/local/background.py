@@ -8,6 +8,10 @@ in process memory and, on a durable store, in the state dir:
     background/<id>.log    an ended stream's event log, written once, within
                            LOG_WRITE_DELAY of its end (a header line, then the events'
                            bytes), removed with it
+    background/<id>.part   a running stream's events so far, appended every
+                           LOG_WRITE_DELAY once it has run that long (each event's
+                           length on a line, then its bytes), removed once its .log is
+                           written
 
 `commit` writes the lines queued since the last one, and has them fdatasynced by a
 helper process of its own (store/local/syncer.py's `FsyncChild`, the journal's helper,
@@ -23,7 +27,9 @@ past twice what a rewrite would write, `commit` rewrites it with what is still k
 At start `load` folds the file, turns a response left queued or in progress by a process
 that died into `failed` (`background_lost`), reads back the event logs still within
 LOG_KEPT and the budget (newest first; a finished stream can be resumed after a restart),
-and rewrites the file."""
+and rewrites the file. A stream it fails keeps the events its .part holds (up to the
+first torn one; its `response.created` alone when none reached the disk), then ends with
+its `response.failed`, numbered next: it is resumed like any ended one."""
 
 from __future__ import annotations
 
@@ -50,13 +56,15 @@ from ocxproxy.store.background import (
     Job,
     lost_response,
     register_gauges,
+    response_event,
 )
 from ocxproxy.store.local.syncer import ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.background")
 
 FILE = "background.jsonl"
-LOGS = "background"  # the ended streams' event logs
+LOGS = "background"  # the streams' event logs
+PART = ".part"  # a running stream's event log file's suffix
 DELETED = "deleted"  # a journal line's status: the response was deleted
 REWRITE_BYTES = 1024**2  # the file is not rewritten below this size
 LOG_WRITE_DELAY = 0.5  # seconds an ended stream's log waits to be written with others
@@ -84,7 +92,11 @@ class LocalBackgrounds:
         self.logs_on_disk: dict[str, int] = {}  # event log files' sizes, by response id
         self.logs_bytes = 0  # their sum
         self._pending: list[bytes] = []  # lines to append
-        self._files: list[tuple[str, bytes | None]] = []  # event log files to write (None: remove)
+        # Event log files to write: (id, bytes, whether it is the .part), in order; bytes
+        # None removes the .part, or both when it is not the .part.
+        self._files: list[tuple[str, bytes | None, bool]] = []
+        self._running: dict[str, Job] = {}  # streams running, their .part written as they go
+        self._parts: dict[str, int] = {}  # events in each one's .part
         self._rewrite_at = REWRITE_BYTES
         self._writing: asyncio.Lock | None = None  # event log files, or a rewrite
         self._fd: int | None = None  # background.jsonl, open for writes once written
@@ -107,6 +119,9 @@ class LocalBackgrounds:
         self.jobs[job.scope, job.id] = job
         if job.stream:
             job.log = EventLog()
+            if self.logs is not None:
+                self._running[job.id] = job
+                self._flush_soon()
         self._journal(job, job.response, inputs=True)
         if self.path is not None and self._child is None and self._starting is None:
             self._starting = spawn(self._start_child(), name="background-fsync-helper")
@@ -140,6 +155,7 @@ class LocalBackgrounds:
         if status in TERMINAL:
             job.ended = time.time()
             job.task = None
+            self._running.pop(job.id, None)
             if job.log is not None:
                 job.log.close()
                 self._save_log(job)
@@ -173,9 +189,8 @@ class LocalBackgrounds:
         sizes = list(map(len, events))
         head = {"id": job.id, "scope": job.scope, "status": job.status, "ended": job.ended}
         head_bytes = orjson.dumps({**head, "sizes": sizes})
-        self._files.append((job.id, head_bytes + b"\n" + b"".join(events)))
-        if self._flushing is None or self._flushing.done():
-            self._flushing = spawn(self._flush(), name="background-logs")
+        self._files.append((job.id, head_bytes + b"\n" + b"".join(events), False))
+        self._flush_soon()
 
     def _forget_log(self, job: Job) -> None:
         """Drop `job`'s event log, in memory and on disk."""
@@ -183,16 +198,34 @@ class LocalBackgrounds:
             self.log_size -= job.log.size
             job.log.close()
             job.log = None
-        if job.id in self.logs_on_disk or any(name == job.id for name, _ in self._files):
-            self._files.append((job.id, None))
-            if self._flushing is None or self._flushing.done():
-                self._flushing = spawn(self._flush(), name="background-logs")
+        self._running.pop(job.id, None)
+        self._parts.pop(job.id, None)
+        if job.id in self.logs_on_disk or any(name == job.id for name, _, _ in self._files):
+            self._files.append((job.id, None, False))
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._flushing is None or self._flushing.done():
+            self._flushing = spawn(self._flush(), name="background-logs")
 
     async def _flush(self) -> None:
-        while self._files:
+        while self._files or self._running:
             await asyncio.sleep(LOG_WRITE_DELAY)  # (the logs ended meanwhile go with it)
             async with self._lock():
+                self._queue_parts()
                 await self._write_files()
+
+    def _queue_parts(self) -> None:
+        """What each running stream logged since its last write, onto its .part (once it
+        has run LOG_WRITE_DELAY: most end sooner, and write only their .log)."""
+        young = time.time() - LOG_WRITE_DELAY
+        for name, job in self._running.items():
+            log, written = job.log, self._parts.get(name, 0)
+            if log is None or len(log.events) <= written or job.created > young:
+                continue
+            self._parts[name] = len(log.events)
+            framed = b"".join(b"%d\n%s" % (len(event), event) for event in log.events[written:])
+            self._files.append((name, framed, True))
 
     async def _write_files(self) -> None:
         """The event log files queued (under the lock), in order: a removal after its write."""
@@ -356,7 +389,7 @@ class LocalBackgrounds:
         progress is failed now."""
         if self.path is None or self.logs is None:
             return
-        entries, logs = await asyncio.to_thread(_read, self.path, self.logs)
+        entries, logs, parts = await asyncio.to_thread(_read, self.path, self.logs)
         now = time.time()
         lost = 0
         deleted: set[str] = set()
@@ -384,8 +417,12 @@ class LocalBackgrounds:
                 del self.jobs[key]
                 continue
             if not job.terminal:
+                queued = job.response
                 job.status, job.response = "failed", lost_response(job.response)
+                job.ended = now
                 lost += 1
+                if job.stream and job.log is None:
+                    self._attach_lost(job, queued, parts.get(job.id, []))
             job.ended = job.ended or now
         for job in sorted(self.jobs.values(), key=lambda job: job.ended or now):
             self.ended.append(job)  # (the logs go by age, then the jobs, as they would have)
@@ -393,9 +430,27 @@ class LocalBackgrounds:
             log.warning("%d background responses were left running by a stop: failed", lost)
             self.metrics.background_lost.inc(lost)
         async with self._lock():
-            self._files = [(name, None) for name in doomed]
+            removed = [(name, None, False) for name in doomed]
+            removed += [(name, None, True) for name in parts]  # (read: a .log replaces it)
+            self._files = [*removed, *self._files]
             await self._write_files()
             await self._rewrite()
+
+    def _attach_lost(self, job: Job, queued: bytes, events: list[bytes]) -> None:
+        """The log of a stream a dead process ran, as far as it reached the disk
+        (`events`, its .part's; else its `response.created`, from the Response it was
+        created with), ended with its `response.failed`; written as an ended one's."""
+        if not events:
+            events = [response_event("response.created", 0, queued)]
+        events.append(response_event("response.failed", len(events), job.response))
+        size = sum(map(len, events))
+        if self.log_size + size > self.log_bytes:
+            return
+        job.log = EventLog()
+        job.log.append(*events)
+        job.log.close()
+        self.log_size += size
+        self._save_log(job)
 
     def _attach_logs(self, logs: list[Found], deleted: set[str], now: float) -> list[str]:
         """The event logs read back, newest first within the budget, onto their jobs;
@@ -479,28 +534,42 @@ def _pwrite(fd: int, data: bytes, at: int) -> None:
     os.fdatasync(fd)
 
 
-def _write_logs(directory: Path, files: list[tuple[str, bytes | None]]) -> dict[str, int | None]:
-    """Write (or, for None, remove) each event log file, in order: its size, or None."""
+def _write_logs(
+    directory: Path, files: list[tuple[str, bytes | None, bool]]
+) -> dict[str, int | None]:
+    """Write each event log file, in order: a .log whole (its .part then removed), a .part
+    appended to; or, for None, remove the .part (and the .log unless it is the .part).
+    What each id has on disk after: its size, or None."""
     done: dict[str, int | None] = {}
-    for name, data in files:
-        path = directory / f"{name}.log"
+    for name, data, part in files:
+        log_path, part_path = directory / f"{name}.log", directory / f"{name}{PART}"
         if data is None:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            for path in (part_path,) if part else (log_path, part_path):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
             done[name] = None
             continue
         try:
             directory.mkdir(mode=0o700, exist_ok=True)
-            path.write_bytes(data)
+            if part:
+                with part_path.open("ab") as file:
+                    file.write(data)
+                    done[name] = file.tell()
+                continue
+            log_path.write_bytes(data)
             done[name] = len(data)
+            with contextlib.suppress(FileNotFoundError):
+                part_path.unlink()
         except OSError as exc:  # the stream is not resumable after a restart; nothing else
             log.warning("background event log %s not written: %s", name, exc)
     return done
 
 
-def _read(path: Path, logs: Path) -> tuple[list[dict[str, Any]], list[Found]]:
-    """background.jsonl's entries, and each whole event log file: (its header, events,
-    its size)."""
+def _read(
+    path: Path, logs: Path
+) -> tuple[list[dict[str, Any]], list[Found], dict[str, list[bytes]]]:
+    """background.jsonl's entries, each whole event log file (its header, events, its
+    size), and the events of each .part, by id."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -513,16 +582,33 @@ def _read(path: Path, logs: Path) -> tuple[list[dict[str, Any]], list[Found]]:
             continue
         if type(entry) is dict and isinstance(entry.get("id"), str):
             entries.append(entry)
-    found = []
+    found, parts = [], {}
     with contextlib.suppress(FileNotFoundError):
         for file in logs.iterdir():
+            if file.name.endswith(PART):
+                with contextlib.suppress(OSError):
+                    parts[file.name.removesuffix(PART)] = _read_part(file.read_bytes())
+                continue
             read = _read_log(file)
             if read is None:
                 with contextlib.suppress(OSError):
                     file.unlink()
             else:
                 found.append(read)
-    return entries, found
+    return entries, found, parts
+
+
+def _read_part(data: bytes) -> list[bytes]:
+    """A .part's events, up to the first one a write did not finish (or never made)."""
+    events, at = [], 0
+    while at < len(data):
+        line_end = data.find(b"\n", at)
+        size = data[at:line_end]
+        if line_end < 0 or not size.isdigit() or line_end + 1 + int(size) > len(data):
+            break
+        at = line_end + 1 + int(size)
+        events.append(data[line_end + 1 : at])
+    return events
 
 
 def _read_log(file: Path) -> Found | None:
