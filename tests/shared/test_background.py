@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.test_background import unfinished, until_ended
 from tests.shared.servers import KvServer
+from tests.shared.test_privacy import expanded
 
 
 async def replicas(
@@ -511,3 +513,24 @@ async def test_a_server_restart_mid_run_ends_it_completed_or_failed_never_runnin
                 response_id, stream=True)]  # fmt: skip
             assert replay[-1].type == "response." + ended.status
             assert numbers(replay) == list(range(len(replay)))
+
+
+async def test_the_input_of_one_continuing_a_store_false_turn_stays_off_the_server(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    secret = "store-false-" + uuid.uuid4().hex
+    async with FakeBackend() as backend:
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2, retain_unstored=True)
+        first = await a.client().responses.create(model="m", input=secret, store=False)
+        backend.stall_next(60)
+        running = await a.client().responses.create(
+            model="m", input="public", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        items = await a.client().responses.input_items.list(running.id, order="asc")
+        texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
+        assert texts == [secret, f"echo#1: {secret}", "public"]  # (the replica running it)
+        with pytest.raises(openai.NotFoundError):  # elsewhere: not on the server to read
+            await b.client().responses.input_items.list(running.id)
+        assert (await b.client().responses.cancel(running.id)).status == "cancelled"
+        assert secret.encode() not in expanded(valkey_server.aof_bytes())
