@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -366,3 +368,25 @@ async def test_input_items_of_a_failed_or_cancelled_one_are_its_input(
             texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
             assert texts == ["first", "echo#1: first", text]
             assert items.first_id == items.data[0].id and items.has_more is False
+
+
+async def test_the_input_of_one_continuing_a_store_false_turn_is_never_journaled(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    secret = "store-false-" + uuid.uuid4().hex
+    state = tmp_path / "retaining"
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=state, retain_unstored=True)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input=secret, store=False)
+        backend.stall_next(60)
+        created = await client.responses.create(
+            model="m", input="public", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        assert (await client.responses.cancel(created.id)).status == "cancelled"
+        items = await client.responses.input_items.list(created.id, order="asc")
+        texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
+        assert texts == [secret, f"echo#1: {secret}", "public"]  # (in memory)
+        journaled = (state / "background.jsonl").read_bytes()
+        assert created.id.encode() in journaled and secret.encode() not in journaled
