@@ -175,11 +175,11 @@ class SharedBackgrounds:
             self._queue(key, _Pending(job, "cancel", -1, [*events]))  # numbered there
             return
         start = len(job.log.events)
-        if ends:  # (the terminal event) into the log once the server has taken it (_write_changes)
+        if ends:  # the terminal event: into the log once the server has it (_write_changes)
             self._ending[key] = events[-1]
-            self._queue(key, _Pending(job, "own", start, [*events]))
-            return
-        job.log.append(*events)
+            job.log.append(*events[:-1])
+        else:
+            job.log.append(*events)
         self._queue(key, _Pending(job, "own", start, [*events]))
 
     def drop(self, job: Job) -> None:
