@@ -70,6 +70,8 @@ async def test_created_on_one_resumed_on_another_cancelled_from_a_third(
         assert time.perf_counter() - started < 1.0
         assert (await two.responses.retrieve(created.id)).status == "cancelled"
         assert (await one.responses.retrieve(created.id)).status == "cancelled"
+        items = await two.responses.input_items.list(created.id)  # its input, anywhere
+        assert [item.content[0].text for item in items.data] == ["hang"]  # type: ignore[union-attr]
     finally:
         for client in (one, two, three):
             await client.close()
@@ -114,6 +116,9 @@ async def test_an_owner_killed_leaves_its_responses_failed_on_the_others(
         assert numbers(events) == list(range(len(events)))
         assert events[0].type == "response.created" and events[-1].type == "response.failed"
         assert events[-1].response.error.message.startswith("background_lost")
+        for client in others:  # its input outlives its replica
+            items = await client.responses.input_items.list(polled.id)
+            assert [item.content[0].text for item in items.data] == ["polled"]  # type: ignore[union-attr]
         # Cancelling a lost one answers it as it is.
         assert (await others[0].responses.cancel(polled.id)).status == "failed"
         lost_total = 0.0
