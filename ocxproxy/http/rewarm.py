@@ -15,6 +15,7 @@ from typing import Final
 
 import orjson
 
+from ocxproxy.continuation.compaction import compacted_history
 from ocxproxy.continuation.expand import expand
 from ocxproxy.errors import StoreFailure
 from ocxproxy.http.context import Proxy
@@ -66,14 +67,15 @@ async def rewarm(proxy: Proxy, backend: Backend) -> None:
     metrics = proxy.metrics
     warmed: set[str] = set()  # segments of the chains replayed: their prefixes are warm
     newest = list(proxy.cache_book.served.items())[-SCAN:]
-    for response_id, served in reversed(newest):
+    for key, served in reversed(newest):
         if budget <= 0:
             break
-        fact = proxy.book.get(response_id)
+        fact = proxy.book.get(key)  # (a conversation's turns' facts are the conversation's)
         if served.backend != backend.url or fact is None or fact.tokens > budget:
             continue
+        conversation = key if served.turn else None
         try:
-            record = await proxy.store.lookup(served.scope, response_id)
+            record = await proxy.store.lookup(served.scope, served.turn or key)
             own = record.own
             if own is None or own.key in warmed:
                 continue  # a prefix of a chain replayed already
@@ -81,6 +83,8 @@ async def rewarm(proxy: Proxy, backend: Backend) -> None:
             response = orjson.loads(await proxy.store.response_bytes(record))
         except (StoreFailure, orjson.JSONDecodeError):
             continue
+        if conversation is not None:  # as its turns forward it: from its latest summary on
+            history = compacted_history(conversation, history)
         warmed.update(segment.key for segment in record.segments)
         head = {k: response[k] for k in HEAD_FIELDS if response.get(k) is not None}
         body = expand({**head, "max_output_tokens": 1, "store": False}, history, [])

@@ -7,6 +7,7 @@ reply path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 from ocxproxy.model import Record, shared
@@ -126,7 +127,7 @@ def check_cache(exchange: Exchange, response: Any, input_tokens: int, cached: in
     book.put(response_id, here)
     conversation = conversation_of(exchange)
     if conversation is not None and exchange.request.store:  # what its next turn follows
-        book.put(conversation, here)
+        book.put(conversation, replace(here, turn=response_id))
 
 
 def save_after(exchange: Exchange, record: Record) -> None:

@@ -30,6 +30,7 @@ class Served:
     epoch: int  # the backend's (fleet.Backend.epoch) when it answered
     head: int  # head_of() its request
     scope: str = ""  # its caller's (re-warm looks its chain up there)
+    turn: str = ""  # a conversation's (kept under its id): its latest turn's response id
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +61,8 @@ def _hashable(value: Any) -> Any:
 
 
 class CacheBook:
-    """The `Served` of recent turns by response id, in memory (after a proxy restart a
-    chain's next turn is not compared)."""
+    """The `Served` of recent turns by response id, and of conversations by their id, in
+    memory, oldest first (after a proxy restart a chain's next turn is not compared)."""
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
@@ -72,6 +73,7 @@ class CacheBook:
 
     def put(self, response_id: str, served: Served) -> None:
         book = self.served
+        book.pop(response_id, None)  # (a conversation's again: it is the newest now)
         book[response_id] = served
         if len(book) > self.size:
             del book[next(iter(book))]

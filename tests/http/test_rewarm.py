@@ -84,3 +84,28 @@ async def test_the_budget_bounds_the_replays(make_proxy: MakeProxy) -> None:
                 model="m", input="after", previous_response_id=response_id
             )
         assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 2
+
+
+async def test_a_conversation_is_replayed_like_a_chain(make_proxy: MakeProxy) -> None:
+    async with FakeBackend() as fake:
+        proxy = await make_proxy(fake.url, rewarm_budget=100_000)
+        (chain,) = await chains(proxy, 1)
+        client = proxy.client()
+        conversation = await client.conversations.create()
+        for text in (chain_start(1), "more"):
+            await client.responses.create(model="m", input=text, conversation=conversation.id)  # type: ignore[arg-type]
+        before = len(fake.responses_seen)
+        # (the fake caches prompts, not outputs: a turn may fall short by its last output)
+        evicted = proxy.metric("ocxproxy_cache_miss_total", reason="evicted")
+        await back_up(proxy, fake)
+        await replayed(proxy, 2)
+        replays = [orjson.loads(seen.body) for seen in fake.responses_seen[before:]]
+        firsts = [r["input"][0]["content"][:8] for r in replays]
+        assert firsts == ["chain 1'", "chain 0'"]  # the conversation is the newest
+        assert [r["model"] for r in replays] == ["m", "m"]
+        assert len(replays[0]["input"]) == 5  # its items: two turns' input and output
+        await client.responses.create(model="m", input="after", previous_response_id=chain)
+        await client.responses.create(model="m", input="after", conversation=conversation.id)
+        assert proxy.metric("ocxproxy_cache_checks_total") == 4  # both turns before too
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
+        assert proxy.metric("ocxproxy_cache_miss_total", reason="evicted") == evicted
