@@ -405,9 +405,18 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
 ) -> None:
     async with FakeBackend(delay=0.01) as backend:
         a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        lengths = []  # a turn's length here (the first one's includes warming up)
+        for _ in range(3):
+            started = time.perf_counter()
+            stream = await a.client().responses.create(
+                model="m", input="timed", background=True, stream=True
+            )
+            await _rest(stream)
+            lengths.append(time.perf_counter() - started)
+        length = min(lengths)
         outcomes = set()
         counted: Counter[str] = Counter()
-        for n in range(60):  # (until the race went both ways, and a dozen times)
+        for n in range(40):  # (until the race went both ways, and a dozen times)
             if n >= 12 and len(outcomes) == 2:
                 break
             stream = await a.client().responses.create(
@@ -416,7 +425,7 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
             first = await anext(aiter(stream))
             response_id = first.response.id
             following = spawn(_rest(stream), name="owner's follower")
-            await asyncio.sleep(0.01 * n)  # (from well before its end to after it)
+            await asyncio.sleep(length * (n % 12) / 8)  # (from its start to past its end)
             answered = (await c.client().responses.cancel(response_id)).status
             events = [first, *await asyncio.wait_for(following, 10)]
             status = events[-1].type.removeprefix("response.")
@@ -426,6 +435,7 @@ async def test_a_cancel_racing_the_end_has_one_outcome_everywhere(
             outcomes.add(status)
             counted[status] += 1
         assert outcomes == {"completed", "cancelled"}  # (the race went both ways)
+        counted["completed"] += len(lengths)  # (the timed ones)
         finished = "ocxproxy_background_finished_total"
         for status, count in counted.items():  # each end counted once, as it ended
             assert sum(p.metric(finished, status=status) for p in (a, b, c)) == count, status
