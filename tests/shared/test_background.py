@@ -7,6 +7,7 @@ replica runs."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import uuid
 from collections import Counter
@@ -544,3 +545,27 @@ async def test_the_input_of_one_continuing_a_store_false_turn_stays_off_the_serv
             await b.client().responses.input_items.list(running.id)
         assert (await b.client().responses.cancel(running.id)).status == "cancelled"
         assert secret.encode() not in expanded(valkey_server.aof_bytes())
+
+
+async def test_a_server_back_without_its_data_ends_the_run_and_forgets_it(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend(delay=0.15) as backend:
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
+        stream = await a.client().responses.create(
+            model="m", input="lost with the data", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        following = spawn(_rest(stream), name="owner's follower")
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        valkey_server.kill9()
+        shutil.rmtree(valkey_server.data_dir / "appendonlydir")
+        await valkey_server.astart()  # same port, nothing kept
+        events = [first, *await asyncio.wait_for(following, LEASE + 15)]
+        assert numbers(events) == list(range(len(events)))
+        assert events[-1].type == "response.failed"
+        assert events[-1].response.error.message.startswith("background_lost")
+        for proxy in (a, b):
+            with pytest.raises(openai.NotFoundError):
+                await proxy.client().responses.retrieve(response_id)
