@@ -1,9 +1,14 @@
-"""Every other path: reverse-proxied transparently, bodies streamed both ways (CONTRACT.md C2)."""
+"""Every other path: reverse-proxied transparently, bodies streamed both ways (CONTRACT.md C2).
+
+A backend's JSON error answer is the exception: it is read whole and relayed as the
+proxy's own errors are, its `code` a string (CONTRACT.md C1.3: errors.error_answer).
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from ocxproxy.errors import error_answer
 from ocxproxy.http.body import body_chunks, check_length, codings_of, read_body
 from ocxproxy.http.context import proxy_of, timing_of, upstream_path
 from ocxproxy.http.headers import client_headers, upstream_headers
@@ -36,6 +41,23 @@ async def passthrough(
         timing=timing,
         retry=stream is None,
     ) as (_, upstream):
+        answer = upstream.headers
+        if (
+            upstream.status >= 400
+            and "json" in answer.get("Content-Type", "")
+            and answer.get("Content-Encoding", "identity") == "identity"  # (else as it came)
+        ):
+            with timing.waiting():
+                content = await upstream.read()
+            shaped = error_answer(upstream.status, content)
+            headers = client_headers(upstream.headers, body_rewritten=shaped is not None)
+            headers.pop("Content-Length", None)
+            return web.Response(
+                status=upstream.status,
+                reason=upstream.reason,
+                headers=headers,
+                body=content if shaped is None else shaped,
+            )
         if capture:
             with timing.waiting():
                 content = await upstream.read()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 from collections.abc import AsyncIterator
 
@@ -10,12 +11,23 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import sse_payloads
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
+INPUT = {"model": "m", "input": "hi there"}
+IMAGE = {
+    "model": "m",
+    "input": [
+        {
+            "role": "user",
+            "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}],
+        }
+    ],
+}
 
 
 async def test_chat_completions_json(
@@ -170,3 +182,74 @@ async def test_a_body_the_backend_breaks_off_is_cut_short_not_patched(
             assert resp.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 await resp.read()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [
+        ("GET", "/v1/nothing", None, 404, "invalid_request_error"),
+        ("DELETE", "/v1/models", None, 405, "invalid_request_error"),
+        ("POST", "/v1/chat/completions", b"{not json", 400, "invalid_request_error"),
+        ("POST", "/v1/responses/input_tokens", orjson.dumps(IMAGE), 500, "server_error"),
+    ],
+)
+async def test_a_relayed_backend_error_gets_a_string_code(
+    method: str,
+    path: str,
+    body: bytes | None,
+    status: int,
+    code: str,
+    make_proxy: MakeProxy,
+    http: aiohttp.ClientSession,
+) -> None:
+    """The fake backend answers errors with `"code": null`, as some backends do: the
+    client gets the one the status stands for (CONTRACT.md C1.3), the message kept."""
+    async with FakeBackend(rejects_images=True) as backend:
+        proxy = await make_proxy(backend.url)
+        headers = {"Content-Type": "application/json"}
+        async with http.request(method, proxy.url + path, data=body, headers=headers) as resp:
+            assert resp.status == status
+            assert resp.headers["Content-Type"].startswith("application/json")
+            error = (await resp.json())["error"]
+    assert error["code"] == code
+    assert error["message"] and error["message"] != "The backend reported an error."
+    if status in (404, 405):
+        assert path in error["message"]  # the backend's own message
+
+
+async def test_a_relayed_backend_error_with_a_code_is_left_as_it_is(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """An error in OpenAI's shape with a string code, or one the proxy cannot read (here
+    compressed), is relayed byte for byte."""
+    with_code = b'{"error":{"message":"no","type":"invalid_request_error","param":null,"code":"x"}}'
+    null_code = b'{"error":{"message":"no","type":"server_error","param":null,"code":null}}'
+    compressed = gzip.compress(null_code)
+
+    async def answer(request: web.Request) -> web.Response:
+        if request.path == "/v1/gzipped":
+            headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+            return web.Response(status=503, body=compressed, headers=headers)
+        return web.Response(status=429, body=with_code, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        proxy = await make_proxy(f"http://127.0.0.1:{port}")
+        async with http.post(proxy.url + "/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 429
+            assert await resp.read() == with_code
+        headers = {"Accept-Encoding": "gzip"}
+        async with http.get(
+            proxy.url + "/v1/gzipped", headers=headers, auto_decompress=False
+        ) as resp:
+            assert resp.status == 503
+            assert resp.headers["Content-Encoding"] == "gzip"
+            assert await resp.read() == compressed
+    finally:
+        await runner.cleanup()
