@@ -141,6 +141,7 @@ async def delete_item(request: web.Request) -> web.StreamResponse:
         conversation = await proxy.store.conversations.delete_item(
             conversation, request.match_info["item_id"]
         )
+    proxy.cache_book.edited(conversation.id)  # its next turn's cache miss is no eviction
     return _json(_view(conversation))
 
 

@@ -12,7 +12,7 @@ response the turn records anyway.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 BOOK_SIZE: Final = 100_000  # turns remembered (the oldest leave first): ~100 bytes each
@@ -31,6 +31,7 @@ class Served:
     head: int  # head_of() its request
     scope: str = ""  # its caller's (re-warm looks its chain up there)
     turn: str = ""  # a conversation's (kept under its id): its latest turn's response id
+    edited: bool = False  # a conversation's: an item was deleted since (its prompt changed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,13 @@ class CacheBook:
         if len(book) > self.size:
             del book[next(iter(book))]
 
+    def edited(self, conversation_id: str) -> None:
+        """An item was deleted from the conversation: its next turn's prompt is not the
+        one its last turn left in the cache."""
+        served = self.served.get(conversation_id)
+        if served is not None:
+            self.served[conversation_id] = replace(served, edited=True)
+
 
 def miss_of(
     parent: Served,
@@ -111,7 +119,7 @@ def miss_of(
         reason = "rerouted"
     elif epoch != parent.epoch:
         reason = "backend_restarted"
-    elif head != parent.head:
+    elif head != parent.head or parent.edited:
         reason = "diverged"
     else:
         reason = "evicted"

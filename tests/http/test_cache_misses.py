@@ -111,3 +111,16 @@ async def test_a_conversations_turns_are_compared_like_a_chains(
     backend.forget_cache()
     await client.responses.create(model="m", input="fifth", conversation=conversation.id)
     assert misses(proxy) == {"evicted": 1, "backend_restarted": 1}
+
+
+async def test_a_conversation_whose_item_was_deleted_diverged(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    proxy = await make_proxy(backend.url)
+    client = proxy.client()
+    conversation = await client.conversations.create(items=FIRST)  # type: ignore[arg-type]
+    await client.responses.create(model="m", input="first turn", conversation=conversation.id)
+    items = await client.conversations.items.list(conversation.id, order="asc")
+    await client.conversations.items.delete(items.data[0].id, conversation_id=conversation.id)
+    await client.responses.create(model="m", input="after the delete", conversation=conversation.id)
+    assert misses(proxy) == {"diverged": 1}
