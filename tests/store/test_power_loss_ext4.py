@@ -18,10 +18,13 @@ it. Unsynced writes stay in that page cache: the mount's `commit=600` keeps jbd2
 committing on its 5 s timer, the kernel writes dirty pages back only once they are 30 s old
 (`vm.dirty_expire_centisecs`, left as it is; a proxy lives a few seconds here), and nothing
 calls `sync`; the test checks it with a write of its own, never synced, made right before
-each stop, which must be gone from most copies. What this cannot see: an fsync of any file
-commits ext4's whole running transaction, every directory entry made so far included, so a
-missing fsync of a directory stays hidden here, and a proxy lives too short a time to write
-a checkpoint (tests/store/powerloss.py's simulated layer covers both).
+each stop, which must be gone from most copies. What this hardly sees: a journal fdatasync
+whose bytes land in preallocated space not yet written makes ext4 commit its whole running
+transaction (it must record that space as written), every new or renamed directory entry
+included, and with concurrent turns one comes within milliseconds, so a missing fsync of a
+directory shows only when the stop falls just between a rename and that commit, and a proxy
+lives too short a time to write a checkpoint (tests/store/powerloss.py's simulated layer
+covers both).
 
 Root and loop devices are needed (`losetup`, `mkfs.ext4`, `mount`); without them the test
 is skipped with the reason. OCX_POWER_SEED=n replays a run, OCX_POWER_ROUNDS=n sets how
