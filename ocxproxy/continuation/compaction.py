@@ -16,14 +16,15 @@ import hashlib
 import os
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ocxproxy.continuation.expand import expand
 from ocxproxy.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 FORMAT = 1  # of the sealed document
 PROMPT_VERSION = 1  # of COMPACTION_PROMPT; sealed with each item
@@ -58,14 +59,25 @@ class SealError(Exception):
 
 
 class Sealer:
-    """Seals and opens compaction items under one key (AES-256-GCM)."""
+    """Seals and opens compaction items under one key (AES-256-GCM).
+
+    `cryptography` is imported at the first seal or open, not with the proxy: its
+    bindings are ~8 MiB of every process's memory, and most never compact."""
 
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a compaction key is {KEY_BYTES} bytes")
-        self._aead = AESGCM(key)
+        self._key = key
+        self._cipher: AESGCM | None = None
         self.fingerprint = key_fingerprint(key)
         self._opened: dict[str, tuple[str, bytes]] = {}  # token → (scope, summary message)
+
+    def _aead(self) -> AESGCM:
+        if self._cipher is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._cipher = AESGCM(self._key)
+        return self._cipher
 
     @classmethod
     def ephemeral(cls) -> Sealer:
@@ -80,7 +92,7 @@ class Sealer:
             "summary": summary,
         }
         nonce = os.urandom(_NONCE_BYTES)
-        sealed = self._aead.encrypt(nonce, orjson.dumps(document), _AAD)
+        sealed = self._aead().encrypt(nonce, orjson.dumps(document), _AAD)
         return TOKEN_PREFIX + base64.urlsafe_b64encode(nonce + sealed).decode().rstrip("=")
 
     def open(self, token: str, scope: str) -> bytes:
@@ -107,8 +119,10 @@ class Sealer:
             raise SealError("it is not valid base64url") from None
         if len(raw) <= _NONCE_BYTES:
             raise SealError("it is truncated")
+        from cryptography.exceptions import InvalidTag
+
         try:
-            plain = self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _AAD)
+            plain = self._aead().decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _AAD)
         except InvalidTag:
             raise SealError("it was altered, or sealed under another key") from None
         document = orjson.loads(plain)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -345,6 +347,24 @@ def test_sealed_document_round_trip() -> None:
     token = sealer.seal("the summary", scope="s1", model="m")
     assert sealer.open(token, "s1") == summary_message("the summary")
     assert orjson.loads(summary_message("x"))["content"] == SUMMARY_PREFIX + "x"
+
+
+def test_the_cipher_is_loaded_at_the_first_seal_not_with_the_proxy() -> None:
+    """cryptography's bindings cost every process ~8 MiB: a proxy that never compacts
+    does not load them; the first seal does."""
+    script = (
+        "import sys\n"
+        "import ocxproxy.cli, ocxproxy.server\n"
+        "import ocxproxy.http.context\n"
+        "from ocxproxy.continuation.compaction import Sealer\n"
+        "sealer = Sealer.ephemeral()\n"
+        "print(any(m.startswith('cryptography') for m in sys.modules))\n"
+        "sealer.open(sealer.seal('s', scope='a', model='m'), 'a')\n"
+        "print(any(m.startswith('cryptography') for m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
 
 
 async def test_trigger_on_a_conversation(proxy: ProxyHandle, backend: FakeBackend) -> None:
