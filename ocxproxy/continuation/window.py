@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 NEAR = 0.85  # without a parent's usage, an estimate past this share of the room is counted
 STEP = 0.25  # a drop frees at least this share of the window
 OUTPUT_SHARE = 0.125  # room kept for the answer when the request sets no max_output_tokens
 LOW_RATIO = 2.0  # bytes per token assumed before a backend's usage says otherwise
 BOOK_SIZE = 100_000  # facts kept (the oldest leave first): ~100 bytes each
+_TOKENS = (1 << 32) - 1  # a packed fact's tokens (below its size)
+_fact = tuple.__new__  # a Fact from its three values, without NamedTuple's Python __new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +56,9 @@ class Cut:
 NO_CUT = Cut()
 
 
-@dataclass(frozen=True, slots=True)
-class Fact:
-    """What a finished turn tells the next one."""
+class Fact(NamedTuple):
+    """What a finished turn tells the next one (a tuple: the book makes one from a packed
+    int on every lookup, a few times a turn)."""
 
     tokens: int  # input + output tokens its backend reported
     size: int  # the bytes they stand for: its forwarded body + its output (estimated)
@@ -71,16 +73,25 @@ class TokenBook:
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
-        self.facts: dict[str, Fact] = {}
+        # A fact without a cut (most) is kept as one int, `size << 32 | tokens`: 32 bytes
+        # where a Fact and its two ints are 120 (100,000s of turns).
+        self.facts: dict[str, Fact | int] = {}
         self.ratios: dict[str, float] = {}
 
     def get(self, key: str) -> Fact | None:
-        return self.facts.get(key)
+        fact = self.facts.get(key)
+        if type(fact) is int:
+            return _fact(Fact, (fact & _TOKENS, fact >> 32, NO_CUT))
+        return fact  # type: ignore[return-value]
 
     def put(self, key: str, fact: Fact) -> None:
         facts = self.facts
         facts.pop(key, None)  # a key put again is the newest
-        facts[key] = fact
+        tokens, size = fact.tokens, fact.size
+        if fact.cut is NO_CUT and 0 <= tokens <= _TOKENS and size >= 0:
+            facts[key] = size << 32 | tokens
+        else:
+            facts[key] = fact
         if len(facts) > self.size:
             del facts[next(iter(facts))]
 

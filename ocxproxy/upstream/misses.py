@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 BOOK_SIZE: Final = 100_000  # turns remembered (the oldest leave first): ~100 bytes each
+ALIKE: Final = 4096  # distinct `Served` values shared (forgotten all at once past this)
 SLACK: Final = 32  # tokens a hit may fall short by (re-tokenized output, cache blocks)
 SLACK_SHARE: Final = 0.1  # ... or this share of the prefix, when more
 # The request fields rendered before the history: a change starts a new prompt.
@@ -63,16 +64,29 @@ def _hashable(value: Any) -> Any:
 
 class CacheBook:
     """The `Served` of recent turns by response id, and of conversations by their id, in
-    memory, oldest first (after a proxy restart a chain's next turn is not compared)."""
+    memory, oldest first (after a proxy restart a chain's next turn is not compared).
+    Turns served alike (one backend, epoch, prompt head and caller: most of them) share
+    one `Served` object; a conversation's, which names its latest turn, is its own."""
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
         self.served: dict[str, Served] = {}
+        self._alike: dict[tuple[str, int, int, str], Served] = {}
 
     def get(self, response_id: str) -> Served | None:
         return self.served.get(response_id)
 
     def put(self, response_id: str, served: Served) -> None:
+        if not served.turn:  # (a conversation's names its own latest turn)
+            alike = self._alike
+            key = (served.backend, served.epoch, served.head, served.scope)
+            found = alike.get(key)
+            if found is not None:
+                served = found
+            else:
+                if len(alike) >= ALIKE:
+                    alike.clear()
+                alike[key] = served
         book = self.served
         book.pop(response_id, None)  # (a conversation's again: it is the newest now)
         book[response_id] = served

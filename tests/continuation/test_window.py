@@ -7,6 +7,7 @@ from typing import Any
 
 from ocxproxy.continuation.window import (
     LOW_RATIO,
+    Cut,
     Fact,
     TokenBook,
     drop_point,
@@ -64,6 +65,21 @@ def test_the_book_learns_a_ratio_and_forgets_the_oldest() -> None:
     for n in range(3):
         book.put(f"r{n}", Fact(n, n))
     assert book.get("r0") is None and book.get("r2") == Fact(2, 2)
+
+
+def test_the_book_gives_back_each_fact_as_it_was_put() -> None:
+    book = TokenBook()
+    facts = {
+        "plain": Fact(123_456, 9_876_543_210),
+        "zero": Fact(0, 0),
+        "cut": Fact(70_000, 300_000, Cut(4, 1, -5)),
+        "huge": Fact(1 << 40, 7),
+        "negative": Fact(-1, 5),
+    }
+    for key, fact in facts.items():
+        book.put(key, fact)
+    assert {key: book.get(key) for key in facts} == facts
+    assert type(book.facts["plain"]) is int  # packed: no Fact object kept
 
 
 def test_room_keeps_space_for_the_answer() -> None:

@@ -79,3 +79,20 @@ def test_the_book_forgets_the_oldest() -> None:
     for n in range(3):
         book.put(f"resp_{n}", PARENT)
     assert book.get("resp_0") is None and book.get("resp_2") == PARENT
+
+
+def test_turns_served_alike_share_one_entry() -> None:
+    book = CacheBook()
+    book.put("resp_a", Served("http://a", 3, HEAD, "s"))
+    book.put("resp_b", Served("http://a", 3, HEAD, "s"))
+    book.put("resp_c", Served("http://a", 4, HEAD, "s"))
+    assert book.get("resp_a") is book.get("resp_b") == Served("http://a", 3, HEAD, "s")
+    assert book.get("resp_c") == Served("http://a", 4, HEAD, "s")
+
+
+def test_a_conversations_entry_keeps_its_own_latest_turn() -> None:
+    book = CacheBook()
+    book.put("conv_a", Served("http://a", 3, HEAD, "s", turn="resp_1"))
+    book.put("conv_b", Served("http://a", 3, HEAD, "s", turn="resp_2"))
+    book.put("resp_3", Served("http://a", 3, HEAD, "s"))
+    assert [book.get(k).turn for k in ("conv_a", "conv_b", "resp_3")] == ["resp_1", "resp_2", ""]  # type: ignore[union-attr]
