@@ -11,7 +11,7 @@ import pytest
 
 from ocxproxy.continuation.record import build_turn
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Record, Turn
+from ocxproxy.model import ItemIds, Record, Turn
 from ocxproxy.store import Store
 from tests.store.helpers import Clock, inline, make_store
 
@@ -182,3 +182,26 @@ async def test_item_ids_survive_a_restart_and_resolve_from_disk(
         store.find_item_nowait("scope-b", "msg_1")
     assert store.check() == []
     await store.close()
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [("msg_1", 0, 0)],
+        [("msg_1", 17, 4_000)],
+        [("msg_1", (1 << 30) - 1, (1 << 30) - 1)],
+        [("msg_1", 5, 1 << 30)],  # past what one int packs: kept as bytes
+        [("msg_1", 1 << 33, 1 << 34)],
+        [("a", 0, 3), ("b", 4, 9), ("c", 10, 12)],
+    ],
+)
+def test_item_ids_give_back_each_span(entries: list[tuple[str, int, int]]) -> None:
+    ids = ItemIds(entries)
+    assert list(ids) == entries and len(ids) == len(entries)
+    assert ids.ids == tuple(i for i, _, _ in entries)
+    assert all(ids.span(i) == (start, end) for i, start, end in entries)
+    assert ids.span("msg_2") is None
+
+
+def test_a_lone_item_id_keeps_its_span_in_one_int() -> None:
+    assert type(ItemIds([("msg_1", 17, 4_000)])._spans) is int  # 32 bytes, not 64
