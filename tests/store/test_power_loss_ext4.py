@@ -1,14 +1,15 @@
 """Power loss under a real filesystem: the state dir is an ext4 image on a loop device, and
-a real `ocxproxy serve` (default flags, `--durability ack`; then `relaxed`) takes concurrent
-chains of JSON and SSE turns (some with large segments, which get their own files) and
-DELETEs. At a random moment the proxy and its fsync helper are stopped (SIGSTOP to its
-process group), the image file is copied, and the proxy is killed; the copy is mounted on
+a real `ocxproxy serve` (default flags, `--durability ack`; then `relaxed`; then large
+turns kept in the journal with frequent checkpoints: MODES) takes concurrent chains of
+JSON and SSE turns (some with large segments, which get their own files) and DELETEs. At
+a random moment the proxy and its fsync helper are stopped (SIGSTOP to its process
+group), the image file is copied, and the proxy is killed; the copy is mounted on
 another loop device (ext4 replays its own journal), `ocxproxy state verify` must find
 nothing but a torn journal tail, and a proxy started on it must serve every acknowledged
-turn (with `relaxed`, every one answered before its window) with a continuation whose input
-is a byte-extension of what the backend was sent for that turn, its whole history; none of
-those DELETEs; and nothing half-made: a later or never acknowledged turn that is there
-continues with its whole history too. The next round runs on that copy.
+turn (with `relaxed`, every one answered before its window) with a continuation whose
+input is a byte-extension of what the backend was sent for that turn, its whole history;
+none of those DELETEs; and nothing half-made: a later or never acknowledged turn that is
+there continues with its whole history too. The next round runs on that copy.
 
 Why the copy is what a power loss leaves: every thread of the stopped processes is seen
 stopped (no system call in flight) and the loop device idle before the image file is read,
@@ -22,9 +23,8 @@ each stop, which must be gone from most copies. What this hardly sees: a journal
 whose bytes land in preallocated space not yet written makes ext4 commit its whole running
 transaction (it must record that space as written), every new or renamed directory entry
 included, and with concurrent turns one comes within milliseconds, so a missing fsync of a
-directory shows only when the stop falls just between a rename and that commit, and a proxy
-lives too short a time to write a checkpoint (tests/store/powerloss.py's simulated layer
-covers both).
+directory shows only when the stop falls just between a rename and that commit
+(tests/store/powerloss.py's simulated layer catches it).
 
 Root and loop devices are needed (`losetup`, `mkfs.ext4`, `mount`); without them the test
 is skipped with the reason. OCX_POWER_SEED=n replays a run, OCX_POWER_ROUNDS=n sets how
@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -53,16 +55,45 @@ from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import ROOT, Serve
 
-ROUNDS = {"ack": 10, "relaxed": 3}  # power losses per run
 WINDOW = 2.0 + 2.0  # relaxed: --snapshot-delay, plus two journal writes on a disk that stalls
-IMAGE_BYTES = 128 * 1024**2
-LARGE_EVERY = 4  # every 4th turn of a chain carries ~12 KB of incompressible text
+IMAGE_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class Mode:
+    args: tuple[str, ...]  # `serve`'s flags
+    rounds: int  # power losses per run
+    traffic: tuple[float, float]  # how long the traffic runs before a loss (uniform)
+    large: int  # random bytes (in base64) in every `large_every`th turn's text
+    large_every: int = 4
+    most: tuple[int, int] | None = None  # or the loss comes once this many were answered
+
+
+MODES = {
+    # Default flags; every 4th turn's items go to segment files of their own.
+    "ack": Mode((), 8, (0.2, 1.5), 9000),
+    # Traffic outlasts the window, so some answers are older than it at the loss.
+    "relaxed": Mode(("--durability", "relaxed"), 3, (WINDOW + 0.5, WINDOW + 2), 9000),
+    # Large turns (~55 KiB each) kept in the journal and a checkpoint every 6 MiB of it (an
+    # eighth of the disk budget), so the power goes while checkpoints are written and after;
+    # at most ~80 turns a round keep the whole run within the 29 MiB (0.6 of the budget) it
+    # may keep before evicting turns.
+    "ack-checkpoints": Mode(
+        ("--large-segment-bytes", "1GiB", "--max-disk-bytes", "48MiB"),
+        4,
+        (1.5, 4.0),
+        48000,
+        large_every=1,
+        most=(40, 70),
+    ),
+}
 CHUNK = 1 << 20
 CANARY = 64 * 1024  # bytes the test writes and never syncs right before each loss
+BYTES = re.compile(r"checkpoint +\d+ bytes")  # `state verify`'s line for one written
 TORN = "torn or corrupt journal at"  # the only problem `state verify` may report here
 
 ASKED = int(os.environ.get("OCX_POWER_ROUNDS") or 0)  # OCX_POWER_ROUNDS: losses per test
-pytestmark = pytest.mark.timeout(120 + 30 * (ASKED or max(ROUNDS.values())))
+pytestmark = pytest.mark.timeout(120 + 30 * (ASKED or max(m.rounds for m in MODES.values())))
 
 
 def _missing() -> str | None:
@@ -278,10 +309,10 @@ class Ledger:
         return [r for r, (_, at) in self.acked.items() if at <= by and r not in gone]
 
 
-def user_text(chain: Chain, tag: str, n: int, rng: random.Random) -> str:
+def user_text(chain: Chain, tag: str, n: int, rng: random.Random, mode: Mode) -> str:
     text = f"{chain.name} {tag} t{n}"
-    if n % LARGE_EVERY == 0:
-        text += " " + base64.b64encode(rng.randbytes(9000)).decode()
+    if n % mode.large_every == 0:
+        text += " " + base64.b64encode(rng.randbytes(mode.large)).decode()
     return text
 
 
@@ -314,7 +345,7 @@ async def send_turn(
 
 
 async def drive(
-    url: str, chains: list[Chain], ledger: Ledger, rng: random.Random, tag: str
+    url: str, chains: list[Chain], ledger: Ledger, rng: random.Random, tag: str, mode: Mode
 ) -> None:
     """Turns on every chain and DELETEs of older acknowledged turns, until the proxy goes."""
     count = [0]
@@ -323,7 +354,7 @@ async def drive(
         n = 0
         while True:
             n += 1
-            text = user_text(chain, tag, n, rng)
+            text = user_text(chain, tag, n, rng, mode)
             history = [*chain.users, text]
             announced, rid = None, None
             try:
@@ -336,7 +367,7 @@ async def drive(
                 continue
             chain.turns.append((rid, history))
             ledger.acked[rid] = (tag, time.monotonic())
-            ledger.large += n % LARGE_EVERY == 0
+            ledger.large += n % mode.large_every == 0
             count[0] += 1
             await asyncio.sleep(rng.uniform(0, 0.02))
 
@@ -477,16 +508,17 @@ async def state_verify(state: Path) -> tuple[int, str]:
     return await proc.wait(), out.decode(errors="replace")
 
 
-@pytest.mark.parametrize("durability", ["ack", "relaxed"])
+@pytest.mark.parametrize("name", list(MODES))
 async def test_answered_turns_survive_power_loss_on_ext4(
-    backend: FakeBackend, tmp_path: Path, disks: Disks, durability: str
+    backend: FakeBackend, tmp_path: Path, disks: Disks, name: str
 ) -> None:
     """`ack`: every acknowledged turn and DELETE survives every loss. `relaxed`: every one
     answered before the last WINDOW seconds does; the traffic runs longer than that."""
+    mode = MODES[name]
+    relaxed = "relaxed" in mode.args
     seed = int(os.environ.get("OCX_POWER_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
-    rounds = ASKED or ROUNDS[durability]
-    traffic_for = (0.2, 1.5) if durability == "ack" else (WINDOW + 0.5, WINDOW + 2)
+    rounds = ASKED or mode.rounds
     image = tmp_path / "disk0.img"
     make_image(image)
     try:
@@ -497,9 +529,10 @@ async def test_answered_turns_survive_power_loss_on_ext4(
     ledger = Ledger()
     seen = Seen(backend)
     torn = copies = dropped = 0
+    checkpoints: set[str] = set()  # the checkpoint lines `state verify` printed
     cutoff = 0.0
     for n in range(rounds + 1):
-        where = f"after power loss {n} (seed {seed}, {durability})"
+        where = f"after power loss {n} (seed {seed}, {name})"
         state = disk.path / "state"
         if n:
             code, report = await state_verify(state)
@@ -507,9 +540,9 @@ async def test_answered_turns_survive_power_loss_on_ext4(
             assert code in (0, 1) and all(TORN in p for p in problems), f"{where}:\n{report}"
             assert code == 0 or problems, f"{where}:\n{report}"
             torn += len(problems)
+            checkpoints.update(x.split(",")[0] for x in report.splitlines() if BYTES.match(x))
         proxy = Serve(
-            backend.url, state, "--durability", durability, "--log-level", "warning",
-            preexec_fn=os.setpgrp,
+            backend.url, state, *mode.args, "--log-level", "warning", preexec_fn=os.setpgrp,
         )  # fmt: skip
         disks.proxies.append(proxy)
         await proxy.start()
@@ -520,12 +553,17 @@ async def test_answered_turns_survive_power_loss_on_ext4(
             break
         tag = f"r{n + 1}"
         before = len(ledger.acked)
-        traffic = asyncio.ensure_future(drive(proxy.url, chains, ledger, rng, tag))
-        await asyncio.sleep(rng.uniform(*traffic_for))
+        traffic = asyncio.ensure_future(drive(proxy.url, chains, ledger, rng, tag, mode))
+        most = rng.randint(*mode.most) if mode.most else 1 << 30
+        with contextlib.suppress(TimeoutError):
+            await backend.wait_for(
+                lambda at=before, most=most: len(ledger.acked) - at >= most,
+                within=rng.uniform(*mode.traffic),
+            )
         await backend.wait_for(lambda at=before: len(ledger.acked) - at >= 5, within=30)
         # With ack, an answer still on its way to the client at the stop was released
         # before it (its fsync done): it counts too, whenever it arrives.
-        cutoff = float("inf") if durability == "ack" else time.monotonic() - WINDOW
+        cutoff = time.monotonic() - WINDOW if relaxed else float("inf")
         unsynced = rng.randbytes(CANARY)
         write_unsynced(disk.path / f"unsynced{n}", unsynced)
         await stop_group(proxy.pid)
@@ -540,17 +578,20 @@ async def test_answered_turns_survive_power_loss_on_ext4(
         dropped += not kept(disk.path / f"unsynced{n}", unsynced)
     disks.unmount(disk)
     print(
-        f"seed {seed}, {durability}: {rounds} power losses, {len(ledger.acked)} turns "
-        f"acknowledged ({ledger.large} with large segments, per round {ledger.per_round}), "
+        f"seed {seed}, {name}: {rounds} power losses, {len(ledger.acked)} turns "
+        f"acknowledged ({ledger.large} with large items, per round {ledger.per_round}), "
         f"{ledger.checked} checks of turns that had to be there, {ledger.window_lost} lost "
         f"within the window, {len(ledger.deleted)} DELETEs, {ledger.unacked_kept} "
         f"unacknowledged turns kept whole, {torn} torn journal tails, {copies} copies taken, "
         f"an unsynced write dropped by {dropped} of {rounds} losses, "
+        f"{len(checkpoints)} checkpoints found, "
         f"dirty pages written back after {writeback_after()} s"
     )
     assert min(ledger.per_round) >= 5, ledger.per_round  # every loss came amid traffic
     assert ledger.deleted, "no DELETE was acknowledged: the test proved nothing about them"
-    assert ledger.large, "no large segment was acknowledged"
+    assert ledger.large, "no large turn was acknowledged"
+    if name == "ack-checkpoints":
+        assert checkpoints, "no checkpoint was written: the losses never came near one"
     assert ledger.checked > rounds * 10, "too few turns were old enough to be checked"
     # The test's own write, never synced, must be gone after most losses, or the copies
     # were not what a power loss leaves (the kernel wrote the page cache back: its dirty
