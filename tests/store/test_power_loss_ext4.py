@@ -590,7 +590,7 @@ async def test_answered_turns_survive_power_loss_on_ext4(
     assert min(ledger.per_round) >= 5, ledger.per_round  # every loss came amid traffic
     assert ledger.deleted, "no DELETE was acknowledged: the test proved nothing about them"
     assert ledger.large, "no large turn was acknowledged"
-    if name == "ack-checkpoints":
+    if name == "ack-checkpoints" and rounds >= mode.rounds:  # (fewer may come before one)
         assert checkpoints, "no checkpoint was written: the losses never came near one"
     assert ledger.checked > rounds * 10, "too few turns were old enough to be checked"
     # The test's own write, never synced, must be gone after most losses, or the copies
