@@ -53,7 +53,9 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 CANCEL_WAIT = 1.0  # seconds a cancel waits for the run to let go of its backend request
 _SEQUENCE = re.compile(rb'"sequence_number"\s*:\s*-?\d+')
 _LIFECYCLE = ("response.created", "response.in_progress", "response.queued")
-_SPECIAL = frozenset((*_LIFECYCLE, *TERMINAL_EVENTS, "error"))  # decoded by JobReply
+# Decoded by JobReply (an event without a name too).
+_SPECIAL = frozenset((*_LIFECYCLE, *TERMINAL_EVENTS, "error", None))
+_NOT_STARTED, _NOT_KEPT = -1, -2  # (JobReply._next)
 _QUEUED, _IN_PROGRESS = b'"status":"queued"', b'"status":"in_progress"'
 
 
@@ -92,7 +94,8 @@ async def start(
             assert key is not None
             idempotency.end(proxy, key)
         return
-    body = {name: value for name, value in request.body.items() if name != "background"}
+    body = request.body.copy()
+    del body["background"]  # (True: checked above)
     body["stream"] = True
     forwarded = orjson.dumps(body)
     checked = Request(body, request.previous_response_id, True, request.store, request.items)
@@ -315,24 +318,35 @@ class JobReply:
         is dropped): those go in as they came, undecoded, together."""
         job, book = self.job, self.proxy.backgrounds
         run: list[bytes] = []  # such events, not appended yet
+        at = self._next()
         for event in batch:
-            name = event.name
-            if self.started and name is not None and name not in _SPECIAL:
-                log = job.log
-                if log is None or job.status in TERMINAL:
-                    continue  # (nothing to keep of it)
-                raw = event.raw  # (`_numbered`, written out: this runs for every event)
-                tag = b'"sequence_number":%d' % (len(log.events) + len(run))
-                if raw.endswith(tag + b"}\n\n") or tag + b"," in raw or tag + b"}" in raw:
+            if at != _NOT_STARTED and event.name not in _SPECIAL:
+                if at == _NOT_KEPT:
+                    continue
+                raw = event.raw  # (its number at its end as a rule: looked for there first)
+                if raw.endswith(b'"sequence_number":%d}\n\n' % at) or _numbered(raw, at):
                     run.append(raw)
+                    at += 1
                     continue
             if run:
                 book.append(job, *run)
                 run.clear()
             if event.data and event.data != b"[DONE]":
-                self._event(name, event)
+                self._event(event.name, event)
+            at = self._next()
         if run:
             book.append(job, *run)
+
+    def _next(self) -> int:
+        """The log number the next relayed event must carry to go in as it came; or
+        _NOT_STARTED (before the backend's first lifecycle event), or _NOT_KEPT (no log,
+        or the run ended: the event is dropped)."""
+        job = self.job
+        if not self.started:
+            return _NOT_STARTED
+        if job.log is None or job.status in TERMINAL:
+            return _NOT_KEPT
+        return len(job.log.events)
 
     async def end(self) -> None:
         pass

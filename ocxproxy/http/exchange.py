@@ -462,7 +462,7 @@ async def create(
     scope = scope_of(headers)
     request = parse_request(raw)
     if request.body.get("background") not in (None, False):
-        from ocxproxy.http import background  # (it builds on this module)
+        import ocxproxy.http.background as background  # (it builds on this module)
 
         await background.start(proxy, scope, headers, path_qs, raw, request, timing, reply)
         return

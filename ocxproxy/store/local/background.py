@@ -89,11 +89,11 @@ class LocalBackgrounds:
         self.kept: deque[Job] = deque()  # failed or cancelled, their logs gone, until the TTL
         self.log_size = 0  # bytes of every event log kept
         self.file_bytes = 0  # background.jsonl's size
-        self.logs_on_disk: dict[str, int] = {}  # event log files' sizes, by response id
+        self.logs_on_disk: dict[str, int] = {}  # event log files' sizes, by file name
         self.logs_bytes = 0  # their sum
         self._pending: list[bytes] = []  # lines to append
         # Event log files to write: (id, bytes, whether it is the .part), in order; bytes
-        # None removes the .part, or both when it is not the .part.
+        # None removes that file.
         self._files: list[tuple[str, bytes | None, bool]] = []
         self._running: dict[str, Job] = {}  # streams running, their .part written as they go
         self._parts: dict[str, int] = {}  # events in each one's .part
@@ -190,6 +190,8 @@ class LocalBackgrounds:
         head = {"id": job.id, "scope": job.scope, "status": job.status, "ended": job.ended}
         head_bytes = orjson.dumps({**head, "sizes": sizes})
         self._files.append((job.id, head_bytes + b"\n" + b"".join(events), False))
+        if self._parts.pop(job.id, None) is not None:  # (written: the .log replaces it)
+            self._files.append((job.id, None, True))
         self._flush_soon()
 
     def _forget_log(self, job: Job) -> None:
@@ -199,9 +201,14 @@ class LocalBackgrounds:
             job.log.close()
             job.log = None
         self._running.pop(job.id, None)
-        self._parts.pop(job.id, None)
-        if job.id in self.logs_on_disk or any(name == job.id for name, _, _ in self._files):
+        queued = len(self._files)
+        if self._parts.pop(job.id, None) is not None:
+            self._files.append((job.id, None, True))
+        if f"{job.id}.log" in self.logs_on_disk or any(
+            name == job.id and data is not None for name, data, _ in self._files
+        ):
             self._files.append((job.id, None, False))
+        if len(self._files) > queued:
             self._flush_soon()
 
     def _flush_soon(self) -> None:
@@ -266,7 +273,7 @@ class LocalBackgrounds:
         if self._slow is not None:  # (it took the lines)
             await asyncio.shield(self._slow)
         for flight in tuple(self._flights):  # ours last: the lines before it land first
-            await asyncio.shield(flight)
+            await _landing(flight)
 
     def _send(self) -> None:
         """Every line queued, in one write at the file's end (a flight until synced)."""
@@ -476,7 +483,7 @@ class LocalBackgrounds:
                 job.log.append(event)
             job.log.close()
             self.log_size += size
-            self.logs_on_disk[name] = file_size
+            self.logs_on_disk[f"{name}.log"] = file_size
             self.logs_bytes += file_size
         return doomed
 
@@ -497,6 +504,25 @@ class LocalBackgrounds:
         if child is not None:
             child.close()
             await asyncio.to_thread(child.wait)
+
+
+def _landing(flight: asyncio.Future[None]) -> asyncio.Future[None]:
+    """A future that ends as `flight` does, whose cancel (a commit's caller cancelled)
+    leaves `flight` be: `asyncio.shield`, for a future that only ever gets a result or
+    an exception, at a third of its cost."""
+    landing = flight.get_loop().create_future()
+    flight.add_done_callback(partial(_landed_as, landing))
+    return landing
+
+
+def _landed_as(landing: asyncio.Future[None], flight: asyncio.Future[None]) -> None:
+    if landing.done():  # (its commit was cancelled)
+        return
+    error = flight.exception()
+    if error is not None:
+        landing.set_exception(error)
+    else:
+        landing.set_result(None)
 
 
 def _line(job: Job, response: bytes | None, status: str | None, *, inputs: bool = False) -> bytes:
@@ -537,29 +563,22 @@ def _pwrite(fd: int, data: bytes, at: int) -> None:
 def _write_logs(
     directory: Path, files: list[tuple[str, bytes | None, bool]]
 ) -> dict[str, int | None]:
-    """Write each event log file, in order: a .log whole (its .part then removed), a .part
-    appended to; or, for None, remove the .part (and the .log unless it is the .part).
-    What each id has on disk after: its size, or None."""
+    """Write each event log file, in order: a .log whole, a .part appended to; or, for
+    None, remove it. Each file's size after, by its name (None: removed)."""
     done: dict[str, int | None] = {}
     for name, data, part in files:
-        log_path, part_path = directory / f"{name}.log", directory / f"{name}{PART}"
+        path = directory / (name + (PART if part else ".log"))
         if data is None:
-            for path in (part_path,) if part else (log_path, part_path):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-            done[name] = None
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            done[path.name] = None
             continue
         try:
-            directory.mkdir(mode=0o700, exist_ok=True)
-            if part:
-                with part_path.open("ab") as file:
-                    file.write(data)
-                    done[name] = file.tell()
-                continue
-            log_path.write_bytes(data)
-            done[name] = len(data)
-            with contextlib.suppress(FileNotFoundError):
-                part_path.unlink()
+            if not directory.is_dir():  # (mkdir's exist_ok raises and catches each time)
+                directory.mkdir(mode=0o700, exist_ok=True)
+            with path.open("ab" if part else "wb") as file:
+                file.write(data)
+                done[path.name] = file.tell()
         except OSError as exc:  # the stream is not resumable after a restart; nothing else
             log.warning("background event log %s not written: %s", name, exc)
     return done
