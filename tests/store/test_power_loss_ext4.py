@@ -67,6 +67,11 @@ class Mode:
     large: int  # random bytes (in base64) in every `large_every`th turn's text
     large_every: int = 4
     most: tuple[int, int] | None = None  # or the loss comes once this many were answered
+    budget: int = 0  # if set, --max-disk-bytes is this many MiB per loss
+
+    def flags(self, rounds: int) -> tuple[str, ...]:
+        budget = ("--max-disk-bytes", f"{self.budget * rounds}MiB") if self.budget else ()
+        return self.args + budget
 
 
 MODES = {
@@ -74,17 +79,18 @@ MODES = {
     "ack": Mode((), 8, (0.2, 1.5), 9000),
     # Traffic outlasts the window, so some answers are older than it at the loss.
     "relaxed": Mode(("--durability", "relaxed"), 3, (WINDOW + 0.5, WINDOW + 2), 9000),
-    # Large turns (~55 KiB each) kept in the journal and a checkpoint every 6 MiB of it (an
-    # eighth of the disk budget), so the power goes while checkpoints are written and after;
-    # at most ~80 turns a round keep the whole run within the 29 MiB (0.6 of the budget) it
-    # may keep before evicting turns.
+    # Large turns (~55 KiB each) kept in the journal and a checkpoint every eighth of the
+    # disk budget (6 MiB with 4 losses), so the power goes while checkpoints are written and
+    # after; at most ~80 turns (4.3 MiB) a round stay within the 7.2 MiB a round (0.6 of the
+    # budget) the store keeps before it evicts turns.
     "ack-checkpoints": Mode(
-        ("--large-segment-bytes", "1GiB", "--max-disk-bytes", "48MiB"),
+        ("--large-segment-bytes", "1GiB"),
         4,
         (1.5, 4.0),
         48000,
         large_every=1,
         most=(40, 70),
+        budget=12,
     ),
 }
 CHUNK = 1 << 20
@@ -542,7 +548,8 @@ async def test_answered_turns_survive_power_loss_on_ext4(
             torn += len(problems)
             checkpoints.update(x.split(",")[0] for x in report.splitlines() if BYTES.match(x))
         proxy = Serve(
-            backend.url, state, *mode.args, "--log-level", "warning", preexec_fn=os.setpgrp,
+            backend.url, state, *mode.flags(rounds), "--log-level", "warning",
+            preexec_fn=os.setpgrp,
         )  # fmt: skip
         disks.proxies.append(proxy)
         await proxy.start()
