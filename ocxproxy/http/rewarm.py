@@ -73,6 +73,8 @@ async def rewarm(proxy: Proxy, backend: Backend) -> None:
         fact = proxy.book.get(key)  # (a conversation's turns' facts are the conversation's)
         if served.backend != backend.url or fact is None or fact.tokens > budget:
             continue
+        if served.edited:  # a conversation no longer what its latest turn forwarded
+            continue
         conversation = key if served.turn else None
         try:
             record = await proxy.store.lookup(served.scope, served.turn or key)

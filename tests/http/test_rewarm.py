@@ -109,3 +109,22 @@ async def test_a_conversation_is_replayed_like_a_chain(make_proxy: MakeProxy) ->
         assert proxy.metric("ocxproxy_cache_checks_total") == 4  # both turns before too
         assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
         assert proxy.metric("ocxproxy_cache_miss_total", reason="evicted") == evicted
+
+
+async def test_a_conversation_edited_since_its_last_turn_is_not_replayed(
+    make_proxy: MakeProxy,
+) -> None:
+    async with FakeBackend() as fake:
+        proxy = await make_proxy(fake.url, rewarm_budget=100_000)
+        await chains(proxy, 1)
+        client = proxy.client()
+        conversation = await client.conversations.create()
+        await client.responses.create(model="m", input=chain_start(1), conversation=conversation.id)  # type: ignore[arg-type]
+        items = await client.conversations.items.list(conversation.id, order="asc")
+        await client.conversations.items.delete(items.data[0].id, conversation_id=conversation.id)
+        before = len(fake.responses_seen)
+        await back_up(proxy, fake)
+        await replayed(proxy, 1)
+        await asyncio.sleep(0.2)  # (a replay of the conversation would come before the chain's)
+        replays = [orjson.loads(seen.body) for seen in fake.responses_seen[before:]]
+        assert [r["input"][0]["content"][:8] for r in replays] == ["chain 0'"]
