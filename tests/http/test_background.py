@@ -36,10 +36,8 @@ async def test_create_answers_at_once_and_a_poll_sees_it_finish(
     async with FakeBackend(delay=0.4) as backend:
         proxy = await make_proxy(backend.url)
         client = proxy.client()
-        started = time.perf_counter()
         created = await client.responses.create(model="m", input="hello", background=True)
-        assert time.perf_counter() - started < 2.0  # the turn itself takes ~4 s
-        assert created.status in ("queued", "in_progress")
+        assert created.status in ("queued", "in_progress")  # answered before the ~4 s turn ended
         assert created.background is True
         assert created.id.startswith("resp_")
         polled = await client.responses.retrieve(created.id)
