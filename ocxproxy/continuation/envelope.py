@@ -26,7 +26,6 @@ bytes are what the store keeps (`spliced`).
 
 from __future__ import annotations
 
-import operator
 import re
 import time
 from collections.abc import Callable
@@ -108,7 +107,6 @@ _NAMES = tuple(_TYPES)
 _REQUIRED = frozenset(_NAMES)
 _NO_MEMBERS: dict[str, Any] = {}
 _PLANS_KEPT = 64
-_SHAPES_KEPT = 8
 _REASONING = {"effort": None, "summary": None}
 # The members echoed from the request that a stateless backend answers null for.
 _NULLS = {
@@ -122,21 +120,21 @@ _CLOSE = re.compile(rb"\s*\}")
 
 class _Plan:
     """For a Response with these members: the required ones it lacks (completed_at
-    apart: its value depends on the Response), those it has, and the shapes (their
-    types) seen valid."""
+    apart: its value depends on the Response) and those it has."""
 
-    __slots__ = ("completed_at", "given", "missing", "present", "valid")
+    __slots__ = ("completed_at", "missing", "present")
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         missing = _REQUIRED.difference(keys)
         self.completed_at = "completed_at" in missing
         self.missing = missing - _COMPLETED_AT
         self.present = tuple(name for name in _NAMES if name not in missing)
-        self.given: Callable[[dict[str, Any]], Any] = _getter(self.present)
-        self.valid: set[tuple[type, ...]] = set()
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
+# The plan of each shape seen valid (its members, in order, and their values' types): a
+# backend answers in one shape turn after turn, so one lookup finds it.
+_VALID: dict[tuple[tuple[str, ...], tuple[type, ...]], _Plan] = {}
 
 
 class _Fill:
@@ -183,16 +181,6 @@ def _fill_of(envelope: Envelope, missing: frozenset[str]) -> _Fill:
     return fill
 
 
-def _getter(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """The values of `names` in a dict, as a tuple (itemgetter's, whatever their number)."""
-    if len(names) > 1:
-        return operator.itemgetter(*names)
-    if names:
-        one = operator.itemgetter(*names)
-        return lambda response: (one(response),)
-    return lambda response: ()
-
-
 class Patch:
     """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
     request's or default values shared by the turn's Responses, with their bytes
@@ -224,8 +212,7 @@ class Envelope:
         "_fills",
         "_inserts",
         "_pinned",
-        "_requested",
-        "_served",
+        "_served_models",
     )
 
     def __init__(
@@ -236,23 +223,19 @@ class Envelope:
         served_models: tuple[str, ...] = (),
         created_at: int | None = None,
     ) -> None:
-        self._body = body if body is not None else {}
+        # Built for each create request: only what it is given is kept here, the rest is
+        # worked out when a Response needs it.
+        self._body = body if body is not None else _NO_MEMBERS  # (never changed here)
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
+        self._served_models = served_models
+        self._created_at = created_at  # (now, when first needed)
         self._pinned: dict[str, Any] | None = None  # members that win over the backend's
         self._defaults: dict[str, Any] | None = None  # built when a member is invalid
         # What each set of missing members is filled with (a backend leaves out the same
         # ones in each of a turn's Responses): its shared _Fill, and the turn's bytes.
         self._fills: dict[frozenset[str], tuple[_Fill, bytes]] | None = None
-        self._inserts: dict[_Seen, bytes] | None = None  # a pending event's, by its shape
-        self._created_at = int(time.time()) if created_at is None else created_at
-        requested = self._body.get("model")
-        self._requested = requested if type(requested) is str else ""
-        # The name a Response shows: with --served-model-name, the one the request asked
-        # for when it is one of them, else the first (never the backend's, which may be
-        # a path); without, the backend's own.
-        self._served: str | None = None
-        if served_models:
-            self._served = requested if requested in served_models else served_models[0]
+        # A pending event's members, by what decides them (_Seen.members).
+        self._inserts: dict[tuple[Any, ...], bytes | None] | None = None
 
     @property
     def echo(self) -> tuple[str, Any] | None:
@@ -268,52 +251,62 @@ class Envelope:
         its output items (`written` does those); `final`: it is the terminal one (its
         `completed_at` is now when the backend gave none)."""
         patch = Patch()
-        keys = tuple(response)
-        plan = _PLANS.get(keys)
-        if plan is None:
-            plan = _Plan(keys)
-            if len(_PLANS) < _PLANS_KEPT:
-                _PLANS[keys] = plan
-        patch.plan = plan
-        # The types of the backend's members, checked one by one only for a shape not
-        # seen valid before (a backend answers in one shape, turn after turn).
-        shape = tuple(map(type, plan.given(response)))
-        if shape not in plan.valid:
-            for name in plan.present:
-                if type(response[name]) not in _TYPES[name]:
-                    response[name] = self._default(name, response, final)
-                    patch.rewrite = True
-            if not patch.rewrite and len(plan.valid) < _SHAPES_KEPT:
-                plan.valid.add(shape)
+        shape = tuple(response), tuple(map(type, response.values()))
+        plan = patch.plan = _VALID.get(shape) or self._checked(response, shape, patch, final)
         if plan.completed_at:
-            value = self._default("completed_at", response, final)
+            value = int(time.time()) if final and response.get("status") == "completed" else None
             patch.inserted["completed_at"] = response["completed_at"] = value
         if plan.missing:
             fill = self._filled(plan.missing, patch)
             response.update(fill.members)
             if fill.created_at:
-                response["created_at"] = self._created_at
+                response["created_at"] = self._created()
             if fill.previous:
                 response["previous_response_id"] = self._previous()
         self._check_values(response, patch, final)
         return patch
 
+    def _checked(
+        self,
+        response: dict[str, Any],
+        shape: tuple[tuple[str, ...], tuple[type, ...]],
+        patch: Patch,
+        final: bool,
+    ) -> _Plan:
+        """The plan of a Response of a shape not seen valid before, its members of a
+        type the schema does not allow replaced."""
+        keys = shape[0]
+        plan = _PLANS.get(keys)
+        if plan is None:
+            plan = _Plan(keys)
+            if len(_PLANS) < _PLANS_KEPT:
+                _PLANS[keys] = plan
+        for name in plan.present:
+            if type(response[name]) not in _TYPES[name]:
+                response[name] = self._default(name, response, final)
+                patch.rewrite = True
+        if not patch.rewrite and len(_VALID) < _PLANS_KEPT:
+            _VALID[shape] = plan
+        return plan
+
     def _filled(self, missing: frozenset[str], patch: Patch) -> _Fill:
         """The members `missing` is filled with, set in `patch` with their bytes."""
         fills = self._fills
-        if fills is None:
-            fills = self._fills = {}
-        done = fills.get(missing)
+        done = fills.get(missing) if fills is not None else None
         if done is None:
             fill = _fill_of(self, missing)
-            turn = []
-            if fill.created_at:
-                turn.append(b'"created_at":%d' % self._created_at)
+            turn = fill.encoded
             if fill.previous:
-                turn.append(b'"previous_response_id":' + orjson.dumps(self._previous()))
-            if fill.encoded:
-                turn.append(fill.encoded)
-            done = fills[missing] = fill, b",".join(turn)
+                previous = b'"previous_response_id":' + orjson.dumps(self._previous())
+                turn = previous + b"," + turn if turn else previous
+            if fill.created_at:
+                created_at = b'"created_at":%d' % self._created()
+                turn = created_at + b"," + turn if turn else created_at
+            done = fill, turn
+            if fills is None:
+                self._fills = {missing: done}
+            else:
+                fills[missing] = done
         fill, patch.encoded = done
         patch.filled = fill.members
         return fill
@@ -322,9 +315,25 @@ class Envelope:
         echo = self._echo
         return echo[1] if echo is not None and echo[0] == "previous_response_id" else None
 
-    def _shown_model(self) -> str:
-        """The model a Response filled in here names."""
-        return self._served or self._requested
+    def _created(self) -> int:
+        """The turn's `created_at`, for a Response that gives none."""
+        created_at = self._created_at
+        if created_at is None:
+            created_at = self._created_at = int(time.time())
+        return created_at
+
+    def _shown_model(self, model: str | None = None) -> str:
+        """The model a Response names, `model` the backend's (none: one filled in here):
+        with --served-model-name, the one the request asked for when it is one of them,
+        else the first (never the backend's, which may be a path); without, the
+        backend's own, else the request's."""
+        served = self._served_models
+        if not served and model:
+            return model
+        requested = self._body.get("model")
+        if served:
+            return requested if requested in served else served[0]
+        return requested if type(requested) is str else ""
 
     def _check_values(self, response: dict[str, Any], patch: Patch, final: bool) -> None:
         """What a member's type does not say: the rest of the schema's rules (a member
@@ -335,9 +344,10 @@ class Envelope:
         if final and response["completed_at"] is None and response.get("status") == "completed":
             self._replace(response, patch, "completed_at", int(time.time()))
         model = response["model"]
-        shown = self._served or model or self._requested
-        if model != shown:
-            self._replace(response, patch, "model", shown)
+        if self._served_models or not model:  # (else the backend's is shown)
+            shown = self._shown_model(model)
+            if model != shown:
+                self._replace(response, patch, "model", shown)
         usage = response["usage"]
         if usage is not None and not _usage_complete(usage) and _complete_usage(usage):
             patch.rewrite = True
@@ -390,7 +400,7 @@ class Envelope:
             **_STATIC_DEFAULTS,
             "output": [],
             "metadata": {},
-            "created_at": self._created_at,
+            "created_at": self._created(),
             "model": self._shown_model(),
             "previous_response_id": self._previous(),
             "tools": _tools(body.get("tools")),
@@ -413,7 +423,14 @@ class Envelope:
         without decoding it when one of the same shape was completed before: the same
         bytes but for the Response's `id` and `created_at` need the same members."""
         data = event.data
-        seen = _last_seen(data, event.name)
+        last = _LAST.get(event.name)  # the shape its name came in last
+        seen = last[3] if last is not None and _of_shape(data, last) else None
+        inserts = self._inserts
+        if seen is not None and inserts is not None and seen.at and self._pinned is None:
+            members = inserts.get(seen.members)  # worked out for an earlier event
+            if members is not None:
+                at = seen.at
+                return with_data(event, b"".join((data[:at], members, b",", data[at:])))
         key: bytes | None = None
         if seen is None:
             key = _shape_key(data)
@@ -447,12 +464,13 @@ class Envelope:
         if plan is None:
             return None
         model = seen.model
-        if model is not None and (self._served or model or self._requested) != model:
-            return None
+        if model is not None and self._served_models and self._shown_model(model) != model:
+            return None  # (without served names, the backend's model is shown)
         at = seen.at
         if at:  # the members go in at the same place: the turn's bytes of them, once
-            members = self._inserts.get(seen) if self._inserts is not None else None
-            if members is None:
+            inserts = self._inserts
+            members = inserts.get(seen.members, b"") if inserts is not None else b""
+            if members == b"":
                 members = self._members_as_seen(seen)
             if members is not None:
                 data = event.data
@@ -462,27 +480,25 @@ class Envelope:
     def _members_as_seen(self, seen: _Seen) -> bytes | None:
         """The bytes of the members a pending event of a seen shape gets, when they are
         all inserted (None: an echoed member is null in it)."""
-        echo = self._echo
-        if echo is not None and echo[0] in seen.nulls:
-            return None
-        plan = seen.plan
-        assert plan is not None
-        patch = Patch()
-        if plan.missing:
-            self._filled(plan.missing, patch)
-        inserted = {"completed_at": None} if plan.completed_at else {}
-        if echo is not None and echo[0] == "conversation" and seen.no_conversation:
-            inserted["conversation"] = echo[1]
-        members = patch.encoded
-        if inserted:
-            more = orjson.dumps(inserted)[1:-1]
-            members = members + b"," + more if members else more
-        if not members:
-            return None
         if self._inserts is None:
             self._inserts = {}
-        self._inserts[seen] = members
-        return members
+        members: bytes | None = None
+        echo = self._echo
+        if echo is None or echo[0] not in seen.nulls:
+            plan = seen.plan
+            assert plan is not None
+            patch = Patch()
+            if plan.missing:
+                self._filled(plan.missing, patch)
+            inserted = {"completed_at": None} if plan.completed_at else {}
+            if echo is not None and echo[0] == "conversation" and seen.no_conversation:
+                inserted["conversation"] = echo[1]
+            members = patch.encoded
+            if inserted:
+                more = orjson.dumps(inserted)[1:-1]
+                members = members + b"," + more if members else more
+        self._inserts[seen.members] = members or None
+        return members or None
 
     def _as_seen_patched(self, event: Event, seen: _Seen) -> Event | None:
         plan = seen.plan
@@ -500,7 +516,7 @@ class Envelope:
                 patch.ids.append(name)
             elif name == "conversation" and seen.no_conversation:
                 patch.inserted[name] = value
-        data = _apply(event.data, values, patch, _RESPONSE.search, lambda: b"")
+        data = _apply(event.data, values, patch, _response_start, None)
         return with_data(event, data) if data else None
 
     def event(self, event: Event, payload: dict[str, Any], *, final: bool) -> Event:
@@ -516,9 +532,10 @@ class _Seen:
     """What completing a pending event of one shape took: its plan, the backend's model
     (None: it gave none), the echoed members it gave as null, whether it had no
     `conversation` member (then one is inserted), and where in its bytes members are
-    inserted (0: not at one place for every event of the shape)."""
+    inserted (0: not at one place for every event of the shape). `members`: what decides
+    the members such an event gets (`created` and `in_progress` ones share them)."""
 
-    __slots__ = ("at", "model", "no_conversation", "nulls", "plan")
+    __slots__ = ("at", "members", "model", "no_conversation", "nulls", "plan")
 
     def __init__(
         self,
@@ -533,6 +550,7 @@ class _Seen:
         self.nulls = nulls
         self.no_conversation = no_conversation
         self.at = at
+        self.members = (plan, nulls, no_conversation, model)
 
 
 def _insertion(data: bytes) -> int:
@@ -577,22 +595,17 @@ def _shape_key(data: bytes) -> bytes | None:
 _LAST: dict[str | None, tuple[bytes, bytes, bytes, _Seen]] = {}
 
 
-def _last_seen(data: bytes, name: str | None) -> _Seen | None:
-    """The _Seen of the shape `name` was last seen in, when `data` is of that shape."""
-    last = _LAST.get(name)
-    if last is None:
-        return None
-    prefix, middle, suffix, seen = last
+def _of_shape(data: bytes, last: tuple[bytes, bytes, bytes, _Seen]) -> bool:
+    """Whether `data` is of the shape an event name was last seen in (_LAST)."""
+    prefix, middle, suffix, _ = last
     if not data.startswith(prefix):
-        return None
+        return False
     start = len(prefix)
     end = data.find(b'"', start)
     if end < 0 or data.find(b"\\", start, end) >= 0 or not data.startswith(middle, end):
-        return None
-    digits = _DIGITS.match(data, end + len(middle))
-    if digits is None or len(data) - digits.end() != len(suffix) or not data.endswith(suffix):
-        return None
-    return seen
+        return False
+    # created_at's value: the digits between the middle and the suffix
+    return data.endswith(suffix) and data[end + len(middle) : -len(suffix)].isdigit()
 
 
 def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
@@ -612,16 +625,17 @@ def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
     """The JSON bytes of a Response that `complete` patched, its output items as the
     backend gave them: what the store keeps (the next turn's input is the bytes the
     backend itself produced); `written` after that gives the client's."""
-    return _apply(data, response, patch, _OBJECT.match, lambda: orjson.dumps(response))
+    return _apply(data, response, patch, _object_start, response)
 
 
-def written(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
-    """The JSON bytes of a Response that `complete` patched, its output items completed
-    too. The turn is recorded in between, so the store keeps the items as the backend
-    gave them: the next turn's input is the bytes the backend itself produced."""
+def written(data: bytes, response: dict[str, Any], patch: Patch | None = None) -> bytes:
+    """The JSON bytes of a Response that `complete` patched (None: `data` are those
+    `spliced` gave), its output items completed too. The turn is recorded in between, so
+    the store keeps the items as the backend gave them: the next turn's input is the
+    bytes the backend itself produced."""
     if complete_items(response.get("output") or []):
-        patch.rewrite = True
-    return _apply(data, response, patch, _OBJECT.match, lambda: orjson.dumps(response))
+        return orjson.dumps(response)
+    return data if patch is None else _apply(data, response, patch, _object_start, response)
 
 
 def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
@@ -631,7 +645,7 @@ def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
         patch.rewrite = True
     if not patch:
         return event
-    data = _apply(event.data, response, patch, _RESPONSE.search, lambda: orjson.dumps(payload))
+    data = _apply(event.data, response, patch, _response_start, payload)
     if not event.name:
         kind = payload.get("type")
         return Event(encode_event(kind if isinstance(kind, str) else None, data), None, data)
@@ -673,12 +687,14 @@ def _item_complete(item: dict[str, Any]) -> bool:
     if item.get("type") != "message":
         return item.get("type") != "reasoning"
     content = item.get("content")
-    return type(content) is list and all(
-        type(part) is dict
-        and part.get("type") == "output_text"
-        and type(part.get("annotations")) is list
-        for part in content
-    )
+    if type(content) is not list:
+        return False
+    for part in content:
+        if type(part) is not dict or part.get("type") != "output_text":
+            return False
+        if type(part.get("annotations")) is not list:
+            return False
+    return True
 
 
 def complete_item(item: dict[str, Any], status: str = "completed") -> bool:
@@ -797,30 +813,49 @@ def _apply(
     data: bytes,
     response: dict[str, Any],
     patch: Patch,
-    find: Callable[[bytes], re.Match[bytes] | None],
-    whole: Callable[[], bytes],
+    start: Callable[[bytes], int],
+    whole: Any,
 ) -> bytes:
-    """`data` with the patch written into the bytes of the object `find` locates."""
+    """`data` with the patch written into the bytes of the object that begins at
+    `start(data)`; else `whole` encoded (None: b"")."""
     if patch.rewrite:
-        return whole()
-    if not (patch.encoded or patch.inserted or patch.ids):
+        return b"" if whole is None else orjson.dumps(whole)
+    members = patch.encoded
+    if patch.inserted:
+        more = orjson.dumps(patch.inserted)[1:-1]
+        members = members + b"," + more if members else more
+    if not (members or patch.ids):
         return data
     for name in patch.ids:  # a JSON string cannot hold the key's unescaped quotes
         data, count = _NULLS[name].subn(_member(name, response[name]), data, count=1)
         if not count:
-            return whole()
-    if patch.encoded or patch.inserted:
-        match = find(data)
-        if match is None:
-            return whole()
-        at = match.end()
-        members = patch.encoded
-        if patch.inserted:
-            more = orjson.dumps(patch.inserted)[1:-1]
-            members = members + b"," + more if members else more
-        empty = _CLOSE.match(data, at) is not None
-        data = b"".join((data[:at], members, b"" if empty else b",", data[at:]))
+            return b"" if whole is None else orjson.dumps(whole)
+    if members:
+        at = start(data)
+        if at < 0:
+            return b"" if whole is None else orjson.dumps(whole)
+        after = data[at : at + 1]
+        if after == b"}" or (after != b'"' and _CLOSE.match(data, at) is not None):
+            return b"".join((data[:at], members, data[at:]))
+        return b"".join((data[:at], members, b",", data[at:]))
     return data
+
+
+def _object_start(data: bytes) -> int:
+    """Where the members of the JSON object `data` holds begin (-1: it holds none)."""
+    if data[:1] == b"{":
+        return 1
+    match = _OBJECT.match(data)
+    return -1 if match is None else match.end()
+
+
+def _response_start(data: bytes) -> int:
+    """Where the members of an event's `response` object begin (-1: it has none)."""
+    at = data.find(b'"response":{')
+    if at >= 0:
+        return at + 12
+    match = _RESPONSE.search(data)
+    return -1 if match is None else match.end()
 
 
 def _member(name: str, value: Any) -> Callable[[re.Match[bytes]], bytes]:

@@ -529,7 +529,7 @@ async def forward(
                     patch.rewrite = patch.rewrite or exchange.injection is not None
                     stored = spliced(body, response, patch)
                     exchange.finish(response, stored)  # the backend's items, as it gave them
-                    body = written(stored, response, Patch())
+                    body = written(stored, response)
                 else:
                     exchange.finish(response)
             await exchange.commit()

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import bench_hotpath as rig
 import orjson
@@ -34,6 +35,24 @@ from ocxproxy.http.front import FrontEnd
 from ocxproxy.server import build_app
 
 _COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def envelope_off() -> None:
+    """The Response envelope made a no-op (one shared Envelope that changes nothing, its
+    bytes written as they came): what the proxy costs without it."""
+    from ocxproxy.continuation.envelope import Envelope, Patch
+    from ocxproxy.http import exchange
+
+    Envelope.complete = lambda self, response, *, final: Patch()  # type: ignore[method-assign]
+    Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
+    shared = Envelope()
+
+    def as_it_came(data: Any, *_: Any) -> Any:
+        return data
+
+    setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)
+    for name in ("spliced", "written", "written_event"):
+        setattr(exchange, name, as_it_came)
 
 
 def child(mode: str, size: str, n: int) -> None:
@@ -78,10 +97,11 @@ def child(mode: str, size: str, n: int) -> None:
     functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
 
 
-def count(mode: str, size: str, n: int) -> int:
+def count(mode: str, size: str, n: int, *, off: bool = False) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
     command += [sys.executable, __file__, "--child", mode, size, str(n)]
+    command += ["--envelope-off"] if off else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
@@ -93,17 +113,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=100, help="measured turns per case")
     parser.add_argument("--sizes", default="8k,128k")
+    parser.add_argument(
+        "--envelope-off",
+        action="store_true",
+        help="also count each case with the Response envelope a no-op (its cost: the difference)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        if args.envelope_off:
+            envelope_off()
         mode, size, n = args.child
         child(mode, size, int(n))
         return
     print("instructions per continuation turn (callgrind, memory-only store)")
     print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
     for size in args.sizes.split(","):
-        cells = [f"{count(mode, size, args.n):>12,}" for mode in ("json", "sse")]
-        print(f"{size:<8} {cells[0]} {cells[1]}")
+        on = [count(mode, size, args.n) for mode in ("json", "sse")]
+        print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)
+        if args.envelope_off:
+            off = [count(mode, size, args.n, off=True) for mode in ("json", "sse")]
+            print(f"{'  off':<8} {off[0]:>12,} {off[1]:>12,}")
+            print(f"{'  cost':<8} {on[0] - off[0]:>12,} {on[1] - off[1]:>12,}", flush=True)
 
 
 if __name__ == "__main__":
