@@ -165,13 +165,18 @@ _FILLS_KEPT = 64
 def _fill_of(envelope: Envelope, missing: frozenset[str]) -> _Fill:
     """The _Fill of `missing` for the envelope's request: one built for an earlier
     request with the same values for what it fills in, else a new one."""
-    body = envelope._body
-    given = _FROM_REQUEST.intersection(body)
-    try:
-        values = orjson.dumps([[name, body[name]] for name in sorted(given)]) if given else b""
-    except orjson.JSONEncodeError:  # (not from JSON): its own
+    request = envelope._request
+    if request is None:
+        body = envelope._body
+        given = _FROM_REQUEST.intersection(body)
+        try:
+            values = orjson.dumps([[name, body[name]] for name in sorted(given)]) if given else b""
+        except orjson.JSONEncodeError:  # (not from JSON): its own
+            values = None
+        request = envelope._request = envelope._shown_model(), values
+    if request[1] is None:
         return _Fill(envelope, missing)
-    key = (missing, envelope._shown_model(), values)
+    key = (missing, request)
     fill = _FILLS.get(key)
     if fill is None:
         fill = _Fill(envelope, missing)
@@ -183,9 +188,10 @@ def _fill_of(envelope: Envelope, missing: frozenset[str]) -> _Fill:
 
 class Patch:
     """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
-    request's or default values shared by the turn's Responses, with their bytes
-    `encoded` once per turn; `inserted`, the few decided per Response), ids set where they
-    were null, and whether anything else changed (then the object is re-encoded)."""
+    request's or default values shared by the turn's Responses, their bytes `encoded`
+    once per turn, then a `completed_at` decided per Response; `inserted`, the few other
+    members decided per Response), ids set where they were null, and whether anything
+    else changed (then the object is re-encoded)."""
 
     __slots__ = ("encoded", "filled", "ids", "inserted", "plan", "rewrite")
 
@@ -196,9 +202,6 @@ class Patch:
         self.inserted: dict[str, Any] = {}
         self.ids: list[str] = []
         self.rewrite = False
-
-    def __bool__(self) -> bool:
-        return bool(self.encoded or self.inserted or self.ids or self.rewrite)
 
 
 class Envelope:
@@ -212,6 +215,7 @@ class Envelope:
         "_fills",
         "_inserts",
         "_pinned",
+        "_request",
         "_served_models",
     )
 
@@ -229,6 +233,9 @@ class Envelope:
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
         self._served_models = served_models
         self._created_at = created_at  # (now, when first needed)
+        # The model shown and the request's own values of what is filled in, encoded
+        # (None: not from JSON): what a _Fill is shared by, when first needed.
+        self._request: tuple[str, bytes | None] | None = None
         self._pinned: dict[str, Any] | None = None  # members that win over the backend's
         self._defaults: dict[str, Any] | None = None  # built when a member is invalid
         # What each set of missing members is filled with (a backend leaves out the same
@@ -253,9 +260,6 @@ class Envelope:
         patch = Patch()
         shape = tuple(response), tuple(map(type, response.values()))
         plan = patch.plan = _VALID.get(shape) or self._checked(response, shape, patch, final)
-        if plan.completed_at:
-            value = int(time.time()) if final and response.get("status") == "completed" else None
-            patch.inserted["completed_at"] = response["completed_at"] = value
         if plan.missing:
             fill = self._filled(plan.missing, patch)
             response.update(fill.members)
@@ -263,6 +267,11 @@ class Envelope:
                 response["created_at"] = self._created()
             if fill.previous:
                 response["previous_response_id"] = self._previous()
+        if plan.completed_at:  # (its bytes after the filled ones, as in a pending event)
+            value = int(time.time()) if final and response.get("status") == "completed" else None
+            response["completed_at"] = value
+            stamp = b'"completed_at":null' if value is None else b'"completed_at":%d' % value
+            patch.encoded = patch.encoded + b"," + stamp if patch.encoded else stamp
         self._check_values(response, patch, final)
         return patch
 
@@ -291,6 +300,12 @@ class Envelope:
 
     def _filled(self, missing: frozenset[str], patch: Patch) -> _Fill:
         """The members `missing` is filled with, set in `patch` with their bytes."""
+        fill, patch.encoded = self._fill(missing)
+        patch.filled = fill.members
+        return fill
+
+    def _fill(self, missing: frozenset[str]) -> tuple[_Fill, bytes]:
+        """The members `missing` is filled with, and the turn's bytes of them."""
         fills = self._fills
         done = fills.get(missing) if fills is not None else None
         if done is None:
@@ -307,9 +322,7 @@ class Envelope:
                 self._fills = {missing: done}
             else:
                 fills[missing] = done
-        fill, patch.encoded = done
-        patch.filled = fill.members
-        return fill
+        return done
 
     def _previous(self) -> str | None:
         echo = self._echo
@@ -464,8 +477,8 @@ class Envelope:
         if plan is None:
             return None
         model = seen.model
-        if model is not None and self._served_models and self._shown_model(model) != model:
-            return None  # (without served names, the backend's model is shown)
+        if (self._served_models or model == "") and self._shown_model(model) != model:
+            return None  # (else the backend's model is shown, or it gave none)
         at = seen.at
         if at:  # the members go in at the same place: the turn's bytes of them, once
             inserts = self._inserts
@@ -487,15 +500,12 @@ class Envelope:
         if echo is None or echo[0] not in seen.nulls:
             plan = seen.plan
             assert plan is not None
-            patch = Patch()
-            if plan.missing:
-                self._filled(plan.missing, patch)
-            inserted = {"completed_at": None} if plan.completed_at else {}
+            members = self._fill(plan.missing)[1] if plan.missing else b""
+            more = b'"completed_at":null' if plan.completed_at else b""
             if echo is not None and echo[0] == "conversation" and seen.no_conversation:
-                inserted["conversation"] = echo[1]
-            members = patch.encoded
-            if inserted:
-                more = orjson.dumps(inserted)[1:-1]
+                conversation = b'"conversation":' + orjson.dumps(echo[1])
+                more = more + b"," + conversation if more else conversation
+            if more:
                 members = members + b"," + more if members else more
         self._inserts[seen.members] = members or None
         return members or None
@@ -643,9 +653,9 @@ def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
     response = payload["response"]
     if complete_items(response.get("output") or []):
         patch.rewrite = True
-    if not patch:
-        return event
     data = _apply(event.data, response, patch, _response_start, payload)
+    if data is event.data:  # (nothing to write)
+        return event
     if not event.name:
         kind = payload.get("type")
         return Event(encode_event(kind if isinstance(kind, str) else None, data), None, data)
@@ -852,7 +862,7 @@ def _object_start(data: bytes) -> int:
 def _response_start(data: bytes) -> int:
     """Where the members of an event's `response` object begin (-1: it has none)."""
     at = data.find(b'"response":{')
-    if at >= 0:
+    if at >= 0 and data.find(b'"response"', 0, at) < 0:  # (the first, with no spaces)
         return at + 12
     match = _RESPONSE.search(data)
     return -1 if match is None else match.end()

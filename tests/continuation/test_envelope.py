@@ -384,3 +384,33 @@ def test_a_pending_event_the_proxy_must_rewrite_is_decoded_each_time() -> None:
     for rid in ("resp_c", "resp_d"):
         out = orjson.loads(envelope.pending_event(pending(rid, 1700000000)).data)
         assert out["response"]["model"] == "alias" and out["response"]["id"] == rid
+
+
+def lifecycle(kind: str, rid: str, model: str) -> Any:
+    """A pending event as llama.cpp-like backends send it: no previous_response_id."""
+    response = {"id": rid, "object": "response", "created_at": 1700000000}
+    response |= {"status": "in_progress", "model": model, "output": []}
+    payload = {"type": kind, "response": response, "sequence_number": 0}
+    return parse_event(encode_event(kind, orjson.dumps(payload)))
+
+
+@pytest.mark.parametrize("model", ["bench", ""])
+def test_the_pending_events_of_one_turn_are_completed_as_new_ones_are(model: str) -> None:
+    """`response.created` then `response.in_progress`, turn after turn: each gets the
+    bytes the decoding path gives it (the later ones the members worked out for an
+    earlier one); a backend that names no model gets the request's."""
+    echo = ("previous_response_id", "resp_p")
+    body = {"model": "m", "temperature": 0.5}
+    for rid in ("resp_e", "resp_f", "resp_g"):
+        envelope = Envelope(body, echo=echo, created_at=5)
+        for kind in ("response.created", "response.in_progress"):
+            event = lifecycle(kind, rid, model)
+            fast = envelope.pending_event(event)
+            slow = Envelope(body, echo=echo, created_at=5).event(
+                event, orjson.loads(event.data), final=False
+            )
+            assert orjson.loads(fast.data) == orjson.loads(slow.data)
+            response = orjson.loads(fast.data)["response"]
+            assert event_problems(orjson.loads(fast.data)) == []
+            assert (response["id"], response["model"]) == (rid, model or "m")
+            assert (response["previous_response_id"], response["temperature"]) == ("resp_p", 0.5)
