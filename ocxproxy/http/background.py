@@ -89,7 +89,9 @@ async def start(
     done = await idempotency.begin(proxy, key) if key is not None else None
     if done is not None:  # answered before: the same response again
         try:
-            await idempotency.replay(reply, done, stream=request.stream)
+            await idempotency.replay(
+                reply, await _as_now(proxy, scope, done), stream=request.stream
+            )
         finally:
             assert key is not None
             idempotency.end(proxy, key)
@@ -138,6 +140,17 @@ async def start(
         await follow(job, reply, -1)
     else:
         reply.answer(200, CIMultiDict(JSON_HEADERS), first_bytes)
+
+
+async def _as_now(proxy: Proxy, scope: str, done: dict[str, Any]) -> dict[str, Any]:
+    """The Response a completed key names, as a poll shows it now: a cancel that won
+    against the turn's end (the turn stored, its key completed, then taken back) made
+    it `cancelled`."""
+    response_id = done.get("id")
+    if done.get("background") is not True or not isinstance(response_id, str):
+        return done
+    job = await proxy.backgrounds.get(scope, response_id)
+    return _loads(job.response) if job is not None and job.status == "cancelled" else done
 
 
 def _numbered(raw: bytes, sequence_number: int) -> bool:

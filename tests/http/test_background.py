@@ -388,3 +388,46 @@ async def test_the_input_of_one_continuing_a_store_false_turn_is_never_journaled
         assert texts == [secret, f"echo#1: {secret}", "public"]  # (in memory)
         journaled = (state / "background.jsonl").read_bytes()
         assert created.id.encode() in journaled and secret.encode() not in journaled
+
+
+async def _hold_the_turns_commit(
+    monkeypatch: pytest.MonkeyPatch, proxy: ProxyHandle, backend: FakeBackend
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold the first store commit after the backend got the turn (the turn finished:
+    stored, appended, its Idempotency-Key completed, not yet ended) until `release`;
+    `held` is set when it is held."""
+    store = proxy.proxy.store
+    commit = store.commit
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def holding(*args: Any, **kwargs: Any) -> Any:
+        if backend.responses_seen and not held.is_set():
+            held.set()
+            await release.wait()
+        return await commit(*args, **kwargs)
+
+    monkeypatch.setattr(store, "commit", holding)
+    return held, release
+
+
+async def test_a_cancel_that_beats_the_turns_end_is_what_an_idempotent_retry_gets(
+    make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        headers = {"Idempotency-Key": "bg-race"}
+        held, release = await _hold_the_turns_commit(monkeypatch, proxy, backend)
+        created = await client.responses.create(
+            model="m", input="race", background=True, extra_headers=headers
+        )
+        await asyncio.wait_for(held.wait(), 5)  # the turn is stored, its key completed
+        cancelled = await client.responses.cancel(created.id)
+        assert cancelled.status == "cancelled"
+        release.set()
+        assert (await client.responses.retrieve(created.id)).status == "cancelled"
+        again = await client.responses.create(
+            model="m", input="race", background=True, extra_headers=headers
+        )
+        assert again.id == created.id and again.status == "cancelled"
+        assert len(backend.responses_seen) == 1

@@ -569,3 +569,25 @@ async def test_a_server_back_without_its_data_ends_the_run_and_forgets_it(
         for proxy in (a, b):
             with pytest.raises(openai.NotFoundError):
                 await proxy.client().responses.retrieve(response_id)
+
+
+async def test_an_idempotent_retry_of_one_a_cancel_won_gets_it_cancelled_on_any_replica(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        headers = {"Idempotency-Key": "bg-race-" + uuid.uuid4().hex}
+        held, release = await _hold_writes(monkeypatch, a, "completed")
+        created = await a.client().responses.create(
+            model="m", input="race", background=True, extra_headers=headers
+        )
+        await asyncio.wait_for(held.wait(), 5)  # a stored the turn, completed its key
+        assert (await c.client().responses.cancel(created.id)).status == "cancelled"
+        release.set()
+        for proxy in (a, b, c):
+            assert (await proxy.client().responses.retrieve(created.id)).status == "cancelled"
+            again = await proxy.client().responses.create(
+                model="m", input="race", background=True, extra_headers=headers
+            )
+            assert again.id == created.id and again.status == "cancelled"
+        assert len(backend.responses_seen) == 1
