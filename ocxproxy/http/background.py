@@ -231,8 +231,7 @@ async def _run(
                 runs.slots.release()
     except asyncio.CancelledError:
         if exchange.recorded and not job.terminal:  # cut once stored: not kept after all
-            with contextlib.suppress(OcxError):  # (on the shared server too)
-                await proxy.store.delete(job.scope, job.id)
+            await _take_back(proxy, exchange, job)
         if job.cancelling:
             cancelled(proxy, job)
         else:
@@ -252,6 +251,28 @@ async def _run(
             idempotency.end(proxy, exchange.idempotency_key)
     if job.status not in STORED:  # (a completed one is the store's: its line can wait)
         await book.commit()
+
+
+async def _take_back(proxy: Proxy, exchange: Exchange, job: Job) -> None:
+    """A turn stored before its run was cut (a cancel won against its end): deleted, and
+    its items taken out of its conversation again (as DELETE of each item does)."""
+    with contextlib.suppress(OcxError):  # (on the shared server too)
+        await proxy.store.delete(job.scope, job.id)
+    turn = exchange.conversation
+    if turn is None or not turn.conversation.meta.ids:
+        return
+    conversation_id = turn.conversation.id
+    ids = turn.conversation.meta.ids[-1]  # (the segment its append added)
+    conversations = proxy.store.conversations
+    try:
+        async with conversations.locked(job.scope, conversation_id, proxy.lease_duration):
+            conversation = await conversations.load(job.scope, conversation_id)
+            for item_id in ids:
+                conversation = await conversations.delete_item(conversation, item_id)
+    except OcxError as error:  # (the conversation deleted or changed meanwhile, or locked)
+        log.warning("background response %s: its turn's items stay in %s: %s",
+                    job.id, conversation_id, error.code)  # fmt: skip
+    proxy.cache_book.edited(conversation_id)
 
 
 def cancelled(proxy: Proxy, job: Job) -> None:

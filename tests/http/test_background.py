@@ -431,3 +431,23 @@ async def test_a_cancel_that_beats_the_turns_end_is_what_an_idempotent_retry_get
         )
         assert again.id == created.id and again.status == "cancelled"
         assert len(backend.responses_seen) == 1
+
+
+async def test_a_cancel_that_beats_the_turns_end_takes_it_out_of_its_conversation(
+    make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+        held, release = await _hold_the_turns_commit(monkeypatch, proxy, backend)
+        created = await client.responses.create(
+            model="m", input="race", conversation=conversation.id, background=True
+        )
+        await asyncio.wait_for(held.wait(), 5)  # the turn is appended to the conversation
+        assert (await client.responses.cancel(created.id)).status == "cancelled"
+        release.set()
+        items = [i async for i in client.conversations.items.list(conversation.id, order="asc")]
+        assert [item.content[0].text for item in items] == ["hi"]  # type: ignore[union-attr]
+        after = await client.responses.create(model="m", input="next", conversation=conversation.id)
+        assert after.output_text == "echo#2: next"  # (the backend saw "hi", then "next")
