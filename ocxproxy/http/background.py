@@ -37,7 +37,7 @@ from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
-from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job
+from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job, take_back
 from ocxproxy.upstream.sse import (
     TERMINAL_EVENTS,
     Event,
@@ -255,24 +255,21 @@ async def _run(
 
 async def _take_back(proxy: Proxy, exchange: Exchange, job: Job) -> None:
     """A turn stored before its run was cut (a cancel won against its end): deleted, and
-    its items taken out of its conversation again (as DELETE of each item does)."""
+    its items taken out of its conversation again."""
     with contextlib.suppress(OcxError):  # (on the shared server too)
         await proxy.store.delete(job.scope, job.id)
+    job.appended = _appended(exchange)
+    await take_back(proxy.store.conversations, job, proxy.lease_duration)
+    if job.appended is not None:
+        proxy.cache_book.edited(job.appended[0])
+
+
+def _appended(exchange: Exchange) -> tuple[str, tuple[str, ...]] | None:
+    """The conversation a recorded turn was appended to, and its items' ids there."""
     turn = exchange.conversation
-    if turn is None or not turn.conversation.meta.ids:
-        return
-    conversation_id = turn.conversation.id
-    ids = turn.conversation.meta.ids[-1]  # (the segment its append added)
-    conversations = proxy.store.conversations
-    try:
-        async with conversations.locked(job.scope, conversation_id, proxy.lease_duration):
-            conversation = await conversations.load(job.scope, conversation_id)
-            for item_id in ids:
-                conversation = await conversations.delete_item(conversation, item_id)
-    except OcxError as error:  # (the conversation deleted or changed meanwhile, or locked)
-        log.warning("background response %s: its turn's items stay in %s: %s",
-                    job.id, conversation_id, error.code)  # fmt: skip
-    proxy.cache_book.edited(conversation_id)
+    if not exchange.recorded or turn is None or not turn.conversation.meta.ids:
+        return None
+    return turn.conversation.id, tuple(turn.conversation.meta.ids[-1])  # (its segment)
 
 
 def cancelled(proxy: Proxy, job: Job) -> None:
@@ -457,6 +454,7 @@ class JobReply:
         response["status"] = status
         complete_items(response.get("output") or [])
         encoded = orjson.dumps(response)
+        self.job.appended = _appended(self.exchange)  # (for a cancel that wins yet)
         self._append("response." + status, None, orjson.Fragment(encoded), ends=True)
         self.proxy.backgrounds.moved(self.job, status, encoded)
 

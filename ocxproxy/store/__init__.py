@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 from ocxproxy.config import Config, ConfigError
 from ocxproxy.metrics import Metrics
-from ocxproxy.store.background import IN_PROGRESS, QUEUED, STORED, TERMINAL, Backgrounds, Job
+from ocxproxy.store.background import (
+    IN_PROGRESS,
+    QUEUED,
+    STORED,
+    TERMINAL,
+    Backgrounds,
+    Job,
+    take_back,
+)
 from ocxproxy.store.conversations import Conversation
 from ocxproxy.store.idempotency import TTL as IDEMPOTENCY_TTL
 from ocxproxy.store.idempotency import Key as IdempotencyKey
@@ -65,6 +73,7 @@ __all__ = [
     "default_state_dir",
     "open_store",
     "shared_store",
+    "take_back",
 ]
 
 

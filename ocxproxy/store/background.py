@@ -12,16 +12,23 @@ kept `LOG_KEPT` seconds after the terminal event within `--background-log-bytes`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from ocxproxy.errors import OcxError
 from ocxproxy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from ocxproxy.store.interface import Conversations
+
+log = logging.getLogger("ocxproxy.background")
 
 QUEUED, IN_PROGRESS = "queued", "in_progress"
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -88,10 +95,29 @@ class Job:
     # running, failed, cancelled. `durable`: they may reach disk or the shared server.
     inputs: bytes | None = None
     durable: bool = True
+    # Its stored turn's conversation and the ids of the items the turn appended to it: a
+    # cancel that wins against the end takes them out again (`take_back`).
+    appended: tuple[str, tuple[str, ...]] | None = None
 
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL
+
+
+async def take_back(conversations: Conversations, job: Job, duration: float) -> None:
+    """The items `job`'s stored turn appended to its conversation, taken out again (as a
+    DELETE of each item does), under the conversation's lock (held `duration` at most)."""
+    if job.appended is None:
+        return
+    conversation_id, ids = job.appended
+    try:
+        async with conversations.locked(job.scope, conversation_id, duration):
+            conversation = await conversations.load(job.scope, conversation_id)
+            for item_id in ids:
+                conversation = await conversations.delete_item(conversation, item_id)
+    except OcxError as error:  # (the conversation deleted or changed meanwhile, or locked)
+        log.warning("background response %s: its turn's items stay in %s: %s",
+                    job.id, conversation_id, error.code)  # fmt: skip
 
 
 class Backgrounds(Protocol):

@@ -591,3 +591,34 @@ async def test_an_idempotent_retry_of_one_a_cancel_won_gets_it_cancelled_on_any_
             )
             assert again.id == created.id and again.status == "cancelled"
         assert len(backend.responses_seen) == 1
+
+
+async def test_a_cancel_that_beats_the_owners_end_takes_the_turn_out_of_its_conversation(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        a, b, c = await replicas(make_proxy, backend, valkey_server.url)
+        conversation = await a.client().conversations.create(
+            items=[{"role": "user", "content": "hi"}]
+        )
+        held, release = await _hold_writes(monkeypatch, a, "completed")
+        created = await a.client().responses.create(
+            model="m", input="race", conversation=conversation.id, background=True
+        )
+        await asyncio.wait_for(held.wait(), 5)  # a appended the turn, stored it
+        assert (await c.client().responses.cancel(created.id)).status == "cancelled"
+        release.set()
+        async with asyncio.timeout(5):  # (the owner takes it back once it learns)
+            while True:
+                items = [
+                    i async for i in b.client().conversations.items.list(
+                        conversation.id, order="asc")
+                ]  # fmt: skip
+                texts = [item.content[0].text for item in items]  # type: ignore[union-attr]
+                if texts == ["hi"]:
+                    break
+                await asyncio.sleep(0.05)
+        after = await b.client().responses.create(
+            model="m", input="next", conversation=conversation.id
+        )
+        assert after.output_text == "echo#2: next"

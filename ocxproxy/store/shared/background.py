@@ -95,14 +95,15 @@ class SharedBackgrounds:
     def __init__(
         self, server: Server, url: str, prefix: str, metrics: Metrics, *, log_bytes: int,
         ttl: float, stored: Callable[[str, str], Awaitable[bytes | None]] | None = None,
-        forget: Callable[[str, str], Coroutine[Any, Any, object]] | None = None,
+        forget: Callable[[Job], Coroutine[Any, Any, object]] | None = None,
     ) -> None:  # fmt: skip
         self.server, self.url, self.metrics = server, url, metrics
         # The store's Response of a turn it keeps (scope, id), or None: a run whose replica
         # died after its turn was stored ends as stored, not lost.
         self.stored = stored
-        # Deletes the stored turn (scope, id) of a run that finished here while the server
-        # had it end otherwise (cancelled from another replica, its lease lost).
+        # Deletes the stored turn of a run that finished here while the server had it end
+        # otherwise (cancelled from another replica, its lease lost), and takes its items
+        # out of its conversation.
         self.forget = forget
         self.keys = ScopeKeys(prefix)
         self.running_key, self.ended_key, self.sizes_key, self.total_key, self.channel = (
@@ -359,7 +360,7 @@ class SharedBackgrounds:
         self._ending.pop(key, None)
         if status in TERMINAL:
             if job.status in STORED and status not in STORED and not lost and self.forget:
-                spawn(self.forget(job.scope, job.id), name=f"background-forget-{job.id}")
+                spawn(self.forget(job), name=f"background-forget-{job.id}")
             job.status, job.response = status, response
             log = job.log
             if log is not None and not isinstance(log, RemoteLog) and not log.closed:

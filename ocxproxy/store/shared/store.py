@@ -29,13 +29,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from ocxproxy.config import Config
-from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
+from ocxproxy.errors import FailureReason, OcxError, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
+from ocxproxy.store.background import Job, take_back
 from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.output import split_output
@@ -171,8 +173,14 @@ class SharedStore:
         return SharedBackgrounds(
             self.server, self.url, self.prefix, self.metrics,
             log_bytes=config.background_log_bytes, ttl=self.ttl, stored=self._stored_response,
-            forget=self.delete,
+            forget=partial(self._forget_run, config.read_timeout),
         )  # fmt: skip
+
+    async def _forget_run(self, lock_for: float, job: Job) -> None:
+        """A background turn stored, then cancelled: deleted, out of its conversation."""
+        with contextlib.suppress(OcxError, StoreFailure):
+            await self.delete(job.scope, job.id)
+        await take_back(self.conversations, job, lock_for)
 
     async def _stored_response(self, scope: str, response_id: str) -> bytes | None:
         try:
