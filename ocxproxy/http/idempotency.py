@@ -84,7 +84,9 @@ def _replay_stream(response: dict[str, Any]) -> bytes:
         events.append(("response.output_item.added", {"output_index": index, "item": item}))
         events.append(("response.output_item.done", {"output_index": index, "item": item}))
     status = response.get("status")
-    terminal = "response.incomplete" if status == "incomplete" else "response.completed"
+    # (`cancelled`: a background response a cancel won against the end of)
+    ended = status in ("incomplete", "cancelled")
+    terminal = f"response.{status}" if ended else "response.completed"
     events.append((terminal, {"response": response}))
     return b"".join(
         encode_event(kind, orjson.dumps({"type": kind, "sequence_number": seq, **fields}))

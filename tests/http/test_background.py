@@ -451,3 +451,28 @@ async def test_a_cancel_that_beats_the_turns_end_takes_it_out_of_its_conversatio
         assert [item.content[0].text for item in items] == ["hi"]  # type: ignore[union-attr]
         after = await client.responses.create(model="m", input="next", conversation=conversation.id)
         assert after.output_text == "echo#2: next"  # (the backend saw "hi", then "next")
+
+
+async def test_a_streamed_idempotent_retry_of_one_a_cancel_won_ends_with_response_cancelled(
+    make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        headers = {"Idempotency-Key": "bg-race-stream"}
+        held, release = await _hold_the_turns_commit(monkeypatch, proxy, backend)
+        stream = await client.responses.create(
+            model="m", input="race", background=True, stream=True, extra_headers=headers
+        )
+        first = await anext(aiter(stream))
+        await asyncio.wait_for(held.wait(), 5)  # the turn is stored, its key completed
+        assert (await client.responses.cancel(first.response.id)).status == "cancelled"
+        release.set()
+        assert [e.type async for e in stream][-1] == "response.cancelled"
+        again = await client.responses.create(
+            model="m", input="race", background=True, stream=True, extra_headers=headers
+        )
+        events = [e async for e in again]
+        assert events[-1].type == "response.cancelled"
+        ended = events[-1].model_dump()["response"]
+        assert ended["id"] == first.response.id and ended["status"] == "cancelled"
