@@ -200,6 +200,34 @@ async def test_creates_arriving_during_a_sync_share_the_next_one_sent_at_once(
     await again.close()
 
 
+@pytest.mark.timeout(20)
+async def test_a_commit_waiting_for_flights_that_landed_lets_them_clear(tmp_path: Path) -> None:
+    """Every write in flight has landed, but the callbacks that clear them have not run
+    yet (a commit arriving between the two): the commit must yield to them, not spin on
+    the event loop (which froze the whole proxy under concurrent creates)."""
+    books = book(tmp_path)
+    await books.load()
+    books.open(job(0))
+    await books.commit()  # the file is open
+    loop = asyncio.get_running_loop()
+    flights: list[asyncio.Future[None]] = []
+    for _ in range(background.MAX_FLIGHTS):
+        flights.append(loop.create_future())
+        flights[-1].add_done_callback(books._landed)
+        books._flights.append(flights[-1])
+    books.open(job(1))
+    committing = asyncio.ensure_future(books.commit())  # its first step runs first
+    for flight in flights:
+        flight.set_result(None)  # landed; their _landed run after the commit's step
+    await asyncio.wait_for(committing, 10)
+    assert not books._flights and not books._pending
+    await books.close()
+    again = book(tmp_path)
+    await again.load()
+    assert sorted(key[1] for key in again.jobs) == ["resp_0", "resp_1"]
+    await again.close()
+
+
 async def test_a_commit_does_not_wait_for_event_log_files_being_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

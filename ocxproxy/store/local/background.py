@@ -266,8 +266,10 @@ class LocalBackgrounds:
             elif self._fd is None or self.file_bytes > self._rewrite_at:
                 self._slow = spawn(self._write_slowly(), name="background-rewrite")
             elif len(self._flights) >= MAX_FLIGHTS:
+                # (_landing yields even to a flight that has landed but whose _landed has
+                # not run yet: awaiting the done future itself would spin here forever.)
                 with contextlib.suppress(OSError):  # (its own commits raise it)
-                    await asyncio.shield(self._flights[0])
+                    await _landing(self._flights[0])
             else:
                 self._send()
         if self._slow is not None:  # (it took the lines)
