@@ -32,12 +32,20 @@ from multidict import CIMultiDict
 from ocxproxy.aio import spawn
 from ocxproxy.continuation.envelope import complete_items
 from ocxproxy.continuation.expand import Request, serialize_items
-from ocxproxy.errors import InvalidRequest, OcxError, RateLimited, ShuttingDown
+from ocxproxy.errors import (
+    InvalidRequest,
+    NotFound,
+    OcxError,
+    RateLimited,
+    ShuttingDown,
+    StoreFailure,
+)
 from ocxproxy.http import idempotency
 from ocxproxy.http.context import Proxy, Reply
 from ocxproxy.http.exchange import Exchange, forward, prepare_exchange
 from ocxproxy.metrics import Timing
-from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Job, take_back
+from ocxproxy.model import Record
+from ocxproxy.store import IN_PROGRESS, QUEUED, STORED, TERMINAL, Inputs, Job, take_back
 from ocxproxy.upstream.sse import (
     TERMINAL_EVENTS,
     Event,
@@ -104,7 +112,7 @@ async def start(
     exchange: Exchange | None = None
     try:
         exchange = await prepare_exchange(proxy, scope, checked, forwarded)
-        inputs = await _inputs(proxy, exchange)
+        parent, inputs = await _inputs(proxy, exchange)
     except BaseException:
         if exchange is not None:
             exchange.release()
@@ -120,6 +128,7 @@ async def start(
     first_bytes = orjson.dumps(first)
     job = Job(
         response_id, scope, QUEUED, first_bytes, request.stream, inputs=inputs,
+        parent=parent.id if parent is not None else None, parent_record=parent,
         durable=exchange.durable,
     )  # fmt: skip
     book = proxy.backgrounds
@@ -295,13 +304,52 @@ async def delete(proxy: Proxy, job: Job) -> None:
     await proxy.backgrounds.commit()
 
 
-async def _inputs(proxy: Proxy, exchange: Exchange) -> bytes:
-    """The input items of a background response, as its turn will be stored (the chain's
-    items, then its own), as a segment's bytes: `input_items` lists them while the store
-    does not hold the turn (queued, running, failed, cancelled), on any replica."""
-    history = await proxy.store.history(exchange.parent) if exchange.parent is not None else []
+async def _inputs(proxy: Proxy, exchange: Exchange) -> tuple[Record | None, bytes]:
+    """The input items of a background response, kept for `input_items` while the store
+    does not hold its turn (queued, running, failed, cancelled), on any replica: the
+    response it continues (its chain is read from the store when asked), and its own
+    items as a segment's bytes. A conversation's items are kept whole: the conversation
+    moves on."""
     own = exchange.tail if exchange.tail is not None else serialize_items(exchange.request.items)
-    return b",".join([*history, *own])
+    parent = exchange.parent
+    if parent is not None and exchange.conversation is not None:
+        return None, b",".join([*await proxy.store.history(parent), *own])
+    return parent, b",".join(own)
+
+
+async def input_history(proxy: Proxy, job: Job, kept: Inputs) -> list[bytes]:
+    """A background response's input items as kept (`Backgrounds.inputs`), as segments'
+    bytes: the chain of the response it continues, then its own. NotFound when that
+    response is gone (deleted or expired before this one's turn was stored): its items
+    are not answered in part."""
+    parent, own = kept
+    history: list[bytes] = []
+    if parent is not None:
+        try:
+            record = job.parent_record or await proxy.store.lookup(job.scope, parent)
+            history = await proxy.store.history(record)
+        except StoreFailure:
+            raise NotFound(
+                f"The input items of response '{job.id}' are no longer available: the "
+                f"response it continued, '{parent}', was deleted or has expired."
+            ) from None
+    return [*history, own] if own else history
+
+
+async def keep_inputs_past(proxy: Proxy, scope: str, response_id: str) -> None:
+    """`response_id` is about to be deleted: the background responses continuing it whose
+    turns the store does not hold keep their whole input from now on, so input_items
+    lists it after a restart too."""
+    book = proxy.backgrounds
+    jobs = book.continuing(scope, response_id)
+    for job in jobs:
+        kept = await book.inputs(job)
+        if kept is None:
+            continue
+        with contextlib.suppress(NotFound):  # (its chain is gone already)
+            book.keep_whole(job, b",".join(await input_history(proxy, job, kept)))
+    if jobs:
+        await book.commit()
 
 
 def _loads(data: bytes) -> dict[str, Any]:

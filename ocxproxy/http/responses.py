@@ -245,6 +245,7 @@ async def delete_response(request: web.Request) -> web.StreamResponse:
     job = await _job(proxy, request)
     if job is not None:  # a queued or running one is cancelled, then deleted
         await background.delete(proxy, job)
+    await background.keep_inputs_past(proxy, scope_of(request.headers), response_id)
     deleted = await proxy.store.delete(scope_of(request.headers), response_id)
     if not deleted and job is None:
         if proxy.config.forward_unknown_ids:
@@ -288,13 +289,15 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     job = await _job(proxy, request)
     # A background response whose turn the store does not hold (queued, running, failed,
     # cancelled): the input it was created with.
-    inputs = (
+    kept = (
         await proxy.backgrounds.inputs(job)
         if job is not None and job.status not in STORED
         else None
     )
-    if inputs is not None:
-        response_id, history, n_output = request.match_info["response_id"], [inputs], 0
+    if kept is not None:
+        assert job is not None
+        history = await background.input_history(proxy, job, kept)
+        response_id, n_output = request.match_info["response_id"], 0
     else:
         record = await _lookup(proxy, request)
         if record is None:

@@ -38,6 +38,7 @@ from ocxproxy.store.background import (
     STORED,
     TERMINAL,
     Backgrounds,
+    Inputs,
     Job,
     take_back,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "Conversations",
     "IdempotencyKey",
     "IdempotencyKeys",
+    "Inputs",
     "Job",
     "LocalBackgrounds",
     "Store",

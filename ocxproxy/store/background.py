@@ -24,6 +24,7 @@ import orjson
 
 from ocxproxy.errors import OcxError
 from ocxproxy.metrics import Metrics
+from ocxproxy.model import Record
 
 if TYPE_CHECKING:
     from ocxproxy.store.interface import Conversations
@@ -35,6 +36,9 @@ TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 STORED = frozenset({"completed", "incomplete"})  # the store keeps their final Response
 LOG_KEPT = 600.0  # seconds an event log outlives its terminal event (within the budget)
 LOST = "background_lost"
+# A background response's input as kept: the response whose chain comes first (None:
+# none), then its own items as a segment's bytes.
+Inputs = tuple[str | None, bytes]
 
 
 class EventLog:
@@ -90,10 +94,14 @@ class Job:
     log: EventLog | None = None
     task: asyncio.Task[Any] | None = None  # the run (http/background.py), while it runs
     cancelling: bool = False
-    # Its input items as its turn is stored (the chain's, then its own), as a segment's
-    # bytes (items joined by commas), while the store does not hold them: queued,
-    # running, failed, cancelled. `durable`: they may reach disk or the shared server.
+    # Its own input items, as a segment's bytes (items joined by commas), while the store
+    # does not hold its turn: queued, running, failed, cancelled. `parent`: the stored
+    # response whose chain comes before them (read from the store when `input_items`
+    # asks; `parent_record`, where the run holds it); None: they are the whole input.
+    # `durable`: they may reach disk or the shared server.
     inputs: bytes | None = None
+    parent: str | None = None
+    parent_record: Record | None = None
     durable: bool = True
     # Its stored turn's conversation and the ids of the items the turn appended to it: a
     # cancel that wins against the end takes them out again (`take_back`).
@@ -138,9 +146,19 @@ class Backgrounds(Protocol):
     def moved(self, job: Job, status: str, response: bytes | None = None) -> None:
         """`job` is now `status` (its Response `response`, when given)."""
 
-    async def inputs(self, job: Job) -> bytes | None:
-        """`job`'s input items (Job.inputs), or None when they are not known here."""
+    async def inputs(self, job: Job) -> Inputs | None:
+        """`job`'s parent and own input items (Job.parent, Job.inputs), or None when
+        they are not known here."""
         ...
+
+    def continuing(self, scope: str, response_id: str) -> list[Job]:
+        """The background responses known here whose kept input continues `response_id`
+        (Job.parent)."""
+        ...
+
+    def keep_whole(self, job: Job, inputs: bytes) -> None:
+        """`job`'s whole input from now on (the response it continued is going): its
+        parent forgotten, `inputs` kept as its own (journaled like the first ones)."""
 
     def drop(self, job: Job) -> None:
         """`job` is deleted: forgotten, its log with it (its followers' streams end)."""

@@ -476,3 +476,74 @@ async def test_a_streamed_idempotent_retry_of_one_a_cancel_won_ends_with_respons
         assert events[-1].type == "response.cancelled"
         ended = events[-1].model_dump()["response"]
         assert ended["id"] == first.response.id and ended["status"] == "cancelled"
+
+
+async def test_a_create_on_a_long_chain_journals_its_own_input_and_its_parents_id(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """The chain before a background create is the store's: the create's status line holds
+    its own items and the id it continues, whatever the chain's length, and input_items
+    still lists the whole input while it runs and once it is cancelled."""
+    state = tmp_path / "state"
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=state)
+        client = proxy.client()
+        previous, sent = None, []
+        for turn in range(6):
+            text = f"turn {turn} " + "x" * 20_000
+            done = await client.responses.create(
+                model="m", input=text, previous_response_id=previous
+            )
+            previous, sent = done.id, [*sent, text, done.output_text]
+        journal = state / "background.jsonl"
+        before = journal.stat().st_size if journal.exists() else 0
+        backend.stall_next(60)
+        created = await client.responses.create(
+            model="m", input="own", previous_response_id=previous, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 7)
+        journaled = journal.read_bytes()[before:]
+        assert len(journaled) < 2_000, len(journaled)  # the chain holds ~240 KB
+        (line,) = [orjson.loads(line) for line in journaled.splitlines()]
+        assert line["parent"] == previous
+        assert [item["content"] for item in line["own"]] == ["own"]
+        for _ in ("running", "cancelled"):
+            items = await client.responses.input_items.list(created.id, order="asc", limit=100)
+            texts = [item.content[0].text for item in items.data]  # type: ignore[union-attr]
+            assert texts == [*sent, "own"]
+            assert (await client.responses.cancel(created.id)).status == "cancelled"
+
+
+async def test_input_items_after_the_parent_is_deleted_are_still_whole(
+    make_proxy: MakeProxy, tmp_path: Path
+) -> None:
+    """Deleting the response a background one continues, before its turn is stored, keeps
+    that one's whole input with it: input_items lists it while it runs, once cancelled,
+    and after a restart."""
+    state = tmp_path / "state"
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=state)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="first")
+        backend.stall_next(60)
+        created = await client.responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        journal = state / "background.jsonl"
+        assert b"echo#1: first" not in journal.read_bytes()  # (its parent's id only)
+        await client.responses.delete(first.id)
+        assert b"echo#1: first" in journal.read_bytes()
+        expected = ["first", "echo#1: first", "second"]
+        for _ in ("running", "cancelled"):
+            items = await client.responses.input_items.list(created.id, order="asc")
+            assert [item.content[0].text for item in items.data] == expected  # type: ignore[union-attr]
+            assert (await client.responses.cancel(created.id)).status == "cancelled"
+        await proxy.server.close()  # graceful: everything durable is flushed
+        again = await make_proxy(backend.url, state_dir=state)
+        client = again.client()
+        assert (await client.responses.retrieve(created.id)).status == "cancelled"
+        items = await client.responses.input_items.list(created.id, order="asc")
+        assert [item.content[0].text for item in items.data] == expected  # type: ignore[union-attr]
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)

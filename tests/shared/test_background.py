@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 import openai
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -283,10 +284,37 @@ async def test_input_items_on_any_replica_while_it_runs_and_once_it_failed_or_wa
         try:
             keys = [key async for key in server.scan_iter(match="ocx:*")]
             kept = [key for key in keys if await server.type(key) == b"hash"]
-            inputs = [await server.hget(key, "input") for key in kept]
+            inputs = [await server.hget(key, "own") for key in kept]
             assert sum(value is not None for value in inputs) == 2  # the cancelled, the failed
+            # Each holds its own item and the id of the response it continues.
+            parents = [await server.hget(key, "parent") for key in kept]
+            owns = [orjson.loads(value) for value in inputs if value is not None]
+            assert owns == [[{"role": "user", "content": "second"}]] * 2
+            assert sorted(p for p in parents if p is not None) == [first.id.encode()] * 2
+            # A hash an earlier version wrote (the whole input, no parent) still reads.
+            (key,) = [key for key in kept if failed.id.encode() in key]
+            old = orjson.dumps([{"role": "user", "content": t} for t in ("way", "back", "then")])
+            await server.hset(key, "input", old)
+            await server.hdel(key, "own", "parent")
+            for proxy in (a, b, c):
+                assert await texts(proxy, failed.id) == ["way", "back", "then"]
         finally:
             await server.aclose()
+        # The response continued deleted before the turn is stored: the replica running it
+        # (it holds that response) lists the whole input; the others, which know only its
+        # id, answer 404, never a list without the chain.
+        backend.stall_next(60)
+        running = await a.client().responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 5)
+        await b.client().responses.delete(first.id)
+        assert await texts(a, running.id) == expected
+        for proxy in (b, c):
+            with pytest.raises(openai.NotFoundError) as caught:
+                await texts(proxy, running.id)
+            assert first.id in caught.value.message
+        assert (await c.client().responses.cancel(running.id)).status == "cancelled"
 
 
 async def test_each_replica_counts_the_runs_it_owns_so_their_sum_is_the_fleets(

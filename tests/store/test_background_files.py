@@ -307,3 +307,40 @@ async def test_a_running_streams_part_is_read_back_to_its_last_whole_event(
     kept = await third.get("scope", "resp_1")
     assert kept is not None and kept.log is not None and kept.log.events == read.log.events
     await third.close()
+
+
+async def test_input_items_are_kept_as_its_own_and_its_parent_and_an_earlier_whole_reads(
+    tmp_path: Path,
+) -> None:
+    """A create's line holds its own input items and the response it continues; a line an
+    earlier version wrote, with the whole input, still reads (and is kept whole)."""
+    first = book(tmp_path)
+    await first.load()
+    continuing = job(1)
+    continuing.inputs, continuing.parent = b'{"role":"user","content":"own"}', "resp_parent"
+    first.open(continuing)
+    first.moved(continuing, "cancelled", response("resp_1", "cancelled"))
+    await first.commit()
+    whole = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "reply"}]
+    old = {"id": "resp_2", "scope": "scope", "status": "failed", "input": whole}
+    old["response"] = orjson.loads(response("resp_2", "failed"))
+    with (tmp_path / background.FILE).open("ab") as file:
+        file.write(orjson.dumps(old) + b"\n")
+    await first.close()
+
+    second = book(tmp_path)
+    await second.load()
+    loaded = await second.get("scope", "resp_1")
+    assert loaded is not None and loaded.status == "cancelled"
+    assert await second.inputs(loaded) == ("resp_parent", b'{"role":"user","content":"own"}')
+    earlier = await second.get("scope", "resp_2")
+    assert earlier is not None and earlier.status == "failed"
+    kept = await second.inputs(earlier)
+    assert kept is not None and kept[0] is None
+    assert orjson.loads(b"[" + kept[1] + b"]") == whole
+    await second.close()
+    third = book(tmp_path)  # (rewritten at the load: the same again)
+    await third.load()
+    again = await third.get("scope", "resp_2")
+    assert again is not None and await third.inputs(again) == kept
+    await third.close()

@@ -3,8 +3,9 @@ in process memory and, on a durable store, in the state dir:
 
     background.jsonl       one JSON line per status change (the Response with it only
                            when the store will not hold the final one: queued, failed,
-                           cancelled; the input items with the first), fdatasynced by
-                           `commit`
+                           cancelled; with the first, the input items: its own, and
+                           the response whose chain comes before them), fdatasynced
+                           by `commit`
     background/<id>.log    an ended stream's event log, written once, within
                            LOG_WRITE_DELAY of its end (a header line, then the events'
                            bytes), removed with it
@@ -53,6 +54,7 @@ from ocxproxy.store.background import (
     STORED,
     TERMINAL,
     EventLog,
+    Inputs,
     Job,
     lost_response,
     register_gauges,
@@ -129,8 +131,19 @@ class LocalBackgrounds:
     async def get(self, scope: str, response_id: str) -> Job | None:
         return self.jobs.get((scope, response_id))
 
-    async def inputs(self, job: Job) -> bytes | None:
-        return job.inputs
+    async def inputs(self, job: Job) -> Inputs | None:
+        return None if job.inputs is None else (job.parent, job.inputs)
+
+    def continuing(self, scope: str, response_id: str) -> list[Job]:
+        return [
+            job
+            for job in self.jobs.values()
+            if job.parent == response_id and job.scope == scope and job.inputs is not None
+        ]
+
+    def keep_whole(self, job: Job, inputs: bytes) -> None:
+        job.inputs, job.parent, job.parent_record = inputs, None, None
+        self._journal(job, job.response, inputs=True)
 
     def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
         """Events of `job`'s stream, in order (the first one's sequence_number is the
@@ -151,7 +164,7 @@ class LocalBackgrounds:
         if response is not None:
             job.response = response
         if status in STORED:
-            job.inputs = None  # (the store's now)
+            job.inputs = job.parent = job.parent_record = None  # (the store's now)
         if status in TERMINAL:
             job.ended = time.time()
             job.task = None
@@ -418,7 +431,10 @@ class LocalBackgrounds:
             job.status = entry["status"]
             if "response" in entry:
                 job.response = orjson.dumps(entry["response"])
-            if "input" in entry:
+            if "own" in entry:
+                job.inputs = b",".join(map(orjson.dumps, entry["own"]))
+                job.parent = entry.get("parent")
+            elif "input" in entry:  # (written by an earlier version: the whole input)
                 job.inputs = b",".join(map(orjson.dumps, entry["input"]))
         doomed = self._attach_logs(logs, deleted, now)
         for key, job in list(self.jobs.items()):
@@ -534,7 +550,9 @@ def _line(job: Job, response: bytes | None, status: str | None, *, inputs: bool 
     if response is not None:
         entry["response"] = orjson.Fragment(response)
     if inputs and job.inputs is not None and job.durable:
-        entry["input"] = orjson.Fragment(b"[" + job.inputs + b"]")
+        entry["own"] = orjson.Fragment(b"[" + job.inputs + b"]")
+        if job.parent is not None:
+            entry["parent"] = job.parent
     return orjson.dumps(entry) + b"\n"
 
 

@@ -2,7 +2,8 @@
 `Backgrounds`), so that every replica polls, resumes and cancels any of them.
 
 A background response is a hash on the server (keys.py's `Keys.background`: status, the
-latest Response, stream, owner, and its input items until the store holds its turn) and,
+latest Response, stream, owner, and until the store holds its turn its own input items
+and the id of the response it continues) and,
 for `stream: true`, a list of its events' SSE bytes (index = sequence_number). The replica
 that runs it writes both through one script (background_scripts.WRITE) in order: each
 response's changes since its last write go in one round trip, a terminal status with its
@@ -46,6 +47,7 @@ from ocxproxy.store.background import (
     STORED,
     TERMINAL,
     EventLog,
+    Inputs,
     Job,
     lost_response,
     register_gauges,
@@ -75,7 +77,8 @@ class _Pending:
     events: list[bytes] = field(default_factory=list)
     status: str = ""
     response: bytes = b""
-    inputs: bytes = b""  # (an open's) the input items, a JSON array
+    inputs: bytes = b""  # (an open's) its own input items, a JSON array
+    parent: str = ""  # (an open's) the response whose chain comes before them
     drop: bool = False  # then the response is deleted
 
     def merge(self, later: _Pending) -> None:
@@ -84,7 +87,7 @@ class _Pending:
         self.events += later.events
         if later.status:
             self.status, self.response = later.status, later.response or self.response
-        self.inputs = self.inputs or later.inputs
+        self.inputs, self.parent = self.inputs or later.inputs, self.parent or later.parent
         self.drop = self.drop or later.drop
 
 
@@ -138,9 +141,11 @@ class SharedBackgrounds:
         self._opening.add(key)
         if job.stream:
             job.log = EventLog()
-        inputs = b"[" + job.inputs + b"]" if job.inputs is not None and job.durable else b""
+        inputs, parent = b"", ""
+        if job.inputs is not None and job.durable:
+            inputs, parent = b"[" + job.inputs + b"]", job.parent or ""
         self._queue(key, _Pending(job, "open", status=job.status, response=job.response,
-                                  inputs=inputs))  # fmt: skip
+                                  inputs=inputs, parent=parent))  # fmt: skip
 
     async def get(self, scope: str, response_id: str) -> Job | None:
         key = self.keys(scope).background(response_id)
@@ -161,12 +166,21 @@ class SharedBackgrounds:
             job.log = RemoteLog(self, key)
         return job
 
-    async def inputs(self, job: Job) -> bytes | None:
+    async def inputs(self, job: Job) -> Inputs | None:
         key = self.keys(job.scope).background(job.id)
         if self.jobs.get(key) is job:
-            return job.inputs
-        (inputs,) = await self._read("background_inputs", pack("HGET", key, "input"), 1)
-        return inputs[1:-1] if inputs else None
+            return None if job.inputs is None else (job.parent, job.inputs)
+        packed = pack("HMGET", key, "own", "parent", "input")
+        ((own, parent, whole),) = await self._read("background_inputs", packed, 1)
+        if own is not None:
+            return (parent.decode() if parent else None), own[1:-1]
+        return (None, whole[1:-1]) if whole else None  # (an earlier version's: whole)
+
+    def continuing(self, scope: str, response_id: str) -> list[Job]:
+        return []  # (the server does not index responses by the one they continue)
+
+    def keep_whole(self, job: Job, inputs: bytes) -> None:
+        pass
 
     def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
         if job.log is None:
@@ -323,7 +337,7 @@ class SharedBackgrounds:
             change.mode, self.token, change.start, change.status, change.response,
             int(LEASE * 1000), int(LOG_KEPT * 1000), int(kept * 1000), self.log_bytes,
             self.channel, job.id, job.scope, "1" if job.stream else "0", change.inputs,
-            *change.events,
+            change.parent, *change.events,
         )  # fmt: skip
         sha = SHAS["background_write"]
         answer = await self.server.write(

@@ -23,9 +23,10 @@ local TERMINAL = {completed = true, incomplete = true, failed = true, cancelled 
 # the first event's sequence number (-1: each is numbered here, at the log's end: a
 # cancel's `response.cancelled`), the status ('' for none), the Response ('' for
 # none), the lease (ms), how long a log is kept after the end (ms), how long the response
-# is (ms), the logs' byte budget, the channel, the id, the scope, '1' for a stream, the
-# input items ('' for none: kept until the store holds the turn, completed or incomplete),
-# the events. Answers {'ok', log total}, or {'ended'|'lost', status, Response} when the write
+# is (ms), the logs' byte budget, the channel, the id, the scope, '1' for a stream, its
+# own input items and the id of the response whose chain comes before them ('' for none;
+# both kept until the store holds the turn, completed or incomplete), the events. Answers
+# {'ok', log total}, or {'ended'|'lost', status, Response} when the write
 # is refused (it ended, or its lease went to another replica), or {'gone'}.
 WRITE = (
     _COMMON
@@ -38,7 +39,8 @@ if mode == 'open' then
   if not current then
     redis.call('HSET', job, 'owner', ARGV[2], 'id', ARGV[11], 'scope', ARGV[12],
       'stream', ARGV[13])
-    if ARGV[14] ~= '' then redis.call('HSET', job, 'input', ARGV[14]) end
+    if ARGV[14] ~= '' then redis.call('HSET', job, 'own', ARGV[14]) end
+    if ARGV[15] ~= '' then redis.call('HSET', job, 'parent', ARGV[15]) end
   end
 elseif not current then
   return {'gone'}
@@ -50,8 +52,8 @@ end
 local n = redis.call('LLEN', log)
 local added = 0
 local start = tonumber(ARGV[3])
-for i = 15, #ARGV do
-  local event, seq = ARGV[i], start + i - 15
+for i = 16, #ARGV do
+  local event, seq = ARGV[i], start + i - 16
   if start < 0 then
     seq = n
     event = (string.gsub(event, '"sequence_number":%-?%d+', '"sequence_number":' .. n, 1))
@@ -71,7 +73,9 @@ end
 if status ~= '' then
   redis.call('HSET', job, 'status', status)
   if ARGV[5] ~= '' then redis.call('HSET', job, 'response', ARGV[5]) end
-  if status == 'completed' or status == 'incomplete' then redis.call('HDEL', job, 'input') end
+  if status == 'completed' or status == 'incomplete' then
+    redis.call('HDEL', job, 'input', 'own', 'parent')
+  end
 end
 local function drop(member)
   redis.call('DECRBY', total, tonumber(redis.call('HGET', sizes, member) or 0))
