@@ -7,7 +7,8 @@ subprocesses, and reports:
   create     POST /v1/responses {background: true} on a ~10 s backend turn (delay 1 s):
              the time until the queued Response is answered, --creates of them, one
              after another while the earlier ones run (the first --max-background run,
-             the rest wait queued)
+             the rest wait queued); with --history-bytes, each continues one stored
+             response of that size; and the bytes each adds to background.jsonl
   cancel     POST /v1/responses/{id}/cancel of each of them: the time until the
              cancelled Response is answered (the run is cut and its backend request
              closed by then, or a second has passed)
@@ -22,14 +23,20 @@ subprocesses, and reports:
 
     .venv/bin/python scripts/bench/bench_background.py            # a few minutes
     .venv/bin/python scripts/bench/bench_background.py --quick    # smoke, seconds
+    # the creates on top of a long chain (one stored input of ~1 MB), and the bytes
+    # each one journals:
+    .venv/bin/python scripts/bench/bench_background.py --only-creates --history-bytes 1000000
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -78,21 +85,45 @@ async def events_of(answer: aiohttp.ClientResponse, stop_after: int | None = Non
     return events
 
 
-async def creates_and_cancels(url: str, n: int) -> tuple[Summary, Summary, int]:
+def file_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+async def stored_turn(url: str, size: int) -> str:
+    """A stored response whose input is `size` bytes of text: the id the creates continue."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/responses", data=body("x" * size), headers=HEADERS) as answer,
+    ):
+        done = await answer.json()
+    assert done["status"] == "completed", done
+    return str(done["id"])
+
+
+async def creates_and_cancels(
+    url: str, n: int, journal: Path, parent: str | None
+) -> tuple[Summary, Summary, int, float]:
+    """The creates' and cancels' times, how many were cancelled, and the bytes the
+    creates added to background.jsonl, per create."""
     create_times: list[float] = []
     cancel_times: list[float] = []
     ids: list[str] = []
     cancelled = 0
+    extra = {} if parent is None else {"previous_response_id": parent}
+    before = file_size(journal)
     async with aiohttp.ClientSession() as http:
         for i in range(n):
             started = time.perf_counter()
             async with http.post(
-                f"{url}/v1/responses", data=body(f"long {i}", background=True), headers=HEADERS
+                f"{url}/v1/responses",
+                data=body(f"long {i}", background=True, **extra),
+                headers=HEADERS,
             ) as answer:
                 created = await answer.json()
             create_times.append(time.perf_counter() - started)
             assert created["status"] == "queued", created
             ids.append(created["id"])
+        journaled = (file_size(journal) - before) / n
         await asyncio.sleep(1.0)  # the first ones are in progress by now
         for response_id in ids:
             started = time.perf_counter()
@@ -102,7 +133,7 @@ async def creates_and_cancels(url: str, n: int) -> tuple[Summary, Summary, int]:
                 done = await answer.json()
             cancel_times.append(time.perf_counter() - started)
             cancelled += done["status"] == "cancelled"
-    return Summary.of(create_times), Summary.of(cancel_times), cancelled
+    return Summary.of(create_times), Summary.of(cancel_times), cancelled, journaled
 
 
 async def one_cut(http: aiohttp.ClientSession, url: str, rng: random.Random) -> bool:
@@ -172,20 +203,39 @@ async def main() -> None:
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--history-bytes",
+        type=int,
+        default=0,
+        help="the creates continue one stored response whose input is this many bytes "
+        "(0: each starts a chain of its own)",
+    )
+    parser.add_argument(
+        "--only-creates", action="store_true", help="the creates and cancels, nothing else"
+    )
     args = parser.parse_args()
     if args.quick:
         args.creates, args.cuts, args.turns = 10, 16, 40
+    state = Path(tempfile.mkdtemp(prefix="ocxproxy_bench_"))
+    atexit.register(shutil.rmtree, state, ignore_errors=True)
     slow, fast, instant = start_fake(1.0), start_fake(0.005), start_fake(0.0)
     with running(slow, fast, instant):
-        slow_proxy = start_proxy(slow.url, "--background-queue", "1000")
+        slow_proxy = start_proxy(slow.url, "--background-queue", "1000", "--state-dir", str(state))
         with running(slow_proxy):
-            create, cancel, cancelled = await creates_and_cancels(slow_proxy.url, args.creates)
-        fast_proxy = start_proxy(fast.url)
-        with running(fast_proxy):
-            good = await resumes(fast_proxy.url, args.cuts, args.seed)
-        cpu_proxy = start_proxy(instant.url)
-        with running(cpu_proxy):
-            foreground, background = await cpu_per_turn(cpu_proxy, args.turns, 4)
+            parent = None
+            if args.history_bytes:
+                parent = await stored_turn(slow_proxy.url, args.history_bytes)
+            create, cancel, cancelled, journaled = await creates_and_cancels(
+                slow_proxy.url, args.creates, state / "background.jsonl", parent
+            )
+        good = foreground = background = 0.0
+        if not args.only_creates:
+            fast_proxy = start_proxy(fast.url)
+            with running(fast_proxy):
+                good = await resumes(fast_proxy.url, args.cuts, args.seed)
+            cpu_proxy = start_proxy(instant.url)
+            with running(cpu_proxy):
+                foreground, background = await cpu_per_turn(cpu_proxy, args.turns, 4)
     print(
         table(
             ["figure", "n", "p50 ms", "p99 ms", "max ms", "target", "verdict"],
@@ -212,6 +262,12 @@ async def main() -> None:
         )
     )
     print(f"cancelled: {cancelled}/{create.n}")
+    print(
+        f"background.jsonl bytes per create: {journaled:,.0f} "
+        f"(continuing a stored input of {args.history_bytes:,} bytes)"
+    )
+    if args.only_creates:
+        return
     print(
         f"resume after a random cut: {good}/{args.cuts} gap-free, duplicate-free "
         f"({verdict(good == args.cuts)})"
