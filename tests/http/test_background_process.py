@@ -33,7 +33,9 @@ async def test_a_response_running_at_kill_9_is_failed_after_restart(
         cancelled = await client.responses.create(model="m", input="cut", background=True)
         await backend.wait_for(lambda: len(backend.responses_seen) == 2, within=10)
         await client.responses.cancel(cancelled.id)
-        running = await client.responses.create(model="m", input="slow", background=True)
+        running = await client.responses.create(
+            model="m", input="slow", previous_response_id=done.id, background=True
+        )
         await backend.wait_for(lambda: len(backend.responses_seen) == 3, within=10)
         await client.close()
         assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
@@ -48,9 +50,12 @@ async def test_a_response_running_at_kill_9_is_failed_after_restart(
         assert lost.error.message.startswith("background_lost")
         assert (await client.responses.retrieve(cancelled.id)).status == "cancelled"
         assert (await client.responses.cancel(running.id)).status == "failed"  # as it is
-        for response_id, text in ((running.id, "slow"), (cancelled.id, "cut")):
-            items = await client.responses.input_items.list(response_id)  # journaled
-            assert [item.content[0].text for item in items.data] == [text]  # type: ignore[union-attr]
+        # Journaled: their own items, and the response the running one continued (its
+        # chain read back from the store).
+        expected = {running.id: ["quick", "echo#1: quick", "slow"], cancelled.id: ["cut"]}
+        for response_id, texts in expected.items():
+            items = await client.responses.input_items.list(response_id, order="asc")
+            assert [item.content[0].text for item in items.data] == texts  # type: ignore[union-attr]
         assert (await client.responses.retrieve(done.id)).output_text == "echo#1: quick"
         await client.close()
         assert await second.stop(signal.SIGTERM) == 0
