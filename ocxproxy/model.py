@@ -17,6 +17,14 @@ _SHARED: dict[object, object] = {}
 SHARED_MAX = 1 << 15  # distinct values kept
 
 
+# A Segment's `at`: its sid above a journal offset (up to 1 TiB) above a length (up to 4 GiB).
+LENGTH_BITS = 32
+SID_SHIFT = LENGTH_BITS + 40
+LENGTH_MAX = (1 << LENGTH_BITS) - 1
+OFFSET_MAX = (1 << 40) - 1
+_PLACE = (1 << SID_SHIFT) - 1
+
+
 def shared(value: _T) -> _T:
     """One object for each value that 100,000s of segments and records repeat: a size,
     a length, an output's place in its response (an int above 256 is an object of 28
@@ -97,14 +105,17 @@ class Segment:
     `data` is None while the bytes live only in the journal (or were lost: `lost` then
     holds the FailureReason value that chains needing it answer with). Where the journal
     holds them: file `pack`, `length` compressed bytes at `offset` (pack -1: nowhere).
+    The journal's short name for it (`sid`), `offset` and `length` are kept as one int
+    (`at`): 100,000s of segments each save an int object and a slot (12 slots: 128 bytes).
     """
 
     __slots__ = (
-        "call_ids", "data", "digest", "durable", "durable_refs", "item_ids", "length", "lost",
-        "n_items", "offset", "pack", "refs", "sid", "size",
+        "at", "call_ids", "data", "digest", "durable", "durable_refs", "item_ids", "lost",
+        "n_items", "pack", "refs", "size",
     )  # fmt: skip
     data: bytes | None
     lost: str | None
+    at: int  # sid << SID_SHIFT | offset << LENGTH_BITS | length
 
     def __init__(
         self,
@@ -148,10 +159,8 @@ class Segment:
         self.n_items = n_items
         self.call_ids = call_ids or NO_CALLS
         self.durable = durable  # may this reach disk (no store:false content)?
-        self.sid = 0  # the journal's short name for it (0: not yet named)
+        self.at = 0  # sid 0: not yet named; offset and length 0
         self.pack = -1  # journal file holding its bytes, durably
-        self.offset = 0
-        self.length = 0
         self.lost = None
         self.refs = 0  # records holding it
         self.durable_refs = 0  # durable records holding it; `durable` while above 0 in a Store
@@ -164,6 +173,37 @@ class Segment:
     @property
     def on_disk(self) -> bool:
         return self.pack >= 0
+
+    @property
+    def sid(self) -> int:
+        """The journal's short name for it (0: not yet named)."""
+        return self.at >> SID_SHIFT
+
+    @sid.setter
+    def sid(self, sid: int) -> None:
+        self.at = sid << SID_SHIFT | self.at & _PLACE
+
+    @property
+    def offset(self) -> int:
+        return self.at >> LENGTH_BITS & OFFSET_MAX
+
+    @offset.setter
+    def offset(self, offset: int) -> None:
+        self.place(offset, self.length)
+
+    @property
+    def length(self) -> int:
+        return self.at & LENGTH_MAX
+
+    @length.setter
+    def length(self, length: int) -> None:
+        self.place(self.offset, length)
+
+    def place(self, offset: int, length: int) -> None:
+        """Its bytes are `length` compressed bytes at `offset` (of file `pack`)."""
+        if not (0 <= offset <= OFFSET_MAX and 0 <= length <= LENGTH_MAX):
+            raise ValueError(f"segment place out of range: {offset}, {length}")
+        self.at = self.at & ~_PLACE | offset << LENGTH_BITS | length
 
     def __repr__(self) -> str:
         where = ("mem" if self.data is not None else "") + ("+disk" if self.on_disk else "")

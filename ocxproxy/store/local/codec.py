@@ -32,7 +32,18 @@ import orjson
 import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment, shared
+from ocxproxy.model import (
+    LENGTH_BITS,
+    LENGTH_MAX,
+    NO_CALLS,
+    NO_ITEMS,
+    OFFSET_MAX,
+    SID_SHIFT,
+    ItemIds,
+    Record,
+    Segment,
+    shared,
+)
 from ocxproxy.store.compression import compressor as compressor  # (journal.py's)
 from ocxproxy.store.compression import decompressor
 from ocxproxy.store.local.segment_files import FILES
@@ -128,10 +139,12 @@ def restore_segment(
     segment.call_ids = frozenset(ids) if ids else NO_CALLS
     segment.item_ids = item_spans(items, size) if items else NO_ITEMS
     segment.durable = True
-    segment.sid = sid
+    if type(length) is not int:
+        length = int(length)
+    if not (0 <= offset <= OFFSET_MAX and 0 <= length <= LENGTH_MAX and sid >= 0):
+        raise ValueError("bad segment row")
+    segment.at = sid << SID_SHIFT | offset << LENGTH_BITS | length
     segment.pack = pack
-    segment.offset = offset
-    segment.length = shared(length if type(length) is int else int(length))
     segment.lost = None
     segment.refs = segment.durable_refs = 0
     return segment

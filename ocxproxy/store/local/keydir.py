@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ocxproxy.model import Segment, shared
+from ocxproxy.model import LENGTH_MAX, Segment
 from ocxproxy.store.local.segment_files import FILES
 
 SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
@@ -40,8 +40,8 @@ class Keydir:
         return keys
 
     def locate(self, segment: Segment, pack: int, offset: int, length: int) -> None:
-        segment.pack, segment.offset, segment.lost = pack, offset, None
-        segment.length = shared(length)
+        segment.pack, segment.lost = pack, None
+        segment.place(offset, length)
         self.located += 1
         self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
         self.live_bytes += length + SEG_OVERHEAD
@@ -56,7 +56,7 @@ class Keydir:
         located (one pass; `locate` per segment is most of a 100,000-record start)."""
         live, keys, total, n = self.live, self.keys, 0, 0
         for segment in segments:
-            length = segment.length + SEG_OVERHEAD
+            length = (segment.at & LENGTH_MAX) + SEG_OVERHEAD  # (its length, read directly)
             live[segment.pack] = live.get(segment.pack, 0) + length
             if segment.pack == FILES:
                 self.files[segment.key] = None
