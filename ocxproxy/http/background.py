@@ -341,13 +341,14 @@ async def keep_inputs_past(proxy: Proxy, scope: str, response_id: str) -> None:
     turns the store does not hold keep their whole input from now on, so input_items
     lists it after a restart too."""
     book = proxy.backgrounds
-    jobs = book.continuing(scope, response_id)
+    jobs = await book.continuing(scope, response_id)
     for job in jobs:
         kept = await book.inputs(job)
-        if kept is None:
+        if kept is None or kept[0] != response_id:
             continue
         with contextlib.suppress(NotFound):  # (its chain is gone already)
-            book.keep_whole(job, b",".join(await input_history(proxy, job, kept)))
+            history = await input_history(proxy, job, kept)
+            await book.keep_whole(job, response_id, b",".join(history))
     if jobs:
         await book.commit()
 

@@ -151,14 +151,15 @@ class Backgrounds(Protocol):
         they are not known here."""
         ...
 
-    def continuing(self, scope: str, response_id: str) -> list[Job]:
-        """The background responses known here whose kept input continues `response_id`
-        (Job.parent)."""
+    async def continuing(self, scope: str, response_id: str) -> list[Job]:
+        """The background responses whose kept input may continue `response_id`
+        (Job.parent), their turns not stored."""
         ...
 
-    def keep_whole(self, job: Job, inputs: bytes) -> None:
-        """`job`'s whole input from now on (the response it continued is going): its
-        parent forgotten, `inputs` kept as its own (journaled like the first ones)."""
+    async def keep_whole(self, job: Job, parent: str, inputs: bytes) -> None:
+        """`job`, while its kept input still continues `parent` (that response is going):
+        `inputs`, its whole input, kept as its own from now on, its parent forgotten
+        (journaled, or on the server, like the first ones)."""
 
     def drop(self, job: Job) -> None:
         """`job` is deleted: forgotten, its log with it (its followers' streams end)."""

@@ -300,21 +300,37 @@ async def test_input_items_on_any_replica_while_it_runs_and_once_it_failed_or_wa
                 assert await texts(proxy, failed.id) == ["way", "back", "then"]
         finally:
             await server.aclose()
-        # The response continued deleted before the turn is stored: the replica running it
-        # (it holds that response) lists the whole input; the others, which know only its
-        # id, answer 404, never a list without the chain.
+        # The response continued deleted before the turn is stored: every replica lists
+        # the whole input (the DELETE had it kept whole first), once cancelled too.
+        backend.stall_next(60)
         backend.stall_next(60)
         running = await a.client().responses.create(
             model="m", input="second", previous_response_id=first.id, background=True
         )
-        await backend.wait_for(lambda: len(backend.responses_seen) == 5)
+        unindexed = await a.client().responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 6)
+        server = aioredis.from_url(valkey_server.url)
+        try:  # (one a DELETE cannot find: as if its entry had expired)
+            (entry,) = [k async for k in server.scan_iter(match=b"*p" + first.id.encode())]
+            assert await server.srem(entry, unindexed.id) == 1
+        finally:
+            await server.aclose()
         await b.client().responses.delete(first.id)
-        assert await texts(a, running.id) == expected
+        for _ in ("running", "cancelled"):
+            for proxy in (a, b, c):
+                assert await texts(proxy, running.id) == expected
+            assert (await c.client().responses.cancel(running.id)).status == "cancelled"
+        # Where only the deleted response's id is kept, the replica running it lists the
+        # whole input (it holds that response); the others answer 404, never a list
+        # without the chain.
+        assert await texts(a, unindexed.id) == expected
         for proxy in (b, c):
             with pytest.raises(openai.NotFoundError) as caught:
-                await texts(proxy, running.id)
+                await texts(proxy, unindexed.id)
             assert first.id in caught.value.message
-        assert (await c.client().responses.cancel(running.id)).status == "cancelled"
+        assert (await c.client().responses.cancel(unindexed.id)).status == "cancelled"
 
 
 async def test_each_replica_counts_the_runs_it_owns_so_their_sum_is_the_fleets(

@@ -134,14 +134,16 @@ class LocalBackgrounds:
     async def inputs(self, job: Job) -> Inputs | None:
         return None if job.inputs is None else (job.parent, job.inputs)
 
-    def continuing(self, scope: str, response_id: str) -> list[Job]:
+    async def continuing(self, scope: str, response_id: str) -> list[Job]:
         return [
             job
             for job in self.jobs.values()
             if job.parent == response_id and job.scope == scope and job.inputs is not None
         ]
 
-    def keep_whole(self, job: Job, inputs: bytes) -> None:
+    async def keep_whole(self, job: Job, parent: str, inputs: bytes) -> None:
+        if job.parent != parent:
+            return
         job.inputs, job.parent, job.parent_record = inputs, None, None
         self._journal(job, job.response, inputs=True)
 

@@ -176,11 +176,21 @@ class SharedBackgrounds:
             return (parent.decode() if parent else None), own[1:-1]
         return (None, whole[1:-1]) if whole else None  # (an earlier version's: whole)
 
-    def continuing(self, scope: str, response_id: str) -> list[Job]:
-        return []  # (the server does not index responses by the one they continue)
+    async def continuing(self, scope: str, response_id: str) -> list[Job]:
+        packed = pack("SMEMBERS", self.keys(scope).continuing(response_id))
+        (ids,) = await self._read("background_continuing", packed, 1)
+        jobs = [await self.get(scope, job_id.decode()) for job_id in ids]
+        return [job for job in jobs if job is not None and job.status not in STORED]
 
-    def keep_whole(self, job: Job, inputs: bytes) -> None:
-        pass
+    async def keep_whole(self, job: Job, parent: str, inputs: bytes) -> None:
+        key = self.keys(job.scope).background(job.id)
+        mine = self.jobs.get(key)
+        if mine is not None and mine.parent == parent:
+            mine.inputs, mine.parent, mine.parent_record = inputs, None, None
+        sha, whole = SHAS["background_keep_whole"], b"[" + inputs + b"]"
+        await self.server.write(
+            "background_keep_whole", lambda: ("EVALSHA", sha, 1, key, parent, whole)
+        )
 
     def append(self, job: Job, *events: bytes, ends: bool = False) -> None:
         if job.log is None:
@@ -332,7 +342,11 @@ class SharedBackgrounds:
     async def _write_changes(self, key: bytes, change: _Pending) -> None:
         job = change.job
         kept = LOG_KEPT if change.status in STORED else self.ttl
-        keys = (key, self.running_key, self.ended_key, self.sizes_key, self.total_key)
+        keys: tuple[bytes, ...] = (
+            key, self.running_key, self.ended_key, self.sizes_key, self.total_key
+        )  # fmt: skip
+        if change.parent:
+            keys += (self.keys(job.scope).continuing(change.parent),)
         args = (
             change.mode, self.token, change.start, change.status, change.response,
             int(LEASE * 1000), int(LOG_KEPT * 1000), int(kept * 1000), self.log_bytes,

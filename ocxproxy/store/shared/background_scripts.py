@@ -18,7 +18,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local TERMINAL = {completed = true, incomplete = true, failed = true, cancelled = true}
 """
 
-# KEYS: the response, running, ended logs, log sizes, log total. ARGV: mode ('open': a new
+# KEYS: the response, running, ended logs, log sizes, log total (an open's with a parent:
+# and the set of the responses continuing it, which takes its id). ARGV: mode ('open': a new
 # one, 'own': its owner's write, 'cancel': another replica's cancel), the owner's token,
 # the first event's sequence number (-1: each is numbered here, at the log's end: a
 # cancel's `response.cancelled`), the status ('' for none), the Response ('' for
@@ -40,7 +41,11 @@ if mode == 'open' then
     redis.call('HSET', job, 'owner', ARGV[2], 'id', ARGV[11], 'scope', ARGV[12],
       'stream', ARGV[13])
     if ARGV[14] ~= '' then redis.call('HSET', job, 'own', ARGV[14]) end
-    if ARGV[15] ~= '' then redis.call('HSET', job, 'parent', ARGV[15]) end
+    if ARGV[15] ~= '' then
+      redis.call('HSET', job, 'parent', ARGV[15])
+      redis.call('SADD', KEYS[6], ARGV[11])
+      redis.call('PEXPIRE', KEYS[6], ARGV[8])
+    end
   end
 elseif not current then
   return {'gone'}
@@ -165,8 +170,19 @@ redis.call('PUBLISH', ARGV[1], 'e' .. job)
 return 1
 """
 
+# KEYS: the response. ARGV: the id of the response it continues, its whole input. Kept as
+# its own input (its parent forgotten) while it still names that parent (a turn stored
+# meanwhile has neither).
+KEEP_WHOLE = """
+if redis.call('HGET', KEYS[1], 'parent') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'own', ARGV[2])
+redis.call('HDEL', KEYS[1], 'parent')
+return 1
+"""
+
 SCRIPTS = {
     "background_write": WRITE,
+    "background_keep_whole": KEEP_WHOLE,
     "background_renew": RENEW,
     "background_claim": CLAIM,
     "background_drop": DROP,

@@ -19,6 +19,8 @@ set), so one credential's keys never answer another's; then a kind and a name:
     b + response id         a background response: a hash (status, the latest Response,
                             stream, owner: the token of the replica running it, id, scope)
     b + response id + \\0   its event log: a list, one event's SSE bytes per sequence_number
+    p + response id         the ids of the background responses that continue it (a set,
+                            for --ttl): a DELETE of it has them keep their whole input
 
 Conversations, their lease and Idempotency-Keys are named in text, under the prefix and
 the scope as text (a conversation never expires, so these names stay what servers
@@ -80,6 +82,9 @@ class Keys:
 
     def background(self, response_id: str) -> bytes:
         return self.base + b"b" + response_id.encode()
+
+    def continuing(self, response_id: str) -> bytes:
+        return self.base + b"p" + response_id.encode()
 
     # -- conversations and Idempotency-Keys (text) ----------------------------------------
 
