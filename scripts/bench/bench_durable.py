@@ -574,12 +574,13 @@ async def throughput(
 def family_cpu(pid: int) -> float:
     """CPU seconds (user + system) of a process and its children (the fsync helper), as
     the kernel counts them: CPU time, not wall time, so the other load on a shared box
-    does not count against either configuration."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-    except OSError:
-        children = []
+    does not count against either configuration. A child is listed under the thread that
+    started it (the helper is started in a thread), so every thread's list is read."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
     total = 0.0
     for p in (pid, *children):
         with contextlib.suppress(OSError):
