@@ -286,19 +286,28 @@ async def test_a_store_whose_dir_is_unusable_leaves_no_helper(tmp_path: Path) ->
     await first.close()
 
 
-async def test_a_lone_turn_is_written_before_its_commit_waits(tmp_path: Path) -> None:
-    """With nothing in flight, the turn's own call starts its commit (no pass of the event
-    loop in between: a lone client is never held back for the committer's next pass)."""
+async def test_turns_finishing_in_one_pass_share_the_commit_the_first_starts(
+    tmp_path: Path,
+) -> None:
+    """With nothing in flight, a turn's own call starts its commit once the callbacks the
+    event loop runs now are done: the turns that finish in the same pass share its fsync,
+    and the commit is sent at the next pass (a lone client is never held back longer)."""
     store, syncs = await with_held_syncs(tmp_path)
-    record = store.put(make_turn("a0", "alone"), None)
-    commit = store.commit(record)
-    waited = commit.send(None)  # runs until the turn waits; the loop does not run meanwhile
-    assert len(syncs.asked) == 1
+    commits, waited = [], []
+    for n in ("a", "b", "c"):  # three turns finish in one pass of the loop
+        record = store.put(make_turn(f"{n}0", n), None)
+        commits.append(store.commit(record))
+        waited.append(commits[-1].send(None))  # runs until the turn waits
+    assert syncs.asked == []  # nothing is sent before the pass ends
+    await asyncio.sleep(0)  # the next pass
+    assert len(syncs.asked) == 1  # one commit, one fsync, for the three
     syncs.asked[0].set_result(None)
-    await asyncio.wait([waited], timeout=5)
-    with pytest.raises(StopIteration):
-        commit.send(None)
-    assert durable_ids(tmp_path) == ["warm0", "a0"]
+    await asyncio.wait(waited, timeout=5)
+    for commit in commits:
+        with pytest.raises(StopIteration):
+            commit.send(None)
+    assert durable_ids(tmp_path) == ["warm0", "a0", "b0", "c0"]
+    assert len(syncs.asked) == 1
     await store.close()
 
 

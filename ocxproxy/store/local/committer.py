@@ -13,16 +13,18 @@ which writes it there and fdatasyncs it while the next commits are sent (up to
 MAX_FLIGHTS in flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one
 at a time took ~4 ms under load). The loop never writes to the file itself: a pwrite into
 the page cache stopped it for up to ~280 ms while the disk was busy. With nothing in
-flight, a turn's own `commit` writes what is queued at once (`hurry`: a lone turn never
-waits for the committer's next pass), and so does a flight landing with nothing behind
-it; while commits are in flight, the committer's next waits one more pass of the event
-loop, so the turns finishing in it join. The helper's answers are applied in its socket's
-reader callback, with no task per commit. Outcomes are applied in the order the commits
-were sent, each once its own answer and every earlier one's have come (replay stops at
-the first gap, so a commit counts only with every commit before it), and when one fails,
-every later one in flight fails with it and the file is cut back to where the failed one
-began. The file's room grows ahead: once less than GROW_BELOW is left, a thread
-allocates and syncs the next PREALLOCATE bytes while commits go on (`Journal.grow`).
+flight, a turn's own `commit` writes what is queued once the callbacks the event loop
+runs now are done (`hurry`: a lone turn never waits for the committer's next pass, and
+the turns finishing in the same pass share its fsync), and so does a flight landing
+with nothing behind it; while commits are in flight, the committer's next waits one
+more pass of the event loop, so the turns finishing in it join. The helper's answers
+are applied in its socket's reader callback, with no task per commit. Outcomes are
+applied in the order the commits were sent, each once its own answer and every earlier
+one's have come (replay stops at the first gap, so a commit counts only with every
+commit before it), and when one fails, every later one in flight fails with it and the
+file is cut back to where the failed one began. The file's room grows ahead: once less
+than GROW_BELOW is left, a thread allocates and syncs the next PREALLOCATE bytes while
+commits go on (`Journal.grow`).
 Anything else (a large commit, one with a segment that gets its own file, a new file, room
 used up before it grew, no helper) waits until no commit is in flight and no growth is
 under way, then is encoded, written and synced in a thread (what a turn's own call
@@ -116,6 +118,7 @@ class Committer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._hurried = False  # hurry's write is due at the end of this pass
         self._flights: deque[Flight] = deque()  # oldest first
         self._slow: asyncio.Task[None] | None = None  # a landing that must wait (a thread)
         self._growing: asyncio.Task[None] | None = None  # the active file's next room
@@ -164,9 +167,17 @@ class Committer:
         return self._future
 
     def hurry(self) -> None:
-        """A turn waits for what is queued: when no commit is in flight, write it now (on
-        the loop, through the helper) instead of at the committer's next pass, so a lone
-        turn is never held back; the turns finishing meanwhile join the next commit."""
+        """A turn waits for what is queued: when no commit is in flight, write it once the
+        callbacks the event loop runs now are done (on the loop, through the helper)
+        rather than at the committer's next pass, so a lone turn is never held back, and
+        the turns finishing in the same pass share its fsync (each fsync costs the
+        helper 0.1-0.3 ms of CPU here: fewer fsyncs, less CPU per turn)."""
+        if not self._hurried and self._jobs and not self._flights:
+            self._hurried = True
+            self._loop.call_soon(self._hurry_now)
+
+    def _hurry_now(self) -> None:
+        self._hurried = False
         child = self.child
         if (
             not self._jobs
