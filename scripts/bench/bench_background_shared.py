@@ -24,6 +24,10 @@ reports:
 
     .venv/bin/python scripts/bench/bench_background_shared.py            # a few minutes
     .venv/bin/python scripts/bench/bench_background_shared.py --quick    # smoke
+    # the creates on top of a long chain (one stored input of ~1 MB), and the server's
+    # memory each one takes:
+    .venv/bin/python scripts/bench/bench_background_shared.py --only-creates \
+        --history-bytes 1000000
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
-from bench_background import HEADERS, body, events_of, ms, start_fake  # noqa: E402
+from bench_background import HEADERS, body, events_of, ms, start_fake, stored_turn  # noqa: E402
 from benchkit import PYTHON, Child, Summary, running, start_child, table, verdict  # noqa: E402
 
 from ocxproxy.store.shared.background import LEASE  # noqa: E402
@@ -62,23 +67,38 @@ def start_replicas(upstream: str, store: str, tmp: Path, *extra: str) -> list[Ch
     return [start_replica(upstream, store, tmp / f"r{i}", *extra) for i in range(REPLICAS)]
 
 
-async def creates_and_cancels(urls: list[str], n: int) -> tuple[Summary, Summary, int]:
+async def used_memory(url: str) -> int:
+    server = aioredis.from_url(url)
+    try:
+        return int((await server.info("memory"))["used_memory"])
+    finally:
+        await server.aclose()
+
+
+async def creates_and_cancels(
+    urls: list[str], n: int, kv_url: str, parent: str | None
+) -> tuple[Summary, Summary, int, float]:
+    """The creates' and cancels' times, how many were cancelled, and the server's memory
+    the creates added, per create."""
     create_times: list[float] = []
     cancel_times: list[float] = []
     ids: list[str] = []
     cancelled = 0
+    extra = {} if parent is None else {"previous_response_id": parent}
+    before = await used_memory(kv_url)
     async with aiohttp.ClientSession() as http:
         for i in range(n):
             started = time.perf_counter()
             async with http.post(
                 f"{urls[i % len(urls)]}/v1/responses",
-                data=body(f"long {i}", background=True),
+                data=body(f"long {i}", background=True, **extra),
                 headers=HEADERS,
             ) as answer:
                 created = await answer.json()
             create_times.append(time.perf_counter() - started)
             assert created["status"] == "queued", created
             ids.append(created["id"])
+        added = (await used_memory(kv_url) - before) / n
         await asyncio.sleep(1.0)  # the first ones are in progress by now
         for i, response_id in enumerate(ids):
             started = time.perf_counter()
@@ -89,7 +109,7 @@ async def creates_and_cancels(urls: list[str], n: int) -> tuple[Summary, Summary
                 done = await answer.json()
             cancel_times.append(time.perf_counter() - started)
             cancelled += done["status"] == "cancelled"
-    return Summary.of(create_times), Summary.of(cancel_times), cancelled
+    return Summary.of(create_times), Summary.of(cancel_times), cancelled, added
 
 
 async def one_cut(http: aiohttp.ClientSession, urls: list[str], rng: random.Random) -> bool:
@@ -186,6 +206,16 @@ async def main() -> None:
     parser.add_argument("--per-kill", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--history-bytes",
+        type=int,
+        default=0,
+        help="the creates continue one stored response whose input is this many bytes "
+        "(0: each starts a chain of its own)",
+    )
+    parser.add_argument(
+        "--only-creates", action="store_true", help="the creates and cancels, nothing else"
+    )
     args = parser.parse_args()
     if args.quick:
         args.creates, args.cuts, args.kills = 10, 16, 2
@@ -197,7 +227,15 @@ async def main() -> None:
             replicas = start_replicas(slow.url, kv.url, tmp / "slow", "--background-queue", "1000")
             with running(*replicas):
                 urls = [r.url for r in replicas]
-                create, cancel, cancelled = await creates_and_cancels(urls, args.creates)
+                parent = None
+                if args.history_bytes:
+                    parent = await stored_turn(urls[0], args.history_bytes)
+                create, cancel, cancelled, added = await creates_and_cancels(
+                    urls, args.creates, kv.url, parent
+                )
+            if args.only_creates:
+                print_creates(create, cancel, cancelled, added, args.history_bytes)
+                return
             replicas = start_replicas(fast.url, kv.url, tmp / "fast")
             with running(*replicas):
                 good = await resumes([r.url for r in replicas], args.cuts, args.seed)
@@ -247,6 +285,26 @@ async def main() -> None:
     print(
         f"resume on another replica after a random cut: {good}/{args.cuts} gap-free, "
         f"duplicate-free ({verdict(good == args.cuts)})"
+    )
+
+
+def print_creates(
+    create: Summary, cancel: Summary, cancelled: int, added: float, history_bytes: int
+) -> None:
+    rows: list[tuple[str, Summary, str]] = [
+        ("create -> queued answer (10 s turns, 3 replicas)", create, "p99 <= 20 ms"),
+        ("cancel on another replica -> cancelled", cancel, "<= 1 s"),
+    ]
+    print(
+        table(
+            ["figure", "n", "p50 ms", "p99 ms", "max ms", "target"],
+            [[name, s.n, ms(s.p50), ms(s.p99), ms(s.max), target] for name, s, target in rows],
+        )
+    )
+    print(f"cancelled: {cancelled}/{create.n}")
+    print(
+        f"server memory per create: {added:,.0f} bytes "
+        f"(continuing a stored input of {history_bytes:,} bytes)"
     )
 
 
