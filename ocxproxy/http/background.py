@@ -38,6 +38,7 @@ from ocxproxy.errors import (
     OcxError,
     RateLimited,
     ShuttingDown,
+    StorageUnavailable,
     StoreFailure,
 )
 from ocxproxy.http import idempotency
@@ -222,7 +223,7 @@ async def _run(
     request_id: str,
 ) -> None:
     """The turn of a background response, once a slot is free, to its end."""
-    book, runs = proxy.backgrounds, proxy.background_runs
+    runs = proxy.background_runs
     reply = JobReply(proxy, job, exchange)
     try:
         runs.waiting += 1
@@ -246,7 +247,7 @@ async def _run(
         else:
             stopped = ShuttingDown()
             reply.fail(stopped.code, stopped.message)
-        await book.commit()
+        await _write_end(proxy, job)
         raise
     except OcxError as error:
         reply.fail(error.code or "server_error", error.message)
@@ -259,7 +260,17 @@ async def _run(
         if exchange.idempotency_key is not None:
             idempotency.end(proxy, exchange.idempotency_key)
     if job.status not in STORED:  # (a completed one is the store's: its line can wait)
-        await book.commit()
+        await _write_end(proxy, job)
+
+
+async def _write_end(proxy: Proxy, job: Job) -> None:
+    """The end of a run, written. A store that cannot take it leaves the response to
+    its lease (another replica fails it, or the next start does): the run ends all the
+    same, rather than with an error no one awaits."""
+    try:
+        await proxy.backgrounds.commit()
+    except StorageUnavailable:
+        log.warning("background response %s: its end could not be written", job.id)
 
 
 async def _take_back(proxy: Proxy, exchange: Exchange, job: Job) -> None:

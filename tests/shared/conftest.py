@@ -7,6 +7,10 @@
   appendfsync="everysec", maxmemory_policy="allkeys-lru", unix_socket=True)`.
 - `make_replicas`: `await make_replicas(server.url, 3, "--durability", "ack")`, three started
   `ocxproxy serve` processes on that store in front of the fake backend (tests/shared/replicas.py).
+- `make_proxy`: tests/conftest.py's in-process proxies.
+
+Proxies and replicas are closed before the servers they use stop (both factories depend
+on `make_kv_server`).
 
 Every server and replica is killed by pid at teardown. A kind whose binary is not installed
 is skipped, except under CI=true (.ci/run installs both), where a skip would hide a broken
@@ -21,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.shared.replicas import Replicas
 from tests.shared.servers import KINDS, Kind, KvServer, binary
@@ -61,11 +66,20 @@ async def valkey_server(make_kv_server: MakeKvServer) -> KvServer:
     return await make_kv_server("valkey")
 
 
+@pytest.fixture
+def make_proxy(make_kv_server: MakeKvServer, make_proxy: MakeProxy) -> MakeProxy:
+    """tests/conftest.py's, set up after the servers' factory: fixtures are torn down in
+    the reverse order, so its proxies close while the servers they use still run."""
+    return make_proxy
+
+
 MakeReplicas = Callable[..., Awaitable[Replicas]]
 
 
 @pytest.fixture
-async def make_replicas(tmp_path: Path, backend: FakeBackend) -> AsyncIterator[MakeReplicas]:
+async def make_replicas(
+    make_kv_server: MakeKvServer, tmp_path: Path, backend: FakeBackend
+) -> AsyncIterator[MakeReplicas]:
     """`await make_replicas(store_url, n=3, *extra_serve_args)`: n started `ocxproxy serve`
     replicas on that shared store in front of the fake backend; all killed at teardown."""
     made: list[Replicas] = []

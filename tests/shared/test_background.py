@@ -19,6 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.store.shared import background as shared_background
+from ocxproxy.store.shared import server as shared_server
 from ocxproxy.store.shared.background import LEASE, OUTAGE, RENEW_EVERY, SharedBackgrounds
 from ocxproxy.store.shared.keys import background_keys
 from tests.conftest import MakeProxy, ProxyHandle
@@ -666,3 +668,23 @@ async def test_a_cancel_that_beats_the_owners_end_takes_the_turn_out_of_its_conv
             model="m", input="next", conversation=conversation.id
         )
         assert after.output_text == "echo#2: next"
+
+
+async def test_replicas_whose_server_is_gone_shut_down_promptly(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grace = 0.5  # --shutdown-timeout: what the running turn is given to finish
+    async with FakeBackend() as backend:
+        proxies = await replicas(make_proxy, backend, valkey_server.url, shutdown_timeout=grace)
+        backend.stall_next(60)
+        await proxies[0].client().responses.create(model="m", input="hang", background=True)
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        valkey_server.stop()
+        # The lease and probe loops go round without a pause, so a close lands at every
+        # point of their round trips against the dead server, the moment one fails too.
+        monkeypatch.setattr(shared_background, "RENEW_EVERY", 0.0)
+        monkeypatch.setattr(shared_server, "PROBE_EVERY", 0.0)
+        await asyncio.sleep(0.2)
+        for proxy in proxies:
+            async with asyncio.timeout(grace + 4):  # (the turn's grace, then a cut)
+                await proxy.server.close()

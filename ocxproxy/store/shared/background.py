@@ -553,8 +553,9 @@ class RemoteLog(EventLog):
             while True:
                 had = len(self.events)
                 if self.read:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(woken.wait(), POLL)
+                    with contextlib.suppress(TimeoutError):  # (server.py's probing: why)
+                        async with asyncio.timeout(POLL):
+                            await woken.wait()
                     woken.clear()
                 self.read = True
                 try:

@@ -102,7 +102,8 @@ class Server:
             ):
                 continue  # answers come, or commands wait on them (a WAIT): not idle
             try:
-                await asyncio.wait_for(self.command("ping", "PING"), PING_TIMEOUT)
+                async with asyncio.timeout(PING_TIMEOUT):  # (not wait_for: see probing)
+                    await self.command("ping", "PING")
             except StorageUnavailable:
                 pass  # marked unavailable already
             except TimeoutError:
@@ -197,7 +198,11 @@ class Server:
         if wire is not None and wire.busy:  # behind other commands: the stall check's
             return await call
         try:
-            return await asyncio.wait_for(call, PING_TIMEOUT)
+            # Not asyncio.wait_for: on Python 3.11 a cancel that comes as `call` ends is
+            # lost (wait_for returns its result, or raises its error, instead), and the
+            # loop that asked, which goes on after a failed round, never stops.
+            async with asyncio.timeout(PING_TIMEOUT):
+                return await call
         except TimeoutError:
             self._down(op, TimeoutError(f"no answer within {PING_TIMEOUT:g} s"))
             raise StorageUnavailable(UNAVAILABLE) from None
