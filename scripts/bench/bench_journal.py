@@ -16,6 +16,14 @@
     python scripts/bench/bench_journal.py --checkpoint-only DIR/state [--churn 20000]
     python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--nice -10]
 
+    python scripts/bench/bench_journal.py --commit-cpu [--turns 20000] [--rounds 3]
+
+--commit-cpu times the commit path alone: --turns turns by 16 clients (chains of 100, each
+awaiting its commit) into a memory-only store and into a durable one with the fsync
+helper, in alternating rounds; per turn, the on-CPU time of this process (every thread)
+and of the helper from /proc/*/schedstat (nanoseconds: the scheduler's own account, not
+sampled ticks), durable - memory, and turns per fsync.
+
 --checkpoint-only loads a copy of DIR/state and times --rounds checkpoints (2. above);
 with --churn K, K new turns (evicting the K oldest records: sparse journal files, so
 compaction runs too) are committed before each.
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import os
 import shutil
@@ -233,6 +242,78 @@ async def restart(state: Path) -> None:
     await store.close()
 
 
+def on_cpu(pid: int) -> float:
+    """Seconds every thread of live process `pid` has run (/proc/.../schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def helpers() -> list[int]:
+    """This process's children (the fsync helper), listed under the thread that made them."""
+    me, out = os.getpid(), []
+    for task in os.listdir(f"/proc/{me}/task"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in Path(f"/proc/{me}/task/{task}/children").read_text().split()]
+    return out
+
+
+async def commit_round(state: Path | None, turns: int) -> tuple[float, float, float]:
+    """µs of CPU per turn (this process, the helper) and turns per fsync."""
+    store = Store(
+        max_resident_bytes=64 * 1024**2, max_entries=100_000, ttl=30 * 86400.0,
+        state_dir=state, fsync_child=state is not None,
+    )  # fmt: skip
+    await store.start()
+    for i in range(300):  # the journal's room allocated, the helper warm
+        await store.commit(store.put(turn(f"warm_{i}", 0), None))
+    kids, counter = helpers(), iter(range(turns))
+    commits = store.metrics.journal_commits.get()
+    cpu, helper = on_cpu(os.getpid()), sum(on_cpu(k) for k in kids)
+
+    async def client() -> None:
+        parent, depth = None, 0
+        for i in counter:
+            if depth == 100:
+                parent, depth = None, 0
+            record = store.put(turn(f"resp_{i:07d}", depth), parent)
+            await store.commit(record)
+            parent, depth = record, depth + 1
+
+    await asyncio.gather(*(client() for _ in range(16)))
+    cpu = on_cpu(os.getpid()) - cpu
+    helper = sum(on_cpu(k) for k in kids) - helper
+    commits = store.metrics.journal_commits.get() - commits
+    await store.close()
+    return cpu / turns * 1e6, helper / turns * 1e6, turns / max(commits, 1)
+
+
+async def commit_cpu(turns: int, rounds: int) -> None:
+    print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
+    got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+    for n in range(rounds):
+        for durable in (False, True) if n % 2 == 0 else (True, False):
+            with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+                state = Path(tmp) / "state" if durable else None
+                got[durable].append(await commit_round(state, turns))
+            cpu, helper, per = got[durable][-1]
+            if durable:
+                print(
+                    f"durable: {cpu:.1f} + helper {helper:.1f} µs CPU/turn, {per:.1f} turns/fsync"
+                )
+            else:
+                print(f"memory:  {cpu:.1f} µs CPU per turn")
+    memory = sum(c for c, _, _ in got[False]) / rounds
+    cpu = sum(c for c, _, _ in got[True]) / rounds
+    helper = sum(h for _, h, _ in got[True]) / rounds
+    print(
+        f"durable - memory: {cpu + helper - memory:.1f} µs per turn ({cpu - memory:.1f} in this "
+        f"process, {helper:.1f} in the helper); load average {os.getloadavg()[0]:.2f}"
+    )
+
+
 def proc_figures(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) and RSS MiB of a live process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -327,6 +408,8 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
     parser.add_argument("--checkpoint-only", metavar="DIR", help="time checkpoints of DIR")
+    parser.add_argument("--commit-cpu", action="store_true", help="the commit path's CPU")
+    parser.add_argument("--turns", type=int, default=20_000, help="--commit-cpu: per round")
     parser.add_argument("--churn", type=int, default=0, help="--checkpoint-only: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
     parser.add_argument("--rounds", type=int, default=5)
@@ -346,6 +429,9 @@ def main() -> None:
             print(raise_priority(args.nice))
         print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
         serve_rounds(Path(args.serve_only), args.python, args.rounds, bytecode=args.bytecode)
+        return
+    if args.commit_cpu:
+        asyncio.run(commit_cpu(args.turns, args.rounds))
         return
     if args.checkpoint_only:
         asyncio.run(checkpoint_only(Path(args.checkpoint_only), args.rounds, args.churn))
