@@ -386,6 +386,12 @@ def entries(metrics: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+def journal_commits(metrics: str) -> int:
+    """Journal group commits so far (ocxproxy_journal_commits_total; 0 under --zdr)."""
+    m = re.search(r"^ocxproxy_journal_commits_total (\S+)$", metrics, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
 def disk_tiers(metrics: str) -> dict[str, float]:
     return {tier: float(v) for tier, v in _STORE_BYTES.findall(metrics)}
 
@@ -536,6 +542,7 @@ class Throughput:
     window: float
     stop: float
     cpu: float = 0.0  # CPU seconds the proxy and its fsync helper used in the window
+    fsyncs: int = 0  # journal commits in the window (one write and fdatasync each)
     disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
 
     @property
@@ -559,16 +566,19 @@ async def throughput(
 ) -> Throughput:
     proxy = await start_proxy(backend, state, f"proxy-{label}", *extra)
     http = Http(proxy.child.url)
+    fsyncs = journal_commits(await proxy.metrics())
     start, cpu = time.monotonic(), family_cpu(proxy.pid)
     turns, failures = await closed_loop(http, 16, 100, seconds=args.throughput_duration)
     end, cpu = time.monotonic(), family_cpu(proxy.pid) - cpu
+    fsyncs = journal_commits(await proxy.metrics()) - fsyncs
     http.close()
     stop = proxy.stop()
     window = end - start
     progress(f"{label}: {turns / window:,.0f} turns/s in the window, graceful stop {stop:.2f} s")
     return Throughput(
-        label, turns, failures, window, stop, cpu, watch.between(start, end) if watch else []
-    )
+        label, turns, failures, window, stop, cpu, fsyncs,
+        watch.between(start, end) if watch else [],
+    )  # fmt: skip
 
 
 def family_cpu(pid: int) -> float:
@@ -639,11 +649,13 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
             disk_max(t.disk),
             f"{sum(s for s in t.disk if s > STALL):.1f}" if t.disk else "-",
             f"{t.cpu / max(1, t.turns) * 1e6:,.0f}",
+            f"{t.turns / t.fsyncs:.1f}" if t.fsyncs else "-",
         ]
         for t in tput
     ]
     headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
     headers += ["turns/s incl. stop", "disk max sync ms", "disk stalled s", "CPU µs/turn"]
+    headers += ["turns/fsync"]
     print(table(headers, rows))
     if any(t.disk for t in tput):
         print(

@@ -68,10 +68,13 @@ async def test_bench_durable_throughput_alone() -> None:
     assert "## Figures" not in out  # the other parts did not run
     rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
     assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
-    # Its last three columns: the disk canary's worst sync (ms), stalled seconds, and the
-    # CPU per turn of the proxy and its fsync helper (µs).
-    assert all(float(row[-3].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
-    assert all(float(row[-1].replace(",", "")) > 0 for row in rows if row[1].isdigit()), out
+    # Its last four columns: the disk canary's worst sync (ms), stalled seconds, the CPU
+    # per turn of the proxy and its fsync helper (µs), and turns per fsync (durable only).
+    runs = {row[0]: row for row in rows if row[1].isdigit()}
+    assert all(float(row[-4].replace(",", "")) > 0 for row in runs.values()), out
+    assert all(float(row[-2].replace(",", "")) > 0 for row in runs.values()), out
+    assert runs["--zdr"][-1] == "-", out
+    assert float(runs["durable"][-1]) >= 1, out
     assert "durable ÷ --zdr: " in out, out[-3000:]
     assert re.search(r"CPU per turn .* durable ÷ --zdr: [\d.]+x \([\d,]+ / [\d,]+ µs\)", out)
 
