@@ -563,7 +563,7 @@ class Metrics:
         self.background_lost = Counter(
             "ocxproxy_background_lost_total",
             "Background responses whose process died unfinished (found at start, or their "
-            "replica's lease lapsed): failed",
+            "replica's lease lapsed), or that the shared store lost mid-run: failed",
         )
         self.background_log_bytes = Gauge(
             "ocxproxy_background_log_bytes", "Bytes of background event logs kept"

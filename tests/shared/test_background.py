@@ -688,3 +688,49 @@ async def test_replicas_whose_server_is_gone_shut_down_promptly(
         for proxy in proxies:
             async with asyncio.timeout(grace + 4):  # (the turn's grace, then a cut)
                 await proxy.server.close()
+
+
+async def test_a_response_the_server_lost_mid_run_is_failed_counted_and_404(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    async with FakeBackend() as backend:
+        a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
+        backend.stall_next(60)
+        stream = await a.client().responses.create(
+            model="m", input="lost", background=True, stream=True
+        )
+        first = await anext(aiter(stream))
+        response_id = first.response.id
+        owners = spawn(_rest(stream), name="owner's follower")
+        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+        reading = asyncio.Event()
+        elsewhere = spawn(_follow(b, response_id, reading=reading), name="a follower on b")
+        await asyncio.wait_for(reading.wait(), 5)
+        # The server forgets it mid-run (a restart without its data, a key gone): its
+        # hash and its log, behind the replicas' back.
+        server = aioredis.from_url(valkey_server.url)
+        try:
+            gone = await server.keys(f"*{response_id}*")
+            assert len(gone) == 2
+            await server.delete(*gone)
+        finally:
+            await server.aclose()
+        # The replica running it fails it, closes its backend request, and counts it.
+        events = [first, *await asyncio.wait_for(owners, LEASE)]
+        assert events[-1].type == "response.failed"
+        assert events[-1].response.error.message.startswith("background_lost")
+        await backend.wait_for(lambda: backend.cancelled == 1)
+        assert a.metric("ocxproxy_background_lost_total") == 1
+        assert b.metric("ocxproxy_background_lost_total") == 0  # (counted once)
+        # A stream followed elsewhere ends with an `error` event, not silently.
+        followed, error = await asyncio.wait_for(elsewhere, LEASE)
+        assert 0 < len(followed) < len(events)
+        assert [e.model_dump() for e in followed] == [e.model_dump() for e in events][
+            : len(followed)
+        ]
+        assert error is not None and error.code == "server_error"
+        assert error.message.startswith("background_lost")
+        for proxy in (a, b):  # gone: a poll is a 404, OpenAI-shaped
+            with pytest.raises(openai.NotFoundError) as caught:
+                await proxy.client().responses.retrieve(response_id)
+            assert caught.value.body["code"] == "not_found"  # type: ignore[index]

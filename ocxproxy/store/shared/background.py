@@ -44,6 +44,7 @@ from ocxproxy.errors import OcxError, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
     LOG_KEPT,
+    LOST,
     STORED,
     TERMINAL,
     EventLog,
@@ -371,11 +372,22 @@ class SharedBackgrounds:
                         job.log.append(end)
                     job.log.close()
             return
-        # Refused: it ended (a cancel from another replica), or its lease went elsewhere.
+        # Refused: it ended (a cancel from another replica), its lease went elsewhere, or
+        # the server no longer has it.
         if answer[0] == b"ended":
             self._settle(key, job, answer[1].decode(), answer[2])
+        elif answer[0] == b"gone" and self.jobs.get(key) is job:
+            self._gone(key, job)
         else:
             self._settle(key, job, "failed", lost_response(job.response), lost=True)
+
+    def _gone(self, key: bytes, job: Job) -> None:
+        """The server no longer has a response this replica runs (it came back without
+        its data, or the key was deleted): failed, lost, and counted here, since no other
+        replica can claim what it does not know of."""
+        log.warning("background response %s: the shared store lost it: failed", job.id)
+        self.metrics.background_lost.inc()
+        self._settle(key, job, "failed", lost_response(job.response), lost=True)
 
     def _settle(
         self, key: bytes, job: Job, status: str, response: bytes, *, lost: bool = False
@@ -429,7 +441,9 @@ class SharedBackgrounds:
             job = self.jobs.get(key)
             if job is None or (status == b"" and job.terminal):
                 continue
-            if status.decode() in TERMINAL:
+            if status == b"":
+                self._gone(key, job)
+            elif status.decode() in TERMINAL:
                 self._settle(key, job, status.decode(), response)
             else:
                 self._settle(key, job, "failed", lost_response(job.response), lost=True)
@@ -516,9 +530,11 @@ class SharedBackgrounds:
             "LRANGE", background_log(remote.key), len(remote.events), -1
         )
         status, events = await self._read("background_read", packed, 2)
+        if status is None:  # (its running replica fails it, and counts it: _gone)
+            raise OcxError(f"{LOST}: the shared store no longer has this background response.")
         for event in events:
             remote.append(event)
-        if status is None or status.decode() in TERMINAL:
+        if status.decode() in TERMINAL:
             remote.close()
 
     @contextlib.contextmanager
