@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-_SPAN = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
+_SPANS = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
 _ONE = (1 << 30) - 1  # the largest start and end a lone item's span packs into one int
 
 _T = TypeVar("_T")
@@ -17,12 +17,17 @@ _SHARED: dict[object, object] = {}
 SHARED_MAX = 1 << 15  # distinct values kept
 
 
-# A Segment's `at`: its sid above a journal offset (up to 1 TiB) above a length (up to 4 GiB).
+# A Segment's `at`: its sid above a lone item id's span (ItemIds) above a journal offset
+# (up to 1 TiB) above a compressed length (up to 4 GiB).
 LENGTH_BITS = 32
-SID_SHIFT = LENGTH_BITS + 40
+SPAN_SHIFT = LENGTH_BITS + 40
+SID_SHIFT = SPAN_SHIFT + 60
 LENGTH_MAX = (1 << LENGTH_BITS) - 1
 OFFSET_MAX = (1 << 40) - 1
-_PLACE = (1 << SID_SHIFT) - 1
+_PLACE = (1 << SPAN_SHIFT) - 1
+_SPAN = ((1 << 60) - 1) << SPAN_SHIFT
+_NO_SPAN = ~_SPAN
+_BELOW_SID = (1 << SID_SHIFT) - 1
 
 
 def shared(value: _T) -> _T:
@@ -59,7 +64,15 @@ class ItemIds:
                 return
         last = {sys.intern(item_id): (start, end) for item_id, start, end in entries}
         self._ids = tuple(last)
-        self._spans = b"".join(_SPAN.pack(start, end) for start, end in last.values())
+        self._spans = b"".join(_SPANS.pack(start, end) for start, end in last.values())
+
+    @classmethod
+    def lone(cls, item_id: str, span: int) -> ItemIds:
+        """One id (interned already) with its span packed as one int (as `__init__` keeps
+        the usual segment's)."""
+        ids = cls.__new__(cls)
+        ids._ids, ids._spans = item_id, span
+        return ids
 
     def span(self, item_id: str) -> tuple[int, int] | None:
         """The (start, end) of the item with this id, or None."""
@@ -70,7 +83,7 @@ class ItemIds:
             at = ids.index(item_id)
         except ValueError:
             return None
-        start, end = _SPAN.unpack_from(spans, at * _SPAN.size)  # type: ignore[arg-type]
+        start, end = _SPANS.unpack_from(spans, at * _SPANS.size)  # type: ignore[arg-type]
         return start, end
 
     @property
@@ -82,7 +95,7 @@ class ItemIds:
         ids, spans = self._ids, self._spans
         if type(spans) is int:  # the usual segment (a generator over a zip costs ~4 µs)
             return iter(((ids, spans >> 30, spans & _ONE),))  # type: ignore[arg-type]
-        pairs = _SPAN.iter_unpack(spans)  # type: ignore[arg-type]
+        pairs = _SPANS.iter_unpack(spans)  # type: ignore[arg-type]
         return ((i, s, e) for i, (s, e) in zip(ids, pairs, strict=True))
 
     def __len__(self) -> int:
@@ -105,17 +118,20 @@ class Segment:
     `data` is None while the bytes live only in the journal (or were lost: `lost` then
     holds the FailureReason value that chains needing it answer with). Where the journal
     holds them: file `pack`, `length` compressed bytes at `offset` (pack -1: nowhere).
-    The journal's short name for it (`sid`), `offset` and `length` are kept as one int
-    (`at`): 100,000s of segments each save an int object and a slot (12 slots: 128 bytes).
+    The journal's short name for it (`sid`), `offset`, `length` and a lone item id's span
+    are kept as one int (`at`), and a lone item id as itself (`ids`; `item_ids` makes its
+    ItemIds when asked): 100,000s of segments each save three int objects, an ItemIds and
+    two slots (12 slots: 128 bytes).
     """
 
     __slots__ = (
-        "at", "call_ids", "data", "digest", "durable", "durable_refs", "item_ids", "lost",
+        "at", "call_ids", "data", "digest", "durable", "durable_refs", "ids", "lost",
         "n_items", "pack", "refs", "size",
     )  # fmt: skip
     data: bytes | None
     lost: str | None
-    at: int  # sid << SID_SHIFT | offset << LENGTH_BITS | length
+    at: int  # sid << SID_SHIFT | span << SPAN_SHIFT | offset << LENGTH_BITS | length
+    ids: ItemIds | str  # a lone id (its span in `at`), or the ItemIds
 
     def __init__(
         self,
@@ -175,13 +191,36 @@ class Segment:
         return self.pack >= 0
 
     @property
+    def item_ids(self) -> ItemIds:
+        """The ids of its items that carry one, with their spans."""
+        ids = self.ids
+        if type(ids) is str:
+            return ItemIds.lone(ids, (self.at & _SPAN) >> SPAN_SHIFT)
+        return ids  # type: ignore[return-value]
+
+    @item_ids.setter
+    def item_ids(self, item_ids: ItemIds) -> None:
+        spans = item_ids._spans
+        if type(spans) is int:  # a lone id: itself, its span in `at`
+            self.ids = item_ids._ids  # type: ignore[assignment]
+            self.at = self.at & _NO_SPAN | spans << SPAN_SHIFT
+        else:  # (none at all: always NO_ITEMS)
+            self.ids, self.at = item_ids if spans else NO_ITEMS, self.at & _NO_SPAN
+
+    @property
+    def item_id_list(self) -> tuple[str, ...]:
+        """The ids of `item_ids` (the item index's: no ItemIds made)."""
+        ids = self.ids
+        return (ids,) if type(ids) is str else ids.ids  # type: ignore[union-attr]
+
+    @property
     def sid(self) -> int:
         """The journal's short name for it (0: not yet named)."""
         return self.at >> SID_SHIFT
 
     @sid.setter
     def sid(self, sid: int) -> None:
-        self.at = sid << SID_SHIFT | self.at & _PLACE
+        self.at = sid << SID_SHIFT | self.at & _BELOW_SID
 
     @property
     def offset(self) -> int:

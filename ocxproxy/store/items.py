@@ -56,7 +56,7 @@ class ItemIndex:
         shards = self._shards
         for record in records:
             link = record.links
-            ids = link.segment.item_ids.ids if link is not None else ()
+            ids = link.segment.item_id_list if link is not None else ()
             scope = record.scope
             for item_id in ids:
                 shard = shards[hash(item_id) % SHARDS]
@@ -78,7 +78,7 @@ class ItemIndex:
                     table[item_id] = [{id(held): held, id(record): record}]
 
     def remove(self, record: Record) -> None:
-        ids = own.item_ids.ids if (own := record.own) is not None else ()
+        ids = own.item_id_list if (own := record.own) is not None else ()
         shards, scope, rid = self._shards, record.scope, id(record)
         for item_id in ids:
             shard = shards[hash(item_id) % SHARDS]

@@ -3,6 +3,8 @@ them (put, delete, eviction, expiry, restart)."""
 
 from __future__ import annotations
 
+import gc
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 
 from ocxproxy.continuation.record import build_turn
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import ItemIds, Record, Turn
+from ocxproxy.model import NO_CALLS, NO_ITEMS, ItemIds, Record, Segment, Turn
 from ocxproxy.store import Store
 from tests.store.helpers import Clock, inline, make_store
 
@@ -196,12 +198,31 @@ async def test_item_ids_survive_a_restart_and_resolve_from_disk(
     ],
 )
 def test_item_ids_give_back_each_span(entries: list[tuple[str, int, int]]) -> None:
-    ids = ItemIds(entries)
-    assert list(ids) == entries and len(ids) == len(entries)
-    assert ids.ids == tuple(i for i, _, _ in entries)
-    assert all(ids.span(i) == (start, end) for i, start, end in entries)
-    assert ids.span("msg_2") is None
+    segment = Segment(b"x" * 16, len(entries), NO_CALLS, durable=True, item_ids=ItemIds(entries))
+    segment.sid, segment.pack = 1 << 40, 3  # (a sid past what the packed int's other fields use)
+    segment.place((1 << 40) - 1, (1 << 32) - 1)
+    for ids in (ItemIds(entries), segment.item_ids):  # as given, and as a segment keeps them
+        assert list(ids) == entries and len(ids) == len(entries)
+        assert ids.ids == tuple(i for i, _, _ in entries) == segment.item_id_list
+        assert all(ids.span(i) == (start, end) for i, start, end in entries)
+        assert ids.span("msg_2") is None
+    assert (segment.sid, segment.offset, segment.length) == (1 << 40, (1 << 40) - 1, (1 << 32) - 1)
+    segment.item_ids = NO_ITEMS  # replaced: no span left behind, the rest kept
+    assert not segment.item_ids and segment.item_id_list == ()
+    assert (segment.sid, segment.offset, segment.length) == (1 << 40, (1 << 40) - 1, (1 << 32) - 1)
 
 
 def test_a_lone_item_id_keeps_its_span_in_one_int() -> None:
     assert type(ItemIds([("msg_1", 17, 4_000)])._spans) is int  # 32 bytes, not 64
+    # A segment keeps the id itself and the span inside its one int of places: no ItemIds,
+    # no int of its own (100,000s of segments, one per turn, each ~80 bytes less).
+    segment = Segment(
+        b"x" * 4_000, 1, NO_CALLS, durable=True, item_ids=ItemIds([("msg_1", 17, 4_000)])
+    )
+    segment.sid = 123_456
+    segment.place(9_000_000, 1_234)
+    held = gc.get_referents(segment)
+    assert "msg_1" in held and not [o for o in held if isinstance(o, ItemIds)]
+    ints = {o for o in held if type(o) is int}
+    assert segment.at in ints and not {17 << 30 | 4_000, 123_456, 9_000_000, 1_234} & ints
+    assert sys.getsizeof(segment) <= 128

@@ -137,13 +137,13 @@ def restore_segment(
     segment.size = shared(size)
     segment.n_items = n_items
     segment.call_ids = frozenset(ids) if ids else NO_CALLS
-    segment.item_ids = item_spans(items, size) if items else NO_ITEMS
     segment.durable = True
     if type(length) is not int:
         length = int(length)
     if not (0 <= offset <= OFFSET_MAX and 0 <= length <= LENGTH_MAX and sid >= 0):
         raise ValueError("bad segment row")
     segment.at = sid << SID_SHIFT | offset << LENGTH_BITS | length
+    segment.item_ids = item_spans(items, size) if items else NO_ITEMS  # (after `at`: its span)
     segment.pack = pack
     segment.lost = None
     segment.refs = segment.durable_refs = 0

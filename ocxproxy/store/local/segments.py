@@ -17,7 +17,7 @@ from typing import Any
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import NO_ITEMS, Record, Segment
 from ocxproxy.store.local import codec
 from ocxproxy.store.local.codec import SEG, Loaded
 from ocxproxy.store.local.committer import Committer, Offload, Outcome
@@ -72,7 +72,7 @@ class SegmentTable:
         if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
             existing.data = segment.data
             existing.lost = None
-        if not existing.item_ids:
+        if existing.ids is NO_ITEMS:
             existing.item_ids = segment.item_ids
         self._admit(existing)
         return existing
