@@ -38,8 +38,7 @@ class Warm:
         return sorted(p.name for p in self.directory.iterdir() if p.name.endswith(".kv"))
 
     async def settled(self) -> None:
-        while self.saves.tasks:
-            await asyncio.wait(list(self.saves.tasks))
+        await settled(self.saves)
 
     def restart(self) -> None:
         """The backend starts again: a new identity, an empty cache (the embedded
@@ -50,6 +49,27 @@ class Warm:
 
     def metric(self, name: str, **labels: str) -> float:
         return self.proxy.metric(name, **labels)
+
+
+async def settled(saves: KvSaves) -> None:
+    """Until the saves under way are written."""
+    while saves.tasks:
+        await asyncio.wait(list(saves.tasks))
+
+
+async def saved_first_turn(proxy: ProxyHandle, directory: Path) -> tuple[str, str]:
+    """A chain's first turn through `proxy` (with --kv-save-dir `directory`), once its save
+    is written: the turn's id and the save's file name (the only one there)."""
+    saves = proxy.proxy.kv_saves
+    assert saves is not None
+    first = await proxy.client().responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
+    await settled(saves)
+    return first.id, the_save(directory)
+
+
+def the_save(directory: Path) -> str:
+    (name,) = (p.name for p in directory.glob("*.kv"))
+    return name
 
 
 async def warm_proxy(
@@ -244,17 +264,13 @@ async def test_an_external_llama_server_with_slot_saves_is_detected_and_used(
         proxy = await make_proxy(fake.url, kv_save_dir=directory, kv_save_every=100)
         saves = proxy.proxy.kv_saves
         assert saves is not None and list(saves.backends) == [fake.url]
-        client = proxy.client()
-        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
-        while saves.tasks:
-            await asyncio.wait(list(saves.tasks))
-        assert len(list(directory.glob("*.kv"))) == 1
+        first, _ = await saved_first_turn(proxy, directory)
         fleet = proxy.proxy.pool.fleet
         (backend,) = fleet.backends
         fleet.mark_down(backend, "restarting")  # what the health probe sees of a restart
         fleet.mark_up(backend)
         fake.forget_cache()
-        await client.responses.create(model="m", input="again", previous_response_id=first.id)
+        await proxy.client().responses.create(model="m", input="again", previous_response_id=first)
         assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
         assert proxy.metric("ocxproxy_cache_miss_total", reason="backend_restarted") == 0
 
@@ -279,14 +295,11 @@ async def test_a_chain_whose_backend_is_down_is_restored_on_another_of_the_fleet
         saves = proxy.proxy.kv_saves
         assert saves is not None and set(saves.backends) == {one.url, two.url}
         client = proxy.client()
-        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
-        while saves.tasks:
-            await asyncio.wait(list(saves.tasks))
+        first, name = await saved_first_turn(proxy, directory)
         home, other = (one, two) if one.responses_seen else (two, one)
         assert [a[0] for a in chain_actions(home)] == ["save"] and chain_actions(other) == []
-        (name,) = (p.name for p in directory.glob("*.kv"))
         await home.close()  # the chain's home is down: affinity sends it elsewhere
-        await client.responses.create(model="m", input="again", previous_response_id=first.id)
+        await client.responses.create(model="m", input="again", previous_response_id=first)
         assert chain_actions(other)[0] == ("restore", name, 0)  # before the turn it served
         (turn,) = other.responses_seen
         assert turn.body.startswith(b'{"id_slot":0,')
@@ -294,7 +307,7 @@ async def test_a_chain_whose_backend_is_down_is_restored_on_another_of_the_fleet
         assert proxy.metric("ocxproxy_cache_miss_total", reason="rerouted") == 0
         restores = [a for a in chain_actions(other) if a[0] == "restore"]
         second = await client.responses.create(
-            model="m", input="and again", previous_response_id=first.id
+            model="m", input="and again", previous_response_id=first
         )
         assert second.id and [a for a in chain_actions(other) if a[0] == "restore"] == restores
 
@@ -320,26 +333,23 @@ async def test_a_restore_that_did_not_take_on_one_backend_leaves_the_save_to_the
         saves = proxy.proxy.kv_saves
         assert saves is not None
         client = proxy.client()
-        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
-        while saves.tasks:
-            await asyncio.wait(list(saves.tasks))
+        first, name = await saved_first_turn(proxy, directory)
         home, other = (one, two) if one.responses_seen else (two, one)
         other.restores = False  # says it restored, and did not
-        (name,) = (p.name for p in directory.glob("*.kv"))
         fleet = proxy.proxy.pool.fleet
         served = next(b for b in fleet.backends if b.url == home.url)
         await home.close()
         await fleet.wait_for(lambda: not served.healthy, within=10)
         await client.responses.create(
-            model="m", input="elsewhere", previous_response_id=first.id, store=False
+            model="m", input="elsewhere", previous_response_id=first, store=False
         )
         assert chain_actions(other)[0] == ("restore", name, 0)
         assert proxy.metric("ocxproxy_kv_restores_total", outcome="failed") == 1
         assert [p.name for p in directory.glob("*.kv")] == [name]  # kept for its home
-        assert saves.saved_for(first.id, other.url) is None  # not tried there again
+        assert saves.saved_for(first, other.url) is None  # not tried there again
         await again.start(port=int(home.url.rsplit(":", 1)[1]))
         await fleet.wait_for(lambda: served.healthy, within=10)
-        await client.responses.create(model="m", input="home", previous_response_id=first.id)
+        await client.responses.create(model="m", input="home", previous_response_id=first)
         assert chain_actions(again)[0] == ("restore", name, 0)
         assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == 1
     finally:
@@ -360,15 +370,10 @@ async def test_an_external_server_restarted_between_two_probes_is_noticed_before
         proxy = await make_proxy(
             old.url, kv_save_dir=directory, kv_save_every=100, health_interval=60
         )
-        saves = proxy.proxy.kv_saves
-        assert saves is not None
         client = proxy.client()
-        first = await client.responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
-        while saves.tasks:
-            await asyncio.wait(list(saves.tasks))
-        (name,) = (p.name for p in directory.glob("*.kv"))
+        first, name = await saved_first_turn(proxy, directory)
         second = await client.responses.create(
-            model="m", input="the same process", previous_response_id=first.id
+            model="m", input="the same process", previous_response_id=first
         )
         assert chain_actions(old) == [("save", name + ".part", 1)]  # nothing restored
         await old.close()  # a new process on its port before the probe looks again
@@ -404,18 +409,11 @@ async def test_an_external_servers_kv_cache_types_are_in_the_fingerprint(
     async with FakeBackend(slot_dir=directory) as fake:
         settings = {"kv_save_dir": directory, "kv_save_every": 100, "state_dir": state}
         before = await make_proxy(fake.url, **settings)  # llama.cpp's default types
-        saves = before.proxy.kv_saves
-        assert saves is not None
-        first = await before.client().responses.create(model="m", input=FIRST)  # type: ignore[arg-type]
-        while saves.tasks:
-            await asyncio.wait(list(saves.tasks))
-        (name,) = (p.name for p in directory.glob("*.kv"))
+        first, name = await saved_first_turn(before, directory)
         await before.server.close()
         fake.forget_cache()  # its operator started it again, with `types` this time
         proxy = await make_proxy(fake.url, kv_cache_types=types, **settings)
-        await proxy.client().responses.create(
-            model="m", input="after", previous_response_id=first.id
-        )
+        await proxy.client().responses.create(model="m", input="after", previous_response_id=first)
         assert proxy.metric("ocxproxy_kv_restores_total", outcome="ok") == int(restored)
         mismatch = proxy.metric("ocxproxy_kv_restores_total", outcome="fingerprint_mismatch")
         assert mismatch == int(not restored)
