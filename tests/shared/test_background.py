@@ -523,6 +523,22 @@ async def _rest(stream: Any) -> list[Any]:
     return [event async for event in stream]
 
 
+async def _run_followed(
+    backend: FakeBackend, a: ProxyHandle, b: ProxyHandle, text: str
+) -> tuple[Any, asyncio.Task[list[Any]], asyncio.Task[tuple[list[Any], openai.APIError | None]]]:
+    """A streamed background response created on `a`, running at the backend: its first
+    event, the rest of that stream, and a stream of it followed on `b` (both tasks; the
+    one on `b` has had its first event)."""
+    stream = await a.client().responses.create(model="m", input=text, background=True, stream=True)
+    first = await anext(aiter(stream))
+    owners = spawn(_rest(stream), name="owner's follower")
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    reading = asyncio.Event()
+    elsewhere = spawn(_follow(b, first.response.id, reading=reading), name="a follower on b")
+    await asyncio.wait_for(reading.wait(), 5)
+    return first, owners, elsewhere
+
+
 async def _poll_while_down(proxy: ProxyHandle, response_id: str) -> None:
     """A poll while the server is down: 503, OpenAI-shaped, `storage_unavailable`."""
     with pytest.raises(openai.InternalServerError) as caught:
@@ -537,16 +553,8 @@ async def test_a_server_restart_mid_run_ends_it_completed_or_failed_never_runnin
 ) -> None:
     async with FakeBackend(delay=0.15) as backend:  # (a turn of a second or two)
         a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
-        stream = await a.client().responses.create(
-            model="m", input="through a restart", background=True, stream=True
-        )
-        first = await anext(aiter(stream))
+        first, following, elsewhere = await _run_followed(backend, a, b, "through a restart")
         response_id = first.response.id
-        following = spawn(_rest(stream), name="owner's follower")
-        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
-        reading = asyncio.Event()
-        elsewhere = spawn(_follow(b, response_id, reading=reading), name="a follower on b")
-        await asyncio.wait_for(reading.wait(), 5)
         valkey_server.kill9()
         await _poll_while_down(b, response_id)
         # The replica running it answers what it knows: running (an end only once taken).
@@ -705,16 +713,8 @@ async def test_a_response_the_server_lost_mid_run_is_failed_counted_and_404(
     async with FakeBackend() as backend:
         a, b = await replicas(make_proxy, backend, valkey_server.url, 2)
         backend.stall_next(60)
-        stream = await a.client().responses.create(
-            model="m", input="lost", background=True, stream=True
-        )
-        first = await anext(aiter(stream))
+        first, owners, elsewhere = await _run_followed(backend, a, b, "lost")
         response_id = first.response.id
-        owners = spawn(_rest(stream), name="owner's follower")
-        await backend.wait_for(lambda: len(backend.responses_seen) == 1)
-        reading = asyncio.Event()
-        elsewhere = spawn(_follow(b, response_id, reading=reading), name="a follower on b")
-        await asyncio.wait_for(reading.wait(), 5)
         # The server forgets it mid-run (a restart without its data, a key gone): its
         # hash and its log, behind the replicas' back.
         server = aioredis.from_url(valkey_server.url)
