@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +19,7 @@ import orjson
 
 from tests.fakes.backend import FakeBackend
 from tests.serve import Serve, create
+from tests.store.traffic import delete, until_the_proxy_goes
 
 ROUNDS = 5
 FULL_LOAD_ROUND = 2  # this round's traffic is closed loop, as fast as the proxy answers
@@ -121,24 +123,13 @@ async def drive(
             if not old:
                 continue
             rid = rng.choice(old)
-            ledger.uncertain.add(rid)
-            async with http.delete(f"{url}/v1/responses/{rid}") as r:
-                assert r.status == 200, await r.text()
-                await r.read()
-            ledger.uncertain.discard(rid)
+            await delete(http, url, rid, ledger.uncertain)
             ledger.deleted.add(rid)
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
-        try:
-            async with asyncio.TaskGroup() as group:
-                for chain in chains:
-                    group.create_task(one_chain(chain, http))
-                group.create_task(deleter(http))
-        except* (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
-            pass  # the proxy was killed
-        finally:
-            ledger.per_round.append(round_acked)
+    try:
+        await until_the_proxy_goes([*(partial(one_chain, c) for c in chains), deleter])
+    finally:
+        ledger.per_round.append(round_acked)
 
 
 async def verify(

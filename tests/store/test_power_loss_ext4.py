@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -54,6 +55,7 @@ import pytest
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import top_level_span
 from tests.serve import ROOT, Serve
+from tests.store.traffic import delete, until_the_proxy_goes
 
 WINDOW = 2.0 + 2.0  # relaxed: --snapshot-delay, plus two journal writes on a disk that stalls
 IMAGE_BYTES = 256 * 1024**2
@@ -385,23 +387,13 @@ async def drive(
             if not old:
                 continue
             rid = rng.choice(old)
-            ledger.uncertain.add(rid)
-            async with http.delete(f"{url}/v1/responses/{rid}") as r:
-                assert r.status == 200, await r.text()
-                await r.read()
-            ledger.uncertain.discard(rid)
+            await delete(http, url, rid, ledger.uncertain)
             ledger.deleted[rid] = time.monotonic()
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        try:
-            async with asyncio.TaskGroup() as group:
-                for chain in chains:
-                    group.create_task(one_chain(chain, http))
-                group.create_task(deleter(http))
-        except* (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
-            pass  # the proxy was killed
-        finally:
-            ledger.per_round.append(count[0])
+    try:
+        await until_the_proxy_goes([*(partial(one_chain, c) for c in chains), deleter])
+    finally:
+        ledger.per_round.append(count[0])
 
 
 def last_user_text(body: bytes) -> str:
