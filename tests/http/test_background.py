@@ -410,6 +410,16 @@ async def _hold_the_turns_commit(
     return held, release
 
 
+async def _cancel_once_held(
+    client: openai.AsyncOpenAI, response_id: str, held: asyncio.Event, release: asyncio.Event
+) -> None:
+    """Once the turn's commit is held (the turn stored, appended, its key completed), a
+    cancel, which so wins against the turn's end; then the commit goes on."""
+    await asyncio.wait_for(held.wait(), 5)
+    assert (await client.responses.cancel(response_id)).status == "cancelled"
+    release.set()
+
+
 async def test_a_cancel_that_beats_the_turns_end_is_what_an_idempotent_retry_gets(
     make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -421,10 +431,7 @@ async def test_a_cancel_that_beats_the_turns_end_is_what_an_idempotent_retry_get
         created = await client.responses.create(
             model="m", input="race", background=True, extra_headers=headers
         )
-        await asyncio.wait_for(held.wait(), 5)  # the turn is stored, its key completed
-        cancelled = await client.responses.cancel(created.id)
-        assert cancelled.status == "cancelled"
-        release.set()
+        await _cancel_once_held(client, created.id, held, release)
         assert (await client.responses.retrieve(created.id)).status == "cancelled"
         again = await client.responses.create(
             model="m", input="race", background=True, extra_headers=headers
@@ -444,9 +451,7 @@ async def test_a_cancel_that_beats_the_turns_end_takes_it_out_of_its_conversatio
         created = await client.responses.create(
             model="m", input="race", conversation=conversation.id, background=True
         )
-        await asyncio.wait_for(held.wait(), 5)  # the turn is appended to the conversation
-        assert (await client.responses.cancel(created.id)).status == "cancelled"
-        release.set()
+        await _cancel_once_held(client, created.id, held, release)
         items = [i async for i in client.conversations.items.list(conversation.id, order="asc")]
         assert [item.content[0].text for item in items] == ["hi"]  # type: ignore[union-attr]
         after = await client.responses.create(model="m", input="next", conversation=conversation.id)
@@ -465,9 +470,7 @@ async def test_a_streamed_idempotent_retry_of_one_a_cancel_won_ends_with_respons
             model="m", input="race", background=True, stream=True, extra_headers=headers
         )
         first = await anext(aiter(stream))
-        await asyncio.wait_for(held.wait(), 5)  # the turn is stored, its key completed
-        assert (await client.responses.cancel(first.response.id)).status == "cancelled"
-        release.set()
+        await _cancel_once_held(client, first.response.id, held, release)
         assert [e.type async for e in stream][-1] == "response.cancelled"
         again = await client.responses.create(
             model="m", input="race", background=True, stream=True, extra_headers=headers
