@@ -259,8 +259,6 @@ async def _run(
         exchange.release()
         if exchange.idempotency_key is not None:
             idempotency.end(proxy, exchange.idempotency_key)
-        if job.terminal and job.status not in STORED and job.parent is not None:
-            spawn(_keep_whole_ended(proxy, job), name=f"background-input-{job.id}")
     if job.status not in STORED:  # (a completed one is the store's: its line can wait)
         await _write_end(proxy, job)
 
@@ -347,21 +345,6 @@ async def input_history(proxy: Proxy, job: Job, kept: Inputs) -> list[bytes]:
                 f"response it continued, '{parent}', was deleted or has expired."
             ) from None
     return [*history, own] if own else history
-
-
-async def _keep_whole_ended(proxy: Proxy, job: Job) -> None:
-    """A failed or cancelled response keeps its whole input, written after its end (not
-    in its answer's way): the store never holds its turn, and it is kept `--ttl` from
-    its end, longer than the response it continued may be (expired, evicted)."""
-    parent, own = job.parent, job.inputs
-    if parent is None or own is None:
-        return
-    try:
-        history = await input_history(proxy, job, (parent, own))
-        await proxy.backgrounds.keep_whole(job, parent, b",".join(history))
-        await proxy.backgrounds.commit()
-    except (OcxError, StoreFailure, OSError) as error:  # (it keeps its parent's id)
-        log.warning("background response %s: its whole input not kept: %s", job.id, error)
 
 
 async def keep_inputs_past(proxy: Proxy, scope: str, response_id: str) -> None:
