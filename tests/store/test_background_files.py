@@ -344,3 +344,27 @@ async def test_input_items_are_kept_as_its_own_and_its_parent_and_an_earlier_who
     again = await third.get("scope", "resp_2")
     assert again is not None and await third.inputs(again) == kept
     await third.close()
+
+
+async def test_a_whole_input_kept_after_its_delete_does_not_bring_it_back(
+    tmp_path: Path,
+) -> None:
+    """A failed or cancelled response's whole input is kept after its end, off its answer's
+    path: a DELETE that lands first wins, and a restart does not bring the response back."""
+    first = book(tmp_path)
+    await first.load()
+    ended = job(1)
+    ended.inputs, ended.parent = b'{"role":"user","content":"own"}', "resp_parent"
+    first.open(ended)
+    first.moved(ended, "cancelled", response("resp_1", "cancelled"))
+    first.drop(ended)
+    await first.commit()
+    await first.keep_whole(ended, "resp_parent", b'{"role":"user","content":"whole"}')
+    await first.commit()
+    assert await first.get("scope", "resp_1") is None
+    await first.close()
+
+    second = book(tmp_path)
+    await second.load()
+    assert await second.get("scope", "resp_1") is None
+    await second.close()

@@ -142,8 +142,8 @@ class LocalBackgrounds:
         ]
 
     async def keep_whole(self, job: Job, parent: str, inputs: bytes) -> None:
-        if job.parent != parent:
-            return
+        if job.parent != parent or self.jobs.get((job.scope, job.id)) is not job:
+            return  # (its turn stored meanwhile, or it was deleted: a line would revive it)
         job.inputs, job.parent, job.parent_record = inputs, None, None
         self._journal(job, job.response, inputs=True)
 
