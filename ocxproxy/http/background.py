@@ -265,12 +265,13 @@ async def _run(
 
 async def _write_end(proxy: Proxy, job: Job) -> None:
     """The end of a run, written. A store that cannot take it leaves the response to
-    its lease (another replica fails it, or the next start does): the run ends all the
-    same, rather than with an error no one awaits."""
+    its lease (another replica fails it, or the next start does; a journal that could
+    not be written: the next start): the run ends all the same, rather than with an
+    error no one awaits."""
     try:
         await proxy.backgrounds.commit()
-    except StorageUnavailable:
-        log.warning("background response %s: its end could not be written", job.id)
+    except (StorageUnavailable, OSError) as error:
+        log.warning("background response %s: its end could not be written: %s", job.id, error)
 
 
 async def _take_back(proxy: Proxy, exchange: Exchange, job: Job) -> None:

@@ -5,6 +5,7 @@ resume after any event, cancel stops the backend request, store:false is refused
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 import uuid
 from pathlib import Path
@@ -550,3 +551,29 @@ async def test_input_items_after_the_parent_is_deleted_are_still_whole(
         assert [item.content[0].text for item in items.data] == expected  # type: ignore[union-attr]
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
+
+
+async def test_a_run_whose_end_the_disk_refuses_ends_without_an_error_no_one_awaits(
+    make_proxy: MakeProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The end of a run cannot be journaled (the disk is full): the run still ends, its
+    failure logged, rather than with an OSError that no one awaits."""
+    backend = FakeBackend()
+    await backend.start()
+    proxy = await make_proxy(backend.url, state_dir=tmp_path / "state")
+    backend.stall_next(60)
+    created = await proxy.client().responses.create(model="m", input="x", background=True)
+    await backend.wait_for(lambda: len(backend.responses_seen) == 1)
+    book = proxy.proxy.backgrounds
+    (job,) = [job for job in book.jobs.values() if job.id == created.id]  # type: ignore[attr-defined]
+    task = job.task
+    assert task is not None
+
+    async def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(book, "commit", full)
+    await backend.close()  # the backend goes: the run fails, and its end is not written
+    await asyncio.wait([task], timeout=10)
+    assert task.done() and job.status == "failed"
+    assert task.exception() is None
