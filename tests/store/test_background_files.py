@@ -349,8 +349,9 @@ async def test_input_items_are_kept_as_its_own_and_its_parent_and_an_earlier_who
 async def test_a_whole_input_kept_after_its_delete_does_not_bring_it_back(
     tmp_path: Path,
 ) -> None:
-    """A failed or cancelled response's whole input is kept after its end, off its answer's
-    path: a DELETE that lands first wins, and a restart does not bring the response back."""
+    """A DELETE of the response a background one continues keeps that one's whole input
+    after reading its chain: a DELETE of the background one that lands meanwhile wins, and
+    a restart does not bring it back."""
     first = book(tmp_path)
     await first.load()
     ended = job(1)
