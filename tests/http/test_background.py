@@ -577,3 +577,32 @@ async def test_a_run_whose_end_the_disk_refuses_ends_without_an_error_no_one_awa
     await asyncio.wait([task], timeout=10)
     assert task.done() and job.status == "failed"
     assert task.exception() is None
+
+
+async def test_once_it_ended_the_process_that_ran_it_no_longer_holds_its_parent(
+    make_proxy: MakeProxy,
+) -> None:
+    """A cancelled one's chain is read from the store like any other's: once the response
+    it continued is evicted, input_items is a 404 naming it on the process that ran it too
+    (which no longer pins that response's chain in memory for --ttl)."""
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, max_entries=2)
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="first")
+        backend.stall_next(60)
+        created = await client.responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+        items = await client.responses.input_items.list(created.id, order="asc")
+        assert [item.content[0].text for item in items.data] == [  # type: ignore[union-attr]
+            "first", "echo#1: first", "second"
+        ]  # fmt: skip
+        assert (await client.responses.cancel(created.id)).status == "cancelled"
+        for n in range(3):  # the entry cap pushes the first response out
+            await client.responses.create(model="m", input=f"other {n}")
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.responses.input_items.list(created.id)
+        assert first.id in caught.value.message

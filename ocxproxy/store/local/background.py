@@ -170,6 +170,7 @@ class LocalBackgrounds:
         if status in TERMINAL:
             job.ended = time.time()
             job.task = None
+            job.parent_record = None  # (ended: its chain is read from the store, as anywhere)
             self._running.pop(job.id, None)
             if job.log is not None:
                 job.log.close()

@@ -284,6 +284,7 @@ class SharedBackgrounds:
     def _ended(self, job: Job, *, close: bool = True) -> None:
         job.ended = time.time()
         job.task = None
+        job.parent_record = None  # (ended: its chain is read from the store, as anywhere)
         if close and job.log is not None:
             job.log.close()
 
