@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.store.background import LOG_KEPT, Job
 from ocxproxy.store.shared import background as shared_background
 from ocxproxy.store.shared import server as shared_server
 from ocxproxy.store.shared.background import LEASE, OUTAGE, RENEW_EVERY, SharedBackgrounds
@@ -734,3 +735,33 @@ async def test_a_response_the_server_lost_mid_run_is_failed_counted_and_404(
             with pytest.raises(openai.NotFoundError) as caught:
                 await proxy.client().responses.retrieve(response_id)
             assert caught.value.body["code"] == "not_found"  # type: ignore[index]
+
+
+async def test_one_whose_open_and_stored_end_go_in_one_write_leaves_the_set_alone(
+    make_proxy: MakeProxy, valkey_server: KvServer
+) -> None:
+    """The set of the background responses continuing a response lives for --ttl: one
+    whose first write also carries its stored end (written together after a retry)
+    needs no place in it, and does not cut the set's life to an event log's."""
+    async with FakeBackend() as backend:
+        (a,) = await replicas(make_proxy, backend, valkey_server.url, 1)
+        book = a.proxy.backgrounds
+        assert isinstance(book, SharedBackgrounds)
+        queued = orjson.dumps({"id": "x", "status": "queued", "background": True})
+        kept = Job("resp_kept", "scope", "queued", queued, False, inputs=b'"own"', parent="resp_p")
+        book.open(kept)
+        await book.commit()
+        done = Job("resp_done", "scope", "queued", queued, False, inputs=b'"own"', parent="resp_p")
+        book.open(done)
+        book.moved(done, "completed", orjson.dumps({"id": "resp_done", "status": "completed"}))
+        await book.commit()
+        server = aioredis.from_url(valkey_server.url)
+        try:
+            (entry,) = [k async for k in server.scan_iter(match=b"*presp_p")]
+            assert await server.smembers(entry) == {b"resp_kept"}
+            assert await server.pttl(entry) > LOG_KEPT * 1000 * 2
+        finally:
+            await server.aclose()
+        for job in (kept, done):
+            book.drop(job)
+        await book.commit()

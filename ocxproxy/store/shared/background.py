@@ -347,13 +347,16 @@ class SharedBackgrounds:
         keys: tuple[bytes, ...] = (
             key, self.running_key, self.ended_key, self.sizes_key, self.total_key
         )  # fmt: skip
-        if change.parent:
-            keys += (self.keys(job.scope).continuing(change.parent),)
+        # (a stored end in the same write: no input to keep, so no place in the set,
+        # whose life would be cut to the log's)
+        parent = change.parent if change.status not in STORED else ""
+        if parent:
+            keys += (self.keys(job.scope).continuing(parent),)
         args = (
             change.mode, self.token, change.start, change.status, change.response,
             int(LEASE * 1000), int(LOG_KEPT * 1000), int(kept * 1000), self.log_bytes,
             self.channel, job.id, job.scope, "1" if job.stream else "0", change.inputs,
-            change.parent, *change.events,
+            parent, *change.events,
         )  # fmt: skip
         sha = SHAS["background_write"]
         answer = await self.server.write(
