@@ -102,6 +102,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "prompt_cache_key": (str, _NONE),
 }
 _COMPLETED_AT = frozenset(("completed_at",))
+_RULED = frozenset(("object", "completed_at", "model", "usage", "text", "reasoning", "tools"))
 _STATIC_DEFAULTS = {**_FIXED, **{name: default for name, (_, default) in _ECHOED.items()}}
 _NAMES = tuple(_TYPES)
 _REQUIRED = frozenset(_NAMES)
@@ -122,13 +123,15 @@ class _Plan:
     """For a Response with these members: the required ones it lacks (completed_at
     apart: its value depends on the Response) and those it has."""
 
-    __slots__ = ("completed_at", "missing", "present")
+    __slots__ = ("completed_at", "given", "missing", "present")
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         missing = _REQUIRED.difference(keys)
         self.completed_at = "completed_at" in missing
         self.missing = missing - _COMPLETED_AT
         self.present = tuple(name for name in _NAMES if name not in missing)
+        # Those whose values have rules their types do not say (Envelope._check_values)
+        self.given = _RULED.intersection(self.present)
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
@@ -162,46 +165,24 @@ _FILLS: dict[tuple[Any, ...], _Fill] = {}
 _FILLS_KEPT = 64
 
 
-def _fill_of(envelope: Envelope, missing: frozenset[str]) -> _Fill:
-    """The _Fill of `missing` for the envelope's request: one built for an earlier
-    request with the same values for what it fills in, else a new one."""
-    request = envelope._request
-    if request is None:
-        body = envelope._body
-        given = _FROM_REQUEST.intersection(body)
-        try:
-            values = orjson.dumps([[name, body[name]] for name in sorted(given)]) if given else b""
-        except orjson.JSONEncodeError:  # (not from JSON): its own
-            values = None
-        request = envelope._request = envelope._shown_model(), values
-    if request[1] is None:
-        return _Fill(envelope, missing)
-    key = (missing, request)
-    fill = _FILLS.get(key)
-    if fill is None:
-        fill = _Fill(envelope, missing)
-        if len(_FILLS) >= _FILLS_KEPT:
-            _FILLS.clear()
-        _FILLS[key] = fill
-    return fill
-
-
 class Patch:
     """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
     request's or default values shared by the turn's Responses, their bytes `encoded`
     once per turn, then a `completed_at` decided per Response; `inserted`, the few other
     members decided per Response), ids set where they were null, and whether anything
-    else changed (then the object is re-encoded)."""
+    else changed (then the object is re-encoded). Its members are the class's until set
+    (a Patch is made for every Response: no __init__ to run); `inserted` and `ids` are
+    replaced, never changed in place, as they are shared until then."""
 
-    __slots__ = ("encoded", "filled", "ids", "inserted", "plan", "rewrite")
+    plan: _Plan | None = None
+    filled: dict[str, Any] = _NO_MEMBERS
+    encoded = b""
+    inserted: dict[str, Any] = _NO_MEMBERS
+    ids: tuple[str, ...] = ()
+    rewrite = False
 
-    def __init__(self) -> None:
-        self.plan: _Plan | None = None
-        self.filled: dict[str, Any] = _NO_MEMBERS
-        self.encoded = b""
-        self.inserted: dict[str, Any] = {}
-        self.ids: list[str] = []
-        self.rewrite = False
+    def insert(self, name: str, value: Any) -> None:
+        self.inserted = {**self.inserted, name: value}
 
 
 class Envelope:
@@ -215,7 +196,6 @@ class Envelope:
         "_fills",
         "_inserts",
         "_pinned",
-        "_request",
         "_served_models",
     )
 
@@ -233,14 +213,12 @@ class Envelope:
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
         self._served_models = served_models
         self._created_at = created_at  # (now, when first needed)
-        # The model shown and the request's own values of what is filled in, encoded
-        # (None: not from JSON): what a _Fill is shared by, when first needed.
-        self._request: tuple[str, bytes | None] | None = None
         self._pinned: dict[str, Any] | None = None  # members that win over the backend's
         self._defaults: dict[str, Any] | None = None  # built when a member is invalid
         # What each set of missing members is filled with (a backend leaves out the same
-        # ones in each of a turn's Responses): its shared _Fill, and the turn's bytes.
-        self._fills: dict[frozenset[str], tuple[_Fill, bytes]] | None = None
+        # ones in each of a turn's Responses): its shared _Fill, the turn's bytes, and
+        # those of its members that are the turn's own.
+        self._fills: dict[frozenset[str], tuple[_Fill, bytes, dict[str, Any]]] | None = None
         # A pending event's members, by what decides them (_Seen.members).
         self._inserts: dict[tuple[Any, ...], bytes | None] | None = None
 
@@ -260,19 +238,24 @@ class Envelope:
         patch = Patch()
         shape = tuple(response), tuple(map(type, response.values()))
         plan = patch.plan = _VALID.get(shape) or self._checked(response, shape, patch, final)
+        encoded = b""
         if plan.missing:
-            fill = self._filled(plan.missing, patch)
+            fill, encoded, per_turn = self._fill(plan.missing)
+            patch.filled = fill.members
             response.update(fill.members)
-            if fill.created_at:
-                response["created_at"] = self._created()
-            if fill.previous:
-                response["previous_response_id"] = self._previous()
+            if per_turn:
+                response.update(per_turn)
         if plan.completed_at:  # (its bytes after the filled ones, as in a pending event)
-            value = int(time.time()) if final and response.get("status") == "completed" else None
-            response["completed_at"] = value
-            stamp = b'"completed_at":null' if value is None else b'"completed_at":%d' % value
-            patch.encoded = patch.encoded + b"," + stamp if patch.encoded else stamp
-        self._check_values(response, patch, final)
+            if final and response.get("status") == "completed":
+                value = response["completed_at"] = int(time.time())
+                stamp = b'"completed_at":%d' % value
+            else:
+                response["completed_at"] = None
+                stamp = b'"completed_at":null'
+            encoded = b"".join((encoded, b",", stamp)) if encoded else stamp
+        patch.encoded = encoded
+        if plan.given or self._echo is not None or self._pinned is not None:
+            self._check_values(response, patch, final, plan.given)
         return patch
 
     def _checked(
@@ -300,29 +283,57 @@ class Envelope:
 
     def _filled(self, missing: frozenset[str], patch: Patch) -> _Fill:
         """The members `missing` is filled with, set in `patch` with their bytes."""
-        fill, patch.encoded = self._fill(missing)
+        fill, patch.encoded, _ = self._fill(missing)
         patch.filled = fill.members
         return fill
 
-    def _fill(self, missing: frozenset[str]) -> tuple[_Fill, bytes]:
-        """The members `missing` is filled with, and the turn's bytes of them."""
+    def _fill(self, missing: frozenset[str]) -> tuple[_Fill, bytes, dict[str, Any]]:
+        """The members `missing` is filled with, the turn's bytes of them, and those of
+        them that are the turn's own (`created_at`, `previous_response_id`)."""
         fills = self._fills
         done = fills.get(missing) if fills is not None else None
         if done is None:
-            fill = _fill_of(self, missing)
-            turn = fill.encoded
-            if fill.previous:
-                previous = b'"previous_response_id":' + orjson.dumps(self._previous())
-                turn = previous + b"," + turn if turn else previous
-            if fill.created_at:
-                created_at = b'"created_at":%d' % self._created()
-                turn = created_at + b"," + turn if turn else created_at
-            done = fill, turn
+            fill = self._shared_fill(missing)
+            parts: list[bytes] = []
+            per_turn: dict[str, Any] = _NO_MEMBERS
+            if fill.created_at or fill.previous:
+                per_turn = {}
+                if fill.created_at:
+                    per_turn["created_at"] = created_at = self._created()
+                    parts.append(b'"created_at":%d' % created_at)
+                if fill.previous:
+                    per_turn["previous_response_id"] = previous = self._previous()
+                    parts.append(b'"previous_response_id":' + orjson.dumps(previous))
+            if fill.encoded:
+                parts.append(fill.encoded)
+            done = fill, b",".join(parts), per_turn
             if fills is None:
                 self._fills = {missing: done}
             else:
                 fills[missing] = done
         return done
+
+    def _shared_fill(self, missing: frozenset[str]) -> _Fill:
+        """The _Fill of `missing` for this request: one built for an earlier request with
+        the same values for what it fills in, else a new one."""
+        body = self._body
+        given = _FROM_REQUEST.intersection(body)
+        if given:
+            try:
+                values = orjson.dumps([[name, body[name]] for name in sorted(given)])
+            except orjson.JSONEncodeError:  # (not from JSON): its own
+                return _Fill(self, missing)
+        else:
+            values = b""
+        model = body.get("model")  # (what the model shown depends on, with served_models)
+        key = (missing, self._served_models, model if type(model) is str else None, values)
+        fill = _FILLS.get(key)
+        if fill is None:
+            fill = _Fill(self, missing)
+            if len(_FILLS) >= _FILLS_KEPT:
+                _FILLS.clear()
+            _FILLS[key] = fill
+        return fill
 
     def _previous(self) -> str | None:
         echo = self._echo
@@ -348,35 +359,41 @@ class Envelope:
             return requested if requested in served else served[0]
         return requested if type(requested) is str else ""
 
-    def _check_values(self, response: dict[str, Any], patch: Patch, final: bool) -> None:
-        """What a member's type does not say: the rest of the schema's rules (a member
-        filled in from the request or a default keeps them already)."""
-        filled = patch.filled
-        if response["object"] != "response":
+    def _check_values(
+        self, response: dict[str, Any], patch: Patch, final: bool, given: frozenset[str]
+    ) -> None:
+        """What a member's type does not say: the rest of the schema's rules, for the
+        members the backend gave (`given`: one filled in keeps them already)."""
+        if "object" in given and response["object"] != "response":
             self._replace(response, patch, "object", "response")
-        if final and response["completed_at"] is None and response.get("status") == "completed":
-            self._replace(response, patch, "completed_at", int(time.time()))
-        model = response["model"]
-        if self._served_models or not model:  # (else the backend's is shown)
-            shown = self._shown_model(model)
-            if model != shown:
-                self._replace(response, patch, "model", shown)
-        usage = response["usage"]
-        if usage is not None and not _usage_complete(usage) and _complete_usage(usage):
-            patch.rewrite = True
-        if "text" not in filled and type(response["text"].get("format")) is not dict:
-            self._replace(response, patch, "text", _text(self._body.get("text")))
-        reasoning = response["reasoning"]
         if (
-            reasoning is not None
-            and "reasoning" not in filled
-            and ("effort" not in reasoning or "summary" not in reasoning)
+            final
+            and "completed_at" in given
+            and response["completed_at"] is None
+            and response.get("status") == "completed"
         ):
-            self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
-        tools = response["tools"]
-        if "tools" not in filled and tools and _incomplete_tools(tools):
-            # A copy: the list may be the request's own (a Response the proxy builds).
-            self._replace(response, patch, "tools", _tools(tools))
+            self._replace(response, patch, "completed_at", int(time.time()))
+        if "model" in given:
+            model = response["model"]
+            if self._served_models or not model:  # (else the backend's is shown)
+                shown = self._shown_model(model)
+                if model != shown:
+                    self._replace(response, patch, "model", shown)
+        if "usage" in given:
+            usage = response["usage"]
+            if usage is not None and not _usage_complete(usage) and _complete_usage(usage):
+                patch.rewrite = True
+        if "text" in given and type(response["text"].get("format")) is not dict:
+            self._replace(response, patch, "text", _text(self._body.get("text")))
+        if "reasoning" in given:
+            reasoning = response["reasoning"]
+            if reasoning is not None and ("effort" not in reasoning or "summary" not in reasoning):
+                self._replace(response, patch, "reasoning", {**_REASONING, **reasoning})
+        if "tools" in given:
+            tools = response["tools"]
+            if tools and _incomplete_tools(tools):
+                # A copy: the list may be the request's own (a Response the proxy builds).
+                self._replace(response, patch, "tools", _tools(tools))
         if self._pinned is not None:
             for name, value in self._pinned.items():
                 if response.get(name, _MISSING) != value:
@@ -385,15 +402,16 @@ class Envelope:
             name, value = self._echo
             given = response.get(name, _MISSING)
             if given is _MISSING:
-                patch.inserted[name] = response[name] = value
+                patch.insert(name, value)
+                response[name] = value
             elif given is None:
-                patch.ids.append(name)
+                patch.ids += (name,)
                 response[name] = value
 
     @staticmethod
     def _replace(response: dict[str, Any], patch: Patch, name: str, value: Any) -> None:
         if name in patch.inserted:
-            patch.inserted[name] = value
+            patch.insert(name, value)
         else:  # (a filled member's value is shared by the turn's Responses: not changed)
             patch.rewrite = True
         response[name] = value
@@ -515,7 +533,7 @@ class Envelope:
         assert plan is not None
         patch = Patch()
         if plan.completed_at:
-            patch.inserted["completed_at"] = None
+            patch.insert("completed_at", None)
         if plan.missing:
             self._filled(plan.missing, patch)
         values: dict[str, Any] = {}
@@ -523,9 +541,9 @@ class Envelope:
             name, value = self._echo
             values[name] = value
             if name in seen.nulls:
-                patch.ids.append(name)
+                patch.ids += (name,)
             elif name == "conversation" and seen.no_conversation:
-                patch.inserted[name] = value
+                patch.insert(name, value)
         data = _apply(event.data, values, patch, _response_start, None)
         return with_data(event, data) if data else None
 
@@ -635,6 +653,12 @@ def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
     """The JSON bytes of a Response that `complete` patched, its output items as the
     backend gave them: what the store keeps (the next turn's input is the bytes the
     backend itself produced); `written` after that gives the client's."""
+    if not (patch.rewrite or patch.inserted or patch.ids) and data[:1] == b"{":
+        members = patch.encoded  # the usual case: the members go in after the brace
+        if not members:
+            return data
+        if data[1:2] != b"}":
+            return b"".join((b"{", members, b",", data[1:]))
     return _apply(data, response, patch, _object_start, response)
 
 
@@ -643,7 +667,8 @@ def written(data: bytes, response: dict[str, Any], patch: Patch | None = None) -
     `spliced` gave), its output items completed too. The turn is recorded in between, so
     the store keeps the items as the backend gave them: the next turn's input is the
     bytes the backend itself produced."""
-    if complete_items(response.get("output") or []):
+    output = response.get("output")
+    if output and complete_items(output):
         return orjson.dumps(response)
     return data if patch is None else _apply(data, response, patch, _object_start, response)
 
