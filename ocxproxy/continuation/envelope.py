@@ -180,9 +180,17 @@ class Patch:
     inserted: dict[str, Any] = _NO_MEMBERS
     ids: tuple[str, ...] = ()
     rewrite = False
+    unmerged = False  # `filled` is not in the Response's dict yet (`merge`)
 
     def insert(self, name: str, value: Any) -> None:
         self.inserted = {**self.inserted, name: value}
+
+    def merge(self, response: dict[str, Any]) -> None:
+        """The filled members put into the dict of the Response `complete` was given
+        with merge=False (a no-op after the first time)."""
+        if self.unmerged:
+            self.unmerged = False
+            response.update(self.filled)
 
 
 class Envelope:
@@ -231,10 +239,13 @@ class Envelope:
         response's are the proxy's id and `background: true` (http/background.py)."""
         self._pinned = members
 
-    def complete(self, response: dict[str, Any], *, final: bool) -> Patch:
+    def complete(self, response: dict[str, Any], *, final: bool, merge: bool = True) -> Patch:
         """Fill in the members of `response` (a Response object, changed in place), not
         its output items (`written` does those); `final`: it is the terminal one (its
-        `completed_at` is now when the backend gave none)."""
+        `completed_at` is now when the backend gave none). With `merge` False the
+        members filled from the request or the defaults are only in the patch's bytes
+        until `Patch.merge` (the ~20 of a stateless backend's answer: what a JSON answer
+        whose dict is not read for them saves)."""
         patch = Patch()
         shape = tuple(response), tuple(map(type, response.values()))
         plan = patch.plan = _VALID.get(shape) or self._checked(response, shape, patch, final)
@@ -242,7 +253,10 @@ class Envelope:
         if plan.missing:
             fill, encoded, per_turn = self._fill(plan.missing)
             patch.filled = fill.members
-            response.update(fill.members)
+            if merge or self._pinned is not None:
+                response.update(fill.members)
+            else:
+                patch.unmerged = True
             if per_turn:
                 response.update(per_turn)
         if plan.completed_at:  # (its bytes after the filled ones, as in a pending event)
@@ -662,13 +676,22 @@ def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
     return _apply(data, response, patch, _object_start, response)
 
 
-def written(data: bytes, response: dict[str, Any], patch: Patch | None = None) -> bytes:
+def written(
+    data: bytes,
+    response: dict[str, Any],
+    patch: Patch | None = None,
+    *,
+    merged: Patch | None = None,
+) -> bytes:
     """The JSON bytes of a Response that `complete` patched (None: `data` are those
-    `spliced` gave), its output items completed too. The turn is recorded in between, so
-    the store keeps the items as the backend gave them: the next turn's input is the
-    bytes the backend itself produced."""
+    `spliced` gave, `merged` its patch), its output items completed too. The turn is
+    recorded in between, so the store keeps the items as the backend gave them: the
+    next turn's input is the bytes the backend itself produced."""
     output = response.get("output")
     if output and complete_items(output):
+        for unmerged in (patch, merged):
+            if unmerged is not None:
+                unmerged.merge(response)
         return orjson.dumps(response)
     return data if patch is None else _apply(data, response, patch, _object_start, response)
 
@@ -853,6 +876,7 @@ def _apply(
 ) -> bytes:
     """`data` with the patch written into the bytes of the object that begins at
     `start(data)`; else `whole` encoded (None: b"")."""
+    patch.merge(response)  # (it may be encoded whole)
     if patch.rewrite:
         return b"" if whole is None else orjson.dumps(whole)
     members = patch.encoded

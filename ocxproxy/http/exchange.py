@@ -525,11 +525,15 @@ async def forward(
                 if type(response) is dict:
                     if exchange.injection is not None:  # compacted first: the item leads
                         exchange.injection.into(response)
-                    patch = exchange.envelope.complete(response, final=True)
+                    # The filled members are written into the bytes; the dict gets them
+                    # only where it is read for them: a retry's answer, a re-encoding.
+                    patch = exchange.envelope.complete(response, final=True, merge=False)
                     patch.rewrite = patch.rewrite or exchange.injection is not None
                     stored = spliced(body, response, patch)
+                    if exchange.idempotency_key is not None:
+                        patch.merge(response)
                     exchange.finish(response, stored)  # the backend's items, as it gave them
-                    body = written(stored, response)
+                    body = written(stored, response, merged=patch)
                 else:
                     exchange.finish(response)
             await exchange.commit()

@@ -43,11 +43,11 @@ def envelope_off() -> None:
     from ocxproxy.continuation.envelope import Envelope, Patch
     from ocxproxy.http import exchange
 
-    Envelope.complete = lambda self, response, *, final: Patch()  # type: ignore[method-assign]
+    Envelope.complete = lambda self, response, **_: Patch()  # type: ignore[method-assign]
     Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
     shared = Envelope()
 
-    def as_it_came(data: Any, *_: Any) -> Any:
+    def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
         return data
 
     setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)

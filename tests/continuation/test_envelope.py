@@ -157,6 +157,28 @@ def test_only_missing_members_leave_the_output_bytes_as_they_were() -> None:
     assert response_problems(orjson.loads(out)) == []
 
 
+@pytest.mark.parametrize("items_complete", [True, False])
+def test_a_json_answer_whose_dict_is_merged_only_when_read(items_complete: bool) -> None:
+    """As a JSON answer is completed: the filled members go into the bytes, and into the
+    dict only where it is read for them (an item to complete re-encodes it whole)."""
+    given = orjson.loads(orjson.dumps(LLAMA))
+    given["usage"]["output_tokens_details"] = {"reasoning_tokens": 0}  # (else re-encoded)
+    if not items_complete:
+        del given["output"][0]["content"][0]["annotations"]
+    data = orjson.dumps(given)
+    response = orjson.loads(data)
+    patch = Envelope(REQUEST).complete(response, final=True, merge=False)
+    assert "temperature" not in response
+    stored = envelope_module.spliced(data, response, patch)
+    out = orjson.loads(envelope_module.written(stored, response, merged=patch))
+    assert ("temperature" in response) is not items_complete  # merged to be encoded
+    assert response_problems(out) == []
+    assert out["temperature"] == 0.25 and out["instructions"] == "Be brief."
+    assert orjson.loads(stored)["temperature"] == 0.25
+    patch.merge(response)
+    assert response["temperature"] == 0.25 and response_problems(response) == []
+
+
 def test_completed_at_is_set_on_the_terminal_response_only() -> None:
     envelope = Envelope({"model": "m"})
     pending = {"id": "r", "object": "response", "status": "in_progress", "output": []}

@@ -46,6 +46,24 @@ async def test_a_sequential_retry_gets_the_same_response_without_a_backend_call(
     assert replayed[0].type == "response.created"
 
 
+async def test_a_retry_gets_the_members_echoed_from_the_request(
+    proxy: ProxyHandle, backend: FakeBackend
+) -> None:
+    # The backend leaves these out: the first answer takes them from the request, and so
+    # does the one a retry gets (not the defaults).
+    client = proxy.client().responses.with_raw_response
+    asked = {"presence_penalty": 0.5, "prompt_cache_key": "pk", "max_tool_calls": 3}
+    answers = [
+        (await client.create(model="m", input="hi", extra_body=asked, **key("k"))).http_response
+        for _ in range(2)
+    ]
+    assert len(backend.responses_seen) == 1
+    assert answers[1].headers["Idempotent-Replayed"] == "true"
+    for answer in answers:
+        response = answer.json()
+        assert {name: response[name] for name in asked} == asked
+
+
 async def test_a_concurrent_retry_gets_409_and_no_second_backend_call(
     proxy: ProxyHandle, backend: FakeBackend
 ) -> None:
