@@ -16,6 +16,8 @@ import openai
 import orjson
 import pytest
 
+from ocxproxy.store.local import background as local_background
+from ocxproxy.store.local.syncer import FsyncChild
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 
@@ -606,3 +608,43 @@ async def test_once_it_ended_the_process_that_ran_it_no_longer_holds_its_parent(
         with pytest.raises(openai.NotFoundError) as caught:
             await client.responses.input_items.list(created.id)
         assert first.id in caught.value.message
+
+
+def _no_space(*args: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+async def test_a_full_disk_answers_creates_and_cancels_with_a_503_and_recovers(
+    make_proxy: MakeProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """background.jsonl cannot be written (the disk is full): a create and a cancel are
+    answered 503 storage_unavailable and counted, not acknowledged; once the disk has room
+    the proxy works again, and a cancel it acknowledges then is on disk (kept after a
+    restart) although the line of the one that failed was lost."""
+    monkeypatch.setattr(FsyncChild, "spawn", classmethod(lambda cls: None))  # (in process)
+    state = tmp_path / "state"
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=state)
+        client = proxy.client()
+        backend.stall_next(60)
+        running = await client.responses.create(model="m", input="long", background=True)
+        with monkeypatch.context() as full:
+            full.setattr(local_background, "_pwrite", _no_space)
+            full.setattr(local_background, "_rewrite", _no_space)
+            for attempt in (
+                client.responses.create(model="m", input="x", background=True),
+                client.responses.cancel(running.id),
+            ):
+                with pytest.raises(openai.InternalServerError) as info:
+                    await attempt
+                assert info.value.status_code == 503
+                error = info.value.body
+                assert isinstance(error, dict) and error["code"] == "storage_unavailable"
+                assert error["type"] == "server_error" and error["message"]
+            assert proxy.metric("ocxproxy_store_write_failures_total", reason="ENOSPC") >= 2
+        assert (await client.responses.cancel(running.id)).status == "cancelled"
+        created = await client.responses.create(model="m", input="after", background=True)
+        assert (await until_ended(client, created.id)).status == "completed"
+        await proxy.server.close()
+        again = await make_proxy(backend.url, state_dir=state)
+        assert (await again.client().responses.retrieve(running.id)).status == "cancelled"

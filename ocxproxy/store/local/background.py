@@ -23,7 +23,10 @@ do go out together in the next one, one sync for every create waiting. The event
 files are written beside, never holding up a status line (a rewrite waits for both). Event
 logs are not synced: a process killed with -9 leaves them in the page cache, and one torn
 by a power loss is refused when read (its sizes do not add up). When the file has grown
-past twice what a rewrite would write, `commit` rewrites it with what is still kept.
+past twice what a rewrite would write, `commit` rewrites it with what is still kept; so
+does the first commit after a write failed (the lines it held may be missing or torn). A
+failed write is counted (`ocxproxy_store_write_failures_total`) and the commits awaiting
+it raise StorageUnavailable.
 
 At start `load` folds the file, turns a response left queued or in progress by a process
 that died into `failed` (`background_lost`), reads back the event logs still within
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -47,6 +51,7 @@ from typing import Any
 import orjson
 
 from ocxproxy.aio import cancel_and_wait, spawn
+from ocxproxy.errors import StorageUnavailable
 from ocxproxy.metrics import Metrics
 from ocxproxy.store.background import (
     IN_PROGRESS,
@@ -71,6 +76,10 @@ DELETED = "deleted"  # a journal line's status: the response was deleted
 REWRITE_BYTES = 1024**2  # the file is not rewritten below this size
 LOG_WRITE_DELAY = 0.5  # seconds an ended stream's log waits to be written with others
 MAX_FLIGHTS = 2  # status line writes at the fsync helper at once
+UNAVAILABLE = (
+    "The background response could not be stored: the proxy's storage is unavailable "
+    "(e.g. its disk is full). Retry later."
+)
 
 Found = tuple[dict[str, Any], list[bytes], int]  # an event log file read: header, events, size
 
@@ -100,6 +109,9 @@ class LocalBackgrounds:
         self._running: dict[str, Job] = {}  # streams running, their .part written as they go
         self._parts: dict[str, int] = {}  # events in each one's .part
         self._rewrite_at = REWRITE_BYTES
+        # A write failed: the file may lack lines (or hold a torn one), so the next commit
+        # rewrites it whole from what is kept in memory.
+        self._failed = False
         self._writing: asyncio.Lock | None = None  # event log files, or a rewrite
         self._fd: int | None = None  # background.jsonl, open for writes once written
         self._flights: deque[asyncio.Future[None]] = deque()  # writes being synced
@@ -273,13 +285,24 @@ class LocalBackgrounds:
         """Until every status line queued so far is durable. A commit sends what is
         queued at once, while up to MAX_FLIGHTS writes are in flight (the helper syncs
         them side by side); past that it waits for the oldest to land, and then one write
-        takes every line queued meanwhile: one sync serves all the commits waiting."""
+        takes every line queued meanwhile: one sync serves all the commits waiting.
+        StorageUnavailable (counted by errno) when the file could not be written."""
         if self.path is None:
             return
-        while self._pending:
+        try:
+            await self._commit()
+        except OSError as error:
+            reason = errno.errorcode.get(error.errno or 0, "error")
+            self.metrics.store_write_failures.labels(reason=reason).inc()
+            log.warning("%s could not be written: %s", FILE, error)
+            self._failed = True
+            raise StorageUnavailable(UNAVAILABLE) from error
+
+    async def _commit(self) -> None:
+        while self._pending or self._failed:
             if self._slow is not None:  # a rewrite (or the file's opening): after it
                 await asyncio.shield(self._slow)
-            elif self._fd is None or self.file_bytes > self._rewrite_at:
+            elif self._fd is None or self._failed or self.file_bytes > self._rewrite_at:
                 self._slow = spawn(self._write_slowly(), name="background-rewrite")
             elif len(self._flights) >= MAX_FLIGHTS:
                 # (_landing yields even to a flight that has landed but whose _landed has
@@ -335,8 +358,8 @@ class LocalBackgrounds:
 
     def _landed(self, flight: asyncio.Future[None]) -> None:
         self._flights.remove(flight)
-        if not flight.cancelled():
-            flight.exception()  # (retrieved: the commits that wait for it raise it)
+        if not flight.cancelled() and flight.exception() is not None:
+            self._failed = True  # (the commits that wait for it raise it)
 
     async def _write_slowly(self) -> None:
         """Once the writes in flight have landed: the file opened, or rewritten once it
@@ -346,7 +369,7 @@ class LocalBackgrounds:
                 await asyncio.wait(tuple(self._flights))
             assert self.path is not None
             async with self._lock():
-                if self.file_bytes > self._rewrite_at:
+                if self._failed or self.file_bytes > self._rewrite_at:
                     # (A deleted one's log goes first: no line names it once rewritten.)
                     await self._write_files()
                     self._pending = []  # (what the rewrite writes includes their changes)
@@ -371,6 +394,7 @@ class LocalBackgrounds:
         self._generation += 1
         self.file_bytes = len(data)
         self._rewrite_at = max(REWRITE_BYTES, 2 * len(data))
+        self._failed = False
 
     async def _start_child(self) -> None:
         child = await asyncio.to_thread(FsyncChild.spawn)
@@ -514,7 +538,8 @@ class LocalBackgrounds:
             await cancel_and_wait(flushing)
         async with self._lock():
             await self._write_files()
-        await self.commit()
+        with contextlib.suppress(StorageUnavailable):  # (logged: the next start fails the rest)
+            await self.commit()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
