@@ -109,9 +109,25 @@ class Http:
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """(status, body); raises OSError / IncompleteReadError if the server goes away."""
         if self.idle:
-            reader, writer = self.idle.pop()
-        else:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                return await self._request(self.idle.pop(), method, path, body)
+            except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
+                if getattr(exc, "partial", b""):
+                    raise
+                # The server closed this idle connection (--keepalive-timeout) as it was
+                # reused, before reading a byte of the request: send it on a new one, as
+                # HTTP clients do.
+        connection = await asyncio.open_connection(self.host, self.port)
+        return await self._request(connection, method, path, body)
+
+    async def _request(
+        self,
+        connection: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        method: str,
+        path: str,
+        body: bytes,
+    ) -> tuple[int, bytes]:
+        reader, writer = connection
         head = (
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer sk-bench"
             f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
