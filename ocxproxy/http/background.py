@@ -33,6 +33,7 @@ from ocxproxy.aio import spawn
 from ocxproxy.continuation.envelope import complete_items
 from ocxproxy.continuation.expand import Request, serialize_items
 from ocxproxy.errors import (
+    FailureReason,
     InvalidRequest,
     NotFound,
     OcxError,
@@ -66,6 +67,10 @@ _LIFECYCLE = ("response.created", "response.in_progress", "response.queued")
 _SPECIAL = frozenset((*_LIFECYCLE, *TERMINAL_EVENTS, "error", None))
 _NOT_STARTED, _NOT_KEPT = -1, -2  # (JobReply._next)
 _QUEUED, _IN_PROGRESS = b'"status":"queued"', b'"status":"in_progress"'
+# A lookup's failures that mean the response's chain is gone (any other is a read failure).
+_GONE = frozenset(
+    (FailureReason.UNKNOWN, FailureReason.EXPIRED, FailureReason.EVICTED, FailureReason.MISSING)
+)
 
 
 async def start(
@@ -333,14 +338,20 @@ async def input_history(proxy: Proxy, job: Job, kept: Inputs) -> list[bytes]:
     """A background response's input items as kept (`Backgrounds.inputs`), as segments'
     bytes: the chain of the response it continues, then its own. NotFound when that
     response is gone (deleted or expired before this one's turn was stored): its items
-    are not answered in part."""
+    are not answered in part; StorageUnavailable when it could not be read."""
     parent, own = kept
     history: list[bytes] = []
     if parent is not None:
         try:
             record = job.parent_record or await proxy.store.lookup(job.scope, parent)
             history = await proxy.store.history(record)
-        except StoreFailure:
+        except StoreFailure as failure:
+            if failure.reason not in _GONE:
+                raise StorageUnavailable(
+                    f"The input items of response '{job.id}' could not be read: the proxy's "
+                    f"storage failed reading the response it continued ({failure.reason}). "
+                    "Retry later."
+                ) from None
             raise NotFound(
                 f"The input items of response '{job.id}' are no longer available: the "
                 f"response it continued, '{parent}', was deleted or has expired."
@@ -351,7 +362,8 @@ async def input_history(proxy: Proxy, job: Job, kept: Inputs) -> list[bytes]:
 async def keep_inputs_past(proxy: Proxy, scope: str, response_id: str) -> None:
     """`response_id` is about to be deleted: the background responses continuing it whose
     turns the store does not hold keep their whole input from now on, so input_items
-    lists it after a restart too."""
+    lists it after a restart too. StorageUnavailable when a chain could not be read: the
+    delete must not go ahead and lose that input."""
     book = proxy.backgrounds
     jobs = await book.continuing(scope, response_id)
     for job in jobs:

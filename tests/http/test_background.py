@@ -16,6 +16,7 @@ import openai
 import orjson
 import pytest
 
+from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.store.local import background as local_background
 from ocxproxy.store.local.syncer import FsyncChild
 from tests.conftest import MakeProxy, ProxyHandle
@@ -648,3 +649,41 @@ async def test_a_full_disk_answers_creates_and_cancels_with_a_503_and_recovers(
         await proxy.server.close()
         again = await make_proxy(backend.url, state_dir=state)
         assert (await again.client().responses.retrieve(running.id)).status == "cancelled"
+
+
+async def test_a_parent_that_cannot_be_read_is_a_503_not_gone(
+    make_proxy: MakeProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chain of the response a background one continues cannot be read (an I/O
+    error): input_items is a 503 storage_unavailable, not a 404 saying it is gone, and a
+    DELETE of that response fails rather than lose the background one's input for good."""
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=tmp_path / "state")
+        client = proxy.client()
+        first = await client.responses.create(model="m", input="first")
+        backend.stall_next(60)
+        created = await client.responses.create(
+            model="m", input="second", previous_response_id=first.id, background=True
+        )
+        await backend.wait_for(lambda: len(backend.responses_seen) == 2)
+
+        async def unreadable(record: Any) -> list[bytes]:
+            raise StoreFailure(FailureReason.READ_FAILED, "EIO")
+
+        with monkeypatch.context() as failing:
+            failing.setattr(proxy.proxy.store, "history", unreadable)
+            for attempt in (
+                client.responses.input_items.list(created.id),
+                client.responses.delete(first.id),
+            ):
+                with pytest.raises(openai.InternalServerError) as info:
+                    await attempt
+                assert info.value.status_code == 503
+                error = info.value.body
+                assert isinstance(error, dict) and error["code"] == "storage_unavailable"
+        assert (await client.responses.retrieve(first.id)).id == first.id  # not deleted
+        await client.responses.delete(first.id)
+        items = await client.responses.input_items.list(created.id, order="asc")
+        assert [item.content[0].text for item in items.data] == [  # type: ignore[union-attr]
+            "first", "echo#1: first", "second"
+        ]  # fmt: skip
