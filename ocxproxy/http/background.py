@@ -1,7 +1,8 @@
 """Background responses (CONTRACT.md C11): `background: true` on `POST /v1/responses`.
 
 `start` answers at once with the Response (`queued`, `background: true`, the proxy's
-own id) and runs the turn itself, as the same create turn a client's streamed request
+own id) and runs the turn itself (once the response is kept: a create the store refused
+is undone, never run), as the same create turn a client's streamed request
 is (http/exchange.py: expansion, conversations, affinity, Idempotency-Key, the turn
 remembered before it is told finished), with the request's `background` taken out and
 `stream: true` put in: the backend never sees `background`. The turn's answer goes to a
@@ -141,15 +142,24 @@ async def start(
     book.open(job)
     if job.log is not None:
         book.append(job, _event("response.created", 0, orjson.Fragment(first_bytes)))
+    # Answered once the response is kept (on a shared store always: every replica finds it),
+    # and run only then: a create the store refused is undone (its 503 is retried, and a
+    # run of it would keep a turn, in a conversation too, under an id no client knows).
+    if proxy.config.durability == "ack" or proxy.config.shared_store is not None:
+        try:
+            await book.commit()
+        except BaseException:
+            book.drop(job)  # (the next commit writes it gone; the shared store deletes it)
+            exchange.release()
+            if key is not None:
+                idempotency.end(proxy, key)
+            raise
     copied = CIMultiDict(headers)
     proxy.background_runs.exchanges[scope, response_id] = exchange
     job.task = spawn(
         _run(proxy, exchange, job, copied, path_qs, timing.request_id),
         name=f"background-{response_id}",
     )
-    # Answered once the response is kept (on a shared store always: every replica finds it).
-    if proxy.config.durability == "ack" or proxy.config.shared_store is not None:
-        await book.commit()
     if request.stream:
         await reply.start(200, CIMultiDict(SSE_HEADERS))
         await follow(job, reply, -1)

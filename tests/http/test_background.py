@@ -651,6 +651,59 @@ async def test_a_full_disk_answers_creates_and_cancels_with_a_503_and_recovers(
         assert (await again.client().responses.retrieve(running.id)).status == "cancelled"
 
 
+async def test_a_create_refused_for_a_full_disk_is_undone_not_run(
+    make_proxy: MakeProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background create into a conversation while background.jsonl cannot be written:
+    503, which the SDK retries (twice by default), and each attempt is undone: never sent
+    to the backend, no turn in the conversation, nothing left to run or kept on disk once
+    the disk has room again, and nothing to replay for its Idempotency-Key."""
+    monkeypatch.setattr(FsyncChild, "spawn", classmethod(lambda cls: None))  # (in process)
+    state = tmp_path / "state"
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url, state_dir=state)
+        client = proxy.client()
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+        for _ in range(3):  # (an attempt that ran would take its time, then end)
+            backend.stall_next(0.3)
+        key = {"Idempotency-Key": "bg-" + uuid.uuid4().hex}
+        retrying = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="sk-test-a")
+        async with retrying:
+            with monkeypatch.context() as full:
+                full.setattr(local_background, "_pwrite", _no_space)
+                full.setattr(local_background, "_rewrite", _no_space)
+                with pytest.raises(openai.InternalServerError) as info:
+                    await retrying.responses.create(
+                        model="m", input="lost", conversation=conversation.id, background=True,
+                        extra_headers=key,
+                    )  # fmt: skip
+                assert info.value.status_code == 503
+            assert proxy.metric("ocxproxy_store_write_failures_total", reason="ENOSPC") >= 3
+            # The disk has room again: a create commits (and rewrites the file) ...
+            created = await client.responses.create(
+                model="m", input="kept", conversation=conversation.id, background=True
+            )
+            assert (await until_ended(client, created.id)).status == "completed"
+            await asyncio.sleep(1.0)  # (... and a refused attempt's run would have ended)
+            assert len(backend.responses_seen) == 1  # (that one's)
+            items = [i async for i in client.conversations.items.list(conversation.id)]
+            assert len(items) == 3  # hi, kept and its answer
+            assert unfinished(proxy) == 0
+            assert proxy.metric("ocxproxy_background_finished_total", status="completed") == 1
+            # The same key again: a new create, not the refused one replayed.
+            again = await retrying.responses.create(
+                model="m", input="lost", conversation=conversation.id, background=True,
+                extra_headers=key,
+            )  # fmt: skip
+            assert again.id != created.id and again.status in ("queued", "in_progress")
+            assert (await until_ended(client, again.id)).status == "completed"
+            assert len(backend.responses_seen) == 2
+        await proxy.server.close()
+    (journal,) = state.rglob(local_background.FILE)
+    kept = {orjson.loads(line)["id"] for line in journal.read_bytes().splitlines()}
+    assert kept <= {created.id, again.id}
+
+
 async def test_a_parent_that_cannot_be_read_is_a_503_not_gone(
     make_proxy: MakeProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

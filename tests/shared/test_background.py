@@ -7,6 +7,7 @@ replica runs."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 import uuid
@@ -19,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.aio import spawn
+from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.store.background import LOG_KEPT, Job
 from ocxproxy.store.shared import background as shared_background
 from ocxproxy.store.shared import server as shared_server
@@ -765,3 +767,51 @@ async def test_one_whose_open_and_stored_end_go_in_one_write_leaves_the_set_alon
         for job in (kept, done):
             book.drop(job)
         await book.commit()
+
+
+async def test_a_create_the_server_refused_is_undone_not_run(
+    make_proxy: MakeProxy, valkey_server: KvServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background create into a conversation whose first write the server refuses: 503,
+    which the SDK retries (twice by default), and each attempt is undone: never sent to
+    the backend, no turn in the conversation, nothing of it on the server once it takes
+    writes again."""
+    async with FakeBackend() as backend:
+        (a,) = await replicas(make_proxy, backend, valkey_server.url, 1)
+        client = a.client()
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+        for _ in range(3):  # (an attempt that ran would take its time, then end)
+            backend.stall_next(0.3)
+        book = a.proxy.backgrounds
+        assert isinstance(book, SharedBackgrounds)
+        write, refusing = book.server.write, True
+
+        async def refused(op: str, command: Any) -> Any:
+            if op == "background_write" and refusing:
+                raise StoreFailure(FailureReason.WRITE_FAILED, "refused")
+            return await write(op, command)
+
+        monkeypatch.setattr(book.server, "write", refused)
+        async with openai.AsyncOpenAI(base_url=a.base_url, api_key="sk-test-a") as retrying:
+            with pytest.raises(openai.InternalServerError) as info:
+                await retrying.responses.create(
+                    model="m", input="lost", conversation=conversation.id, background=True
+                )
+        assert info.value.status_code == 503
+        refusing = False
+        created = await client.responses.create(
+            model="m", input="kept", conversation=conversation.id, background=True
+        )
+        assert (await until_ended(client, created.id)).status == "completed"
+        await asyncio.sleep(1.0)  # (a refused attempt's run would have ended; its write retried)
+        assert len(backend.responses_seen) == 1  # (the kept one's)
+        items = [i async for i in client.conversations.items.list(conversation.id)]
+        assert len(items) == 3  # hi, kept and its answer
+        assert unfinished(a) == 0
+        server = aioredis.from_url(valkey_server.url)
+        try:
+            keys = [key async for key in server.scan_iter(match="ocx:*")]
+        finally:
+            await server.aclose()
+        named = {m.group() for key in keys for m in re.finditer(rb"resp_[0-9a-f]{48}", key)}
+        assert named == {created.id.encode()}
