@@ -565,6 +565,11 @@ class Metrics:
             "Background responses whose process died unfinished (found at start, or their "
             "replica's lease lapsed), or that the shared store lost mid-run: failed",
         )
+        self.background_take_back_failures = Counter(
+            "ocxproxy_background_take_back_failures_total",
+            "Background turns stored before a cancel won against their end that could not "
+            "be taken back in full: still stored, or their items still in their conversation",
+        )
         self.background_log_bytes = Gauge(
             "ocxproxy_background_log_bytes", "Bytes of background event logs kept"
         )

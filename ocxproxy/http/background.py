@@ -292,10 +292,9 @@ async def _write_end(proxy: Proxy, job: Job) -> None:
 async def _take_back(proxy: Proxy, exchange: Exchange, job: Job) -> None:
     """A turn stored before its run was cut (a cancel won against its end): deleted, and
     its items taken out of its conversation again."""
-    with contextlib.suppress(OcxError):  # (on the shared server too)
-        await proxy.store.delete(job.scope, job.id)
     job.appended = _appended(exchange)
-    await take_back(proxy.store.conversations, job, proxy.lease_duration)
+    store = proxy.store
+    await take_back(store, store.conversations, job, proxy.lease_duration, proxy.metrics)
     if job.appended is not None:
         proxy.cache_book.edited(job.appended[0])
 

@@ -12,6 +12,7 @@ kept `LOG_KEPT` seconds after the terminal event within `--background-log-bytes`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
@@ -22,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from ocxproxy.errors import OcxError
+from ocxproxy.errors import NotFound, OcxError, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record
 
 if TYPE_CHECKING:
-    from ocxproxy.store.interface import Conversations
+    from ocxproxy.store.interface import Conversations, StoreInterface
 
 log = logging.getLogger("ocxproxy.background")
 
@@ -112,9 +113,18 @@ class Job:
         return self.status in TERMINAL
 
 
-async def take_back(conversations: Conversations, job: Job, duration: float) -> None:
-    """The items `job`'s stored turn appended to its conversation, taken out again (as a
-    DELETE of each item does), under the conversation's lock (held `duration` at most)."""
+async def take_back(
+    store: StoreInterface, conversations: Conversations, job: Job, duration: float, metrics: Metrics
+) -> None:
+    """`job`'s turn, stored before a cancel won against its end, taken back: deleted from
+    the store, and the items it appended to its conversation taken out again (as a DELETE
+    of each item does, under the conversation's lock, held `duration` at most). What could
+    not be taken back is counted (ocxproxy_background_take_back_failures_total)."""
+    try:
+        await store.delete(job.scope, job.id)
+    except (OcxError, StoreFailure) as error:
+        metrics.background_take_back_failures.inc()
+        log.warning("background response %s: its turn stays stored: %s", job.id, error)
     if job.appended is None:
         return
     conversation_id, ids = job.appended
@@ -122,8 +132,12 @@ async def take_back(conversations: Conversations, job: Job, duration: float) -> 
         async with conversations.locked(job.scope, conversation_id, duration):
             conversation = await conversations.load(job.scope, conversation_id)
             for item_id in ids:
-                conversation = await conversations.delete_item(conversation, item_id)
-    except OcxError as error:  # (the conversation deleted or changed meanwhile, or locked)
+                with contextlib.suppress(NotFound):  # (deleted by its owner meanwhile)
+                    conversation = await conversations.delete_item(conversation, item_id)
+    except NotFound:
+        return  # (the conversation was deleted meanwhile: nothing stays in it)
+    except OcxError as error:  # (its lock held past `duration`, the store failing)
+        metrics.background_take_back_failures.inc()
         log.warning("background response %s: its turn's items stay in %s: %s",
                     job.id, conversation_id, error.code)  # fmt: skip
 

@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.store.local import background as local_background
 from ocxproxy.store.local.syncer import FsyncChild
 from tests.conftest import MakeProxy, ProxyHandle
@@ -460,6 +460,34 @@ async def test_a_cancel_that_beats_the_turns_end_takes_it_out_of_its_conversatio
         assert [item.content[0].text for item in items] == ["hi"]  # type: ignore[union-attr]
         after = await client.responses.create(model="m", input="next", conversation=conversation.id)
         assert after.output_text == "echo#2: next"  # (the backend saw "hi", then "next")
+
+
+async def test_a_turn_that_cannot_be_taken_out_of_its_conversation_is_counted(
+    make_proxy: MakeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeBackend() as backend:
+        proxy = await make_proxy(backend.url)
+        client = proxy.client()
+        conversation = await client.conversations.create(items=[{"role": "user", "content": "hi"}])
+        held, release = await _hold_the_turns_commit(monkeypatch, proxy, backend)
+
+        async def failing(*args: Any, **kwargs: Any) -> Any:
+            raise StorageUnavailable("the store is failing")
+
+        monkeypatch.setattr(proxy.proxy.store.conversations, "delete_item", failing)
+        created = await client.responses.create(
+            model="m", input="race", conversation=conversation.id, background=True
+        )
+        await _cancel_once_held(client, created.id, held, release)
+        metric = "ocxproxy_background_take_back_failures_total"
+        for _ in range(100):
+            if proxy.metric(metric) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert proxy.metric(metric) == 1
+        items = [i async for i in client.conversations.items.list(conversation.id, order="asc")]
+        assert len(items) == 3  # ("hi", and the turn's input and answer: they stay)
+        assert (await client.responses.retrieve(created.id)).status == "cancelled"
 
 
 async def test_a_streamed_idempotent_retry_of_one_a_cancel_won_ends_with_response_cancelled(

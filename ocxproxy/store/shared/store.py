@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ocxproxy.config import Config
-from ocxproxy.errors import FailureReason, OcxError, StorageUnavailable, StoreFailure
+from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn
 from ocxproxy.store.background import Job, take_back
@@ -178,9 +178,7 @@ class SharedStore:
 
     async def _forget_run(self, lock_for: float, job: Job) -> None:
         """A background turn stored, then cancelled: deleted, out of its conversation."""
-        with contextlib.suppress(OcxError, StoreFailure):
-            await self.delete(job.scope, job.id)
-        await take_back(self.conversations, job, lock_for)
+        await take_back(self, self.conversations, job, lock_for, self.metrics)
 
     async def _stored_response(self, scope: str, response_id: str) -> bytes | None:
         try:
