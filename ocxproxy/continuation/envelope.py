@@ -332,6 +332,8 @@ class Envelope:
         the same values for what it fills in, else a new one."""
         body = self._body
         given = _FROM_REQUEST.intersection(body)
+        if given and body.get("store") is False:  # (its instructions, tools: not kept past it)
+            return _Fill(self, missing)
         if given:
             try:
                 values = orjson.dumps([[name, body[name]] for name in sorted(given)])

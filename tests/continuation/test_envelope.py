@@ -436,3 +436,13 @@ def test_the_pending_events_of_one_turn_are_completed_as_new_ones_are(model: str
             assert event_problems(orjson.loads(fast.data)) == []
             assert (response["id"], response["model"]) == (rid, model or "m")
             assert (response["previous_response_id"], response["temperature"]) == ("resp_p", 0.5)
+
+
+def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
+    secret = "Answer as the secret persona"
+    for store in (False, True):
+        envelope = Envelope({"model": "m", "store": store, "instructions": secret})
+        patch = envelope.complete(dict(LLAMA), final=True)
+        assert secret.encode() in patch.encoded
+        kept = b"".join(fill.encoded for fill in envelope_module._FILLS.values())
+        assert (secret.encode() in kept) is store
