@@ -43,6 +43,8 @@ backend, so figures are noisy.
     .venv/bin/python scripts/bench/bench_durable.py --only-latency      # part 1 alone
     .venv/bin/python scripts/bench/bench_durable.py --only-rss --turn-bytes 1000 \
         --chain-turns 10 --unique-item-ids       # part 2 alone: ~1 KB turns, chains of 10
+                                                 # (filled, then restarted on its state dir;
+                                                 # who holds what: --tracemalloc N, slow)
 """
 
 from __future__ import annotations
@@ -62,12 +64,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from benchkit import (  # noqa: E402
+    BENCH,
     PYTHON,
     Child,
     Summary,
@@ -239,13 +243,19 @@ class Proxy:
         return data.decode()
 
 
-async def start_proxy(upstream: str, state: Path, name: str, *extra: str) -> Proxy:
-    argv = [PYTHON, "-m", "ocxproxy", "serve", "--upstream", upstream, "--port", "0"]
+async def start_proxy(
+    upstream: str, state: Path, name: str, *extra: str, memory: Memory | None = None
+) -> Proxy:
+    """With `memory`, the proxy runs under memory_proxy.py, which reports its memory."""
+    program = [str(BENCH / "memory_proxy.py")] if memory else ["-m", "ocxproxy"]
+    argv = [PYTHON, *program, "serve", "--upstream", upstream, "--port", "0"]
     argv += ["--state-dir", str(state), "--log-level", "warning", *extra]
     start = time.perf_counter()
     # Bytecode cached, as an installed package has it: where PYTHONDONTWRITEBYTECODE is
     # set (this box), every start would compile ocxproxy's modules again (~0.2 s CPU).
     env = {"PYTHONDONTWRITEBYTECODE": ""}
+    if memory:
+        env |= {"OCXPROXY_MEMORY_OUT": str(memory.out), "OCXPROXY_TRACEMALLOC": memory.frames}
     child = await asyncio.to_thread(start_child, name, argv, READY, timeout=600, env=env)
     STARTED.append(child)
     http = Http(child.url)
@@ -437,8 +447,15 @@ class Filled:
     failures: int
 
 
-async def fill_store(backend: str, state: Path, records: int, args: argparse.Namespace) -> Filled:
-    proxy = await start_proxy(backend, state, f"proxy-{records}")
+async def fill_store(
+    backend: str,
+    state: Path,
+    records: int,
+    args: argparse.Namespace,
+    *,
+    memory: Memory | None = None,
+) -> Filled:
+    proxy = await start_proxy(backend, state, f"proxy-{records}", memory=memory)
     http = Http(proxy.child.url)
     start = time.perf_counter()
     made, failures = await closed_loop(
@@ -871,32 +888,116 @@ async def measure(
     report(small, big, kills, startup, loaded, stop, tput, args)
 
 
+@dataclass
+class Memory:
+    """Reports of a proxy under memory_proxy.py: `out` their path, `frames` what
+    tracemalloc keeps per allocation ("0": off)."""
+
+    out: Path
+    frames: str = "0"
+
+    async def read(self, proxy: Proxy, label: str) -> dict[str, Any]:
+        """Its report now (with tracemalloc, its snapshot kept as
+        `ocxproxy-memory-<label>-<pid>.snap` in the temp dir)."""
+        self.out.unlink(missing_ok=True)
+        proxy.child.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 600  # a snapshot of 100,000s of records takes a while
+        while not self.out.exists():
+            if time.monotonic() > deadline or proxy.child.proc.poll() is not None:
+                raise RuntimeError(f"{proxy.child.name} wrote no memory report")
+            await asyncio.sleep(0.05)
+        figures: dict[str, Any] = orjson.loads(self.out.read_bytes())
+        kept = self.keep_snapshot(f"{label}-{proxy.pid}")
+        if kept is not None:
+            figures["snapshot"] = kept
+        return figures
+
+    def keep_snapshot(self, name: str) -> str | None:
+        """The tracemalloc snapshot moved to the temp dir (the state dirs' is removed at
+        the end), if there is one."""
+        snap = f"{self.out}.snap"
+        if not os.path.exists(snap):
+            return None
+        kept = os.path.join(tempfile.gettempdir(), f"ocxproxy-memory-{name}.snap")
+        os.replace(snap, kept)
+        return kept
+
+
+def where(figures: dict[str, Any]) -> str:
+    """What a memory report says: RSS, then who holds it."""
+    status, heap, py = figures["status"], figures["malloc"], figures["pymalloc"]
+    parts = [
+        f"RSS {mib(status['VmRSS'])} (anonymous {mib(status['RssAnon'])}, "
+        f"files {mib(status['RssFile'])})",
+    ]
+    if py:  # (it says nothing while tracemalloc traces)
+        parts.append(
+            f"pymalloc {mib(py['total'])} of arenas holding {mib(py['allocated_blocks'])} "
+            "of objects"
+        )
+    if heap:
+        parts.append(
+            f"malloc {mib(heap['heap'])} of heap holding {mib(heap['in_use'])} "
+            f"({mib(heap['free'])} free in it, {mib(heap['top_free'])} of it at the top), "
+            f"{mib(heap['mmapped'])} mmapped"
+        )
+    if "traced" in figures:
+        parts.append(f"tracemalloc {mib(figures['traced'])} traced (RSS inflated by tracing)")
+    return "; ".join(parts)
+
+
+def top_traces(path: str, n: int = 25) -> str:
+    """The snapshot's largest holders, by the line that allocated them."""
+    import tracemalloc
+
+    stats = tracemalloc.Snapshot.load(path).statistics("lineno")
+    lines = [f"  {s.size / 2**20:7.1f} MiB {s.count:>9,}  {s.traceback[0]}" for s in stats[:n]]
+    return "\n".join(lines)
+
+
 async def rss_only(backend: str, root: Path, args: argparse.Namespace) -> None:
-    """Part 2 alone: the big store filled, its writes settled, its RSS at once and
-    --rss-wait s later (the proxy trims its heap every 30 s)."""
-    f = await fill_store(backend, root / "big", args.records, args)
+    """Part 2 alone, in the two states a store of that size is found in: filled by its
+    traffic (writes settled; again --rss-wait s later: the proxy trims its heap every 30 s),
+    and restarted on its state dir (--rss-wait s after /readyz: start-up's load settled).
+    The proxy runs under memory_proxy.py, which tells who holds what (pymalloc's objects,
+    malloc's heap) beside RSS, and with --tracemalloc N what allocated it."""
+    memory = Memory(root / "memory.json", str(args.tracemalloc))
+    f = await fill_store(backend, root / "big", args.records, args, memory=memory)
     await settle(f.proxy, 120)
-    rss = [status_kib(f.proxy.pid, "VmRSS") / 1024]
+    filled = [await memory.read(f.proxy, "filled")]
     await asyncio.sleep(args.rss_wait)
-    rss.append(status_kib(f.proxy.pid, "VmRSS") / 1024)
+    filled.append(await memory.read(f.proxy, "filled-later"))
     counted = disk_tiers(await f.proxy.metrics())
     on_disk = sum(v for tier, v in counted.items() if tier not in MEMORY_TIERS)
     allocated = allocated_bytes(f.proxy.state)
     hwm = status_kib(f.proxy.pid, "VmHWM") / 1024
     f.http.close()
     f.proxy.stop()
+    progress("restarting on the same state dir")
+    proxy = await start_proxy(backend, f.proxy.state, "proxy-reloaded", memory=memory)
+    loaded = entries(await proxy.metrics())
+    await asyncio.sleep(args.rss_wait)
+    reloaded = await memory.read(proxy, "restarted")
+    proxy.stop()
+    rss = [report["status"]["VmRSS"] / 2**20 for report in [*filled, reloaded]]
     print(f"\n## RSS at {f.made:,} records ({args.turn_bytes or 'short'}-byte user texts, chains "
           f"of {args.chain_turns}), default budgets")  # fmt: skip
     rows = [
-        [f"RSS at {f.made:,} records", "≤ 200 MiB",
+        [f"RSS at {f.made:,} records, filled by traffic", "≤ 200 MiB",
          f"{rss[0]:,.0f} MiB settled, {rss[1]:,.0f} MiB {args.rss_wait:g} s later "
          f"(peak {hwm:,.0f})",
-         verdict(max(rss) <= 200)],
+         verdict(max(rss[:2]) <= 200)],
+        [f"RSS restarted on it ({loaded:,} records loaded), {args.rss_wait:g} s after ready",
+         "≤ 200 MiB", f"{rss[2]:,.0f} MiB", verdict(rss[2] <= 200)],
         ["state dir allocated ÷ bytes the store counts", "≤ 1.5x",
          f"{allocated / on_disk:.2f}x ({mib(allocated)} / {mib(on_disk)})" if on_disk else "-",
          verdict(bool(on_disk) and allocated / on_disk <= 1.5)],
     ]  # fmt: skip
     print(table(["figure", "target", "measured", ""], rows))
+    for label, report in (("filled, later", filled[1]), ("restarted", reloaded)):
+        print(f"\n{label}: {where(report)}")
+        if "snapshot" in report:
+            print(f"largest holders ({report['snapshot']}):\n{top_traces(report['snapshot'])}")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -961,6 +1062,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--rss-wait", type=float, default=35.0, help="--only-rss: seconds to the second reading"
+    )
+    parser.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--only-rss: trace allocations (N frames each) and print the largest holders",
     )
     parser.add_argument(
         "--sequential",
