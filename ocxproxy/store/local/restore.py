@@ -19,9 +19,9 @@ def rebuild(
     loaded: Loaded, now: float, segments: dict[bytes, Segment], keydir: Keydir
 ) -> tuple[list[Record], list[str]]:
     """The live records of `loaded` (expired ones left out), oldest first, and the ids of
-    those whose chain needs a segment that is gone. Their segments are added to
-    `segments` (by digest; their refcounts set) and located in `keydir`; segments no live
-    record needs are left out of both."""
+    those whose chain needs a segment that is gone; `loaded.records` is emptied. Their
+    segments are added to `segments` (by digest; their refcounts set) and located in
+    `keydir`; segments no live record needs are left out of both."""
     by_sid: dict[int, Segment] = {}
     sizes, known = loaded.sizes, segments.get
     for sid, seg in loaded.segments.items():
@@ -74,7 +74,15 @@ def rebuild(
     records: list[Record] = []
     strings: dict[str | None, str | None] = {}
     same = strings.setdefault  # one copy of each scope, backend and key (None too)
-    for row in loaded.records.values():
+    # Each row is let go of once its record is built (freed with the last of its
+    # children), so the records and links built after it reuse its memory: built while
+    # every row still lived, they took fresh pymalloc arenas, which stayed ~25 MiB
+    # emptier than they need once the rows went (100,000 records).
+    rows: list[list[Any] | None] = list(loaded.records.values())
+    loaded.records.clear()
+    for n, row in enumerate(rows):
+        assert row is not None
+        rows[n] = None
         if len(row) < IDS:
             continue
         rid, scope, created, expires, link, resp_sid, output_at, backend, affinity = row[:9]
