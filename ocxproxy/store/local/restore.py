@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ocxproxy.model import Chain, Record, Segment, shared
+from ocxproxy.model import Chain, Record, Segment
 from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.segment_files import FILES
@@ -72,8 +72,6 @@ def rebuild(
 
     missing: list[str] = []
     records: list[Record] = []
-    strings: dict[str | None, str | None] = {}
-    same = strings.setdefault  # one copy of each scope, backend and key (None too)
     # Each row is let go of once its record is built (freed with the last of its
     # children), so the records and links built after it reuse its memory: built while
     # every row still lived, they took fresh pymalloc arenas, which stayed ~25 MiB
@@ -104,9 +102,8 @@ def rebuild(
         under[pos] += 1
         response.refs += 1
         record = Record(  # positional (100,000s of them): Record's field order
-            rid, same(scope, scope), created, expires, True, chains[pos], response,  # type: ignore[arg-type]
-            same(backend, backend), same(affinity, affinity), row[9],
-            shared((output_at[0], output_at[1])) if output_at else None, row[10],
+            rid, scope, created, expires, True, chains[pos], response,
+            backend, affinity, row[9], output_at, row[10],  # (one copy each: Loaded.put)
         )  # fmt: skip
         if ids is not None:  # a conversation's
             record.ids = ids
