@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from ocxproxy.continuation.window import BOOK_SLACK, forget_oldest
+
 BOOK_SIZE: Final = 100_000  # turns remembered (the oldest leave first): ~100 bytes each
 ALIKE: Final = 4096  # distinct `Served` values shared (forgotten all at once past this)
 SLACK: Final = 32  # tokens a hit may fall short by (re-tokenized output, cache blocks)
@@ -70,6 +72,7 @@ class CacheBook:
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
+        self.slack = size // BOOK_SLACK
         self.served: dict[str, Served] = {}
         self._alike: dict[tuple[str, int, int, str], Served] = {}
 
@@ -90,8 +93,8 @@ class CacheBook:
         book = self.served
         book.pop(response_id, None)  # (a conversation's again: it is the newest now)
         book[response_id] = served
-        if len(book) > self.size:
-            del book[next(iter(book))]
+        if len(book) > self.size + self.slack:
+            forget_oldest(book, self.size)
 
     def edited(self, conversation_id: str) -> None:
         """An item was deleted from the conversation: its next turn's prompt is not the

@@ -67,6 +67,19 @@ def test_the_book_learns_a_ratio_and_forgets_the_oldest() -> None:
     assert book.get("r0") is None and book.get("r2") == Fact(2, 2)
 
 
+def test_the_book_forgets_its_oldest_a_batch_at_a_time() -> None:
+    """Past its size by its slack (a 64th), the oldest go down to its size at once: one
+    delete a put made each put walk the dict's emptied slots, ~100 µs at 100,000 facts."""
+    book = TokenBook(size=128)
+    for n in range(130):
+        book.put(f"r{n}", Fact(n, n))
+    assert len(book.facts) == 130 and book.get("r0") == Fact(0, 0)  # within the slack
+    book.put("r130", Fact(130, 130))
+    assert list(book.facts) == [f"r{n}" for n in range(3, 131)]  # the newest 128 kept
+    book.put("r3", Fact(3, 3))  # put again: the newest now, the last to go
+    assert list(book.facts)[-1] == "r3" and len(book.facts) == 128
+
+
 def test_the_book_gives_back_each_fact_as_it_was_put() -> None:
     book = TokenBook()
     facts = {

@@ -81,6 +81,15 @@ def test_the_book_forgets_the_oldest() -> None:
     assert book.get("resp_0") is None and book.get("resp_2") == PARENT
 
 
+def test_the_book_forgets_its_oldest_a_batch_at_a_time() -> None:
+    book = CacheBook(size=128)  # a slack of 2
+    for n in range(130):
+        book.put(f"resp_{n}", PARENT)
+    assert len(book.served) == 130 and book.get("resp_0") == PARENT
+    book.put("resp_130", PARENT)
+    assert list(book.served) == [f"resp_{n}" for n in range(3, 131)]
+
+
 def test_turns_served_alike_share_one_entry() -> None:
     book = CacheBook()
     book.put("resp_a", Served("http://a", 3, HEAD, "s"))
