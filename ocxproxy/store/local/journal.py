@@ -25,13 +25,13 @@ from typing import Any
 import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.store.compression import compress
 from ocxproxy.store.local import files, segment_files
 from ocxproxy.store.local.codec import (
     FRAME,
     META,
     SEG,
     Loaded,
-    compressor,
     decode,
     frame,
     good_prefix,
@@ -431,7 +431,7 @@ def encode(
         if kind == SEG:
             row, data, blob = job
             if blob is None:
-                blob = compressor().compress(data)
+                blob = compress(data)
                 if len(blob) >= large:
                     own.append((row[1], blob))
                     meta = orjson.dumps([*row, len(blob)])
