@@ -7,7 +7,8 @@ import struct
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from itertools import islice
+from typing import Any, TypeVar
 
 _SPANS = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
 _ONE = (1 << 30) - 1  # the largest start and end a lone item's span packs into one int
@@ -41,6 +42,15 @@ def shared(value: _T) -> _T:
             return value
         kept = _SHARED[value] = value
     return kept  # type: ignore[return-value]
+
+
+def forget_oldest(book: dict[Any, Any], size: int) -> None:
+    """Keep only the `size` newest entries of `book` (a dict in insertion order). For a
+    dict kept to a size as it grows: call it past a slack, so the oldest go in batches.
+    Finding a dict's first key walks past every slot its deletes left empty since it was
+    last resized, which, one delete a put, cost a book of 100,000 up to ~200 µs a put."""
+    for key in list(islice(book, len(book) - size)):
+        del book[key]
 
 
 class ItemIds:

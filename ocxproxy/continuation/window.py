@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any, NamedTuple
+
+from ocxproxy.model import forget_oldest
 
 NEAR = 0.85  # without a parent's usage, an estimate past this share of the room is counted
 STEP = 0.25  # a drop frees at least this share of the window
@@ -111,15 +112,6 @@ class TokenBook:
         if backend is not None and backend in self.ratios:
             return self.ratios[backend]
         return min(self.ratios.values(), default=LOW_RATIO)
-
-
-def forget_oldest(book: dict[str, Any], size: int) -> None:
-    """Keep only the `size` newest entries of `book` (a dict in insertion order). Called
-    past a slack, so they go in batches: finding a dict's first key walks past every slot
-    its deletes left empty since it was last resized, which, one delete a put, cost a
-    book of 100,000 up to ~200 µs a put."""
-    for key in list(islice(book, len(book) - size)):
-        del book[key]
 
 
 def estimate(fact: Fact | None, size: int, ratio: float) -> tuple[int, int]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from ocxproxy.continuation.window import BOOK_SLACK, forget_oldest
+from ocxproxy.continuation.window import BOOK_SLACK
+from ocxproxy.model import forget_oldest
 
 BOOK_SIZE: Final = 100_000  # turns remembered (the oldest leave first): ~100 bytes each
 ALIKE: Final = 4096  # distinct `Served` values shared (forgotten all at once past this)

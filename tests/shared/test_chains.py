@@ -11,7 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.store.resident import ResidentTier
 from ocxproxy.store.shared import layout
+from ocxproxy.store.shared.chains import Newest
 from ocxproxy.store.shared.store import SharedStore
 from tests.shared.servers import KvServer
 from tests.shared.test_store import MakeStore, chain_of, make_store, turn
@@ -126,3 +128,14 @@ async def test_a_record_held_here_and_deleted_elsewhere_is_gone_here(make_store:
     with pytest.raises(StoreFailure) as caught:
         await a.lookup("scope-a", "r2")
     assert caught.value.reason == FailureReason.UNKNOWN
+
+
+def test_newest_lets_its_oldest_go_a_batch_at_a_time() -> None:
+    """Past its limit by its slack (a 64th), the oldest go down to the limit at once: one
+    delete a put made each put walk the dict's emptied slots (~20 µs at 32,768)."""
+    newest, cache = Newest(limit=128), ResidentTier(1 << 20)  # a slack of 2
+    for n in range(130):
+        newest.put(f"r{n}", ())
+    assert newest.held("r0", cache)  # within the slack (no digests: all of them held)
+    newest.put("r130", ())
+    assert [newest.held(f"r{n}", cache) for n in (0, 1, 2, 3, 130)] == [False] * 3 + [True] * 2

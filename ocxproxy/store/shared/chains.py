@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ocxproxy.model import forget_oldest
 from ocxproxy.store.resident import ResidentTier
 
 CHAIN_DIGESTS = 200_000  # digests the chain cache holds (~25 MB), in chains used last
 RECORDS = 32_768  # records whose newest digests are held (~7 MB: their strings are shared)
+SLACK = 64  # past its limit, Newest lets its oldest go in batches of limit // this
 
 
 class Chains:
@@ -45,18 +47,20 @@ class Newest:
     """The newest digests of the records this replica read or wrote, by response id (the
     last `limit` used): when a continuation's parent is one of them and its cache holds
     those segments, BEGIN need not send their values along (a continuation on the
-    replica that made its parent, a turn off one parent again: their bytes each time)."""
+    replica that made its parent, a turn off one parent again: their bytes each time).
+    Past `limit` by a 64th, the oldest go down to `limit` at once (`forget_oldest`)."""
 
     def __init__(self, limit: int = RECORDS) -> None:
         self.limit = limit
+        self.slack = limit // SLACK
         self._by_id: dict[str, Sequence[str]] = {}
 
     def put(self, record_id: str, digests: Sequence[str]) -> None:
         by_id = self._by_id
         by_id.pop(record_id, None)  # (to the end: used last)
         by_id[record_id] = digests
-        if len(by_id) > self.limit:
-            del by_id[next(iter(by_id))]
+        if len(by_id) > self.limit + self.slack:
+            forget_oldest(by_id, self.limit)
 
     def held(self, record_id: str, cache: ResidentTier) -> bool:
         """Whether the record's newest segments are all in `cache`."""
