@@ -228,7 +228,7 @@ class Envelope:
         # those of its members that are the turn's own.
         self._fills: dict[frozenset[str], tuple[_Fill, bytes, dict[str, Any]]] | None = None
         # A pending event's members, by what decides them (_Seen.members).
-        self._inserts: dict[tuple[Any, ...], bytes | None] | None = None
+        self._inserts: dict[tuple[Any, ...], bytes] | None = None
 
     @property
     def echo(self) -> tuple[str, Any] | None:
@@ -238,6 +238,7 @@ class Envelope:
         """Members every Response gets whatever the backend says: a background
         response's are the proxy's id and `background: true` (http/background.py)."""
         self._pinned = members
+        self._inserts = None  # (what pending events got before: without them)
 
     def complete(self, response: dict[str, Any], *, final: bool, merge: bool = True) -> Patch:
         """Fill in the members of `response` (a Response object, changed in place), not
@@ -468,16 +469,36 @@ class Envelope:
     def pending_event(self, event: Event) -> Event:
         """A lifecycle event before the terminal one (`response.created`, …), completed
         without decoding it when one of the same shape was completed before: the same
-        bytes but for the Response's `id` and `created_at` need the same members."""
+        bytes but for the Response's `id` and `created_at` need the same members. The
+        event is changed in place when its members are spliced into its bytes."""
         data = event.data
+        seen: _Seen | None = None
         last = _LAST.get(event.name)  # the shape its name came in last
-        seen = last[3] if last is not None and _of_shape(data, last) else None
-        inserts = self._inserts
-        if seen is not None and inserts is not None and seen.at and self._pinned is None:
-            members = inserts.get(seen.members)  # worked out for an earlier event
-            if members is not None:
-                at = seen.at
-                return with_data(event, b"".join((data[:at], members, b",", data[at:])))
+        if last is not None:
+            # Its shape, checked inline (a call costs as much as the check): the bytes
+            # around the id's value and created_at's digits are those it came in last.
+            # (The id ends at the first quote: were it an escaped one, the unescaped
+            # quotes of `middle`, `"created_at"`'s at least, would leave it invalid JSON.)
+            prefix, n, middle, digits, suffix, cut, at, last_seen = last
+            end = data.find(b'"', n)
+            digits += end
+            if (
+                data[:n] == prefix
+                and data[end:digits] == middle
+                and data[cut:] == suffix
+                and data[digits:cut].isdigit()
+            ):
+                inserts = self._inserts
+                members = inserts.get(last_seen.members) if inserts is not None else None
+                if members is None:
+                    members = self._members_as_seen(last_seen)
+                if members and event.at >= 0:  # the usual event: its raw bytes end in data
+                    at += event.at
+                    raw = event.raw
+                    event.raw = raw = b"".join((raw[:at], members, b",", raw[at:]))
+                    event.data = raw[event.at : -2]
+                    return event
+                seen = last_seen
         key: bytes | None = None
         if seen is None:
             key = _shape_key(data)
@@ -507,33 +528,38 @@ class Envelope:
         return done
 
     def _as_seen(self, event: Event, seen: _Seen) -> Event | None:
-        plan = seen.plan
-        if plan is None:
+        """A pending event of a seen shape completed from what the first one took (None:
+        it must be decoded)."""
+        if seen.plan is None or self._rewrites_model(seen):
             return None
-        model = seen.model
-        if (self._served_models or model == "") and self._shown_model(model) != model:
-            return None  # (else the backend's model is shown, or it gave none)
-        at = seen.at
-        if at:  # the members go in at the same place: the turn's bytes of them, once
-            inserts = self._inserts
-            members = inserts.get(seen.members, b"") if inserts is not None else b""
-            if members == b"":
-                members = self._members_as_seen(seen)
-            if members is not None:
-                data = event.data
-                return with_data(event, b"".join((data[:at], members, b",", data[at:])))
+        members = self._members_as_seen(seen)
+        if members:
+            data = event.data
+            at = seen.at
+            return with_data(event, b"".join((data[:at], members, b",", data[at:])))
         return self._as_seen_patched(event, seen)
 
-    def _members_as_seen(self, seen: _Seen) -> bytes | None:
-        """The bytes of the members a pending event of a seen shape gets, when they are
-        all inserted (None: an echoed member is null in it)."""
+    def _rewrites_model(self, seen: _Seen) -> bool:
+        """Whether the model a seen pending event named is not the one shown."""
+        model = seen.model
+        return bool(self._served_models or model == "") and self._shown_model(model) != model
+
+    def _members_as_seen(self, seen: _Seen) -> bytes:
+        """The bytes of the members a pending event of a seen shape gets, worked out once
+        per turn (b"": they are not all inserted at one place: an echoed member is null
+        in it, the model shown is not its own, or the Envelope pins members)."""
         if self._inserts is None:
             self._inserts = {}
-        members: bytes | None = None
+        members = b""
         echo = self._echo
-        if echo is None or echo[0] not in seen.nulls:
-            plan = seen.plan
-            assert plan is not None
+        plan = seen.plan
+        if (
+            seen.at
+            and plan is not None
+            and self._pinned is None
+            and (echo is None or echo[0] not in seen.nulls)
+            and not self._rewrites_model(seen)
+        ):
             members = self._fill(plan.missing)[1] if plan.missing else b""
             more = b'"completed_at":null' if plan.completed_at else b""
             if echo is not None and echo[0] == "conversation" and seen.no_conversation:
@@ -541,8 +567,8 @@ class Envelope:
                 more = more + b"," + conversation if more else conversation
             if more:
                 members = members + b"," + more if members else more
-        self._inserts[seen.members] = members or None
-        return members or None
+        self._inserts[seen.members] = members
+        return members
 
     def _as_seen_patched(self, event: Event, seen: _Seen) -> Event | None:
         plan = seen.plan
@@ -634,22 +660,11 @@ def _shape_key(data: bytes) -> bytes | None:
     return key
 
 
-# The shape each event name was last seen in, by its bytes around the id's value and the
-# created_at's digits: an event is matched against it without building its shape key.
-_LAST: dict[str | None, tuple[bytes, bytes, bytes, _Seen]] = {}
-
-
-def _of_shape(data: bytes, last: tuple[bytes, bytes, bytes, _Seen]) -> bool:
-    """Whether `data` is of the shape an event name was last seen in (_LAST)."""
-    prefix, middle, suffix, _ = last
-    if not data.startswith(prefix):
-        return False
-    start = len(prefix)
-    end = data.find(b'"', start)
-    if end < 0 or data.find(b"\\", start, end) >= 0 or not data.startswith(middle, end):
-        return False
-    # created_at's value: the digits between the middle and the suffix
-    return data.endswith(suffix) and data[end + len(middle) : -len(suffix)].isdigit()
+# The shape each event name was last seen in: the bytes before the id's value (and their
+# length), those between it and created_at's digits (and their length), those after the
+# digits (and where they start, from the end), where members go in, and its _Seen. An
+# event is matched against it without building its shape key.
+_LAST: dict[str | None, tuple[bytes, int, bytes, int, bytes, int, int, _Seen]] = {}
 
 
 def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
@@ -659,10 +674,20 @@ def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
         return
     at = data.find(_CREATED_AT, end) + len(_CREATED_AT)
     digits = _DIGITS.match(data, at) if at >= len(_CREATED_AT) else None
-    if digits is not None:
+    if digits is not None and digits.end() < len(data):
         if len(_LAST) >= _PENDING_KEPT:
             _LAST.clear()
-        _LAST[name] = (data[:start], data[end:at], data[digits.end() :], seen)
+        suffix = data[digits.end() :]
+        _LAST[name] = (
+            data[:start],
+            start,
+            data[end:at],
+            at - end,
+            suffix,
+            -len(suffix),
+            seen.at,
+            seen,
+        )
 
 
 def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:

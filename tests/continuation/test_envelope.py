@@ -385,10 +385,10 @@ def test_a_pending_event_of_a_known_shape_is_completed_as_a_new_one_is(
     Envelope({"model": "other"}).pending_event(pending("resp_a", 1700000000))  # seen
     event = pending("resp_b", 1700000123)
     assert envelope_module._shape_key(event.data) in envelope_module._PENDING
-    fast = Envelope(request_body, echo=echo, created_at=5).pending_event(event)
     slow = Envelope(request_body, echo=echo, created_at=5).event(
         event, orjson.loads(event.data), final=False
     )
+    fast = Envelope(request_body, echo=echo, created_at=5).pending_event(event)
     assert orjson.loads(fast.data) == orjson.loads(slow.data)
     assert parse_event(fast.raw) == fast
     payload = orjson.loads(fast.data)
@@ -427,10 +427,10 @@ def test_the_pending_events_of_one_turn_are_completed_as_new_ones_are(model: str
         envelope = Envelope(body, echo=echo, created_at=5)
         for kind in ("response.created", "response.in_progress"):
             event = lifecycle(kind, rid, model)
-            fast = envelope.pending_event(event)
             slow = Envelope(body, echo=echo, created_at=5).event(
                 event, orjson.loads(event.data), final=False
             )
+            fast = envelope.pending_event(event)
             assert orjson.loads(fast.data) == orjson.loads(slow.data)
             response = orjson.loads(fast.data)["response"]
             assert event_problems(orjson.loads(fast.data)) == []
