@@ -21,7 +21,7 @@ value, or an incomplete output item, re-encodes the object. What a Response lack
 worked out once per shape of its members (`_Plan`), the members filled in are built and
 encoded once for every request that gives the same values for them (`_Fill`), a pending
 event whose shape was seen is not decoded (`pending_event`), and a JSON answer's spliced
-bytes are what the store keeps (`spliced`).
+bytes are what the store keeps (`spliced`), as are a terminal event's (`spliced_event`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from ocxproxy.upstream.sse import Event, encode_event, loads_or_none, with_data
+from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event, loads_or_none, with_data
 
 _MISSING: Any = object()
 _NONE = type(None)
@@ -723,11 +723,72 @@ def written(
     return data if patch is None else _apply(data, response, patch, _object_start, response)
 
 
-def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
-    """`written` for an event that carries the Response under `response`."""
+def spliced_event(
+    event: Event, payload: dict[str, Any], patch: Patch
+) -> tuple[bytes, bytes] | None:
+    """A terminal event's data with the members `complete(…, merge=False)` filled in
+    written into its Response, and that Response's bytes in it, its output items as the
+    backend gave them (what the store keeps: see `spliced`); None when they are not
+    written at once (then `patch` is merged: the store encodes the dict)."""
+    data = event.data
+    span = None if patch.rewrite or patch.inserted or patch.ids else _response_span(data, payload)
+    if span is None:
+        patch.merge(payload["response"])
+        return None
+    start, end = span
+    members = patch.encoded
+    if not members:
+        return data, data[start:end]
+    at = start + 1
+    data = b"".join((data[:at], members, b",", data[at:]))
+    return data, data[start : end + len(members) + 1]
+
+
+def _response_span(data: bytes, payload: dict[str, Any]) -> tuple[int, int] | None:
+    """Where the Response of an event's data begins and ends, when the event has only
+    `type`, `response` and `sequence_number`, in one of the two orders backends write
+    them in, without spaces around the Response (None: it is not found at once)."""
+    seq = payload.get("sequence_number")
+    if len(payload) != 3 or type(seq) is not int:
+        return None
+    kind = payload.get("type")
+    if kind not in _TERMINAL_HEADS:
+        return None
+    if data[:12] == b'{"response":':  # (the SDK's models' order)
+        start = 12
+        tail = _TERMINAL_TAILS[kind] % seq
+    else:
+        head = _TERMINAL_HEADS[kind]
+        start = len(head)
+        if data[:start] != head:
+            return None
+        tail = b',"sequence_number":%d}' % seq
+    end = len(data) - len(tail)
+    if end - start < 3 or data[end:] != tail or data[start] != 0x7B or data[end - 1] != 0x7D:
+        return None  # ({} has no member to put one after: left to the general path)
+    return start, end
+
+
+_TERMINAL_HEADS = {kind: b'{"type":"%s","response":' % kind.encode() for kind in TERMINAL_EVENTS}
+_TERMINAL_TAILS = {
+    kind: b',"sequence_number":%%d,"type":"%s"}' % kind.encode() for kind in TERMINAL_EVENTS
+}
+
+
+def written_event(
+    event: Event, payload: dict[str, Any], patch: Patch, spliced: bytes | None = None
+) -> Event:
+    """`written` for an event that carries the Response under `response`; `spliced`:
+    its data `spliced_event` gave (the event is then changed in place)."""
     response = payload["response"]
     if complete_items(response.get("output") or []):
         patch.rewrite = True
+    elif spliced is not None:
+        if event.at < 0:
+            return with_data(event, spliced)
+        event.raw = b"".join((event.raw[: event.at], spliced, b"\n\n"))
+        event.data = spliced
+        return event
     data = _apply(event.data, response, patch, _response_start, payload)
     if data is event.data:  # (nothing to write)
         return event

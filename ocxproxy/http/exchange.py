@@ -32,7 +32,14 @@ from ocxproxy.continuation.compaction import (
     with_summaries,
 )
 from ocxproxy.continuation.conversation import conversation_id_of
-from ocxproxy.continuation.envelope import Envelope, Patch, spliced, written, written_event
+from ocxproxy.continuation.envelope import (
+    Envelope,
+    Patch,
+    spliced,
+    spliced_event,
+    written,
+    written_event,
+)
 from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
@@ -626,6 +633,8 @@ async def stream_events(
                     data = orjson.dumps(payload)
                     event = Event(encode_event(event.name, data), event.name, data)
             patch: Patch | None = None
+            # A terminal event's data with the members written in, and its Response's bytes
+            in_bytes: tuple[bytes, bytes] | None = None
             if kind in PENDING_EVENTS and repair is None and exchange.injection is None:
                 if not exchange.pending_raw:
                     event = envelope.pending_event(event)  # (not decoded when seen before)
@@ -635,19 +644,28 @@ async def stream_events(
                     event = with_data(event, orjson.dumps(payload))
             elif kind in RESPONSE_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
-                if isinstance(payload, dict) and type(payload.get("response")) is dict:
+                response = payload.get("response") if isinstance(payload, dict) else None
+                if type(response) is dict:
                     final = kind in TERMINAL_EVENTS
                     # A repaired event's Response is complete already (StreamRepair).
-                    patch = (
-                        Patch() if repair else envelope.complete(payload["response"], final=final)
-                    )
+                    if repair is not None:
+                        patch = Patch()
+                    elif final and exchange.injection is None and not exchange.pending_raw:
+                        # The filled members go into the event's bytes and the store's
+                        # (spliced_event); the dict gets them only where it is read.
+                        patch = envelope.complete(response, final=True, merge=False)
+                        in_bytes = spliced_event(event, payload, patch)
+                        if exchange.idempotency_key is not None:  # (the retries' answer)
+                            patch.merge(response)
+                    else:
+                        patch = envelope.complete(response, final=final)
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
-                if isinstance(payload, dict):
-                    exchange.finish(payload.get("response"))  # its items as the backend gave them
+                if isinstance(payload, dict):  # its items as the backend gave them
+                    exchange.finish(payload.get("response"), in_bytes and in_bytes[1])
                     terminal = len(batch)
             if patch is not None and not exchange.pending_raw:
-                event = written_event(event, payload, patch)
+                event = written_event(event, payload, patch, in_bytes and in_bytes[0])
             last = kind
             batch.append(event)
         if terminal >= 0:

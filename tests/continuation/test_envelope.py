@@ -446,3 +446,77 @@ def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
         assert secret.encode() in patch.encoded
         kept = b"".join(fill.encoded for fill in envelope_module._FILLS.values())
         assert (secret.encode() in kept) is store
+
+
+# -- a terminal event: its Response completed in its bytes, and those kept ------------------
+
+VLLM_USAGE = {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def terminal(response: dict[str, Any], order: tuple[str, ...]) -> Any:
+    members = {"type": "response.completed", "response": response, "sequence_number": 7}
+    payload = {name: members[name] for name in order}
+    return parse_event(encode_event("response.completed", orjson.dumps(payload)))
+
+
+@pytest.mark.parametrize(
+    "order",
+    [("type", "response", "sequence_number"), ("response", "sequence_number", "type")],
+)
+@pytest.mark.parametrize("echo", [None, ("previous_response_id", "resp_p")])
+def test_a_terminal_events_response_is_spliced_into_its_bytes(
+    order: tuple[str, ...], echo: tuple[str, Any] | None
+) -> None:
+    """The members filled in go into the event's bytes and the Response's bytes the store
+    keeps, the dict untouched: the same Response the decoding path gives, valid."""
+    response = {**LLAMA, "usage": VLLM_USAGE}
+    event = terminal(response, order)
+    slow = Envelope(REQUEST, echo=echo, created_at=5).event(
+        event, orjson.loads(event.data), final=True
+    )
+    payload = orjson.loads(event.data)
+    patch = Envelope(REQUEST, echo=echo, created_at=5).complete(
+        payload["response"], final=True, merge=False
+    )
+    spliced = envelope_module.spliced_event(event, payload, patch)
+    assert spliced is not None
+    data, stored = spliced
+    assert payload["response"].keys() < orjson.loads(stored).keys()  # (not merged)
+    expected = orjson.loads(slow.data)
+    assert orjson.loads(data) == expected and orjson.loads(stored) == expected["response"]
+    assert data.find(stored) > 0 and event_problems(expected) == []
+    out = envelope_module.written_event(event, payload, patch, data)
+    assert out.data == data and parse_event(out.raw) == out
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # another member, spaces, a Response with no member to write after
+        b'{"type":"response.completed","response":%s,"sequence_number":7,"x":1}',
+        b'{"type": "response.completed", "response": %s, "sequence_number": 7}',
+        b'{"type":"response.completed","response":%s ,"sequence_number":7}',
+    ],
+)
+def test_a_terminal_event_not_written_as_usual_gets_the_members_in_its_dict(data: bytes) -> None:
+    response = {**LLAMA, "usage": VLLM_USAGE}
+    event = parse_event(encode_event("response.completed", data % orjson.dumps(response)))
+    payload = orjson.loads(event.data)
+    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
+    assert envelope_module.spliced_event(event, payload, patch) is None
+    assert response_problems(payload["response"]) == []  # merged: the store encodes it
+    out = orjson.loads(envelope_module.written_event(event, payload, patch).data)
+    assert event_problems(out) == [] and out["response"] == payload["response"]
+
+
+def test_a_terminal_event_whose_items_the_proxy_completes_is_encoded_again() -> None:
+    item = {**LLAMA["output"][0], "content": [{"type": "output_text", "text": "Hello"}]}
+    response = {**LLAMA, "usage": VLLM_USAGE, "output": [item]}
+    event = terminal(response, ("type", "response", "sequence_number"))
+    payload = orjson.loads(event.data)
+    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
+    spliced = envelope_module.spliced_event(event, payload, patch)
+    assert spliced is not None
+    assert "annotations" not in orjson.loads(spliced[1])["output"][0]["content"][0]  # as given
+    out = orjson.loads(envelope_module.written_event(event, payload, patch, spliced[0]).data)
+    assert event_problems(out) == [] and response_problems(out["response"]) == []
