@@ -80,7 +80,8 @@ async def test_bench_durable_throughput_alone() -> None:
 
 
 async def test_bench_durable_rss_alone() -> None:
-    """--only-rss fills one store with turns of the size and chain length asked for."""
+    """--only-rss fills one store with turns of the size and chain length asked for, then
+    restarts it on its state dir, and says who holds the memory in both states."""
     argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
     argv += ["--only-rss", "--records", "60", "--turn-bytes", "1000", "--chain-turns", "10"]
     argv += ["--unique-item-ids", "--rss-wait", "0"]
@@ -90,6 +91,13 @@ async def test_bench_durable_rss_alone() -> None:
     async with asyncio.timeout(100):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out[-3000:]
-    assert "## RSS at 60 records (1000-byte user texts, chains of 10)" in out, out[-3000:]
-    line = next(line for line in out.splitlines() if line.startswith("RSS at 60 records"))
+    assert "## RSS at 60 records after 60 turns (1000-byte user texts, chains of 10)" in out, out
+    lines = out.splitlines()
+    line = next(line for line in lines if line.startswith("RSS at 60 records, filled"))
     assert re.search(r"\d+ MiB settled, \d+ MiB 0 s later \(peak \d+\)", line), line
+    line = next(line for line in lines if line.startswith("RSS restarted on it (60 records"))
+    assert re.search(r"\d+ MiB", line), line
+    for state in ("filled, later", "restarted"):
+        line = next(line for line in lines if line.startswith(f"{state}: RSS "))
+        assert re.search(r"pymalloc [\d.]+ MiB of arenas holding [\d.]+ MiB", line), line
+        assert re.search(r"malloc [\d.]+ MiB of heap holding [\d.]+ MiB", line), line
