@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -53,16 +54,22 @@ def build_turn(
     stored: bool = True,
     output_parts: list[bytes] | None = None,
     encoded: bytes | None = None,
+    merge: Callable[[dict[str, Any]], None] | None = None,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded (one serialized item each, parsed
     in `tail_items`), then the output items (or `output_parts`, what later turns forward
     in their place: a compaction item's summary message). `encoded`: the response's
-    bytes, kept when they hold the output encoded as the items are."""
+    bytes, kept when they hold the output encoded as the items are; else `response` is
+    encoded, after `merge` put in it the members `encoded` has and the dict lacks
+    (`Patch.merge`: a backend that writes its items otherwise than orjson, e.g. escaping
+    non-ASCII text or `<`, leaves the store the dict to encode)."""
     output = response["output"]
     output_bytes = serialize_items(output) if output_parts is None else output_parts
     parts = [*tail, *output_bytes]
     if encoded is None or output_parts is not None or not _holds(encoded, output_bytes):
         # Encoded like the items, so the store finds the output in them and keeps it once.
+        if merge is not None:
+            merge(response)
         encoded = orjson.dumps(response)
     return Turn(
         response_id=response["id"],

@@ -145,10 +145,13 @@ class Exchange:
     cache_expect: int | None = None  # the tokens of the chain's save, when it has one
     restored: Outcome | None = None  # the restore made before sending, to verify
 
-    def finish(self, response: Any, encoded: bytes | None = None) -> None:
+    def finish(
+        self, response: Any, encoded: bytes | None = None, patch: Patch | None = None
+    ) -> None:
         """Remember the turn when the response is one to remember (CONTRACT.md C1.6),
         append it to its conversation, and let the conversation go: before the client can
-        see the end. `encoded`: the response's bytes, when they are at hand."""
+        see the end. `encoded`: the response's bytes, when they are at hand; `patch`: the
+        members they hold and the dict may not (merged into it if it is encoded)."""
         self.finished = True
         self.final = response
         metrics = self.proxy.metrics
@@ -156,7 +159,7 @@ class Exchange:
         reason = not_recordable_reason(response)
         if self.conversation is not None:
             if reason is None and self.request.store:  # store:false content never on disk
-                reason = self._append(response, encoded)
+                reason = self._append(response, encoded, patch)
             self.kept += self.conversation.let_go()  # before the client sees the end
         done = response if reason is None else None  # what a retry with its key gets
         if reason is None and self.target is None:
@@ -166,21 +169,25 @@ class Exchange:
         else:
             assert self.target is not None  # else reason is "store_false"
             if self.record is None:  # (a conversation turn's may be put already: _append)
-                self.record = self.target.put(self._turn(response, encoded), self._chains_on())
+                self.record = self.target.put(
+                    self._turn(response, encoded, patch), self._chains_on()
+                )
             self.recorded = True
         if self.idempotency_key is not None:  # after the turn, in the journal as in commit()
             self.key_entry = idempotency.complete(
                 self.proxy, self.idempotency_key, done, durable=self.durable
             )
 
-    def _append(self, response: dict[str, Any], encoded: bytes | None) -> str | None:
+    def _append(
+        self, response: dict[str, Any], encoded: bytes | None, patch: Patch | None
+    ) -> str | None:
         """Append the turn to its conversation; else the reason it was not (a metric
         label), and the error that answers the client instead (commit() raises it)."""
         assert self.conversation is not None
         items = [*self.request.items, *response["output"]]
         backend = self.backend.url if self.backend else None
         try:
-            turn = self._turn(response, encoded)
+            turn = self._turn(response, encoded, patch)
             if self.target is not None and self.conversation.put_first:
                 # Put while the conversation's record it chains on is live, so its row
                 # names it: after the append it would need its whole chain (O(length)).
@@ -205,7 +212,9 @@ class Exchange:
         conversation (its window starts a chain: later turns forward only that)."""
         return None if self.summary is not None and self.conversation is None else self.parent
 
-    def _turn(self, response: dict[str, Any], encoded: bytes | None = None) -> Turn:
+    def _turn(
+        self, response: dict[str, Any], encoded: bytes | None = None, patch: Patch | None = None
+    ) -> Turn:
         if self.tail is None:  # forwarded as the client sent it: remember those bytes
             self.tail = tail_as_sent(self.body, self.request)
         tail, tail_items = self.tail, self.request.items
@@ -236,6 +245,7 @@ class Exchange:
             stored=self.request.store,
             output_parts=None if self.summary is None else [self.summary],
             encoded=encoded,
+            merge=None if patch is None else patch.merge,
         )
 
     async def commit(self) -> None:
@@ -539,7 +549,8 @@ async def forward(
                     stored = spliced(body, response, patch)
                     if exchange.idempotency_key is not None:
                         patch.merge(response)
-                    exchange.finish(response, stored)  # the backend's items, as it gave them
+                    # The backend's items, as it gave them (the patch: if the dict is encoded)
+                    exchange.finish(response, stored, patch)
                     body = written(stored, response, merged=patch)
                 else:
                     exchange.finish(response)
@@ -662,7 +673,7 @@ async def stream_events(
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):  # its items as the backend gave them
-                    exchange.finish(payload.get("response"), in_bytes and in_bytes[1])
+                    exchange.finish(payload.get("response"), in_bytes and in_bytes[1], patch)
                     terminal = len(batch)
             if patch is not None and not exchange.pending_raw:
                 event = written_event(event, payload, patch, in_bytes and in_bytes[0])

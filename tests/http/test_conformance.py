@@ -7,12 +7,14 @@ envelope is not input."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
@@ -267,3 +269,52 @@ async def test_a_chat_backends_error_carries_a_code(
             assert resp.status == 500
             error = (await resp.json())["error"]
     assert error["code"] == "server_error" and error["message"] == "boom"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stored_response_is_complete_whatever_the_backends_json_style(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """A backend that escapes non-ASCII text (Python's json.dumps does) writes its output
+    items in other bytes than the proxy's encoder: the Response kept for GET is then
+    encoded from the parsed one, and must carry the envelope all the same."""
+    item = {
+        "type": "message",
+        "id": "msg_1",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "héllo", "annotations": []}],
+    }
+    answer = {"id": "resp_ascii", "object": "response", "created_at": 1, "status": "completed"}
+    answer |= {"model": "m", "output": [item], "error": None, "incomplete_details": None}
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()  # \u00e9, not UTF-8
+
+    async def respond(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.Response(body=dumps(answer), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for n, kind in enumerate(("response.created", "response.completed")):
+            event = {"type": kind, "response": answer, "sequence_number": n}
+            await resp.write(b"event: " + kind.encode() + b"\ndata: " + dumps(event) + b"\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", respond)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        handle = await make_proxy(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        first, events = await create(http, handle, {**BODY, "stream": stream})
+        assert problems_of(first, events) == []
+        async with http.get(f"{handle.base_url}/responses/{first['id']}") as resp:
+            stored = await resp.json()
+    finally:
+        await runner.cleanup()
+    assert response_problems(stored) == []
+    assert stored["instructions"] == "Be brief." and stored["tools"][0]["name"] == "get_weather"
+    assert stored["output"][0]["content"][0]["text"] == "héllo"
