@@ -518,7 +518,9 @@ class Envelope:
         absent = "conversation" not in response
         patch = self.complete(response, final=False)
         done = written_event(event, payload, patch)
-        if key is not None and not patch.rewrite:  # (written_event sets it for items)
+        # A shape is kept past the request (its key is the event's bytes): not a store:false
+        # one's, whose event may echo its instructions, tools or metadata.
+        if key is not None and not patch.rewrite and self._body.get("store") is not False:
             if len(_PENDING) >= _PENDING_KEPT:
                 _PENDING.clear()
             model = model if type(model) is str else None

@@ -438,6 +438,24 @@ def test_the_pending_events_of_one_turn_are_completed_as_new_ones_are(model: str
             assert (response["previous_response_id"], response["temperature"]) == ("resp_p", 0.5)
 
 
+def test_a_store_false_requests_pending_event_is_not_kept_past_it() -> None:
+    """A pending event's shape is remembered by its bytes, which echo what the backend
+    echoes of the request: not a store:false request's."""
+    secret = "Answer as the hidden persona"
+    for store in (False, True):
+        envelope_module._PENDING.clear()
+        envelope_module._LAST.clear()
+        event = pending("resp_s", 1700000000)
+        payload = orjson.loads(event.data)
+        payload["response"]["instructions"] = secret
+        event = parse_event(encode_event("response.created", orjson.dumps(payload)))
+        done = Envelope({"model": "m", "store": store, "instructions": secret}).pending_event(event)
+        assert orjson.loads(done.data)["response"]["instructions"] == secret
+        kept = [*envelope_module._PENDING]
+        kept += [v for last in envelope_module._LAST.values() for v in last if type(v) is bytes]
+        assert any(secret.encode() in v for v in kept) is store
+
+
 def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
     secret = "Answer as the secret persona"
     for store in (False, True):
