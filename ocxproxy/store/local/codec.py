@@ -44,7 +44,6 @@ from ocxproxy.model import (
     Segment,
     shared,
 )
-from ocxproxy.store.compression import compressor as compressor  # (journal.py's)
 from ocxproxy.store.compression import decompressor
 from ocxproxy.store.local.segment_files import FILES
 
