@@ -562,13 +562,20 @@ class Envelope:
             and (echo is None or echo[0] not in seen.nulls)
             and not self._rewrites_model(seen)
         ):
-            members = self._fill(plan.missing)[1] if plan.missing else b""
-            more = b'"completed_at":null' if plan.completed_at else b""
+            parts = []  # (as _fill orders them, without its bookkeeping for complete)
+            if plan.missing:
+                fill = self._shared_fill(plan.missing)
+                if fill.created_at:
+                    parts.append(b'"created_at":%d' % self._created())
+                if fill.previous:
+                    parts.append(b'"previous_response_id":' + orjson.dumps(self._previous()))
+                if fill.encoded:
+                    parts.append(fill.encoded)
+            if plan.completed_at:
+                parts.append(b'"completed_at":null')
             if echo is not None and echo[0] == "conversation" and seen.no_conversation:
-                conversation = b'"conversation":' + orjson.dumps(echo[1])
-                more = more + b"," + conversation if more else conversation
-            if more:
-                members = members + b"," + more if members else more
+                parts.append(b'"conversation":' + orjson.dumps(echo[1]))
+            members = b",".join(parts)
         self._inserts[seen.members] = members
         return members
 
@@ -725,13 +732,13 @@ def written(
     return data if patch is None else _apply(data, response, patch, _object_start, response)
 
 
-def spliced_event(
-    event: Event, payload: dict[str, Any], patch: Patch
-) -> tuple[bytes, bytes] | None:
-    """A terminal event's data with the members `complete(…, merge=False)` filled in
-    written into its Response, and that Response's bytes in it, its output items as the
-    backend gave them (what the store keeps: see `spliced`); None when they are not
-    written at once (then `patch` is merged: the store encodes the dict)."""
+def spliced_event(event: Event, payload: dict[str, Any], patch: Patch) -> tuple[bytes, bool] | None:
+    """The bytes of a terminal event's Response with the members `complete(…,
+    merge=False)` filled in, its output items as the backend gave them (what the store
+    keeps: see `spliced`), and whether the event is written too (changed in place: its
+    items need nothing more, else `written_event` completes them once the turn is
+    recorded). None when its Response is not found at once in its bytes (then `patch`
+    is merged: the store encodes the dict)."""
     data = event.data
     span = None if patch.rewrite or patch.inserted or patch.ids else _response_span(data, payload)
     if span is None:
@@ -739,11 +746,19 @@ def spliced_event(
         return None
     start, end = span
     members = patch.encoded
-    if not members:
-        return data, data[start:end]
-    at = start + 1
-    data = b"".join((data[:at], members, b",", data[at:]))
-    return data, data[start : end + len(members) + 1]
+    if members:
+        at = start + 1
+        data = b"".join((data[:at], members, b",", data[at:]))
+        end += len(members) + 1
+    stored = data[start:end]
+    if event.at < 0:
+        return stored, False
+    for item in payload["response"].get("output") or ():  # (a list: the plan checked)
+        if type(item) is not dict or not _item_complete(item):
+            return stored, False
+    event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
+    event.data = data
+    return stored, True
 
 
 def _response_span(data: bytes, payload: dict[str, Any]) -> tuple[int, int] | None:
@@ -777,20 +792,11 @@ _TERMINAL_TAILS = {
 }
 
 
-def written_event(
-    event: Event, payload: dict[str, Any], patch: Patch, spliced: bytes | None = None
-) -> Event:
-    """`written` for an event that carries the Response under `response`; `spliced`:
-    its data `spliced_event` gave (the event is then changed in place)."""
+def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:
+    """`written` for an event that carries the Response under `response`."""
     response = payload["response"]
     if complete_items(response.get("output") or []):
         patch.rewrite = True
-    elif spliced is not None:
-        if event.at < 0:
-            return with_data(event, spliced)
-        event.raw = b"".join((event.raw[: event.at], spliced, b"\n\n"))
-        event.data = spliced
-        return event
     data = _apply(event.data, response, patch, _response_start, payload)
     if data is event.data:  # (nothing to write)
         return event

@@ -644,8 +644,8 @@ async def stream_events(
                     data = orjson.dumps(payload)
                     event = Event(encode_event(event.name, data), event.name, data)
             patch: Patch | None = None
-            # A terminal event's data with the members written in, and its Response's bytes
-            in_bytes: tuple[bytes, bytes] | None = None
+            # A terminal event's Response's bytes, and whether the event is written
+            in_bytes: tuple[bytes, bool] | None = None
             if kind in PENDING_EVENTS and repair is None and exchange.injection is None:
                 if not exchange.pending_raw:
                     event = envelope.pending_event(event)  # (not decoded when seen before)
@@ -673,10 +673,10 @@ async def stream_events(
             if kind in TERMINAL_EVENTS:
                 payload = payload if payload is not None else loads_or_none(event.data)
                 if isinstance(payload, dict):  # its items as the backend gave them
-                    exchange.finish(payload.get("response"), in_bytes and in_bytes[1], patch)
+                    exchange.finish(payload.get("response"), in_bytes and in_bytes[0], patch)
                     terminal = len(batch)
-            if patch is not None and not exchange.pending_raw:
-                event = written_event(event, payload, patch, in_bytes and in_bytes[0])
+            if patch is not None and not exchange.pending_raw and not (in_bytes and in_bytes[1]):
+                event = written_event(event, payload, patch)
             last = kind
             batch.append(event)
         if terminal >= 0:
