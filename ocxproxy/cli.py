@@ -152,7 +152,7 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
             print("\n".join(report.lines()))
             for problem in problems:
                 print(f"problem: {problem}")
-            print(f"{len(problems)} problems, {report.checked} segments checked")
+            print(f"{len(problems)} problems, {report.checked} segments and responses checked")
             return 1 if problems else 0
         removed = admin.gc(root)
     except admin.StateBusy as exc:

@@ -30,6 +30,30 @@ _SPAN = ((1 << 60) - 1) << SPAN_SHIFT
 _NO_SPAN = ~_SPAN
 _BELOW_SID = (1 << SID_SHIFT) - 1
 
+# A durable record's response once its journal entry is committed (`Record.response`, an
+# int): its journal file above the offset (up to 1 TiB) and compressed length of its bytes
+# there above their size (each up to 4 GiB).
+_SIZE_BITS = 32
+_SIZE_MAX = (1 << _SIZE_BITS) - 1
+
+
+def place(pack: int, offset: int, length: int, size: int) -> int:
+    """Where a response's `length` compressed bytes are (`offset` of journal file `pack`)
+    and their `size` once decompressed, as one int; ValueError when out of range."""
+    if not (
+        pack >= 0 and 0 <= offset <= OFFSET_MAX and 0 <= length <= LENGTH_MAX
+        and 0 <= size <= _SIZE_MAX
+    ):  # fmt: skip
+        raise ValueError(f"response place out of range: {pack}, {offset}, {length}, {size}")
+    return ((pack << 40 | offset) << LENGTH_BITS | length) << _SIZE_BITS | size
+
+
+def unplace(at: int) -> tuple[int, int, int, int]:
+    """`place`'s (pack, offset, length, size)."""
+    size, at = at & _SIZE_MAX, at >> _SIZE_BITS
+    length, at = at & LENGTH_MAX, at >> LENGTH_BITS
+    return at >> 40, at & OFFSET_MAX, length, size
+
 
 def shared(value: _T) -> _T:
     """One object for each value that 100,000s of segments and records repeat: a size,
@@ -300,7 +324,11 @@ class Record:
     expires_at: float
     durable: bool  # store:true (may be written to disk)
     links: Chain | None  # its chain's segments, the last its own (None: none)
-    response: Segment  # the response object as JSON, for GET /v1/responses/{id}
+    # The response object as JSON, for GET /v1/responses/{id}: a durable record's is its
+    # bytes until its journal entry, which holds them, is committed, then where they are
+    # there (an int, `place`); any other's (memory-only, a kept record's, or one written
+    # before responses were kept in their record's entry) is a Segment of its own.
+    response: Segment | bytes | int
     backend: str | None = None
     affinity_key: str | None = None
     n_items: int = field(default=0)
@@ -327,6 +355,14 @@ class Record:
         if built is None:
             built = self.built = () if self.links is None else self.links.segments()
         return built
+
+    @property
+    def response_size(self) -> int:
+        """The response object's bytes."""
+        response = self.response
+        if isinstance(response, Segment):
+            return response.size
+        return len(response) if isinstance(response, bytes) else response & _SIZE_MAX
 
     @property
     def own(self) -> Segment | None:

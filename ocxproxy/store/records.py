@@ -94,8 +94,8 @@ class Records:
             by_id[record.id] = record
             place(record)
             if record.expires_at >= NEVER:
-                kept = {s.digest: s.size for s in (*record.segments, record.response)}
-                self.pinned[record.id] = size = sum(kept.values())
+                kept = {s.digest: s.size for s in record.segments}
+                self.pinned[record.id] = size = sum(kept.values()) + record.response_size
                 self.pinned_bytes += size
             if tombstones or failed:
                 tombstones.pop(record.id, None)
@@ -211,7 +211,7 @@ class Records:
         `shared` segments its present version holds, and `meta` bytes of metadata."""
         old = self.by_id.get(record_id)
         if old is not None and shared and record_id in self.pinned:
-            size = self.pinned[record_id] - old.response.size
+            size = self.pinned[record_id] - old.response_size
             return size + sum(s.size for s in chain[shared:]) + meta
         return sum(s.size for s in {s.digest: s for s in chain}.values()) + meta
 
@@ -242,7 +242,7 @@ def turn_record(
     durable: bool,
     links: Chain,
     segments: tuple[Segment, ...],
-    response: Segment,
+    response: Segment | bytes,
     output_at: tuple[int, int] | None,
 ) -> R:
     """A finished turn's record on top of `parent`'s chain (`segments`, its own last),

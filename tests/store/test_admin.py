@@ -32,8 +32,9 @@ def state(tmp_path: Path) -> Path:
 def test_stats(state: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["state", "stats", "--state-dir", str(state)]) == 0
     out = capsys.readouterr().out
-    assert "records        4" in out and "segments       8 (" in out
-    assert "replayed       3 entries" in out and "torn tails     0" in out
+    assert "records        4" in out and "segments       4 (" in out
+    assert "responses      4 in their records' entries" in out
+    assert "replayed       2 entries" in out and "torn tails     0" in out
 
 
 def test_state_dir_from_the_config_file(
@@ -63,7 +64,7 @@ def test_verify_finds_corrupt_bytes_a_torn_tail_and_a_missing_file(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["state", "verify", "--state-dir", str(state)]) == 0
-    assert "0 problems, 8 segments checked" in capsys.readouterr().out
+    assert "0 problems, 8 segments and responses checked" in capsys.readouterr().out
     paths = journal_files(state)
     first, last = paths[min(paths)], paths[max(p for p, f in paths.items() if f.stat().st_size)]
     seg = min(Journal(state).load(repair=False).segments.values(), key=lambda s: s.offset)

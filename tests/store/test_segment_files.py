@@ -110,13 +110,19 @@ async def test_a_large_segment_is_compressed_once(
     the turns' that joined it meanwhile (each of their commit calls tries again), and
     those queued after it was encoded are encoded after it."""
     compressed: list[int] = []
-    real = journal.compress
+    real, checked = journal.compress, journal.checked_compressor
 
     def counting(data: bytes) -> bytes:
         compressed.append(len(data))
         return real(data)
 
+    class Counting:
+        def compress(self, data: bytes) -> bytes:
+            compressed.append(len(data))
+            return checked().compress(data)
+
     monkeypatch.setattr(journal, "compress", counting)
+    monkeypatch.setattr(journal, "checked_compressor", Counting)
     store = make_store(tmp_path, large_segment_bytes=LARGE, fsync_child=True)
     await store.start()
     big = store.put(make_turn("r1", noise(20_000, 3)), None)  # ~40 KB: encoded on the loop
@@ -133,10 +139,10 @@ async def test_a_large_segment_is_compressed_once(
     for commit in commits:
         with pytest.raises(StopIteration):
             commit.send(None)
-    segments = [big.segments[-1], big.response] + [
-        s for r in small for s in (r.segments[-1], r.response)
+    sizes = [s.size for r in (big, *small) for s in r.segments] + [
+        r.response_size for r in (big, *small)
     ]
-    assert sorted(compressed) == sorted(s.size for s in segments)  # once each
+    assert sorted(compressed) == sorted(sizes)  # each segment and response once
     assert list(own_files(tmp_path)) == [big.segments[-1].key]
     await store.close()
     reopened = new_store(tmp_path)

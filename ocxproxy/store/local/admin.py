@@ -2,7 +2,8 @@
 
 All three read the checkpoint and replay the journal as start-up does, without changing
 anything (a torn tail is reported, not cut). verify also reads every live segment back
-and checks its digest (segment files too). gc removes journal files and segment files no
+and checks its digest (segment files too), and every live response its record's entry
+holds, checking its checksum. gc removes journal files and segment files no
 live segment needs and temp files, and refuses while a proxy holds the dir's lock.
 Blocking, synchronous; failures come back as text lines, never as tracebacks.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ocxproxy.errors import StoreFailure
-from ocxproxy.model import Segment
+from ocxproxy.model import Segment, place, unplace
 from ocxproxy.store.local import codec, files, journal, segment_files
 from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.journal import Journal
@@ -29,6 +30,8 @@ class StateReport:
     loaded: Loaded = field(default_factory=Loaded)
     checkpoint_bytes: int = 0
     live: dict[int, Segment] = field(default_factory=dict)  # sid -> segment a record needs
+    # (record id, place) of each live response kept in its record's entry
+    responses: list[tuple[str, int]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # records needing an unknown segment
     bad_ids: list[str] = field(default_factory=list)  # conversations whose ids disagree
     temps: list[Path] = field(default_factory=list)
@@ -43,6 +46,7 @@ class StateReport:
         """Journal files before the checkpoint's position that hold no live segment."""
         first = self.loaded.replay_from[0]
         used = {s.pack for s in self.live.values()}
+        used.update(unplace(at)[0] for _, at in self.responses)
         return sorted(p for p in self.loaded.sizes if p < first and p not in used)
 
     @property
@@ -65,6 +69,9 @@ class StateReport:
         raw = sum(s.size for s in self.live.values())
         out.append(f"records        {len(ld.records)}")
         out.append(f"segments       {len(self.live)} ({raw} bytes, {live_bytes} compressed)")
+        held = sum(unplace(at)[2] for _, at in self.responses)
+        out.append(f"responses      {len(self.responses)} in their records' entries "
+                   f"({held} bytes compressed)")  # fmt: skip
         out.append(f"journal        {len(ld.sizes)} files, {self.journal_bytes} bytes")
         own = [s for s in self.live.values() if s.pack == FILES]
         own_bytes = sum(s.length for s in own)
@@ -88,17 +95,33 @@ def inspect(root: Path) -> StateReport:
     for row in report.loaded.records.values():
         if row[3] <= now:
             continue
-        needed = [*(codec.chain_sids(row) or (-1,)), row[5]]  # None: its parent is gone
+        needed = [*(codec.chain_sids(row) or (-1,))]  # None: its parent is gone
+        held = row[5]  # a segment's sid, or the place [file, offset, length, size] of its entry's
+        if type(held) is list:
+            response = _response(held, report.loaded)
+        else:
+            needed.append(held)
         if any(sid not in segments or not _present(segments[sid], report.loaded)
-               for sid in needed):  # fmt: skip
+               for sid in needed) or (type(held) is list and response is None):  # fmt: skip
             report.missing.append(row[0])
             continue
         for sid in needed:
             report.live[sid] = segments[sid]
-        if not _ids_agree(row, [segments[sid] for sid in needed[:-1]]):
+        chain = needed if type(held) is list else needed[:-1]
+        if type(held) is list and response is not None:
+            report.responses.append((row[0], response))
+        if not _ids_agree(row, [segments[sid] for sid in chain]):
             report.bad_ids.append(row[0])
     report.temps = j.temps()
     return report
+
+
+def _response(held: list[Any], loaded: Loaded) -> int | None:
+    """A loaded row's response place as an int, or None when its file is gone or bad."""
+    try:
+        return place(*held) if held[0] in loaded.sizes else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _present(segment: Segment, loaded: Loaded) -> bool:
@@ -138,6 +161,12 @@ def verify(root: Path) -> tuple[StateReport, list[str]]:
                 j.read(info.key, info.size, info.pack, info.offset, info.length)
             except StoreFailure as failure:
                 problems.append(f"{failure.reason}: {info.key}: {failure.detail}")
+            report.checked += 1
+        for rid, at in report.responses:
+            try:
+                j.read_response(at)
+            except StoreFailure as failure:
+                problems.append(f"{failure.reason}: {rid}'s response: {failure.detail}")
             report.checked += 1
     finally:
         j.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ocxproxy.model import Segment, unplace
 from ocxproxy.store.local import segment_files
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.keydir import SEG_OVERHEAD
@@ -22,7 +23,9 @@ def check_store(store: Store) -> list[str]:
     refs: dict[str, int] = {}
     durable_refs: dict[str, int] = {}
     for record in store.records():
-        for segment in (*record.segments, record.response):
+        response = record.response
+        own = (response,) if type(response) is Segment else ()
+        for segment in (*record.segments, *own):
             refs[segment.key] = refs.get(segment.key, 0) + 1
             if record.durable:
                 durable_refs[segment.key] = durable_refs.get(segment.key, 0) + 1
@@ -68,11 +71,22 @@ def check_store(store: Store) -> list[str]:
             problems.append(f"{segment.key} resident but unindexed")
     if store.journal is None or not store.durable:
         return problems
+    responses: dict[int, list[tuple[str, int]]] = {}  # file -> (record id, place) there
+    for record in store.records():
+        if type(record.response) is int:
+            responses.setdefault(unplace(record.response)[0], []).append(
+                (record.id, record.response)
+            )
+        elif type(record.response) is bytes and not (store.ledger and store.ledger.pending(record)):
+            problems.append(f"{record.id} holds its response's bytes but its entry is written")
     j = Journal(store.journal.root)
     on_disk = set(j.existing())
     try:
         for pack, (held, live, size) in packs.items():
-            if sum(s.length + SEG_OVERHEAD for s in held.values()) != live:
+            placed = responses.pop(pack, [])
+            counted = sum(s.length + SEG_OVERHEAD for s in held.values())
+            counted += sum(unplace(at)[2] + SEG_OVERHEAD for _, at in placed)
+            if counted != live:
                 problems.append(f"journal file {pack}: live byte count drifted")
             if pack not in on_disk:
                 problems.append(f"journal file {pack} indexed but missing")
@@ -82,6 +96,15 @@ def check_store(store: Store) -> list[str]:
                 actual = size if actual == store.journal.allocated else actual
             if actual != size:
                 problems.append(f"journal file {pack} is {actual}B, indexed {size}B")
+            for rid, at in placed:
+                _, offset, length, _ = unplace(at)
+                if offset + length > actual:
+                    problems.append(f"{rid}'s response located past the end of journal file {pack}")
+                    continue
+                try:
+                    j.read_response(at)
+                except Exception as exc:  # a StoreFailure, reported as drift
+                    problems.append(f"{rid}'s response unreadable in journal file {pack}: {exc}")
             for key, segment in held.items():
                 if segments.get(key) is not segment:
                     problems.append(f"{key} indexed in journal file {pack} but not live")
@@ -95,6 +118,8 @@ def check_store(store: Store) -> list[str]:
                     problems.append(f"{key} unreadable in journal file {pack}: {exc}")
         for pack in on_disk - set(packs):
             problems.append(f"journal file {pack} on disk but not indexed")
+        for pack in responses:
+            problems.append(f"responses located in journal file {pack}, which is not indexed")
         problems += _check_files(store, j)
     finally:
         j.close()

@@ -9,20 +9,33 @@ payload, so a torn or corrupt entry is detected and replay stops at the last goo
                                                     meta ends with its blob's length, and
                                                     the blob is its own file instead:
                                                     segment_files.py)
-    PUT  <record row JSON>                          a record (its chain by segment sid;
-                                                    a conversation's: its item ids too)
+    REC  <row length u32><record row JSON><zstd blob>
+                                                    a record and its response object
+                                                    (the row's chain by segment sid; a
+                                                    conversation's: its item ids too)
+    RSP  <id length u16><record id JSON><zstd blob> a record's response, moved here by
+                                                    compaction
+    PUT  <record row JSON>                          a record whose response is a segment
+                                                    of its own (a kept record's, and every
+                                                    record of journals written before REC)
     DEL  <record id JSON>                           a record dropped
     NOP  (empty)                                    a probe: can the disk take a write?
 
+A response's blob carries its zstd checksum (`decode_response` checks it): it has no
+digest to be checked against.
+
 The checkpoint uses the same framing: HEAD (position to replay from, next sid), SEGS and
-RECS chunks (JSON arrays of rows), END. Segment and record rows are built by one function
-each (`segment_row`, `record_row`) for the journal and the checkpoint alike.
+RECS chunks (JSON arrays of rows), END. A record row names its response by segment sid
+(PUT) or, once loaded, by where it is: [file, offset, compressed length, size] (REC).
+Segment and record rows are built by one function each (`segment_row`, `record_row`) for
+the journal and the checkpoint alike.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,21 +56,34 @@ from ocxproxy.model import (
     Record,
     Segment,
     shared,
+    unplace,
 )
-from ocxproxy.store.compression import decompressor
+from ocxproxy.store.compression import LEVEL, decompressor
 from ocxproxy.store.local.segment_files import FILES
 
-SEG, PUT, DEL, NOP = 1, 2, 3, 4
+SEG, PUT, DEL, NOP, REC, RSP = 1, 2, 3, 4, 5, 6
 HEAD, SEGS, RECS, END = 11, 12, 13, 14
 FORMAT = "ocxproxy-checkpoint"
 VERSION = 1
 MAX_ENTRY = 1024**3
 FRAME = struct.Struct("<IIB")
 META = struct.Struct("<H")
+ROW = struct.Struct("<I")
+_checked = threading.local()
 
 
 def frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(len(payload), zlib.crc32(payload, kind), kind) + payload
+
+
+def checked_compressor() -> zstandard.ZstdCompressor:
+    """The store's zstd set-up with a checksum in each frame (a response's: one per thread)."""
+    c = getattr(_checked, "c", None)
+    if c is None:
+        c = _checked.c = zstandard.ZstdCompressor(
+            level=LEVEL, write_content_size=True, write_checksum=True
+        )
+    return c
 
 
 # -- rows: the one encoding of a segment's and a record's metadata ---------------------------
@@ -77,7 +103,9 @@ IDS = 11  # a record row's field past the 11 every row has: a conversation's ite
 
 
 def record_row(record: Record, parent: str | None = None) -> list[Any]:
-    """A record as a row: its chain and response by segment sid. With `parent` (a record
+    """A record as a row: its chain by segment sid, its response by segment sid, by its
+    size (bytes: the REC entry holding them, to be written) or by where it is (the
+    checkpoint's [file, offset, length, size]). With `parent` (a record
     whose chain is this one's but the last segment, named by an earlier row) the chain is
     ["^", parent, last sid]: a row's size does not grow with the chain's depth. A
     conversation's row ends with its item ids, one list per segment; named by its parent
@@ -89,13 +117,18 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
         chain: list[Any] = ["^", parent, own.sid]
     else:
         chain = [s.sid for s in record.segments]
+    response = record.response
+    if isinstance(response, Segment):
+        held: Any = response.sid
+    else:  # its size, for the REC entry holding its bytes; the checkpoint's: where it is
+        held = len(response) if isinstance(response, bytes) else list(unplace(response))
     row = [
         record.id,
         record.scope,
         record.created_at,
         record.expires_at,
         chain,
-        record.response.sid,
+        held,
         record.output_at,
         record.backend,
         record.affinity_key,
@@ -186,6 +219,20 @@ class Loaded:
                 info = parse_segment(row, pack, start, len(payload) - 2 - n)
             self.segments[info.sid] = info
             self.next_sid = max(self.next_sid, info.sid + 1)
+        elif kind == REC:
+            (n,) = ROW.unpack_from(payload, 0)
+            row = orjson.loads(payload[4 : 4 + n])
+            size = row[5]
+            if type(size) is not int or size < 0:
+                raise ValueError("bad record row")
+            row[5] = [pack, offset + FRAME.size + 4 + n, len(payload) - 4 - n, size]
+            self.put(row)
+        elif kind == RSP:
+            (n,) = META.unpack_from(payload, 0)
+            moved = self.records.get(orjson.loads(payload[2 : 2 + n]))
+            if moved is not None and type(moved[5]) is list:  # (else dropped since)
+                start = offset + FRAME.size + 2 + n
+                moved[5] = [pack, start, len(payload) - 2 - n, moved[5][3]]
         elif kind == PUT:
             self.put(orjson.loads(payload))
         elif kind == DEL:
@@ -328,6 +375,20 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
         else:
             raise ValueError(f"unexpected checkpoint entry {kind}")
     raise ValueError("checkpoint is truncated")
+
+
+def decode_response(size: int, blob: bytes) -> bytes:
+    """A response's `size` bytes from its blob, its checksum checked; CORRUPT otherwise."""
+    try:
+        params = zstandard.get_frame_parameters(blob)
+        if not params.has_checksum or params.content_size != size:
+            raise StoreFailure(FailureReason.CORRUPT, "response: frame header disagrees")
+        data = decompressor().decompress(blob, max_output_size=max(size, 1))
+    except zstandard.ZstdError as exc:
+        raise StoreFailure(FailureReason.CORRUPT, f"response: {exc}") from None
+    if len(data) != size:
+        raise StoreFailure(FailureReason.CORRUPT, "response: wrong size")
+    return data
 
 
 def decode(key: str, size: int, blob: bytes) -> bytes:

@@ -50,6 +50,12 @@ class DiskSide:
             store._drop(record, None, None, journaled=False)
             store.index.fail(record.id, failure)
 
+    def holds(self, record: Record) -> bool:
+        return self.store.index.by_id.get(record.id) is record
+
+    def record(self, record_id: str) -> Record | None:
+        return self.store.index.by_id.get(record_id)
+
     def settle(self) -> None:
         """Back within the caps after a commit's outcome."""
         self.store.expiry.enforce()

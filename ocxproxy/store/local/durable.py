@@ -10,9 +10,10 @@ compaction's and the checkpoint's to the SegmentTable.
 The checkpoint (journal.py) is the index at a journal position; it is written when the
 journal since the last one passes `checkpoint_bytes` or `checkpoint_age`, encoded in
 chunks between which the event loop runs. Journal files before the checkpoint that hold
-few live segments are compacted (their live segments re-appended) and then removed; a
-journal file is removed only when a checkpoint captured after its last live segment left
-it is durable, and so is a large segment's own file (segment_files.py) after its segment
+few live segments are compacted (their live segments re-appended, and the live responses
+their records' entries hold, each as an RSP entry) and then removed; a journal file is
+removed only when a checkpoint captured after its last live segment or response left it
+is durable, and so is a large segment's own file (segment_files.py) after its segment
 left; compaction never copies those.
 """
 
@@ -29,14 +30,16 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Protocol
 
+import orjson
+
 from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import ConfigError
 from ocxproxy.errors import FailureReason
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record, Segment
+from ocxproxy.model import Record, Segment, unplace
 from ocxproxy.store.local import files, journal, segment_files
-from ocxproxy.store.local.codec import NOP, Loaded
+from ocxproxy.store.local.codec import NOP, RSP, Loaded
 from ocxproxy.store.local.committer import Committer, Offload, Outcome
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.segments import SegmentTable
@@ -74,6 +77,9 @@ class Owner(Protocol):
 
     def evict_for_disk(self, target: float) -> None:
         """Drop the oldest durable records until live segments take `target` bytes."""
+
+    def record(self, record_id: str) -> Record | None:
+        """The live record of this id."""
 
     def checkpoint_view(self) -> tuple[list[Record], set[str]]:
         """Every record, oldest first, and the ids whose PUT is not committed yet: a
@@ -368,6 +374,8 @@ class Durable:
             return
         pacer = Pacer()
         moves: list[Segment] = []
+        responses: dict[str, tuple[Record, int]] = {}  # id -> (record, its place)
+        record = self.owner.record
         for pack in sorted(sparse):  # in journal order
             keys = self.table.keydir.keys.get(pack, [])  # (only the active file's grows)
             for start in range(0, len(keys), SCAN):
@@ -375,12 +383,34 @@ class Durable:
                 found = {s.digest: s for s in self.table.in_file(pack, keys[start : start + SCAN])}
                 moves += sorted(found.values(), key=_OFFSET)
                 await pacer.pause()
+            ids = self.table.keydir.responses.get(pack, [])
+            for start in range(0, len(ids), SCAN):
+                for rid in ids[start : start + SCAN]:
+                    r = record(rid)
+                    if r is not None and type(r.response) is int and unplace(r.response)[0] == pack:
+                        responses[rid] = (r, r.response)
+                await pacer.pause()
+        await self._move_responses(list(responses.values()), pacer)
         for start in range(0, len(moves), COMPACT_BATCH):
             batch = moves[start : start + COMPACT_BATCH]
             jobs = [(s.pack, s.offset, s.length) for s in batch]
             blobs = await self.offload(self.journal.read_blobs, jobs)
             for segment, blob, (pack, offset, _) in zip(batch, blobs, jobs, strict=True):
                 self.table.move(segment, blob, pack, offset)
+                await pacer.pause()
+            await self.committer.write()
+
+    async def _move_responses(self, moves: list[tuple[Record, int]], pacer: Pacer) -> None:
+        """Re-append each response (kept in its record's entry) as an RSP entry, unless its
+        record went or its response moved meanwhile (the outcome checks again: ledger.py)."""
+        assert self.journal is not None and self.committer is not None
+        for start in range(0, len(moves), COMPACT_BATCH):
+            batch = moves[start : start + COMPACT_BATCH]
+            jobs = [unplace(at)[:3] for _, at in batch]
+            blobs = await self.offload(self.journal.read_blobs, jobs)
+            for (r, at), blob in zip(batch, blobs, strict=True):
+                if blob is not None and r.response == at and self.owner.record(r.id) is r:
+                    self.committer.submit(RSP, (orjson.dumps(r.id), blob), (r, at), len(blob))
                 await pacer.pause()
             await self.committer.write()
 

@@ -2,8 +2,9 @@
 checkpoint.
 
     journal/00000001.log ...   entries, appended in order; a file is also a pack: the
-                               compressed bytes of each new segment live in its entry,
-                               read back later with one pread at a known offset
+                               compressed bytes of each new segment, and of each
+                               record's response, live in its entry, read back later
+                               with one pread at a known offset
     checkpoint                 the index at a journal position, written atomically
     segments/<sha256>.zst      a large segment's compressed bytes (segment_files.py)
 
@@ -25,14 +26,20 @@ from typing import Any
 import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.model import unplace
 from ocxproxy.store.compression import compress
 from ocxproxy.store.local import files, segment_files
 from ocxproxy.store.local.codec import (
     FRAME,
     META,
+    REC,
+    ROW,
+    RSP,
     SEG,
     Loaded,
+    checked_compressor,
     decode,
+    decode_response,
     frame,
     good_prefix,
     load_checkpoint,
@@ -384,6 +391,19 @@ class Journal:
             raise StoreFailure(FailureReason.READ_FAILED, f"{key}: {exc.strerror}") from None
         return decode(key, size, blob)
 
+    def read_response(self, at: int) -> bytes:
+        """The verified bytes of a response kept at `at` (`model.place`), or StoreFailure."""
+        pack, offset, length, size = unplace(at)
+        try:
+            blob = self.read_blob(pack, offset, length)
+        except FileNotFoundError:
+            raise StoreFailure(FailureReason.MISSING, f"journal {pack}") from None
+        except OSError as exc:
+            raise StoreFailure(
+                FailureReason.READ_FAILED, f"journal {pack}: {exc.strerror}"
+            ) from None
+        return decode_response(size, blob)
+
     def read_many(self, jobs: Sequence[tuple[str, int, int, int, int]]) -> list[Any]:
         results: list[Any] = []
         for job in jobs:
@@ -412,10 +432,11 @@ def encode(
 ) -> Encoded:
     """Frame one commit's entries, compressing a SEG's data when it has no blob yet.
 
-    A job is (SEG, (row, data or None, blob or None)), (PUT, bytes), (DEL, bytes) or
-    (NOP, b""). Returns the bytes; per job, (offset in them, length) of a SEG's blob,
-    (-1, length) of one that goes to its own file (`large` compressed bytes or more),
-    else None; and the (key, blob) of those files. With `after` (the encoding of the
+    A job is (SEG, (row, data or None, blob or None)), (REC, (row, response)), (RSP,
+    (record id, blob)), (PUT, bytes), (DEL, bytes) or (NOP, b""). Returns the bytes; per
+    job, (offset in them, length) of a SEG's, REC's or RSP's blob, (-1, length) of a SEG's
+    that goes to its own file (`large` compressed bytes or more), else None; and the
+    (key, blob) of those files. With `after` (the encoding of the
     commit's first entries), `jobs` are the entries that follow them, and the result
     is the whole commit's: nothing is compressed twice.
     """
@@ -443,6 +464,15 @@ def encode(
             meta = orjson.dumps(row)
             payload = b"".join((META.pack(len(meta)), meta, blob))
             places.append((at + FRAME.size + 2 + len(meta), len(blob)))
+        elif kind == REC:
+            row, data = job
+            blob = checked_compressor().compress(data)
+            payload = b"".join((ROW.pack(len(row)), row, blob))
+            places.append((at + FRAME.size + ROW.size + len(row), len(blob)))
+        elif kind == RSP:
+            name, blob = job
+            payload = b"".join((META.pack(len(name)), name, blob))
+            places.append((at + FRAME.size + META.size + len(name), len(blob)))
         else:
             payload = job
             places.append(None)

@@ -4,14 +4,16 @@ the segments placed there (compaction's list of what to look at: a segment that 
 stays listed until its file goes, at most as many as those still there once the file is
 sparse enough to compact). Segments in files of their own (segment_files.py, "file"
 FILES) are counted in `live` like a journal file's, listed in `files`, and, once none
-needs a file, in `gone` until it is removed. Store owns the one Keydir and calls it
-whenever a segment's location changes."""
+needs a file, in `gone` until it is removed. A durable record's response kept in its
+record's journal entry (`model.place`) is counted in its file's `live` the same way, and
+its record's id listed there (`responses`, compaction's list, as `keys`). Store owns the
+one Keydir and calls it whenever a segment's or a response's location changes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ocxproxy.model import LENGTH_MAX, Segment
+from ocxproxy.model import LENGTH_MAX, Segment, unplace
 from ocxproxy.store.local.segment_files import FILES
 
 SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
@@ -19,7 +21,8 @@ SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 
 class Keydir:
     __slots__ = (
-        "captures", "files", "gone", "keys", "left_at", "live", "live_bytes", "located", "sizes",
+        "captures", "files", "gone", "keys", "left_at", "live", "live_bytes", "located",
+        "responses", "sizes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -28,6 +31,8 @@ class Keydir:
         self.sizes: dict[int, int] = {}  # file -> its size
         self.left_at: dict[int, int] = {}  # file -> capture number when a segment last left
         self.keys: dict[int, list[bytes]] = {}  # file -> digests of the segments placed there
+        # file -> ids of the records whose responses were placed there
+        self.responses: dict[int, list[str]] = {}
         self.live_bytes = 0
         self.captures = 0  # checkpoints captured
         self.files: dict[str, None] = {}  # keys (hex) of the segments in files of their own
@@ -70,6 +75,36 @@ class Keydir:
         self.live_bytes += total
         self.located += n
 
+    def locate_response(self, record_id: str, at: int) -> None:
+        """Record `record_id`'s response is now at `at` (`model.place`)."""
+        pack, _, length, _ = unplace(at)
+        self.live[pack] = self.live.get(pack, 0) + length + SEG_OVERHEAD
+        self.live_bytes += length + SEG_OVERHEAD
+        listed = self.responses.get(pack)
+        if listed is None:
+            listed = self.responses[pack] = []
+        listed.append(record_id)
+
+    def restored_responses(self, placed: list[tuple[str, int]]) -> None:
+        """Start-up: `locate_response` of each (record id, place), in one pass."""
+        live, responses, total = self.live, self.responses, 0
+        for record_id, at in placed:
+            pack, _, length, _ = unplace(at)
+            live[pack] = live.get(pack, 0) + length + SEG_OVERHEAD
+            total += length + SEG_OVERHEAD
+            listed = responses.get(pack)
+            if listed is None:
+                listed = responses[pack] = []
+            listed.append(record_id)
+        self.live_bytes += total
+
+    def unlocate_response(self, at: int) -> None:
+        """A response no longer at `at`: its record went, or it moved."""
+        pack, _, length, _ = unplace(at)
+        self.live[pack] -= length + SEG_OVERHEAD
+        self.live_bytes -= length + SEG_OVERHEAD
+        self.left_at[pack] = self.captures
+
     def unlocate(self, segment: Segment) -> None:
         pack = segment.pack
         if pack < 0:
@@ -103,6 +138,7 @@ class Keydir:
         self.sizes.pop(pack, None)
         self.left_at.pop(pack, None)
         self.keys.pop(pack, None)
+        self.responses.pop(pack, None)
 
     def sparse(self, before: int, below: float, budget: int) -> set[int]:
         """Files before `before` whose live share is under `below`, oldest first, until

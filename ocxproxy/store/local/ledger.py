@@ -1,7 +1,8 @@
-"""Records on their way into the journal (`Ledger`): their PUT and DEL entries, the
-futures `Store.commit` awaits, and each commit's outcome applied back through narrow
-calls: SEG entries to the SegmentTable, PUT entries here, a record whose PUT failed to
-the store, which drops it (never acknowledged).
+"""Records on their way into the journal (`Ledger`): their REC (or PUT) and DEL entries,
+the futures `Store.commit` awaits, and each commit's outcome applied back through narrow
+calls: SEG entries to the SegmentTable, REC, PUT and RSP entries here (a response's place
+to its record and the keydir), a record whose entry failed to the store, which drops it
+(never acknowledged).
 
 Order of durability, so a crash never loses an acknowledged turn:
   1. a segment's bytes and a record's entry count as durable only after their fsync;
@@ -21,9 +22,9 @@ from typing import Any, Protocol
 import orjson
 
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Record
+from ocxproxy.model import Record, Segment, place, unplace
 from ocxproxy.store.local import codec
-from ocxproxy.store.local.codec import DEL, PUT, SEG
+from ocxproxy.store.local.codec import DEL, PUT, REC, RSP, SEG
 from ocxproxy.store.local.committer import Committer, Outcome
 from ocxproxy.store.local.segments import SegmentTable
 
@@ -37,6 +38,9 @@ class Owner(Protocol):
     def settle(self) -> None:
         """Back within the caps after a failed commit."""
 
+    def holds(self, record: Record) -> bool:
+        """Is `record` the store's live record of its id?"""
+
 
 class Ledger:
     def __init__(self, owner: Owner, table: SegmentTable) -> None:
@@ -48,20 +52,28 @@ class Ledger:
         self._uncommitted: dict[str, tuple[Record, asyncio.Future[Any]]] = {}
 
     def put(self, record: Record, parent: str | None) -> None:
-        """Queue `record`'s PUT after the SEG entries of the segments it needs that the
+        """Queue `record`'s entry (a REC holding its response's bytes; a PUT when its
+        response is a segment) after the SEG entries of the segments it needs that the
         journal neither holds nor awaits; `parent`: the id of the live durable record
         whose row precedes it in the journal, which names it."""
         committer = self.committer
         assert committer is not None
-        link = record.links
+        link, response = record.links, record.response
         if parent is not None and link is not None:
             # The chain is the named parent's plus one, and a live durable record's
             # segments are in the journal or queued already: only this turn's can be new.
-            self.table.queue_missing((link.segment, record.response))
+            needed: tuple[Any, ...] = (link.segment,)
         else:
-            self.table.queue_missing((*record.segments, record.response))
-        row = codec.record_row(record, parent)
-        future = committer.submit(PUT, orjson.dumps(row), record)
+            needed = record.segments
+        if type(response) is bytes:
+            self.table.queue_missing(needed)  # (first: a segment's sid is given there)
+            row = orjson.dumps(codec.record_row(record, parent))
+            future = committer.submit(REC, (row, response), record, len(response))
+        else:
+            assert type(response) is Segment  # (never a place: an entry was committed)
+            self.table.queue_missing((*needed, response))
+            row = orjson.dumps(codec.record_row(record, parent))
+            future = committer.submit(PUT, row, record)
         self._uncommitted[record.id] = (record, future)
         self.changed()
 
@@ -124,18 +136,33 @@ class Ledger:
             self._failed(outcome, unavailable(outcome.error))
             return
         self.table.committed(outcome)
-        uncommitted = self._uncommitted
-        for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
-            if kind == PUT:
-                entry = uncommitted.get(subject.id)
-                if entry is not None and entry[0] is subject:
-                    del uncommitted[subject.id]
+        assert outcome.places is not None
+        uncommitted, keydir, holds = self._uncommitted, self.table.keydir, self.owner.holds
+        jobs = zip(outcome.jobs, outcome.subjects, outcome.places, strict=True)
+        for (kind, job), subject, at in jobs:
+            if kind == REC:
+                # Its response is in the journal now: it leaves memory (only GET reads it).
+                if holds(subject) and type(subject.response) is bytes:
+                    subject.response = place(at[0], at[1], at[2], len(job[1]))
+                    keydir.locate_response(subject.id, subject.response)
+            elif kind == RSP:  # moved by compaction, unless its record went or changed
+                record, before = subject
+                if holds(record) and record.response == before:
+                    keydir.unlocate_response(before)
+                    record.response = place(at[0], at[1], at[2], unplace(before)[3])
+                    keydir.locate_response(record.id, record.response)
+                continue
+            elif kind != PUT:
+                continue
+            entry = uncommitted.get(subject.id)
+            if entry is not None and entry[0] is subject:
+                del uncommitted[subject.id]
 
     def _failed(self, outcome: Outcome, failure: StoreFailure) -> None:
         for (kind, _), subject in zip(outcome.jobs, outcome.subjects, strict=True):
             if kind == SEG:
                 self.table.not_written(subject)
-            elif kind == PUT and self.pending(subject):
+            elif kind in (PUT, REC) and self.pending(subject):
                 del self._uncommitted[subject.id]
                 # Not durable: in ack mode never acknowledged; in relaxed mode within the
                 # window it may lose. Its children name it in the journal: it goes.

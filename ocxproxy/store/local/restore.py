@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ocxproxy.model import Chain, Record, Segment
+from ocxproxy.model import Chain, Record, Segment, place
 from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.segment_files import FILES
@@ -72,6 +72,7 @@ def rebuild(
 
     missing: list[str] = []
     records: list[Record] = []
+    placed: list[tuple[str, int]] = []  # (record id, its response's place)
     # Each row is let go of once its record is built (freed with the last of its
     # children), so the records and links built after it reuse its memory: built while
     # every row still lived, they took fresh pymalloc arenas, which stayed ~25 MiB
@@ -83,7 +84,7 @@ def rebuild(
         rows[n] = None
         if len(row) < IDS:
             continue
-        rid, scope, created, expires, link, resp_sid, output_at, backend, affinity = row[:9]
+        rid, scope, created, expires, link, held, output_at, backend, affinity = row[:9]
         if expires <= now:
             continue
         try:
@@ -94,13 +95,21 @@ def rebuild(
                     pos = build(row)
                 else:  # the usual row: its parent's chain is built
                     pos = at[id(row)] = extend(parent, link[1])
-            response = find(resp_sid)
+            if type(held) is list:  # [file, offset, length, size]: in its record's entry
+                if held[0] not in sizes:
+                    raise KeyError(held[0])
+                response: Segment | int = place(*held)
+            else:  # a segment of its own, by sid
+                response = find(held)
             ids = conversation_ids(row) if len(row) > IDS else None
         except (KeyError, TypeError, ValueError):  # a segment (or, None, a parent) is gone
             missing.append(rid)
             continue
         under[pos] += 1
-        response.refs += 1
+        if isinstance(response, Segment):
+            response.refs += 1
+        else:
+            placed.append((rid, response))
         record = Record(  # positional (100,000s of them): Record's field order
             rid, scope, created, expires, True, chains[pos], response,
             backend, affinity, row[9], output_at, row[10],  # (one copy each: Loaded.put)
@@ -131,4 +140,5 @@ def rebuild(
     for key in gone:
         del segments[key]
     keydir.restored(segments.values())
+    keydir.restored_responses(placed)
     return records, missing

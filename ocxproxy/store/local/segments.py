@@ -230,12 +230,32 @@ class SegmentTable:
 
     async def response_bytes(self, record: Record) -> bytes:
         """A record's stored response object, its output items put back when they were cut."""
-        if record.output_at is None:
-            (skeleton,) = await self.fetch((record.response,))
-            return skeleton
-        skeleton, own = await self.fetch((record.response, record.segments[-1]))
-        offset, length = record.output_at
+        response, cut = record.response, record.output_at
+        if isinstance(response, Segment):
+            if cut is None:
+                (skeleton,) = await self.fetch((response,))
+                return skeleton
+            skeleton, own = await self.fetch((response, record.segments[-1]))
+        else:
+            skeleton = response if isinstance(response, bytes) else await self._read(response)
+            if cut is None:
+                return skeleton
+            (own,) = await self.fetch((record.segments[-1],))
+        offset, length = cut
         return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+
+    async def _read(self, at: int) -> bytes:
+        """A response's bytes from its record's journal entry (`model.place`)."""
+        if self.journal is None:
+            raise StoreFailure(FailureReason.EVICTED)
+        try:
+            data: bytes = await self.offload(self.journal.read_response, at)
+        except StoreFailure as failure:
+            self.metrics.spill_failures.labels(reason=str(failure.reason)).inc()
+            log.warning("journal read failed for a response: %s", failure)
+            raise
+        self.metrics.spill_reads.inc()
+        return data
 
     async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
         """Each (record, item id)'s item, as the bytes its record's own segment holds."""

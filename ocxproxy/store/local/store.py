@@ -321,7 +321,11 @@ class Store:
         durable = turn.durable and (parent is None or parent.durable)
         own = self.table.intern(own_segment(turn, durable=False))
         skeleton, output_at = split_output(turn.response, turn.items)
-        response = self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
+        journaled = durable and self._committer is not None
+        # A journaled record's response goes into its record's entry (no segment of its own)
+        held = (
+            None if journaled else self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
+        )
         if parent is None:
             segments: tuple[Segment, ...] = (own,)
             chain = Chain(None, own)
@@ -333,11 +337,11 @@ class Store:
             chain = Chain(chain_of(segments[:-1]), own)
         record = turn_record(
             Record, turn, parent, now=now, ttl=self.ttl, durable=durable, links=chain,
-            segments=segments, response=response, output_at=output_at,
+            segments=segments, response=skeleton if held is None else held, output_at=output_at,
         )  # fmt: skip
-        self.table.hold((*segments, response), durable=durable)
+        self.table.hold(segments if held is None else (*segments, held), durable=durable)
         self.index.add(record)
-        if durable and self._committer is not None:
+        if journaled:
             self._journal_put(record, parent)
         self.expiry.enforce()
         return record
@@ -379,7 +383,13 @@ class Store:
             self.metrics.store_evictions.labels(reason=label).inc()
         if record.durable and self._committer is not None and self.ledger is not None:
             self.ledger.delete(record, journaled=journaled)
-        self.table.release((*record.segments[shared:], record.response), durable=record.durable)
+        response = record.response
+        if type(response) is Segment:
+            self.table.release((*record.segments[shared:], response), durable=record.durable)
+            return
+        self.table.release(record.segments[shared:], durable=record.durable)
+        if type(response) is int:
+            self.table.keydir.unlocate_response(response)
 
     # -- introspection -------------------------------------------------------------------
 

@@ -99,13 +99,16 @@ async def encode_checkpoint(
             parent = named.get(id(prev)) if prev is not None else None
             # The chain is its parent's + one (a conversation's row, whose ids a parent
             # names only when it is its own previous row, is written whole).
+            response = r.response  # a place, or a segment of its own (bytes: not committed)
+            if type(response) is bytes or (type(response) is Segment and response.pack < 0):
+                continue  # evicted bytes: it would be dropped at load
             if link is not None and parent is not None and r.ids is None:
-                if link.segment.pack < 0 or r.response.pack < 0:
+                if link.segment.pack < 0:
                     continue
                 rows.append(codec.record_row(r, parent))
             else:
-                if r.response.pack < 0 or not all(s.pack >= 0 for s in r.segments):
-                    continue  # evicted bytes: it would be dropped at load
+                if not all(s.pack >= 0 for s in r.segments):
+                    continue
                 rows.append(codec.record_row(r))
             named[id(link)] = r.id
         n_recs += len(rows)

@@ -262,6 +262,7 @@ def decode_segment(digest: str, value: bytes) -> Segment:
 def record_body(record: Record) -> bytes:
     """A record's value after `{length}:{chain token}`: its meta and the response object,
     its id cut out (the key has it) and put back where the meta says."""
+    assert isinstance(record.response, Segment)  # (the shared tier's records keep theirs so)
     skeleton = record.response.data
     assert skeleton is not None
     rid = record.id.encode()

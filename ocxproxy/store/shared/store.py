@@ -317,6 +317,7 @@ class SharedStore:
     async def response_bytes(self, record: Record) -> bytes:
         if not isinstance(record, SharedRecord):
             return await self.local.response_bytes(record)
+        assert isinstance(record.response, Segment)
         skeleton = record.response.data
         assert skeleton is not None  # in the record's value, as BEGIN returned it
         if record.output_at is None:
