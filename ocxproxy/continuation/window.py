@@ -76,7 +76,7 @@ class TokenBook:
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
-        self.slack = size // BOOK_SLACK
+        self.most = size + size // BOOK_SLACK  # past this, down to `size` at once
         # A fact without a cut (most) is kept as one int, `size << 32 | tokens`: 32 bytes
         # where a Fact and its two ints are 120 (100,000s of turns).
         self.facts: dict[str, Fact | int] = {}
@@ -96,7 +96,7 @@ class TokenBook:
             facts[key] = size << 32 | tokens
         else:
             facts[key] = fact
-        if len(facts) > self.size + self.slack:
+        if len(facts) > self.most:
             forget_oldest(facts, self.size)
 
     def learn(self, backend: str, n_bytes: int, tokens: int) -> None:

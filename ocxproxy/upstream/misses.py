@@ -73,7 +73,7 @@ class CacheBook:
 
     def __init__(self, size: int = BOOK_SIZE) -> None:
         self.size = size
-        self.slack = size // BOOK_SLACK
+        self.most = size + size // BOOK_SLACK  # past this, down to `size` at once
         self.served: dict[str, Served] = {}
         self._alike: dict[tuple[str, int, int, str], Served] = {}
 
@@ -94,7 +94,7 @@ class CacheBook:
         book = self.served
         book.pop(response_id, None)  # (a conversation's again: it is the newest now)
         book[response_id] = served
-        if len(book) > self.size + self.slack:
+        if len(book) > self.most:
             forget_oldest(book, self.size)
 
     def edited(self, conversation_id: str) -> None:

@@ -52,14 +52,14 @@ class Newest:
 
     def __init__(self, limit: int = RECORDS) -> None:
         self.limit = limit
-        self.slack = limit // SLACK
+        self.most = limit + limit // SLACK  # past this, down to `limit` at once
         self._by_id: dict[str, Sequence[str]] = {}
 
     def put(self, record_id: str, digests: Sequence[str]) -> None:
         by_id = self._by_id
         by_id.pop(record_id, None)  # (to the end: used last)
         by_id[record_id] = digests
-        if len(by_id) > self.limit + self.slack:
+        if len(by_id) > self.most:
             forget_oldest(by_id, self.limit)
 
     def held(self, record_id: str, cache: ResidentTier) -> bool:
