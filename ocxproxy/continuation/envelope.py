@@ -765,30 +765,34 @@ def _response_span(data: bytes, payload: dict[str, Any]) -> tuple[int, int] | No
     """Where the Response of an event's data begins and ends, when the event has only
     `type`, `response` and `sequence_number`, in one of the two orders backends write
     them in, without spaces around the Response (None: it is not found at once)."""
-    seq = payload.get("sequence_number")
-    if len(payload) != 3 or type(seq) is not int:
-        return None
     kind = payload.get("type")
-    if kind not in _TERMINAL_HEADS:
+    layout = _TERMINAL_LAYOUTS.get(kind) if type(kind) is str else None
+    seq = payload.get("sequence_number")
+    if layout is None or type(seq) is not int or len(payload) != 3:
         return None
-    if data[:12] == b'{"response":':  # (the SDK's models' order)
-        start = 12
-        tail = _TERMINAL_TAILS[kind] % seq
-    else:
-        head = _TERMINAL_HEADS[kind]
-        start = len(head)
-        if data[:start] != head:
-            return None
+    head, start, sdk_tail = layout
+    if data[:start] == head:
         tail = b',"sequence_number":%d}' % seq
+    elif data[:12] == b'{"response":':  # (the SDK's models' order)
+        start = 12
+        tail = sdk_tail % seq
+    else:
+        return None
     end = len(data) - len(tail)
     if end - start < 3 or data[end:] != tail or data[start] != 0x7B or data[end - 1] != 0x7D:
         return None  # ({} has no member to put one after: left to the general path)
     return start, end
 
 
-_TERMINAL_HEADS = {kind: b'{"type":"%s","response":' % kind.encode() for kind in TERMINAL_EVENTS}
-_TERMINAL_TAILS = {
-    kind: b',"sequence_number":%%d,"type":"%s"}' % kind.encode() for kind in TERMINAL_EVENTS
+# By terminal event type: the bytes its data begins with up to its Response (type first),
+# their length, and the end of its data after the Response in the SDK's order.
+_TERMINAL_LAYOUTS = {
+    kind: (
+        b'{"type":"%s","response":' % kind.encode(),
+        len(b'{"type":"%s","response":' % kind.encode()),
+        b',"sequence_number":%%d,"type":"%s"}' % kind.encode(),
+    )
+    for kind in TERMINAL_EVENTS
 }
 
 

@@ -538,3 +538,13 @@ def test_a_terminal_event_whose_items_the_proxy_completes_is_encoded_again() -> 
     assert "annotations" not in orjson.loads(spliced[0])["output"][0]["content"][0]  # as given
     out = orjson.loads(envelope_module.written_event(event, payload, patch).data)
     assert event_problems(out) == [] and response_problems(out["response"]) == []
+
+
+def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() -> None:
+    response = {**LLAMA, "usage": VLLM_USAGE}
+    data = b'{"response":%s,"sequence_number":7,"type":["x"]}' % orjson.dumps(response)
+    event = parse_event(encode_event("response.completed", data))
+    payload = orjson.loads(event.data)
+    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
+    assert envelope_module.spliced_event(event, payload, patch) is None
+    assert response_problems(payload["response"]) == []  # merged: the store encodes it
