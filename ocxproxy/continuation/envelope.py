@@ -15,17 +15,20 @@ store keeps is the completed Response, so GET and an idempotent replay give it a
 The forwarded input is never touched: the envelope is not input.
 
 Cost: the completed dict is written back into the backend's bytes by inserting the
-missing members after the object's opening brace (and the echoed ids in place of their
-nulls), so a long output is not encoded again; only a member present with an invalid
-value, or an incomplete output item, re-encodes the object. What a Response lacks is
-worked out once per shape of its members (`_Plan`), the members filled in are built and
-encoded once for every request that gives the same values for them (`_Fill`), a pending
-event whose shape was seen is not decoded (`pending_event`), and a JSON answer's spliced
-bytes are what the store keeps (`spliced`), as are a terminal event's (`spliced_event`).
+missing members after the object's opening brace (a JSON answer's before its closing
+one) and the echoed ids in place of their nulls, so a long output is not encoded again;
+only a member present with an invalid value, or an incomplete output item, re-encodes
+the object. What a Response lacks is worked out once per shape of its members
+(`_Plan`), the members filled in are built and encoded once for every request that gives
+the same values for them (`_Fill`), a pending event whose shape was seen is not decoded
+(`pending_event`), a JSON answer of the shape and values last seen valid is completed in
+one call (`answer`), and its spliced bytes are what the store keeps, as are a terminal
+event's (`spliced_event`).
 """
 
 from __future__ import annotations
 
+import operator
 import re
 import time
 from collections.abc import Callable
@@ -123,18 +126,26 @@ class _Plan:
     """For a Response with these members: the required ones it lacks (completed_at
     apart: its value depends on the Response) and those it has."""
 
-    __slots__ = ("completed_at", "given", "missing", "present")
+    __slots__ = ("completed_at", "given", "missing", "present", "ruled", "usage", "valid")
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         missing = _REQUIRED.difference(keys)
         self.completed_at = "completed_at" in missing
         self.missing = missing - _COMPLETED_AT
         self.present = tuple(name for name in _NAMES if name not in missing)
-        # Those whose values have rules their types do not say (Envelope._check_values)
+        # Those whose values have rules their types do not say (Envelope._check_given)
         self.given = _RULED.intersection(self.present)
+        # A JSON answer's values of those that do not change turn to turn (but usage's),
+        # and the last ones seen valid: the same again are valid again.
+        self.usage = "usage" in self.given
+        same = () if "completed_at" in self.given else sorted(self.given - {"usage"})
+        self.ruled = operator.itemgetter(*same) if same else None
+        self.valid: Any = _MISSING
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
+# The members and their types of the last JSON answer of a shape seen valid, and its plan.
+_LAST_ANSWER: tuple[tuple[str, ...], tuple[type, ...], _Plan | None] = ((), (), None)
 # The plan of each shape seen valid (its members, in order, and their values' types): a
 # backend answers in one shape turn after turn, so one lookup finds it.
 _VALID: dict[tuple[tuple[str, ...], tuple[type, ...]], _Plan] = {}
@@ -158,11 +169,27 @@ class _Fill:
         self.previous = "previous_response_id" in missing
 
 
-_PER_TURN = frozenset(("created_at", "previous_response_id"))
+_PREVIOUS = "previous_response_id"
+_PER_TURN = frozenset(("created_at", _PREVIOUS))
 # The request members a filled one can come from.
 _FROM_REQUEST = frozenset((*_ECHOED, "tools", "text", "reasoning"))
 _FILLS: dict[tuple[Any, ...], _Fill] = {}
+_LAST_FILL: tuple[frozenset[str] | None, tuple[str, ...] | None, str | None, _Fill] = (
+    None,
+    None,
+    None,
+    _Fill.__new__(_Fill),  # (never returned: no missing members are None)
+)
 _FILLS_KEPT = 64
+
+
+_STAMP = (0, b"")  # the last completed_at written into a JSON answer, and its bytes
+
+
+def _stamp(now: int) -> bytes:
+    global _STAMP
+    _STAMP = now, b'"completed_at":%d' % now
+    return _STAMP[1]
 
 
 class Patch:
@@ -180,6 +207,7 @@ class Patch:
     inserted: dict[str, Any] = _NO_MEMBERS
     ids: tuple[str, ...] = ()
     rewrite = False
+    items = False  # its output items need completing (`written`, after the turn is recorded)
     unmerged = False  # `filled` is not in the Response's dict yet (`merge`)
 
     def insert(self, name: str, value: Any) -> None:
@@ -210,9 +238,9 @@ class Envelope:
     def __init__(
         self,
         body: dict[str, Any] | None = None,
-        *,
         echo: tuple[str, Any] | None = None,
         served_models: tuple[str, ...] = (),
+        *,
         created_at: int | None = None,
     ) -> None:
         # Built for each create request: only what it is given is kept here, the rest is
@@ -269,9 +297,83 @@ class Envelope:
                 stamp = b'"completed_at":null'
             encoded = b"".join((encoded, b",", stamp)) if encoded else stamp
         patch.encoded = encoded
-        if plan.given or self._echo is not None or self._pinned is not None:
-            self._check_values(response, patch, final, plan.given)
+        if plan.given:
+            self._check_given(response, patch, final, plan.given)
+        if self._pinned is not None:
+            for name, value in self._pinned.items():
+                if response.get(name, _MISSING) != value:
+                    self._replace(response, patch, name, value)
+        if self._echo is not None:
+            self._check_echo(response, patch)
         return patch
+
+    def answer(self, data: bytes, response: dict[str, Any]) -> tuple[bytes, Patch]:
+        """A JSON answer's Response completed (`response`: `data` parsed): the bytes the
+        store keeps, its output items as the backend gave them, and the patch (`items`:
+        they need `written` once the turn is recorded). The members filled from the
+        request or the defaults go into the dict only at `Patch.merge`. The usual answer,
+        of the shape the last one was seen valid in, costs one comparison and one
+        splice: its members go in before the closing brace, where no later search for
+        its output passes over them."""
+        global _LAST_ANSWER
+        keys = tuple(response)
+        types = tuple(map(type, response.values()))
+        last = _LAST_ANSWER
+        if keys == last[0] and types == last[1]:
+            plan: _Plan | None = last[2]
+        else:
+            plan = _VALID.get((keys, types))
+            if plan is not None:
+                _LAST_ANSWER = keys, types, plan
+        if plan is None or self._pinned is not None or not keys:
+            patch = self.complete(response, final=True, merge=False)
+        else:  # `complete`, for a shape seen valid
+            patch = Patch()
+            patch.plan = plan
+            echo = self._echo
+            parts = []
+            if plan.missing:
+                fill = self._shared_fill(plan.missing)
+                if fill.created_at:
+                    response["created_at"] = created_at = self._created()
+                    parts.append(b'"created_at":%d' % created_at)
+                if fill.previous:  # the echoed id, which the backend never saw
+                    previous = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
+                    response[_PREVIOUS] = previous
+                    parts.append(b'"previous_response_id":' + orjson.dumps(previous))
+                    if previous is not None:
+                        echo = None  # (echoed)
+                if fill.encoded:
+                    parts.append(fill.encoded)
+                    patch.filled = fill.members
+                    patch.unmerged = True
+            if plan.completed_at:
+                if response.get("status") == "completed":
+                    now = response["completed_at"] = int(time.time())
+                    parts.append(_STAMP[1] if _STAMP[0] == now else _stamp(now))
+                else:
+                    response["completed_at"] = None
+                    parts.append(b'"completed_at":null')
+            patch.encoded = b",".join(parts)
+            if plan.given:
+                ruled = plan.ruled  # the values seen valid last time are valid again
+                if ruled is not None and ruled(response) == plan.valid and not self._served_models:
+                    if plan.usage and _usage_changed(response["usage"]):
+                        patch.rewrite = True
+                else:
+                    self._check_given(response, patch, True, plan.given)
+                    if ruled is not None and not (patch.rewrite or patch.inserted):
+                        plan.valid = ruled(response)
+            if echo is not None:
+                self._check_echo(response, patch)
+        output = response.get("output")
+        if output:
+            patch.items = not all(map(_item_complete, output))
+        if patch.rewrite or patch.inserted or patch.ids or data[-1:] != b"}" or not keys:
+            return spliced(data, response, patch), patch
+        if not patch.encoded:
+            return data, patch
+        return b"".join((data[:-1], b",", patch.encoded, b"}")), patch
 
     def _checked(
         self,
@@ -331,18 +433,23 @@ class Envelope:
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
         the same values for what it fills in, else a new one."""
+        global _LAST_FILL
         body = self._body
-        given = _FROM_REQUEST.intersection(body)
-        if given and body.get("store") is False:  # (its instructions, tools: not kept past it)
+        model = body.get("model")  # (what the model shown depends on, with served_models)
+        if _FROM_REQUEST.isdisjoint(body):
+            last = _LAST_FILL  # the last request's that gave none of the filled members
+            if missing is last[0] and self._served_models is last[1] and model == last[2]:
+                return last[3]
+            values = b""
+        elif body.get("store") is False:  # (its instructions, tools: not kept past it)
             return _Fill(self, missing)
-        if given:
+        else:
             try:
-                values = orjson.dumps([[name, body[name]] for name in sorted(given)])
+                values = orjson.dumps(
+                    [[name, body[name]] for name in sorted(_FROM_REQUEST.intersection(body))]
+                )
             except orjson.JSONEncodeError:  # (not from JSON): its own
                 return _Fill(self, missing)
-        else:
-            values = b""
-        model = body.get("model")  # (what the model shown depends on, with served_models)
         key = (missing, self._served_models, model if type(model) is str else None, values)
         fill = _FILLS.get(key)
         if fill is None:
@@ -350,6 +457,8 @@ class Envelope:
             if len(_FILLS) >= _FILLS_KEPT:
                 _FILLS.clear()
             _FILLS[key] = fill
+        if not values and type(model) is str:
+            _LAST_FILL = missing, self._served_models, model, fill
         return fill
 
     def _previous(self) -> str | None:
@@ -376,7 +485,7 @@ class Envelope:
             return requested if requested in served else served[0]
         return requested if type(requested) is str else ""
 
-    def _check_values(
+    def _check_given(
         self, response: dict[str, Any], patch: Patch, final: bool, given: frozenset[str]
     ) -> None:
         """What a member's type does not say: the rest of the schema's rules, for the
@@ -396,10 +505,8 @@ class Envelope:
                 shown = self._shown_model(model)
                 if model != shown:
                     self._replace(response, patch, "model", shown)
-        if "usage" in given:
-            usage = response["usage"]
-            if usage is not None and not _usage_complete(usage) and _complete_usage(usage):
-                patch.rewrite = True
+        if "usage" in given and _usage_changed(response["usage"]):
+            patch.rewrite = True
         if "text" in given and type(response["text"].get("format")) is not dict:
             self._replace(response, patch, "text", _text(self._body.get("text")))
         if "reasoning" in given:
@@ -411,19 +518,19 @@ class Envelope:
             if tools and _incomplete_tools(tools):
                 # A copy: the list may be the request's own (a Response the proxy builds).
                 self._replace(response, patch, "tools", _tools(tools))
-        if self._pinned is not None:
-            for name, value in self._pinned.items():
-                if response.get(name, _MISSING) != value:
-                    self._replace(response, patch, name, value)
-        if self._echo is not None:
-            name, value = self._echo
-            given = response.get(name, _MISSING)
-            if given is _MISSING:
-                patch.insert(name, value)
-                response[name] = value
-            elif given is None:
-                patch.ids += (name,)
-                response[name] = value
+
+    def _check_echo(self, response: dict[str, Any], patch: Patch) -> None:
+        """The echoed `previous_response_id` or `conversation`, which the backend never
+        saw: inserted when absent, set when null."""
+        assert self._echo is not None
+        name, value = self._echo
+        given = response.get(name, _MISSING)
+        if given is _MISSING:
+            patch.insert(name, value)
+            response[name] = value
+        elif given is None:
+            patch.ids += (name,)
+            response[name] = value
 
     @staticmethod
     def _replace(response: dict[str, Any], patch: Patch, name: str, value: Any) -> None:
@@ -464,7 +571,8 @@ class Envelope:
     def json(self, data: bytes, response: dict[str, Any]) -> bytes:
         """A Response's JSON bytes completed: `response` is `data` parsed (and is
         completed in place)."""
-        return written(data, response, self.complete(response, final=True))
+        stored, patch = self.answer(data, response)
+        return written(stored, response, merged=patch) if patch.items else stored
 
     def pending_event(self, event: Event) -> Event:
         """A lifecycle event before the terminal one (`response.created`, …), completed
@@ -837,22 +945,24 @@ def complete_items(items: list[Any]) -> bool:
     return changed
 
 
-def _item_complete(item: dict[str, Any]) -> bool:
+def _item_complete(item: Any) -> bool:
     """The usual output item, checked at once: a message with its status whose parts are
     output texts with their annotations, or another item with its status."""
-    if "status" not in item:
-        return False
-    if item.get("type") != "message":
-        return item.get("type") != "reasoning"
-    content = item.get("content")
-    if type(content) is not list:
-        return False
-    for part in content:
-        if type(part) is not dict or part.get("type") != "output_text":
+    try:  # (subscripts: cheaper than get; what lacks one is checked the long way)
+        if "status" not in item or type(item) is not dict:
             return False
-        if type(part.get("annotations")) is not list:
+        kind: str = item["type"]
+        if kind != "message":
+            return kind != "reasoning"
+        content = item["content"]
+        if type(content) is not list:
             return False
-    return True
+        for part in content:
+            if part["type"] != "output_text" or type(part["annotations"]) is not list:
+                return False
+        return True
+    except (KeyError, TypeError):
+        return False
 
 
 def complete_item(item: dict[str, Any], status: str = "completed") -> bool:
@@ -886,19 +996,21 @@ def complete_part(part: dict[str, Any]) -> bool:
     return True
 
 
-def _usage_complete(usage: Any) -> bool:
-    """Whether `usage` has every member the schema requires (the usual case, checked at
-    once: `_complete_usage` completes one that has not)."""
+def _usage_changed(usage: Any) -> bool:
+    """Whether `usage` was completed (in place): the usual one, checked at once, has
+    every member the schema requires."""
     try:
-        return (
+        if usage is None or (
             type(usage["input_tokens"]) is int
             and type(usage["output_tokens"]) is int
             and type(usage["total_tokens"]) is int
             and type(usage["input_tokens_details"]["cached_tokens"]) is int
             and type(usage["output_tokens_details"]["reasoning_tokens"]) is int
-        )
+        ):
+            return False
     except (KeyError, TypeError):
-        return False
+        pass
+    return _complete_usage(usage)
 
 
 def _complete_usage(usage: Any) -> bool:

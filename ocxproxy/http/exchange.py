@@ -440,7 +440,7 @@ async def prepare_exchange(
 
 
 def _envelope(proxy: Proxy, request: Request, echo: tuple[str, Any] | None) -> Envelope:
-    return Envelope(request.body, echo=echo, served_models=proxy.served_models)
+    return Envelope(request.body, echo, proxy.served_models)  # (a keyword call costs more)
 
 
 def open_upstream(
@@ -544,14 +544,17 @@ async def forward(
                         exchange.injection.into(response)
                     # The filled members are written into the bytes; the dict gets them
                     # only where it is read for them: a retry's answer, a re-encoding.
-                    patch = exchange.envelope.complete(response, final=True, merge=False)
-                    patch.rewrite = patch.rewrite or exchange.injection is not None
-                    stored = spliced(body, response, patch)
+                    if exchange.injection is None:
+                        stored, patch = exchange.envelope.answer(body, response)
+                    else:  # (its bytes are the dict's)
+                        patch = exchange.envelope.complete(response, final=True, merge=False)
+                        patch.rewrite = patch.items = True
+                        stored = spliced(body, response, patch)
                     if exchange.idempotency_key is not None:
                         patch.merge(response)
                     # The backend's items, as it gave them (the patch: if the dict is encoded)
                     exchange.finish(response, stored, patch)
-                    body = written(stored, response, merged=patch)
+                    body = written(stored, response, merged=patch) if patch.items else stored
                 else:
                     exchange.finish(response)
             await exchange.commit()

@@ -142,8 +142,9 @@ def test_output_items_and_parts_are_completed() -> None:
 
 
 def test_only_missing_members_leave_the_output_bytes_as_they_were() -> None:
-    """The usual case is an insertion after the opening brace: the backend's own bytes,
-    output included, follow unchanged (no re-encoding of a long output)."""
+    """The usual case is an insertion before the closing brace: the backend's own bytes,
+    output included, come first unchanged (no re-encoding of a long output), for the
+    first answer of a shape and for those after it."""
     given = {**LLAMA, "usage": {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 0}}}
     item = b'{"type":"message","id":"m","status":"completed","role":"assistant","content":[]}'
     data = (
@@ -152,9 +153,10 @@ def test_only_missing_members_leave_the_output_bytes_as_they_were() -> None:
         + b" ] ,"
         + orjson.dumps({k: v for k, v in given.items() if k not in ("id", "output")})[1:]
     )
-    out = Envelope({"model": "m"}).json(data, orjson.loads(data))
-    assert out.endswith(data[1:])
-    assert response_problems(orjson.loads(out)) == []
+    for _ in range(2):
+        out = Envelope({"model": "m"}).json(data, orjson.loads(data))
+        assert out.startswith(data[:-1]) and out.find(b'"output"') == data.find(b'"output"')
+        assert response_problems(orjson.loads(out)) == []
 
 
 @pytest.mark.parametrize("items_complete", [True, False])
@@ -177,6 +179,39 @@ def test_a_json_answer_whose_dict_is_merged_only_when_read(items_complete: bool)
     assert orjson.loads(stored)["temperature"] == 0.25
     patch.merge(response)
     assert response["temperature"] == 0.25 and response_problems(response) == []
+
+
+@pytest.mark.parametrize(
+    ("changed", "served"),
+    [
+        ({"object": "chat.completion"}, ()),
+        ({"model": ""}, ()),
+        ({"model": "bench"}, ("alias",)),
+        ({"tools": [{"type": "function", "name": "f"}]}, ()),
+        ({"usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}, ()),
+        ({"output": [{"type": "message", "id": "m", "role": "assistant", "content": []}]}, ()),
+    ],
+)
+def test_an_answer_of_a_shape_seen_valid_is_checked_again(
+    changed: dict[str, Any], served: tuple[str, ...]
+) -> None:
+    """What makes an answer cheap (its members, their types and the values that do not
+    change turn to turn the same as the last valid one's) does not let an invalid value
+    through: an answer of the same shape whose value breaks a rule is completed."""
+    usage = {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 0}}
+    valid = {**LLAMA, "model": "bench", "tools": [], "usage": usage}
+    rid = "resp_prev"
+    for response in (valid, valid, {**valid, **changed}):
+        data = orjson.dumps(response)
+        out = orjson.loads(
+            Envelope({"model": "alias"}, ("previous_response_id", rid), served).json(
+                data, orjson.loads(data)
+            )
+        )
+        assert response_problems(out) == []
+        assert out["previous_response_id"] == rid and out["id"] == response["id"]
+    assert out["model"] == ("alias" if served or changed.get("model") == "" else "bench")
+    assert out["object"] == "response" and out["output"][0]["status"] == "completed"
 
 
 def test_completed_at_is_set_on_the_terminal_response_only() -> None:
