@@ -11,14 +11,16 @@ import os
 import random
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
+import orjson
 import pytest
 import zstandard
 
 from ocxproxy.cli import main
 from ocxproxy.errors import FailureReason, StoreFailure
-from ocxproxy.model import Record
+from ocxproxy.model import Record, Segment
 from ocxproxy.store import Store
 from ocxproxy.store.local import journal, segment_files
 from ocxproxy.store.local.segments import SegmentTable
@@ -356,3 +358,33 @@ def test_state_gc_removes_only_files_nothing_needs(tmp_path: Path) -> None:
     assert main(["state", "gc", "--state-dir", str(tmp_path)]) == 0
     assert not orphan.exists()
     assert list(own_files(tmp_path)) == [key]
+
+
+def test_a_large_response_is_its_own_file_not_in_its_record_entry(tmp_path: Path) -> None:
+    """A response object as large as a large segment (long instructions and tools echoed
+    back) is not kept in its record's journal entry, which compaction copies, but as a
+    segment with a file of its own; it reads back, also after a restart."""
+    turn = make_turn("big", "a short question")
+    response = orjson.loads(turn.response)
+    response["instructions"] = noise(6_000, 7)
+    big = replace(turn, response=orjson.dumps(response))
+
+    async def run() -> bytes:
+        store = new_store(tmp_path)
+        await store.start()
+        record = store.put(big, None)
+        small = store.put(make_turn("small", "another"), None)
+        await store.commit()
+        assert isinstance(record.response, Segment) and record.response.key in own_files(tmp_path)
+        assert type(small.response) is int  # a usual response stays in its record's entry
+        answer = await store.response_bytes(record)
+        await store.close()
+        reopened = new_store(tmp_path)
+        await reopened.start()
+        again = await reopened.response_bytes(reopened.lookup_nowait("scope-a", "big"))
+        assert reopened.check() == []
+        await reopened.close()
+        assert again == answer
+        return answer
+
+    assert orjson.loads(asyncio.run(run()))["instructions"] == response["instructions"]

@@ -97,6 +97,7 @@ class Store:
         self.backpressure_timeout = BACKPRESSURE_TIMEOUT
         self.state_dir = state_dir
         self.max_disk_bytes = max_disk_bytes
+        self.large_segment_bytes = large_segment_bytes
         self.durability = durability
         self.index = Records()
         self._records = self.index.by_id  # read here; changed only through the index
@@ -322,10 +323,11 @@ class Store:
         own = self.table.intern(own_segment(turn, durable=False))
         skeleton, output_at = split_output(turn.response, turn.items)
         journaled = durable and self._committer is not None
-        # A journaled record's response goes into its record's entry (no segment of its own)
-        held = (
-            None if journaled else self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
-        )
+        # A journaled record's response goes into its record's entry (no segment of its
+        # own), unless it is large: then it is a segment, which gets a file of its own that
+        # compaction never copies.
+        inline = journaled and len(skeleton) < self.large_segment_bytes
+        held = None if inline else self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
         if parent is None:
             segments: tuple[Segment, ...] = (own,)
             chain = Chain(None, own)
