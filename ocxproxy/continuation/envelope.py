@@ -362,7 +362,12 @@ class Envelope:
                         patch.rewrite = True
                 else:
                     self._check_given(response, patch, True, plan.given)
-                    if ruled is not None and not (patch.rewrite or patch.inserted):
+                    # (kept past the request: not a store:false one's tools or text)
+                    if (
+                        ruled is not None
+                        and not (patch.rewrite or patch.inserted)
+                        and self._body.get("store") is not False
+                    ):
                         plan.valid = ruled(response)
             if echo is not None:
                 self._check_echo(response, patch)

@@ -214,6 +214,22 @@ def test_an_answer_of_a_shape_seen_valid_is_checked_again(
     assert out["object"] == "response" and out["output"][0]["status"] == "completed"
 
 
+def test_a_store_false_answers_values_are_not_kept_past_it() -> None:
+    """The values an answer of a seen shape is compared with are the last valid answer's:
+    never a store:false request's (its tools, its text format)."""
+    usage = {**LLAMA["usage"], "output_tokens_details": {"reasoning_tokens": 0}}
+    tool = {**TOOL, "name": "lookup_hidden_record", "description": None, "strict": True}
+    for store in (False, True):
+        response = {**LLAMA, "model": "bench", "tools": [tool], "usage": usage}
+        del response["completed_at"]  # (the proxy's then: the other values are compared)
+        for _ in range(3):  # (the first finds the shape valid, the next compare with it)
+            data = orjson.dumps(response)
+            body = {"model": "m", "store": store, "tools": [tool]}
+            Envelope(body).answer(data, orjson.loads(data))
+        kept = [plan.valid for plan in envelope_module._VALID.values()]
+        assert (b"lookup_hidden_record" in orjson.dumps(kept, default=repr)) is store
+
+
 def test_completed_at_is_set_on_the_terminal_response_only() -> None:
     envelope = Envelope({"model": "m"})
     pending = {"id": "r", "object": "response", "status": "in_progress", "output": []}
