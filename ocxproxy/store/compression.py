@@ -4,11 +4,11 @@ thread), for both implementations: the local journal's, packs' and spill files' 
 values use the tier's dictionary set-up instead).
 
 Level 1, not zstd's default 3: every durable turn compresses its segments on the event
-loop, and on turns' JSON (0.2-16 KB) level 1 takes 7-25% less time for compressed sizes
-within 1-3% of level 3's. Below SMALL bytes (a short message, a tool's one-line output)
+loop, and on turns' JSON level 1 takes less time for compressed sizes close to level
+3's. Below SMALL bytes (a short message, a tool's one-line output)
 data is not compressed at all (`compress`): it is framed as zstd's raw block, which any
-zstd decoder reads back, since compressing it costs ~4 µs, most of it building the
-frame's Huffman table, to save a few dozen bytes."""
+zstd decoder reads back, since compressing it costs more than it saves, most of it
+building the frame's Huffman table, for a few dozen bytes."""
 
 from __future__ import annotations
 

@@ -244,8 +244,8 @@ class Loaded:
         (None: no such parent); its item ids, if any, (the parent's row, last list).
         A scope, backend and chain key are kept as one copy of each, and an output's place
         as the shared pair, as they are read: a copy freed at once leaves its memory to the
-        next row, where freed after the index is built it left holes among the objects
-        the index keeps (pymalloc arenas ~33 MiB larger at 100,000 records)."""
+        next row, where freed after the index is built it would leave holes among the
+        objects the index keeps."""
         if len(row) >= IDS:
             same = self.strings.setdefault
             for field_at in (1, 7, 8):

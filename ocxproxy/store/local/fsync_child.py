@@ -42,7 +42,7 @@ def serve(sock: socket.socket) -> None:
     held = [-1, 0]  # the file synced now, and whether the proxy's end closed (under receiving)
     pending = [b""]  # a partial request (under receiving)
     # Received into, again and again (under receiving): a new buffer of RECEIVE bytes for
-    # each receive cost the helper three more system calls (mmap, mremap, munmap).
+    # each receive would cost the helper three more system calls (mmap, mremap, munmap).
     buffer = bytearray(RECEIVE)
     view = memoryview(buffer)
 

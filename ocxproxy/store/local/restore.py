@@ -75,8 +75,8 @@ def rebuild(
     placed: list[tuple[str, int]] = []  # (record id, its response's place)
     # Each row is let go of once its record is built (freed with the last of its
     # children), so the records and links built after it reuse its memory: built while
-    # every row still lived, they took fresh pymalloc arenas, which stayed ~25 MiB
-    # emptier than they need once the rows went (100,000 records).
+    # every row still lived, they would take fresh pymalloc arenas, left mostly empty
+    # once the rows went, which CPython never hands back.
     rows: list[list[Any] | None] = list(loaded.records.values())
     loaded.records.clear()
     for n, row in enumerate(rows):
