@@ -158,6 +158,9 @@ def _state(args: argparse.Namespace, environ: dict[str, str]) -> int:
     except admin.StateBusy as exc:
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # e.g. a state dir in a newer format
+        print(f"ocxproxy: error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """`ocxproxy state stats|verify|gc`: look at a state dir from outside a running proxy.
 
 All three read the checkpoint and replay the journal as start-up does, without changing
-anything (a torn tail is reported, not cut). verify also reads every live segment back
+anything (a torn tail is reported, not cut), and refuse a dir in a newer format than
+this release reads (stateformat.py), as `serve` does. verify also reads every live segment back
 and checks its digest (segment files too), and every live response its record's entry
 holds, checking its checksum. gc removes journal files and segment files no
 live segment needs and temp files, and refuses while a proxy holds the dir's lock.
@@ -18,7 +19,7 @@ from typing import Any
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.model import Segment, place, unplace
-from ocxproxy.store.local import codec, files, journal, segment_files
+from ocxproxy.store.local import codec, files, journal, segment_files, stateformat
 from ocxproxy.store.local.codec import Loaded
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.segment_files import FILES
@@ -29,6 +30,7 @@ class StateReport:
     root: Path
     loaded: Loaded = field(default_factory=Loaded)
     checkpoint_bytes: int = 0
+    format: int = stateformat.FORMAT
     live: dict[int, Segment] = field(default_factory=dict)  # sid -> segment a record needs
     # (record id, place) of each live response kept in its record's entry
     responses: list[tuple[str, int]] = field(default_factory=list)
@@ -58,6 +60,8 @@ class StateReport:
     def lines(self) -> list[str]:
         ld = self.loaded
         out = [f"state dir      {self.root}"]
+        unmarked = " (written before the marker)" if self.format == stateformat.UNMARKED else ""
+        out.append(f"format         {self.format}{unmarked}")
         if ld.error:
             out.append(f"checkpoint     unusable: {ld.error}")
         elif ld.checkpoint_at is None:
@@ -86,8 +90,11 @@ class StateReport:
 
 
 def inspect(root: Path) -> StateReport:
+    """The dir's index as start-up would load it; NewerFormat (a ConfigError) for a dir
+    in a format this release does not read."""
+    found = stateformat.read(root)
     j = Journal(root)
-    report = StateReport(root, j.load(repair=False))
+    report = StateReport(root, j.load(repair=False), format=found)
     with contextlib.suppress(OSError):
         report.checkpoint_bytes = (root / journal.CHECKPOINT).lstat().st_size
     now = time.time()

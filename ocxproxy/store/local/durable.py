@@ -38,7 +38,7 @@ from ocxproxy.config import ConfigError
 from ocxproxy.errors import FailureReason
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import Record, Segment, unplace
-from ocxproxy.store.local import files, journal, segment_files
+from ocxproxy.store.local import files, journal, segment_files, stateformat
 from ocxproxy.store.local.codec import NOP, RSP, Loaded
 from ocxproxy.store.local.committer import Committer, Offload, Outcome
 from ocxproxy.store.local.journal import Journal
@@ -213,7 +213,7 @@ class Durable:
             await self.offload(child.wait)
 
     def _open(self, root: Path) -> tuple[Journal, Loaded]:
-        """Blocking: take the dir, read checkpoint and journal."""
+        """Blocking: take the dir, check and mark its format, read checkpoint and journal."""
         lock = files.DirLock(root)
         try:
             parent = root.parent  # stat()s below may fail too: a permission error
@@ -229,6 +229,11 @@ class Durable:
                     f"state dir {root} cannot be used: another ocxproxy process holds it "
                     f"({lock.path}); stop that one, {_FIX}"
                 )
+            try:  # before anything in the dir changes
+                stateformat.mark(root, stateformat.read(root))
+            except ConfigError:
+                lock.release()
+                raise
             j = Journal(root, large=self.large)
             j.prepare()
             loaded = j.load(repair=True)

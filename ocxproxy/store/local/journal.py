@@ -7,6 +7,7 @@ checkpoint.
                                with one pread at a known offset
     checkpoint                 the index at a journal position, written atomically
     segments/<sha256>.zst      a large segment's compressed bytes (segment_files.py)
+    format                     the format the dir is written in (stateformat.py)
 
 Every call here blocks: the store runs them in a thread. OSError passes through from the
 write side (the store turns it into a failed commit); reads and replay never raise for bad
