@@ -319,11 +319,12 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     fleet = app[PROXY].pool.fleet
     settler = spawn(heap.keep_settled(lambda: fleet.in_flight == 0), name="heap-settler")
     try:
-        print(f"ocxproxy listening on {listener.url}/v1", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        # Ready only once a stop is graceful: a supervisor may signal right after this line.
+        print(f"ocxproxy listening on {listener.url}/v1", flush=True)
         if ready is not None:
             ready.set()
         await stop.wait()
