@@ -82,6 +82,7 @@ class Backend:
     def __init__(self) -> None:
         self.instant = InstantBackend()
         self.loop = asyncio.get_running_loop()
+        self.head = 256  # how far into a request body its own fields reach
 
     def connection(self) -> http1._Connection:
         conn = http1._Connection(self.loop)
@@ -104,7 +105,7 @@ class Backend:
     def answer(self, request: bytes) -> bytes:
         body_at = request.index(b"\r\n\r\n") + 4
         # The proxy writes the request's own fields before "input": look only there.
-        sse = b'"stream":true' in request[body_at : body_at + 256]
+        sse = b'"stream":true' in request[body_at : body_at + self.head]
         template = self.instant.sse if sse else self.instant.json
         payload = self.instant._fill(template, request[body_at : body_at + 4])
         if not sse:

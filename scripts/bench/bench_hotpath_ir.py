@@ -27,7 +27,7 @@ from typing import Any
 
 import bench_hotpath as rig
 import orjson
-from benchkit import make_items, user_message
+from benchkit import codex_members, make_items, user_message
 
 from ocxproxy.config import Config
 from ocxproxy.http.context import PROXY
@@ -57,7 +57,7 @@ def envelope_off() -> None:
     setattr(exchange, "spliced_event", lambda *_: None)  # noqa: B010 (the store encodes the dict)
 
 
-def child(mode: str, size: str, n: int) -> None:
+def child(mode: str, size: str, n: int, codex: bool) -> None:
     """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
@@ -78,12 +78,14 @@ def child(mode: str, size: str, n: int) -> None:
         proxy = build_app(config)[PROXY]
         await proxy.store.start()
         backend = rig.Backend()
+        backend.head = 40_000 if codex else backend.head
         proxy.pool.http._connect = lambda origin: rig._connected(backend)  # type: ignore[method-assign]
         client = rig.Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
-        first = orjson.dumps({"model": "m", "input": make_items(rig.SIZES[size])})
+        members = codex_members() if codex else {}
+        first = orjson.dumps({"model": "m", **members, "input": make_items(rig.SIZES[size])})
         found = rig._RID.search(await client.post(first))
         assert found is not None
-        turn = {"model": "m", "previous_response_id": found.group(1).decode()}
+        turn = {"model": "m", **members, "previous_response_id": found.group(1).decode()}
         turn |= {"input": [user_message("next")], "stream": mode == "sse"}
         body = orjson.dumps(turn)
         for _ in range(100):  # warm-up: caches, the shapes a backend answers in
@@ -99,11 +101,12 @@ def child(mode: str, size: str, n: int) -> None:
     functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
 
 
-def count(mode: str, size: str, n: int, *, off: bool = False) -> int:
+def count(mode: str, size: str, n: int, *, off: bool = False, codex: bool = False) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
     command += [sys.executable, __file__, "--child", mode, size, str(n)]
     command += ["--envelope-off"] if off else []
+    command += ["--codex"] if codex else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
@@ -120,21 +123,29 @@ def main() -> None:
         action="store_true",
         help="also count each case with the Response envelope a no-op (its cost: the difference)",
     )
+    parser.add_argument(
+        "--codex",
+        action="store_true",
+        help="each request carries a coding agent's instructions and tools (~28 KB, benchkit)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
             envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n))
+        child(mode, size, int(n), args.codex)
         return
-    print("instructions per continuation turn (callgrind, memory-only store)")
+    members = " (Codex-sized instructions and tools)" if args.codex else ""
+    print(f"instructions per continuation turn (callgrind, memory-only store){members}")
     print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
     for size in args.sizes.split(","):
-        on = [count(mode, size, args.n) for mode in ("json", "sse")]
+        on = [count(mode, size, args.n, codex=args.codex) for mode in ("json", "sse")]
         print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)
         if args.envelope_off:
-            off = [count(mode, size, args.n, off=True) for mode in ("json", "sse")]
+            off = [
+                count(mode, size, args.n, off=True, codex=args.codex) for mode in ("json", "sse")
+            ]
             print(f"{'  off':<8} {off[0]:>12,} {off[1]:>12,}")
             print(f"{'  cost':<8} {on[0] - off[0]:>12,} {on[1] - off[1]:>12,}", flush=True)
 

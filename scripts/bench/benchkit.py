@@ -272,6 +272,42 @@ def make_items(target_bytes: int, seed: int = 1) -> list[dict[str, Any]]:
     return items
 
 
+def codex_members(seed: int = 1) -> dict[str, Any]:
+    """The members a coding agent (Codex CLI) sends again on every turn, at its sizes:
+    ~15 KB of `instructions` and ~13 KB of function `tools` with JSON-schema parameters,
+    and its small settings."""
+    rng = random.Random(seed)
+    paragraphs: list[str] = []
+    while sum(map(len, paragraphs)) < 15_000:
+        paragraphs.append(_text(rng, 60) + ".")
+    tools = []
+    for n in range(12):
+        properties = {
+            f"arg_{k}": {"type": rng.choice(("string", "integer")), "description": _text(rng, 12)}
+            for k in range(6)
+        }
+        parameters: dict[str, Any] = {"type": "object", "properties": properties}
+        parameters |= {"required": ["arg_0"], "additionalProperties": False}
+        tools.append(
+            {
+                "type": "function",
+                "name": f"{rng.choice(_TOOLS)}_{n}",
+                "description": _text(rng, 30),
+                "strict": False,
+                "parameters": parameters,
+            }
+        )
+    return {
+        "instructions": "\n\n".join(paragraphs),
+        "tools": tools,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": True,
+        "prompt_cache_key": f"codex-{seed}",
+    }
+
+
 def user_message(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
