@@ -181,6 +181,9 @@ _LAST_FILL: tuple[frozenset[str] | None, tuple[str, ...] | None, str | None, _Fi
     _Fill.__new__(_Fill),  # (never returned: no missing members are None)
 )
 _FILLS_KEPT = 64
+_INSTRUCTIONS = frozenset(("instructions",))
+# The key and the _Fill of the last request that gave any of the filled members.
+_LAST_KEYED: tuple[tuple[Any, ...], _Fill] = ((), _LAST_FILL[3])
 
 
 _STAMP = (0, b"")  # the last completed_at written into a JSON answer, and its bytes
@@ -233,6 +236,7 @@ class Envelope:
         "_inserts",
         "_pinned",
         "_served_models",
+        "_values",
     )
 
     def __init__(
@@ -257,6 +261,8 @@ class Envelope:
         self._fills: dict[frozenset[str], tuple[_Fill, bytes, dict[str, Any]]] | None = None
         # A pending event's members, by what decides them (_Seen.members).
         self._inserts: dict[tuple[Any, ...], bytes] | None = None
+        # The request's values of the filled members, as a _FILLS key has them.
+        self._values: tuple[str | None, bytes] | None = None
 
     @property
     def echo(self) -> tuple[str, Any] | None:
@@ -438,32 +444,48 @@ class Envelope:
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
         the same values for what it fills in, else a new one."""
-        global _LAST_FILL
+        global _LAST_FILL, _LAST_KEYED
         body = self._body
         model = body.get("model")  # (what the model shown depends on, with served_models)
+        shown = model if type(model) is str else None
         if _FROM_REQUEST.isdisjoint(body):
             last = _LAST_FILL  # the last request's that gave none of the filled members
             if missing is last[0] and self._served_models is last[1] and model == last[2]:
                 return last[3]
-            values = b""
+            key: tuple[Any, ...] = (missing, self._served_models, shown, None, b"")
         elif body.get("store") is False:  # (its instructions, tools: not kept past it)
             return _Fill(self, missing)
         else:
-            try:
-                values = orjson.dumps(
-                    [[name, body[name]] for name in sorted(_FROM_REQUEST.intersection(body))]
-                )
-            except orjson.JSONEncodeError:  # (not from JSON): its own
-                return _Fill(self, missing)
-        key = (missing, self._served_models, model if type(model) is str else None, values)
+            # A coding agent sends tens of KB of instructions and tools on every turn: a
+            # str `instructions` is compared as it is (a memcmp) instead of encoded, and
+            # the key is compared with the last one before it is hashed.
+            values = self._values
+            if values is None:  # (once per request: a stream's Responses lack different sets)
+                instructions = body.get("instructions")
+                names = _FROM_REQUEST.intersection(body)
+                if type(instructions) is str:
+                    names = names - _INSTRUCTIONS
+                else:
+                    instructions = None
+                try:
+                    encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
+                except orjson.JSONEncodeError:  # (not from JSON): its own
+                    return _Fill(self, missing)
+                values = self._values = instructions, encoded
+            key = (missing, self._served_models, shown, *values)
+            last_keyed = _LAST_KEYED
+            if key == last_keyed[0]:
+                return last_keyed[1]
         fill = _FILLS.get(key)
         if fill is None:
             fill = _Fill(self, missing)
             if len(_FILLS) >= _FILLS_KEPT:
                 _FILLS.clear()
             _FILLS[key] = fill
-        if not values and type(model) is str:
-            _LAST_FILL = missing, self._served_models, model, fill
+        if key[4]:
+            _LAST_KEYED = key, fill
+        elif shown is not None:
+            _LAST_FILL = missing, self._served_models, shown, fill
         return fill
 
     def _previous(self) -> str | None:

@@ -4,7 +4,7 @@ Responses schema requires, from the backend, else the request, else the default
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -515,6 +515,38 @@ def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
         assert secret.encode() in patch.encoded
         kept = b"".join(fill.encoded for fill in envelope_module._FILLS.values())
         assert (secret.encode() in kept) is store
+
+
+def test_a_coding_agents_instructions_and_tools_fill_each_request_with_its_own() -> None:
+    """A request whose long instructions and tools equal the last one's (parsed anew each
+    turn) is filled from the same shared members; one whose instructions differ from the
+    last only in their last character gets its own, and a store:false one's are not kept."""
+    tools = [
+        {"type": "function", "name": f"tool_{n}", "parameters": {"type": "object"}}
+        for n in range(12)
+    ]
+
+    def request(instructions: str, store: bool = True) -> dict[str, Any]:
+        body = {"model": "m", "instructions": instructions, "tools": tools, "store": store}
+        return cast(dict[str, Any], orjson.loads(orjson.dumps(body)))  # (new objects)
+
+    long = "Follow the repository's conventions. " * 400
+    other = long[:-1] + "!"
+    first = Envelope(request(long)).complete(dict(LLAMA), final=True)
+    again = Envelope(request(long)).complete(dict(LLAMA), final=True)
+    assert again.filled is first.filled
+    for instructions in (other, long, other):
+        response = dict(LLAMA)
+        Envelope(request(instructions)).complete(response, final=True)
+        names = [tool["name"] for tool in response["tools"]]
+        assert response["instructions"] == instructions and names == [t["name"] for t in tools]
+    secret = long + "secret"
+    response = dict(LLAMA)
+    Envelope(request(secret, store=False)).complete(response, final=True)
+    assert response["instructions"] == secret
+    kept = [*envelope_module._FILLS, envelope_module._LAST_KEYED[0]]
+    assert not any(secret in key for key in kept)
+    assert any(other in key for key in kept)
 
 
 # -- a terminal event: its Response completed in its bytes, and those kept ------------------
