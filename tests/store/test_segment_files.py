@@ -361,9 +361,10 @@ def test_state_gc_removes_only_files_nothing_needs(tmp_path: Path) -> None:
 
 
 def test_a_large_response_is_its_own_file_not_in_its_record_entry(tmp_path: Path) -> None:
-    """A response object as large as a large segment (long instructions and tools echoed
-    back) is not kept in its record's journal entry, which compaction copies, but as a
-    segment with a file of its own; it reads back, also after a restart."""
+    """A response object that is a large segment's worth compressed (long instructions
+    and tools echoed back) is not kept in its record's journal entry, which compaction
+    copies, but as a segment with a file of its own; it reads back, also after a restart.
+    One that compresses well below that stays in its record's entry."""
     turn = make_turn("big", "a short question")
     response = orjson.loads(turn.response)
     response["instructions"] = noise(6_000, 7)
@@ -374,9 +375,15 @@ def test_a_large_response_is_its_own_file_not_in_its_record_entry(tmp_path: Path
         await store.start()
         record = store.put(big, None)
         small = store.put(make_turn("small", "another"), None)
+        repetitive = orjson.loads(turn.response)
+        repetitive["instructions"] = "Follow the repository's conventions. " * 80  # ~3 KB
+        compressible = store.put(
+            replace(turn, response_id="rep", response=orjson.dumps(repetitive)), None
+        )
         await store.commit()
         assert isinstance(record.response, Segment) and record.response.key in own_files(tmp_path)
         assert type(small.response) is int  # a usual response stays in its record's entry
+        assert type(compressible.response) is int  # and so does one that shrinks well
         answer = await store.response_bytes(record)
         await store.close()
         reopened = new_store(tmp_path)

@@ -52,6 +52,10 @@ __all__ = ["KEPT_PREFIXES", "NEVER", "Store", "StoreStats", "default_state_dir"]
 log = logging.getLogger("ocxproxy.store")
 
 BACKPRESSURE_TIMEOUT = 5.0  # seconds a turn may wait while the journal is behind
+# A durable response this many times the large-segment size, raw, is a segment of its own
+# (compressed, it is likely a large segment: JSON shrinks ~4x at zstd level 1); a smaller
+# one goes into its record's entry, sparing its SHA-256 and segment bookkeeping.
+INLINE_RESPONSE_RATIO = 4
 
 
 def default_state_dir() -> Path:
@@ -97,7 +101,7 @@ class Store:
         self.backpressure_timeout = BACKPRESSURE_TIMEOUT
         self.state_dir = state_dir
         self.max_disk_bytes = max_disk_bytes
-        self.large_segment_bytes = large_segment_bytes
+        self.large_response_bytes = INLINE_RESPONSE_RATIO * large_segment_bytes
         self.durability = durability
         self.index = Records()
         self._records = self.index.by_id  # read here; changed only through the index
@@ -326,7 +330,7 @@ class Store:
         # A journaled record's response goes into its record's entry (no segment of its
         # own), unless it is large: then it is a segment, which gets a file of its own that
         # compaction never copies.
-        inline = journaled and len(skeleton) < self.large_segment_bytes
+        inline = journaled and len(skeleton) < self.large_response_bytes
         held = None if inline else self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
         if parent is None:
             segments: tuple[Segment, ...] = (own,)
