@@ -5,10 +5,10 @@ values use the tier's dictionary set-up instead).
 
 Level 1, not zstd's default 3: every durable turn compresses its segments on the event
 loop, and on turns' JSON level 1 takes less time for compressed sizes close to level
-3's. Below SMALL bytes (a short message, a tool's one-line output)
-data is not compressed at all (`compress`): it is framed as zstd's raw block, which any
-zstd decoder reads back, since compressing it costs more than it saves, most of it
-building the frame's Huffman table, for a few dozen bytes."""
+3's. Below SMALL bytes (a short message, a tool's one-line output) data is not
+compressed at all (`compress`): it is framed as zstd's raw block, which any zstd decoder
+reads back, since compressing it costs more than it saves, most of it building the
+frame's Huffman table, for a few dozen bytes."""
 
 from __future__ import annotations
 
