@@ -206,14 +206,18 @@ class Records:
             return 0
         return len(old.segments)
 
-    def pinned_size(self, record_id: str, chain: Sequence[Segment], shared: int, meta: int) -> int:
+    def pinned_size(
+        self, record_id: str, chain: Sequence[Segment], shared: int, meta: int, entry: int = 0
+    ) -> int:
         """The bytes record `record_id` pins once rewritten with `chain`, whose first
-        `shared` segments its present version holds, and `meta` bytes of metadata."""
+        `shared` segments its present version holds, and `meta` bytes of metadata; with
+        `entry` more for each segment (in memory: what the resident tier counts)."""
         old = self.by_id.get(record_id)
         if old is not None and shared and record_id in self.pinned:
-            size = self.pinned[record_id] - old.response_size
-            return size + sum(s.size for s in chain[shared:]) + meta
-        return sum(s.size for s in {s.digest: s for s in chain}.values()) + meta
+            size = self.pinned[record_id] - old.response_size  # its entry: the new meta's
+            return size + sum(s.size + entry for s in chain[shared:]) + meta
+        unique = {s.digest: s for s in chain}.values()
+        return sum(s.size + entry for s in unique) + meta + entry
 
     def fits(self, record_id: str, size: int, cap: float, max_entries: int) -> bool:
         """Can pinned record `record_id` (or a new one) take `size` bytes with no cap

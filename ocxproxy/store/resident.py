@@ -1,5 +1,10 @@
 """The resident tier: segment bytes in memory, least recently used first out, byte-capped.
 
+The cap counts what the tier holds, not only the segments' payload: each resident segment
+also costs its bytes object's header, malloc's chunk around it and its entry in the ordered
+map (`ENTRY_BYTES`; with hex keys, the key string too). With ~1 KB segments that is a
+fifth more than their payload, which a payload-only count would let grow past the cap.
+
 Pure bookkeeping: no I/O, no asyncio. `admit`/`touch` never drop anything themselves;
 `evict_over_budget()` takes the oldest out and returns them; the caller decides whether
 their bytes just go (the journal holds them) or the segment is lost.
@@ -7,18 +12,27 @@ their bytes just go (the journal holds them) or the segment is lost.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from operator import attrgetter
 
 from ocxproxy.model import Segment
 
+# Per resident segment beyond its payload: the bytes object's header (33), malloc's chunk
+# header and alignment (~16: most segments are past pymalloc's 512 bytes), and the ordered
+# map's entry (~155 traced once admits and evictions churn it: its table slots, its
+# node and the node table).
+ENTRY_BYTES = sys.getsizeof(b"") + 16 + 160
+HEX_KEY_BYTES = sys.getsizeof("0" * 64)  # a segment's name as hex: a string of its own
+
 
 class ResidentTier:
     def __init__(self, max_bytes: int, *, by_digest: bool = False) -> None:
         """Segments by key (hex), or `by_digest` (32 bytes: half the memory per entry)."""
         self.max_bytes = max_bytes
-        self.bytes = 0
+        self.bytes = 0  # what the resident segments hold: held() of each
+        self.entry_bytes = ENTRY_BYTES + (0 if by_digest else HEX_KEY_BYTES)
         self._name = attrgetter("digest" if by_digest else "key")
         self._lru: OrderedDict[object, Segment] = OrderedDict()
 
@@ -34,6 +48,10 @@ class ResidentTier:
     def __iter__(self) -> Iterator[Segment]:
         return iter(self._lru.values())
 
+    def held(self, segment: Segment) -> int:
+        """The memory a resident `segment` costs: its payload and its entry."""
+        return segment.size + self.entry_bytes
+
     def get(self, name: object) -> Segment | None:
         return self._lru.get(name)
 
@@ -47,7 +65,7 @@ class ResidentTier:
             self._lru.move_to_end(name)
             return
         self._lru[name] = segment
-        self.bytes += segment.size
+        self.bytes += segment.size + self.entry_bytes
 
     def touch_all(self, segments: Sequence[Segment]) -> None:
         """Mark a whole chain recently used (the hot path: one C-level pass)."""
@@ -62,7 +80,7 @@ class ResidentTier:
 
     def remove(self, segment: Segment) -> None:
         if self._lru.pop(self._name(segment), None) is not None:
-            self.bytes -= segment.size
+            self.bytes -= segment.size + self.entry_bytes
 
     def evict_over_budget(self) -> list[Segment]:
         """Take the oldest segments out until the tier fits its budget; those taken."""
@@ -72,7 +90,7 @@ class ResidentTier:
             return victims
         for segment in self._lru.values():
             victims.append(segment)
-            excess -= segment.size
+            excess -= segment.size + self.entry_bytes
             if excess <= 0:
                 break
         for segment in victims:

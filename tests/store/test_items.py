@@ -109,7 +109,7 @@ async def test_a_holder_whose_bytes_were_dropped_is_passed_over() -> None:
     newer = store.put(turn("r2", "msg_2", inputs=[resent], stored=False, durable=False), None)
     assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is newer
     await store.history(older)  # recently used: the newer turn's bytes go first
-    store.resident.max_bytes = store.resident.bytes - older.response.size - 1
+    store.resident.max_bytes = store.resident.bytes - store.resident.held(older.response) - 1
     store.expiry.enforce()
     assert newer.segments[-1].data is None and older.segments[-1].data is not None
     assert store.find_item_nowait("scope-a", "msg_1", unstored=True) is older

@@ -11,6 +11,7 @@ import pytest
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment
 from ocxproxy.store.local.store import NEVER
+from ocxproxy.store.resident import ENTRY_BYTES
 from tests.store.helpers import Clock, make_store, make_turn
 
 
@@ -72,7 +73,8 @@ async def test_count_cap_evicts_responses_never_conversations(tmp_path: Path) ->
 
 
 async def test_a_write_past_the_byte_cap_is_refused_not_evicting(tmp_path: Path) -> None:
-    store = make_store(None, max_resident_bytes=200)  # no disk: memory is the cap
+    # No disk: memory is the cap, each segment's entry in the resident tier counted too.
+    store = make_store(None, max_resident_bytes=200 + 4 * ENTRY_BYTES)
     small = store.kept.keep("conv_a", "scope-a", (segment("x" * 50),), b"{}", created_at=1)
     with pytest.raises(StoreFailure) as full:
         store.kept.keep("conv_b", "scope-a", (segment("y" * 150),), b"{}", created_at=1)

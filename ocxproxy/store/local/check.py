@@ -64,7 +64,7 @@ def check_store(store: Store) -> list[str]:
                 problems.append(f"{record.id}'s item ids disagree with its segments")
     if store.items.entries() != indexed:
         problems.append(f"item index holds {store.items.entries()} entries, records {indexed}")
-    if sum(s.size for s in resident) != resident.bytes:
+    if sum(map(resident.held, resident)) != resident.bytes:
         problems.append("resident byte count drifted")
     for segment in resident:
         if segments.get(segment.key) is not segment:

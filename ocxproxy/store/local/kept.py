@@ -62,7 +62,9 @@ class KeptRecords:
         old = store._records.get(record_id)
         shared = store.index.shared(record_id, chain, durable)
         fresh = chain[shared:]
-        size = store.index.pinned_size(record_id, chain, shared, len(meta))
+        in_memory = not durable or store._committer is None  # the resident tier holds it
+        entry = store.resident.entry_bytes if in_memory else 0
+        size = store.index.pinned_size(record_id, chain, shared, len(meta), entry)
         if pinned and not force and not self._fits(record_id, size, durable=durable):
             raise StoreFailure(FailureReason.FULL, record_id)
         take = store.table.take
