@@ -3,6 +3,7 @@ under the cap while many chains run. Prints figures; asserts nothing.
 
     python scripts/bench/bench_store.py [--turns 172] [--chains 1000] [--chain-turns 10]
                                   [--cap 1MiB] [--concurrency 64] [--turn-time 0.2]
+                                  [--user-words N] [--revisits 200]
 
 1. One chain of --turns turns (~8k tokens, ~32 KB of items in all): bytes of items the
    client sent and the model produced, against what the store holds in memory and on disk.
@@ -11,7 +12,10 @@ under the cap while many chains run. Prints figures; asserts nothing.
    spend --turn-time at the backend, with a small resident cap: peak resident bytes against
    the cap, the bytes queued for the journal (each turn awaits its commit, as the HTTP
    layer does), the process RSS, and per-continuation latency of Store.history (hot and
-   cold). --turn-time 0 is an overload test: turns arrive as fast as commits allow.
+   cold). --turn-time 0 is an overload test: turns arrive as fast as commits allow. Then
+   --revisits chains picked at random continue once more (clients that come back later):
+   with --user-words 165 (~1 KB turns) and 10,000 chains, what a continuation costs when
+   its chain is no longer resident, and how many are, under a given --cap.
 """
 
 from __future__ import annotations
@@ -143,9 +147,19 @@ async def one_long_chain(turns: int, root: Path) -> None:
 
 
 async def many_chains(
-    chains: int, chain_turns: int, cap: int, root: Path, concurrency: int, turn_time: float
+    chains: int,
+    chain_turns: int,
+    cap: int,
+    root: Path,
+    concurrency: int,
+    turn_time: float,
+    *,
+    user_words: int = 0,
+    revisits: int = 200,
 ) -> None:
-    """Clients run their chains concurrently; each turn spends `turn_time` at the backend."""
+    """Clients run their chains concurrently; each turn spends `turn_time` at the backend
+    and sends `user_words` words (0: 4-14 at random); then `revisits` chains at random
+    come back for one more turn."""
     rng = random.Random(2)
     metrics = Metrics()
     store = new_store(root, cap, metrics)
@@ -172,7 +186,7 @@ async def many_chains(
                     await asyncio.sleep(turn_time)  # the backend generates
                 else:
                     await asyncio.sleep(0)
-                words = rng.randint(4, 14), rng.randint(8, 20)
+                words = user_words or rng.randint(4, 14), rng.randint(8, 20)
                 parent = store.put(make_turn(rng, f"resp_{c:05d}_{t:03d}", *words), parent)
                 await store.commit(parent)  # as the HTTP layer does before answering
                 stats = store.stats()
@@ -190,7 +204,7 @@ async def many_chains(
     elapsed = time.perf_counter() - started
     await store.flush()
     revisited = 0
-    for c in rng.sample(sorted(heads), min(200, len(heads))):  # clients come back later
+    for c in rng.sample(sorted(heads), min(revisits, len(heads))):  # clients come back later
         parent = heads[c]
         was_resident = all(s.data is not None for s in parent.segments)
         t0 = time.perf_counter()
@@ -235,12 +249,23 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--turn-time", type=float, default=0.2, help="seconds per turn")
     parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument(
+        "--user-words", type=int, default=0, help="words a turn sends (0: 4-14 at random)"
+    )
+    parser.add_argument("--revisits", type=int, default=200, help="chains that come back")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         base = args.state_dir or Path(tmp)
         await one_long_chain(args.turns, base / "long")
         await many_chains(
-            args.chains, args.chain_turns, args.cap, base / "many", args.concurrency, args.turn_time
+            args.chains,
+            args.chain_turns,
+            args.cap,
+            base / "many",
+            args.concurrency,
+            args.turn_time,
+            user_words=args.user_words,
+            revisits=args.revisits,
         )
 
 
