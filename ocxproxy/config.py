@@ -25,6 +25,11 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the --config file; not a setting (a file c
 # File descriptors kept out of the default --max-connections: the listening sockets, the
 # store's files, the shared store's connections, logs, an embedded backend's pipes.
 RESERVED_FDS = 64
+# The resident tier's default budgets (--max-resident-bytes): in front of the state dir's
+# journal, which holds every turn, it only spares the chains in use a read back; any other
+# store (--zdr's, a WebSocket connection's, a shared store's cache) gets the larger one.
+JOURNALED_RESIDENT_BYTES = 32 * 1024**2
+RESIDENT_BYTES = 64 * 1024**2
 DIALECTS = ("responses", "chat")  # what a backend speaks; the first is the default
 
 # `serve --help` shows the settings in these groups, in this order.
@@ -206,6 +211,11 @@ def positive(value: float) -> None:
         raise ValueError(f"must be more than 0, got {value:g}")
 
 
+def _positive_if_set(value: float | None) -> None:
+    if value is not None:
+        positive(value)
+
+
 def not_negative(value: float) -> None:
     if value < 0:
         raise ValueError(f"must not be negative, got {value:g}")
@@ -301,12 +311,13 @@ class Config:
         parse=Path,
         metavar="DIR",
     )
-    max_resident_bytes: int = setting(
-        64 * 1024**2,
-        "memory budget for stored turns",
+    max_resident_bytes: int | None = setting(
+        None,
+        "memory budget for stored turns (default: 32MiB in front of the state dir, whose "
+        "journal holds them all; 64MiB otherwise, e.g. under --zdr, where it is the store)",
         group=STORE,
         parse=parse_bytes,
-        check=positive,
+        check=_positive_if_set,
     )
     max_disk_bytes: int = setting(
         1024**3,
@@ -637,6 +648,14 @@ class Config:
         parse=str.lower,
         check=Choices("off", "text", "json"),
     )
+
+    def resident_bytes(self, *, journaled: bool) -> int:
+        """--max-resident-bytes, or its default: in front of the state dir's journal the
+        resident tier only spares a read back (a chain in use stays resident either way);
+        a memory-only store's is the store itself."""
+        if self.max_resident_bytes is not None:
+            return self.max_resident_bytes
+        return JOURNALED_RESIDENT_BYTES if journaled else RESIDENT_BYTES
 
     def __post_init__(self) -> None:
         for name in SETTINGS:

@@ -154,7 +154,7 @@ class Connection:
             self.headers.popall(name, None)
         self.headers["Content-Type"] = "application/json"
         self.local = Store(  # no state_dir: memory only, gone with the connection
-            max_resident_bytes=max(config.max_resident_bytes // 4, 1),
+            max_resident_bytes=max(config.resident_bytes(journaled=False) // 4, 1),
             max_entries=LOCAL_MAX_ENTRIES,
             ttl=config.ws_max_age,
             metrics=_DETACHED_METRICS,

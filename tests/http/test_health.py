@@ -135,7 +135,7 @@ async def test_metrics_move_after_requests(
     assert 0 < cont_inputs < inputs
     assert total(after, "ocxproxy_continuation_cached_tokens_total", backend=backend.url) == cached
     assert total(after, "ocxproxy_store_capacity_entries", tier="records") == 100_000
-    assert total(after, "ocxproxy_store_capacity_bytes", tier="resident") == 64 * 1024**2
+    assert total(after, "ocxproxy_store_capacity_bytes", tier="resident") == 32 * 1024**2
     assert total(after, "ocxproxy_store_capacity_bytes", tier="disk") == 1024**3
     assert total(after, "ocxproxy_turns_recorded_total") == 3
     assert total(after, "ocxproxy_upstream_requests_total", backend=backend.url) == 4

@@ -1,11 +1,15 @@
-"""The resident tier's byte cap bounds the memory it holds, not only its segments' payload."""
+"""The resident tier: its byte cap bounds the memory it holds, not only its segments'
+payload; its default budget."""
 
 from __future__ import annotations
 
 import sys
 import tracemalloc
+from pathlib import Path
 
+from ocxproxy.config import Config
 from ocxproxy.model import NO_CALLS, Segment
+from ocxproxy.store.local.store import Store
 from ocxproxy.store.resident import ResidentTier
 
 CAP = 1_000_000
@@ -45,3 +49,15 @@ def test_hex_keys_count_their_strings() -> None:
     assert by_key.bytes == 1000 + by_key.entry_bytes
     by_key.remove(segment)
     assert by_key.bytes == 0 and len(by_key) == 0
+
+
+def test_the_default_budget_is_smaller_in_front_of_the_journal(tmp_path: Path) -> None:
+    """The state dir's journal holds every turn, so its resident tier only spares a read
+    back: 32 MiB by default; a memory-only store (--zdr) is its resident tier: 64 MiB. A
+    budget given is taken as it is either way."""
+    durable = Store.from_config(Config(state_dir=tmp_path / "state"))
+    zdr = Store.from_config(Config(zdr=True))
+    assert (durable.resident.max_bytes, zdr.resident.max_bytes) == (32 << 20, 64 << 20)
+    for zero_retention in (False, True):
+        config = Config(state_dir=tmp_path / "state", zdr=zero_retention, max_resident_bytes=5000)
+        assert Store.from_config(config).resident.max_bytes == 5000

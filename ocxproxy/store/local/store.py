@@ -143,7 +143,7 @@ class Store:
         (the default one is created with its parents; a --state-dir needs its parent)."""
         state_dir = None if config.zdr else (config.state_dir or default_state_dir())
         return cls(
-            max_resident_bytes=config.max_resident_bytes,
+            max_resident_bytes=config.resident_bytes(journaled=state_dir is not None),
             max_entries=config.max_entries,
             ttl=config.ttl,
             metrics=metrics,

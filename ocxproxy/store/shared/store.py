@@ -125,7 +125,7 @@ class SharedStore:
     def settings(config: Config) -> dict[str, Any]:
         """The configuration's settings for `SharedStore` (but `local` and `metrics`)."""
         return {
-            "max_resident_bytes": config.max_resident_bytes,
+            "max_resident_bytes": config.resident_bytes(journaled=False),
             "max_entries": config.max_entries,
             "ttl": config.ttl,
             "durability": config.durability,
