@@ -62,8 +62,7 @@ class KeptRecords:
         old = store._records.get(record_id)
         shared = store.index.shared(record_id, chain, durable)
         fresh = chain[shared:]
-        in_memory = not durable or store._committer is None  # the resident tier holds it
-        entry = store.resident.entry_bytes if in_memory else 0
+        entry = 0 if durable else store.resident.entry_bytes  # in memory: entries count too
         size = store.index.pinned_size(record_id, chain, shared, len(meta), entry)
         if pinned and not force and not self._fits(record_id, size, durable=durable):
             raise StoreFailure(FailureReason.FULL, record_id)
