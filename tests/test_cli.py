@@ -65,7 +65,8 @@ def test_serve_help_is_grouped_with_defaults_and_units(
     flat = " ".join(out.split())
     for shown in (
         "(default: 32MiB in front of the state dir, whose journal holds them all; 64MiB "
-        "otherwise, e.g. under --zdr, where it is the store) [OCXPROXY_MAX_RESIDENT_BYTES]",
+        "where it is the store: under --zdr, or keeping store:false turns) "
+        "[OCXPROXY_MAX_RESIDENT_BYTES]",
         "(default: 30d) [OCXPROXY_TTL]",
         "(default: 10m) [OCXPROXY_READ_TIMEOUT]",
         "(default: 8080) [OCXPROXY_PORT]",

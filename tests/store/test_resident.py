@@ -58,6 +58,9 @@ def test_the_default_budget_is_smaller_in_front_of_the_journal(tmp_path: Path) -
     durable = Store.from_config(Config(state_dir=tmp_path / "state"))
     zdr = Store.from_config(Config(zdr=True))
     assert (durable.resident.max_bytes, zdr.resident.max_bytes) == (32 << 20, 64 << 20)
+    # --retain-unstored's store:false turns are in the tier alone, as under --zdr.
+    retaining = Store.from_config(Config(state_dir=tmp_path / "state", retain_unstored=True))
+    assert retaining.resident.max_bytes == 64 << 20
     for zero_retention in (False, True):
         config = Config(state_dir=tmp_path / "state", zdr=zero_retention, max_resident_bytes=5000)
         assert Store.from_config(config).resident.max_bytes == 5000

@@ -142,8 +142,11 @@ class Store:
         """The proxy's shared store: memory-only under --zdr, else backed by the state dir
         (the default one is created with its parents; a --state-dir needs its parent)."""
         state_dir = None if config.zdr else (config.state_dir or default_state_dir())
+        # --retain-unstored's store:false turns are in memory only: the journal holds not
+        # all the tier holds, so it keeps the budget of a memory-only store.
+        journaled = state_dir is not None and not config.retain_unstored
         return cls(
-            max_resident_bytes=config.resident_bytes(journaled=state_dir is not None),
+            max_resident_bytes=config.resident_bytes(journaled=journaled),
             max_entries=config.max_entries,
             ttl=config.ttl,
             metrics=metrics,
