@@ -22,8 +22,8 @@ the object. What a Response lacks is worked out once per shape of its members
 (`_Plan`), the members filled in are built and encoded once for every request that gives
 the same values for them (`_Fill`), a pending event whose shape was seen is not decoded
 (`pending_event`), a JSON answer of the shape and values last seen valid is completed in
-one call (`answer`), and its spliced bytes are what the store keeps, as are a terminal
-event's (`spliced_event`).
+one call (`answer`, a terminal event's Response too: `terminal_event`), and its spliced
+bytes are what the store keeps.
 """
 
 from __future__ import annotations
@@ -385,6 +385,31 @@ class Envelope:
         if not patch.encoded:
             return data, patch
         return b"".join((data[:-1], b",", patch.encoded, b"}")), patch
+
+    def terminal_event(
+        self, event: Event, payload: dict[str, Any]
+    ) -> tuple[Patch, tuple[bytes, bool] | None]:
+        """A terminal event's Response completed as a JSON answer is (`answer`), in the
+        event's bytes: its patch, and the Response's bytes the store keeps (its output
+        items as the backend gave them) with whether the event is written with them
+        (changed in place: its items need nothing more, else `written_event` completes
+        them once the turn is recorded). None for the bytes when the Response is not found
+        at once in the event's: then the patch is merged, and the store encodes the dict."""
+        data = event.data
+        response = payload["response"]
+        span = _response_span(data, payload)
+        if span is None:
+            return self.complete(response, final=True), None
+        start, end = span
+        given = data[start:end]
+        stored, patch = self.answer(given, response)
+        if patch.items or event.at < 0:
+            return patch, (stored, False)
+        if stored is not given:
+            data = b"".join((data[:start], stored, data[end:]))
+            event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
+            event.data = data
+        return patch, (stored, True)
 
     def _checked(
         self,
@@ -865,35 +890,6 @@ def written(
                 unmerged.merge(response)
         return orjson.dumps(response)
     return data if patch is None else _apply(data, response, patch, _object_start, response)
-
-
-def spliced_event(event: Event, payload: dict[str, Any], patch: Patch) -> tuple[bytes, bool] | None:
-    """The bytes of a terminal event's Response with the members `complete(…,
-    merge=False)` filled in, its output items as the backend gave them (what the store
-    keeps: see `spliced`), and whether the event is written too (changed in place: its
-    items need nothing more, else `written_event` completes them once the turn is
-    recorded). None when its Response is not found at once in its bytes (then `patch`
-    is merged: the store encodes the dict)."""
-    data = event.data
-    span = None if patch.rewrite or patch.inserted or patch.ids else _response_span(data, payload)
-    if span is None:
-        patch.merge(payload["response"])
-        return None
-    start, end = span
-    members = patch.encoded
-    if members:
-        at = start + 1
-        data = b"".join((data[:at], members, b",", data[at:]))
-        end += len(members) + 1
-    stored = data[start:end]
-    if event.at < 0:
-        return stored, False
-    for item in payload["response"].get("output") or ():  # (a list: the plan checked)
-        if type(item) is not dict or not _item_complete(item):
-            return stored, False
-    event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
-    event.data = data
-    return stored, True
 
 
 def _response_span(data: bytes, payload: dict[str, Any]) -> tuple[int, int] | None:

@@ -36,7 +36,6 @@ from ocxproxy.continuation.envelope import (
     Envelope,
     Patch,
     spliced,
-    spliced_event,
     written,
     written_event,
 )
@@ -665,10 +664,9 @@ async def stream_events(
                     if repair is not None:
                         patch = Patch()
                     elif final and exchange.injection is None and not exchange.pending_raw:
-                        # The filled members go into the event's bytes and the store's
-                        # (spliced_event); the dict gets them only where it is read.
-                        patch = envelope.complete(response, final=True, merge=False)
-                        in_bytes = spliced_event(event, payload, patch)
+                        # The filled members go into the event's bytes and the store's;
+                        # the dict gets them only where it is read.
+                        patch, in_bytes = envelope.terminal_event(event, payload)
                         if exchange.idempotency_key is not None:  # (the retries' answer)
                             patch.merge(response)
                     else:

@@ -46,6 +46,8 @@ def envelope_off() -> None:
     Envelope.complete = lambda self, response, **_: Patch()  # type: ignore[method-assign]
     Envelope.answer = lambda self, data, response: (data, Patch())  # type: ignore[method-assign]
     Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
+    # (no bytes: the store encodes the dict)
+    Envelope.terminal_event = lambda self, event, payload: (Patch(), None)  # type: ignore[method-assign]
     shared = Envelope()
 
     def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
@@ -54,7 +56,6 @@ def envelope_off() -> None:
     setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)
     for name in ("spliced", "written", "written_event"):
         setattr(exchange, name, as_it_came)
-    setattr(exchange, "spliced_event", lambda *_: None)  # noqa: B010 (the store encodes the dict)
 
 
 def child(mode: str, size: str, n: int, codex: bool) -> None:

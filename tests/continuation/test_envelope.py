@@ -576,11 +576,8 @@ def test_a_terminal_events_response_is_spliced_into_its_bytes(
         event, orjson.loads(event.data), final=True
     )
     payload = orjson.loads(event.data)
-    patch = Envelope(REQUEST, echo=echo, created_at=5).complete(
-        payload["response"], final=True, merge=False
-    )
     raw = event.raw
-    spliced = envelope_module.spliced_event(event, payload, patch)
+    _, spliced = Envelope(REQUEST, echo=echo, created_at=5).terminal_event(event, payload)
     assert spliced is not None
     stored, written = spliced
     assert written and event.raw != raw and parse_event(event.raw) == event  # (in place)
@@ -603,8 +600,8 @@ def test_a_terminal_event_not_written_as_usual_gets_the_members_in_its_dict(data
     response = {**LLAMA, "usage": VLLM_USAGE}
     event = parse_event(encode_event("response.completed", data % orjson.dumps(response)))
     payload = orjson.loads(event.data)
-    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
-    assert envelope_module.spliced_event(event, payload, patch) is None
+    patch, spliced = Envelope(REQUEST).terminal_event(event, payload)
+    assert spliced is None
     assert response_problems(payload["response"]) == []  # merged: the store encodes it
     out = orjson.loads(envelope_module.written_event(event, payload, patch).data)
     assert event_problems(out) == [] and out["response"] == payload["response"]
@@ -615,9 +612,9 @@ def test_a_terminal_event_whose_items_the_proxy_completes_is_encoded_again() -> 
     response = {**LLAMA, "usage": VLLM_USAGE, "output": [item]}
     event = terminal(response, ("type", "response", "sequence_number"))
     payload = orjson.loads(event.data)
-    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
-    spliced = envelope_module.spliced_event(event, payload, patch)
-    assert spliced is not None and not spliced[1]  # (the event is left as it came)
+    raw = event.raw
+    patch, spliced = Envelope(REQUEST).terminal_event(event, payload)
+    assert spliced is not None and not spliced[1] and event.raw == raw  # (left as it came)
     assert "annotations" not in orjson.loads(spliced[0])["output"][0]["content"][0]  # as given
     out = orjson.loads(envelope_module.written_event(event, payload, patch).data)
     assert event_problems(out) == [] and response_problems(out["response"]) == []
@@ -628,6 +625,5 @@ def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() 
     data = b'{"response":%s,"sequence_number":7,"type":["x"]}' % orjson.dumps(response)
     event = parse_event(encode_event("response.completed", data))
     payload = orjson.loads(event.data)
-    patch = Envelope(REQUEST).complete(payload["response"], final=True, merge=False)
-    assert envelope_module.spliced_event(event, payload, patch) is None
+    assert Envelope(REQUEST).terminal_event(event, payload)[1] is None
     assert response_problems(payload["response"]) == []  # merged: the store encodes it
