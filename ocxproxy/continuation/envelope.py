@@ -720,7 +720,7 @@ class Envelope:
             and plan is not None
             and self._pinned is None
             and (echo is None or echo[0] not in seen.nulls)
-            and not self._rewrites_model(seen)
+            and not ((self._served_models or seen.model == "") and self._rewrites_model(seen))
         ):
             parts = []  # (as _fill orders them, without its bookkeeping for complete)
             if plan.missing:
@@ -728,7 +728,8 @@ class Envelope:
                 if fill.created_at:
                     parts.append(b'"created_at":%d' % self._created())
                 if fill.previous:
-                    parts.append(b'"previous_response_id":' + orjson.dumps(self._previous()))
+                    previous = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
+                    parts.append(b'"previous_response_id":' + orjson.dumps(previous))
                 if fill.encoded:
                     parts.append(fill.encoded)
             if plan.completed_at:
