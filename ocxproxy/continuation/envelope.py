@@ -182,8 +182,9 @@ _LAST_FILL: tuple[frozenset[str] | None, tuple[str, ...] | None, str | None, _Fi
 )
 _FILLS_KEPT = 64
 _INSTRUCTIONS = frozenset(("instructions",))
-# The key and the _Fill of the last request that gave any of the filled members.
-_LAST_KEYED: tuple[tuple[Any, ...], _Fill] = ((), _LAST_FILL[3])
+# By the members filled in, the key and the _Fill of the last request that gave any of
+# them (a stream's pending events and its terminal one lack different sets).
+_LAST_KEYED: dict[frozenset[str], tuple[tuple[Any, ...], _Fill]] = {}
 
 
 _STAMP = (0, b"")  # the last completed_at written into a JSON answer, and its bytes
@@ -234,6 +235,7 @@ class Envelope:
         "_echo",
         "_fills",
         "_inserts",
+        "_members",
         "_pinned",
         "_served_models",
         "_values",
@@ -244,12 +246,17 @@ class Envelope:
         body: dict[str, Any] | None = None,
         echo: tuple[str, Any] | None = None,
         served_models: tuple[str, ...] = (),
+        members: bytes | None = None,
         *,
         created_at: int | None = None,
     ) -> None:
         # Built for each create request: only what it is given is kept here, the rest is
         # worked out when a Response needs it.
         self._body = body if body is not None else _NO_MEMBERS  # (never changed here)
+        # The JSON object of `body`'s members but its input and the ids of what it
+        # continues, as forwarded (expand.forwarded_members), when the proxy encoded it:
+        # every member filled from the request is decided by it.
+        self._members = members
         self._echo = echo  # ("previous_response_id", id) or ("conversation", {"id": …})
         self._served_models = served_models
         self._created_at = created_at  # (now, when first needed)
@@ -469,7 +476,7 @@ class Envelope:
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
         the same values for what it fills in, else a new one."""
-        global _LAST_FILL, _LAST_KEYED
+        global _LAST_FILL
         body = self._body
         model = body.get("model")  # (what the model shown depends on, with served_models)
         shown = model if type(model) is str else None
@@ -480,10 +487,17 @@ class Envelope:
             key: tuple[Any, ...] = (missing, self._served_models, shown, None, b"")
         elif body.get("store") is False:  # (its instructions, tools: not kept past it)
             return _Fill(self, missing)
+        elif self._members is not None:
+            # A coding agent sends tens of KB of instructions and tools on every turn: the
+            # bytes they were forwarded as are compared (a memcmp), not encoded again, and
+            # the key is compared with the last one before it is hashed. (Its last member
+            # is an object's bytes, a key of the request's values an array's.)
+            key = (missing, self._served_models, None, None, self._members)
+            last_keyed = _LAST_KEYED.get(missing)
+            if last_keyed is not None and key == last_keyed[0]:
+                return last_keyed[1]
         else:
-            # A coding agent sends tens of KB of instructions and tools on every turn: a
-            # str `instructions` is compared as it is (a memcmp) instead of encoded, and
-            # the key is compared with the last one before it is hashed.
+            # (a str `instructions` is compared as it is instead of encoded)
             values = self._values
             if values is None:  # (once per request: a stream's Responses lack different sets)
                 instructions = body.get("instructions")
@@ -498,17 +512,18 @@ class Envelope:
                     return _Fill(self, missing)
                 values = self._values = instructions, encoded
             key = (missing, self._served_models, shown, *values)
-            last_keyed = _LAST_KEYED
-            if key == last_keyed[0]:
+            last_keyed = _LAST_KEYED.get(missing)
+            if last_keyed is not None and key == last_keyed[0]:
                 return last_keyed[1]
         fill = _FILLS.get(key)
         if fill is None:
             fill = _Fill(self, missing)
             if len(_FILLS) >= _FILLS_KEPT:
                 _FILLS.clear()
+                _LAST_KEYED.clear()
             _FILLS[key] = fill
         if key[4]:
-            _LAST_KEYED = key, fill
+            _LAST_KEYED[missing] = key, fill
         elif shown is not None:
             _LAST_FILL = missing, self._served_models, shown, fill
         return fill

@@ -169,13 +169,20 @@ def check_call_bindings(items: list[Any], record: Record) -> None:
             )
 
 
-def expand(body: dict[str, Any], history: list[bytes], tail: list[bytes]) -> bytes:
+def forwarded_members(body: dict[str, Any]) -> bytes:
+    """The JSON object of the request's members that are forwarded as they are: all but
+    `previous_response_id`, `conversation` and `input`."""
+    return orjson.dumps({k: v for k, v in body.items() if k not in _STATE_FIELDS})
+
+
+def expand(
+    body: dict[str, Any], history: list[bytes], tail: list[bytes], members: bytes | None = None
+) -> bytes:
     """The forwarded body: the request without `previous_response_id` or `conversation`,
     its input being the stored history followed by the request's own items (`tail`, one
-    serialized item each)."""
-    rest = {k: v for k, v in body.items() if k not in _STATE_FIELDS}
-    head = orjson.dumps(rest)
-    opening = head[:-1] + (b',"input":[' if rest else b'"input":[')
+    serialized item each). `members`: `forwarded_members(body)`, when at hand."""
+    head = forwarded_members(body) if members is None else members
+    opening = head[:-1] + (b',"input":[' if len(head) > 2 else b'"input":[')
     items = [*history, *tail]
     if not items:
         return opening + b"]}"

@@ -43,6 +43,7 @@ from ocxproxy.continuation.expand import (
     Request,
     check_call_bindings,
     expand,
+    forwarded_members,
     parse_request,
     serialize_items,
     tail_as_sent,
@@ -367,6 +368,7 @@ async def prepare_exchange(
     keys = book_keys(scope, request, parent, conversation_id)
     try:
         tail: list[bytes] | None = None  # the request's own items as forwarded
+        members: bytes | None = None  # the request's other members as forwarded
         # Compaction items reach the backend, and the store, as their summary messages.
         opened = open_items(proxy.sealer, scope, request.items, sealed) if sealed else {}
         fast: bytes | None = None  # a first turn with no more to do: its own bytes edited
@@ -396,7 +398,8 @@ async def prepare_exchange(
             if trigger:
                 body = summary_request(request.body, history, tail)
             else:
-                body = expand(request.body, history, tail)
+                members = forwarded_members(request.body)
+                body = expand(request.body, history, tail, members)
                 # A conversation keeps its items: it is not compacted by a threshold.
                 if (
                     threshold is not None
@@ -430,7 +433,7 @@ async def prepare_exchange(
         expansion=expansion,
         history_bytes=sum(map(len, history)),
         conversation=held,
-        envelope=_envelope(proxy, request, echo),
+        envelope=_envelope(proxy, request, echo, members),
         compaction=trigger,
         pending=pending,
         cut=cut,
@@ -438,8 +441,11 @@ async def prepare_exchange(
     )
 
 
-def _envelope(proxy: Proxy, request: Request, echo: tuple[str, Any] | None) -> Envelope:
-    return Envelope(request.body, echo, proxy.served_models)  # (a keyword call costs more)
+def _envelope(
+    proxy: Proxy, request: Request, echo: tuple[str, Any] | None, members: bytes | None = None
+) -> Envelope:
+    # (positional arguments: a keyword call costs more)
+    return Envelope(request.body, echo, proxy.served_models, members)
 
 
 def open_upstream(

@@ -4,13 +4,14 @@ Responses schema requires, from the backend, else the request, else the default
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import pytest
 
 from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, complete_response, complete_stored
+from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import encode_event, parse_event
 from tests.openresponses import event_problems, response_problems
 
@@ -517,36 +518,50 @@ def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
         assert (secret.encode() in kept) is store
 
 
-def test_a_coding_agents_instructions_and_tools_fill_each_request_with_its_own() -> None:
+@pytest.mark.parametrize("forwarded", [False, True])
+def test_a_coding_agents_instructions_and_tools_fill_each_request_with_its_own(
+    forwarded: bool,
+) -> None:
     """A request whose long instructions and tools equal the last one's (parsed anew each
     turn) is filled from the same shared members; one whose instructions differ from the
-    last only in their last character gets its own, and a store:false one's are not kept."""
+    last only in their last character gets its own, and a store:false one's are not kept.
+    `forwarded`: the request's members as the proxy forwarded them are at hand (a
+    continuation's), and decide the fill."""
     tools = [
         {"type": "function", "name": f"tool_{n}", "parameters": {"type": "object"}}
         for n in range(12)
     ]
 
-    def request(instructions: str, store: bool = True) -> dict[str, Any]:
-        body = {"model": "m", "instructions": instructions, "tools": tools, "store": store}
-        return cast(dict[str, Any], orjson.loads(orjson.dumps(body)))  # (new objects)
+    def envelope(instructions: str, store: bool = True, given: list[Any] = tools) -> Envelope:
+        body = {"model": "m", "instructions": instructions, "tools": given, "store": store}
+        body = orjson.loads(orjson.dumps(body))  # (new objects)
+        return Envelope(body, None, (), forwarded_members(body) if forwarded else None)
+
+    def holds(key: tuple[Any, ...], text: str) -> bool:
+        return any(v == text or (type(v) is bytes and text.encode() in v) for v in key)
 
     long = "Follow the repository's conventions. " * 400
     other = long[:-1] + "!"
-    first = Envelope(request(long)).complete(dict(LLAMA), final=True)
-    again = Envelope(request(long)).complete(dict(LLAMA), final=True)
+    first = envelope(long).complete(dict(LLAMA), final=True)
+    again = envelope(long).complete(dict(LLAMA), final=True)
     assert again.filled is first.filled
     for instructions in (other, long, other):
         response = dict(LLAMA)
-        Envelope(request(instructions)).complete(response, final=True)
+        envelope(instructions).complete(response, final=True)
         names = [tool["name"] for tool in response["tools"]]
         assert response["instructions"] == instructions and names == [t["name"] for t in tools]
+    described = [*tools[:-1], {**tools[-1], "description": "Its last tool, described"}]
+    for given in (described, tools):
+        response = dict(LLAMA)
+        envelope(long, given=given).complete(response, final=True)
+        assert response["tools"][-1].get("description") == given[-1].get("description")
     secret = long + "secret"
     response = dict(LLAMA)
-    Envelope(request(secret, store=False)).complete(response, final=True)
+    envelope(secret, store=False).complete(response, final=True)
     assert response["instructions"] == secret
-    kept = [*envelope_module._FILLS, envelope_module._LAST_KEYED[0]]
-    assert not any(secret in key for key in kept)
-    assert any(other in key for key in kept)
+    kept = [*envelope_module._FILLS, *(key for key, _ in envelope_module._LAST_KEYED.values())]
+    assert not any(holds(key, secret) for key in kept)
+    assert any(holds(key, other) for key in kept)
 
 
 # -- a terminal event: its Response completed in its bytes, and those kept ------------------
