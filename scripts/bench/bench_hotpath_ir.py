@@ -2,8 +2,11 @@
 does not move with the machine's load, to compare two versions on a busy box.
 
 The rig is bench_hotpath.py's (the real request path in one process, in-memory
-transports, `--zdr`); only the measured turns are counted: they run inside
-`functools.reduce`, and callgrind collects only while that C function is on the stack.
+transports, `--zdr`, or with `--durable` the default durable store in a scratch state dir);
+only the measured turns are counted: they run inside `functools.reduce`, and callgrind
+collects only while that C function is on the stack, in the event loop's thread (with
+`--durable`, what the journal's threads do is not counted; the fsync helper is another
+process, which valgrind does not trace).
 Needs `valgrind` (Debian's package). Prints instructions per continuation turn for JSON and
 SSE at each history size; a turn takes ~2,000 instructions per µs on the 2-core VM of
 docs/BENCHMARKS.md, so 10,000 instructions are ~5 µs.
@@ -19,6 +22,7 @@ import asyncio
 import functools
 import gc
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,7 +62,7 @@ def envelope_off() -> None:
         setattr(exchange, name, as_it_came)
 
 
-def child(mode: str, size: str, n: int, codex: bool) -> None:
+def child(mode: str, size: str, n: int, codex: bool, durable: bool) -> None:
     """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
@@ -73,7 +77,7 @@ def child(mode: str, size: str, n: int, codex: bool) -> None:
         config = Config(
             upstream=("http://backend.invalid:80",),
             state_dir=Path(state_dir),
-            zdr=True,
+            zdr=not durable,
             health_interval=0,
         )
         proxy = build_app(config)[PROXY]
@@ -100,14 +104,18 @@ def child(mode: str, size: str, n: int, codex: bool) -> None:
     client, body = loop.run_until_complete(setup())
     gc.collect()
     functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
+    shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def count(mode: str, size: str, n: int, *, off: bool = False, codex: bool = False) -> int:
+def count(
+    mode: str, size: str, n: int, *, off: bool = False, codex: bool = False, durable: bool = False
+) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
     command += [sys.executable, __file__, "--child", mode, size, str(n)]
     command += ["--envelope-off"] if off else []
     command += ["--codex"] if codex else []
+    command += ["--durable"] if durable else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
@@ -129,24 +137,29 @@ def main() -> None:
         action="store_true",
         help="each request carries a coding agent's instructions and tools (~28 KB, benchkit)",
     )
+    parser.add_argument(
+        "--durable",
+        action="store_true",
+        help="the default durable store (a scratch state dir) instead of --zdr",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
             envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n), args.codex)
+        child(mode, size, int(n), args.codex, args.durable)
         return
     members = " (Codex-sized instructions and tools)" if args.codex else ""
-    print(f"instructions per continuation turn (callgrind, memory-only store){members}")
+    store = "durable store" if args.durable else "memory-only store"
+    print(f"instructions per continuation turn (callgrind, {store}){members}")
     print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
+    case = {"codex": args.codex, "durable": args.durable}
     for size in args.sizes.split(","):
-        on = [count(mode, size, args.n, codex=args.codex) for mode in ("json", "sse")]
+        on = [count(mode, size, args.n, **case) for mode in ("json", "sse")]
         print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)
         if args.envelope_off:
-            off = [
-                count(mode, size, args.n, off=True, codex=args.codex) for mode in ("json", "sse")
-            ]
+            off = [count(mode, size, args.n, off=True, **case) for mode in ("json", "sse")]
             print(f"{'  off':<8} {off[0]:>12,} {off[1]:>12,}")
             print(f"{'  cost':<8} {on[0] - off[0]:>12,} {on[1] - off[1]:>12,}", flush=True)
 
