@@ -20,10 +20,11 @@ one) and the echoed ids in place of their nulls, so a long output is not encoded
 only a member present with an invalid value, or an incomplete output item, re-encodes
 the object. What a Response lacks is worked out once per shape of its members
 (`_Plan`), the members filled in are built and encoded once for every request that gives
-the same values for them (`_Fill`), a pending event whose shape was seen is not decoded
-(`pending_event`), a JSON answer of the shape and values last seen valid is completed in
-one call (`answer`, a terminal event's Response too: `terminal_event`), and its spliced
-bytes are what the store keeps.
+the same values for them (`_Fill`; a continuation's are known by the bytes its members
+were forwarded as, so a coding agent's instructions and tools are not encoded again), a
+pending event whose shape was seen is not decoded (`pending_event`), a JSON answer of
+the shape and values last seen valid is completed in one call (`answer`, a terminal
+event's Response too: `terminal_event`), and its spliced bytes are what the store keeps.
 """
 
 from __future__ import annotations
@@ -327,7 +328,8 @@ class Envelope:
         request or the defaults go into the dict only at `Patch.merge`. The usual answer,
         of the shape the last one was seen valid in, costs one comparison and one
         splice: its members go in before the closing brace, where no later search for
-        its output passes over them."""
+        its output passes over them (and, when nothing is left to do with them, the
+        patch's `encoded` stays empty: they are copied once, into the answer's bytes)."""
         global _LAST_ANSWER
         keys = tuple(response)
         types = tuple(map(type, response.values()))
@@ -338,6 +340,7 @@ class Envelope:
             plan = _VALID.get((keys, types))
             if plan is not None:
                 _LAST_ANSWER = keys, types, plan
+        parts: list[bytes] | None = None  # the members' bytes, but from `complete`
         if plan is None or self._pinned is not None or not keys:
             patch = self.complete(response, final=True, merge=False)
         else:  # `complete`, for a shape seen valid
@@ -367,7 +370,6 @@ class Envelope:
                 else:
                     response["completed_at"] = None
                     parts.append(b'"completed_at":null')
-            patch.encoded = b",".join(parts)
             if plan.given:
                 ruled = plan.ruled  # the values seen valid last time are valid again
                 if ruled is not None and ruled(response) == plan.valid and not self._served_models:
@@ -387,6 +389,14 @@ class Envelope:
         output = response.get("output")
         if output:
             patch.items = not all(map(_item_complete, output))
+        if parts is not None:
+            if patch.rewrite or patch.inserted or patch.ids or patch.items or data[-1:] != b"}":
+                patch.encoded = b",".join(parts)  # (`spliced`, `written_event` read them)
+            elif parts:  # the usual answer
+                closing = parts.pop() + b"}"
+                return b",".join((data[:-1], *parts, closing)), patch
+            else:
+                return data, patch
         if patch.rewrite or patch.inserted or patch.ids or data[-1:] != b"}" or not keys:
             return spliced(data, response, patch), patch
         if not patch.encoded:

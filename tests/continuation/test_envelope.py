@@ -635,6 +635,22 @@ def test_a_terminal_event_whose_items_the_proxy_completes_is_encoded_again() -> 
     assert event_problems(out) == [] and response_problems(out["response"]) == []
 
 
+def test_a_terminal_event_with_a_reasoning_item_gets_the_members_once_recorded() -> None:
+    """A reasoning item is not taken as complete at once (`Patch.items`) though nothing in
+    it changes: the event, left as it came until the turn is recorded, gets the members
+    then, a Response of a shape seen valid before too."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": []}
+    response = {**LLAMA, "usage": VLLM_USAGE, "output": [reasoning, *LLAMA["output"]]}
+    for _ in range(2):  # (the second: of the shape seen valid)
+        event = terminal(response, ("type", "response", "sequence_number"))
+        payload = orjson.loads(event.data)
+        patch, spliced = Envelope(REQUEST).terminal_event(event, payload)
+        assert spliced is not None and not spliced[1]
+        out = orjson.loads(envelope_module.written_event(event, payload, patch).data)
+        assert event_problems(out) == [] and response_problems(out["response"]) == []
+        assert out["response"] == orjson.loads(spliced[0])
+
+
 def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() -> None:
     response = {**LLAMA, "usage": VLLM_USAGE}
     data = b'{"response":%s,"sequence_number":7,"type":["x"]}' % orjson.dumps(response)
