@@ -420,11 +420,15 @@ class Envelope:
         start, end = span
         given = data[start:end]
         stored, patch = self.answer(given, response)
-        if patch.items or event.at < 0:
+        if patch.items:
             return patch, (stored, False)
         if stored is not given:
             data = b"".join((data[:start], stored, data[end:]))
-            event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
+            if event.at < 0:  # framed otherwise (CRLF, several lines): framed anew
+                framed = with_data(event, data)
+                event.raw, event.at = framed.raw, framed.at
+            else:
+                event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
             event.data = data
         return patch, (stored, True)
 

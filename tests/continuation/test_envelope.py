@@ -651,6 +651,25 @@ def test_a_terminal_event_with_a_reasoning_item_gets_the_members_once_recorded()
         assert out["response"] == orjson.loads(spliced[0])
 
 
+def test_a_terminal_event_framed_otherwise_gets_the_members_too() -> None:
+    """A terminal event whose framing is not the usual one (CRLF line ends, as SSE
+    allows) gets the members in its bytes as well, a Response of a shape seen valid
+    before too (whose members `answer` writes only into the bytes it returns)."""
+    response = {**LLAMA, "usage": VLLM_USAGE}
+    data = orjson.dumps({"type": "response.completed", "response": response, "sequence_number": 7})
+    for _ in range(2):  # (the second: of the shape seen valid)
+        event = parse_event(b"event: response.completed\r\ndata: " + data + b"\r\n\r\n")
+        payload = orjson.loads(event.data)
+        patch, spliced = Envelope(REQUEST, created_at=5).terminal_event(event, payload)
+        assert spliced is not None
+        if not spliced[1]:
+            event = envelope_module.written_event(event, payload, patch)
+        out = orjson.loads(event.data)
+        assert event_problems(out) == [] and response_problems(out["response"]) == []
+        assert out["response"] == orjson.loads(spliced[0])  # what the store keeps
+        assert parse_event(event.raw) == event
+
+
 def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() -> None:
     response = {**LLAMA, "usage": VLLM_USAGE}
     data = b'{"response":%s,"sequence_number":7,"type":["x"]}' % orjson.dumps(response)
