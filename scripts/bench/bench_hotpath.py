@@ -21,6 +21,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --quick
     python scripts/bench/bench_hotpath.py --profile
     python scripts/bench/bench_hotpath.py --context-window 1000000   # with the window check
+    python scripts/bench/bench_hotpath.py --envelope-off   # the Response envelope a no-op
 """
 
 from __future__ import annotations
@@ -151,6 +152,27 @@ class Client:
         return answer
 
 
+def envelope_off() -> None:
+    """The Response envelope made a no-op (one shared Envelope that changes nothing, its
+    bytes written as they came): what the proxy costs without it."""
+    from ocxproxy.continuation.envelope import Envelope, Patch
+    from ocxproxy.http import exchange
+
+    Envelope.complete = lambda self, response, **_: Patch()  # type: ignore[method-assign]
+    Envelope.answer = lambda self, data, response: (data, Patch())  # type: ignore[method-assign]
+    Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
+    # (no bytes: the store encodes the dict)
+    Envelope.terminal_event = lambda self, event, payload: (Patch(), None)  # type: ignore[method-assign]
+    shared = Envelope()
+
+    def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
+        return data
+
+    setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)
+    for name in ("spliced", "written", "written_event"):
+        setattr(exchange, name, as_it_came)
+
+
 async def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as state_dir:
         config = Config(
@@ -227,6 +249,11 @@ def main() -> None:
         help="a state dir instead of --zdr: the disk writer's threads then share the GIL",
     )
     parser.add_argument(
+        "--envelope-off",
+        action="store_true",
+        help="the Response envelope a no-op: its cost is a run without this minus one with",
+    )
+    parser.add_argument(
         "--context-window",
         type=int,
         default=0,
@@ -235,6 +262,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.n, args.rounds = 300, 3
+    if args.envelope_off:
+        envelope_off()
     try:
         import uvloop
     except ImportError:

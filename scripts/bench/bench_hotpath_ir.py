@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import bench_hotpath as rig
 import orjson
@@ -39,27 +38,6 @@ from ocxproxy.http.front import FrontEnd
 from ocxproxy.server import build_app
 
 _COLLECTED = re.compile(r"Collected : (\d+)")
-
-
-def envelope_off() -> None:
-    """The Response envelope made a no-op (one shared Envelope that changes nothing, its
-    bytes written as they came): what the proxy costs without it."""
-    from ocxproxy.continuation.envelope import Envelope, Patch
-    from ocxproxy.http import exchange
-
-    Envelope.complete = lambda self, response, **_: Patch()  # type: ignore[method-assign]
-    Envelope.answer = lambda self, data, response: (data, Patch())  # type: ignore[method-assign]
-    Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
-    # (no bytes: the store encodes the dict)
-    Envelope.terminal_event = lambda self, event, payload: (Patch(), None)  # type: ignore[method-assign]
-    shared = Envelope()
-
-    def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
-        return data
-
-    setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)
-    for name in ("spliced", "written", "written_event"):
-        setattr(exchange, name, as_it_came)
 
 
 def child(mode: str, size: str, n: int, codex: bool, durable: bool) -> None:
@@ -146,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
-            envelope_off()
+            rig.envelope_off()
         mode, size, n = args.child
         child(mode, size, int(n), args.codex, args.durable)
         return
