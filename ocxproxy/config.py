@@ -314,8 +314,8 @@ class Config:
     max_resident_bytes: int | None = setting(
         None,
         "memory budget for stored turns (default: 32MiB in front of the state dir, whose "
-        "journal holds them all; 64MiB where it is the store: under --zdr, or keeping "
-        "store:false turns)",
+        "journal holds them all; 64MiB where it is the store: under --zdr, keeping "
+        "store:false turns, or as a shared store's cache)",
         group=STORE,
         parse=parse_bytes,
         check=_positive_if_set,

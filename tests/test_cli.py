@@ -65,7 +65,8 @@ def test_serve_help_is_grouped_with_defaults_and_units(
     flat = " ".join(out.split())
     for shown in (
         "(default: 32MiB in front of the state dir, whose journal holds them all; 64MiB "
-        "where it is the store: under --zdr, or keeping store:false turns) "
+        "where it is the store: under --zdr, keeping store:false turns, or as a shared "
+        "store's cache) "
         "[OCXPROXY_MAX_RESIDENT_BYTES]",
         "(default: 30d) [OCXPROXY_TTL]",
         "(default: 10m) [OCXPROXY_READ_TIMEOUT]",

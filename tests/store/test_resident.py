@@ -11,6 +11,7 @@ from ocxproxy.config import Config
 from ocxproxy.model import NO_CALLS, Segment
 from ocxproxy.store.local.store import Store
 from ocxproxy.store.resident import ResidentTier
+from ocxproxy.store.shared.store import SharedStore
 
 CAP = 1_000_000
 
@@ -61,6 +62,9 @@ def test_the_default_budget_is_smaller_in_front_of_the_journal(tmp_path: Path) -
     # --retain-unstored's store:false turns are in the tier alone, as under --zdr.
     retaining = Store.from_config(Config(state_dir=tmp_path / "state", retain_unstored=True))
     assert retaining.resident.max_bytes == 64 << 20
+    # A shared store's cache: what it does not hold is fetched over the network.
+    shared = SharedStore.settings(Config(shared_store="redis://127.0.0.1:1/0"))
+    assert shared["max_resident_bytes"] == 64 << 20
     for zero_retention in (False, True):
         config = Config(state_dir=tmp_path / "state", zdr=zero_retention, max_resident_bytes=5000)
         assert Store.from_config(config).resident.max_bytes == 5000
