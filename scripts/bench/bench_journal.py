@@ -24,6 +24,14 @@ helper, in alternating rounds; per turn, the on-CPU time of this process (every 
 and of the helper from /proc/*/schedstat (nanoseconds: the scheduler's own account, not
 sampled ticks), durable - memory, and turns per fsync.
 
+    valgrind --tool=callgrind python scripts/bench/bench_journal.py --commit-round \
+        --turns 2300 --clients 16 --chain 10
+
+--commit-round runs one durable round of --commit-cpu's (300 warm turns first; --clients
+clients, chains of --chain) and prints turns per fsync: under callgrind at two --turns,
+the difference of the instruction counts is the commit path's per turn, beside the
+figures of a memory-only round (--commit-round memory).
+
 --checkpoint-only loads a copy of DIR/state and times --rounds checkpoints (2. above);
 with --churn K, K new turns (evicting the K oldest records: sparse journal files, so
 compaction runs too) are committed before each.
@@ -260,7 +268,9 @@ def helpers() -> list[int]:
     return out
 
 
-async def commit_round(state: Path | None, turns: int) -> tuple[float, float, float]:
+async def commit_round(
+    state: Path | None, turns: int, clients: int = 16, chain: int = 100
+) -> tuple[float, float, float]:
     """µs of CPU per turn (this process, the helper) and turns per fsync."""
     store = Store(
         max_resident_bytes=64 * 1024**2, max_entries=100_000, ttl=30 * 86400.0,
@@ -276,13 +286,13 @@ async def commit_round(state: Path | None, turns: int) -> tuple[float, float, fl
     async def client() -> None:
         parent, depth = None, 0
         for i in counter:
-            if depth == 100:
+            if depth == chain:
                 parent, depth = None, 0
             record = store.put(turn(f"resp_{i:07d}", depth), parent)
             await store.commit(record)
             parent, depth = record, depth + 1
 
-    await asyncio.gather(*(client() for _ in range(16)))
+    await asyncio.gather(*(client() for _ in range(clients)))
     cpu = on_cpu(os.getpid()) - cpu
     helper = sum(on_cpu(k) for k in kids) - helper
     commits = store.metrics.journal_commits.get() - commits
@@ -409,6 +419,10 @@ def main() -> None:
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
     parser.add_argument("--checkpoint-only", metavar="DIR", help="time checkpoints of DIR")
     parser.add_argument("--commit-cpu", action="store_true", help="the commit path's CPU")
+    parser.add_argument(
+        "--commit-round", nargs="?", const="durable", choices=("durable", "memory"),
+        help="one round of --commit-cpu's, for callgrind",
+    )  # fmt: skip
     parser.add_argument("--turns", type=int, default=20_000, help="--commit-cpu: per round")
     parser.add_argument("--churn", type=int, default=0, help="--checkpoint-only: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
@@ -432,6 +446,12 @@ def main() -> None:
         return
     if args.commit_cpu:
         asyncio.run(commit_cpu(args.turns, args.rounds))
+        return
+    if args.commit_round:
+        with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+            state = Path(tmp) / "state" if args.commit_round == "durable" else None
+            round_ = commit_round(state, args.turns, args.clients, args.chain)
+            print(f"{asyncio.run(round_)[2]:.1f} turns/fsync")
         return
     if args.checkpoint_only:
         asyncio.run(checkpoint_only(Path(args.checkpoint_only), args.rounds, args.churn))

@@ -246,6 +246,39 @@ async def test_commits_in_flight_are_answered_in_order(tmp_path: Path) -> None:
     assert store.check() == []
 
 
+async def test_commits_to_the_helper_are_cut_without_the_committer_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit the helper writes is cut and sent by a plain callback, also the one queued
+    while MAX_FLIGHTS are in flight (sent once the oldest lands): the committer task,
+    whose wake-up costs more than the callback, is not woken for any of them."""
+    store, syncs = await with_held_syncs(tmp_path)
+    started: list[object] = []
+    start = committer.Committer._start
+
+    async def counted(self: committer.Committer) -> object:
+        started.append(self)
+        return await start(self)
+
+    monkeypatch.setattr(committer.Committer, "_start", counted)
+    waits = []
+    for i in range(committer.MAX_FLIGHTS + 1):
+        record = store.put(make_turn(f"t{i}", f"turn {i}"), None)
+        waits.append(asyncio.ensure_future(store.commit(record)))
+        await in_flight(store, syncs, min(i + 1, committer.MAX_FLIGHTS))
+    await asyncio.sleep(0.05)
+    assert len(syncs.asked) == committer.MAX_FLIGHTS  # the last one waits for room
+    syncs.asked[0].set_result(None)
+    await in_flight(store, syncs, committer.MAX_FLIGHTS + 1)
+    for sync in syncs.asked[1:]:
+        sync.set_result(None)
+    await asyncio.wait_for(asyncio.gather(*waits), 5)
+    assert started == []
+    assert durable_ids(tmp_path) == ["warm0"] + [f"t{i}" for i in range(committer.MAX_FLIGHTS + 1)]
+    await store.close()
+    assert store.check() == []
+
+
 async def test_a_failed_sync_fails_every_later_commit_in_flight(tmp_path: Path) -> None:
     store, syncs = await with_held_syncs(tmp_path)
     waits = []

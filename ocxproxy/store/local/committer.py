@@ -12,13 +12,14 @@ journal file's allocated room is encoded on the loop and sent to the helper proc
 which writes it there and fdatasyncs it while the next commits are sent (up to
 MAX_FLIGHTS in flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one
 at a time took ~4 ms under load). The loop never writes to the file itself: a pwrite into
-the page cache stopped it for up to ~280 ms while the disk was busy. With nothing in
-flight, a turn's own `commit` writes what is queued once the callbacks the event loop
-runs now are done (`hurry`: a lone turn never waits for the committer's next pass, and
-the turns finishing in the same pass share its fsync), and so does a flight landing
-with nothing behind it; while commits are in flight, the committer's next waits one
-more pass of the event loop, so the turns finishing in it join. The helper's answers
-are applied in its socket's reader callback, with no task per commit. Outcomes are
+the page cache stopped it for up to ~280 ms while the disk was busy. A plain callback
+(`call_soon`, not the committer task, whose wake-up cost ~30k instructions a commit)
+cuts and sends the commit: with nothing in flight, once the callbacks the event loop
+runs after the first entry's are done (a lone turn is never held back, and the turns
+finishing in the same pass share its fsync), and so once a flight lands with entries
+queued behind it; while commits are in flight, one more pass of the event loop later,
+so the turns finishing in it join (at MAX_FLIGHTS, when the oldest lands). The helper's
+answers are applied in its socket's reader callback, with no task per commit. Outcomes are
 applied in the order the commits were sent, each once its own answer and every earlier
 one's have come (replay stops at the first gap, so a commit counts only with every
 commit before it), and when one fails, every later one in flight fails with it and the
@@ -26,10 +27,10 @@ file is cut back to where the failed one began. The file's room grows ahead: onc
 than GROW_BELOW is left, a thread allocates and syncs the next PREALLOCATE bytes while
 commits go on (`Journal.grow`).
 Anything else (a large commit, one with a segment that gets its own file, a new file, room
-used up before it grew, no helper) waits until no commit is in flight and no growth is
-under way, then is encoded, written and synced in a thread (what a turn's own call
-encoded on the loop before finding it could not be sent is kept, not encoded again: a
-segment is compressed once).
+used up before it grew, no helper, relaxed durability's window) is the committer task's:
+it waits until no commit is in flight and no growth is under way, then is encoded,
+written and synced in a thread (what the callback encoded on the loop before finding it
+could not be sent is kept, not encoded again: a segment is compressed once).
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight). The room's growth
@@ -108,7 +109,7 @@ class Committer:
         self.oldest: float | None = None  # monotonic time of the oldest queued entry
         self._jobs: list[tuple[int, Any]] = []
         self._subjects: list[Any] = []
-        # The first entries of `_jobs`, encoded by `hurry` when they could not be sent at
+        # The first entries of `_jobs`, encoded by `_cut` when they could not be sent at
         # once (a segment that gets its own file, no room): how many, and their encoding,
         # which the commit that takes them reuses (its segments are compressed once).
         self._encoded: tuple[int, Encoded] | None = None
@@ -118,7 +119,7 @@ class Committer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._hurried = False  # hurry's write is due at the end of this pass
+        self._due: asyncio.Handle | None = None  # the callback that cuts the next commit
         self._flights: deque[Flight] = deque()  # oldest first
         self._slow: asyncio.Task[None] | None = None  # a landing that must wait (a thread)
         self._growing: asyncio.Task[None] | None = None  # the active file's next room
@@ -163,42 +164,51 @@ class Committer:
         self._jobs.append((kind, job))
         self._subjects.append(subject)
         self.queued_bytes += size
-        self._wake.set()
+        if self._due is None:
+            if self.child is None or self.window or self._stopping:
+                self._wake.set()
+            else:
+                self._due = self._loop.call_soon(self._pass)
         return self._future
 
-    def hurry(self) -> None:
-        """A turn waits for what is queued: when no commit is in flight, write it once the
-        callbacks the event loop runs now are done (on the loop, through the helper)
-        rather than at the committer's next pass, so a lone turn is never held back, and
-        the turns finishing in the same pass share its fsync (each fsync costs the
-        helper 0.1-0.3 ms of CPU here: fewer fsyncs, less CPU per turn)."""
-        if not self._hurried and self._jobs and not self._flights:
-            self._hurried = True
-            self._loop.call_soon(self._hurry_now)
+    def _pass(self) -> None:
+        """The pass after a commit's first entry: with commits in flight (the disk is
+        busy) the loop runs once more first, so the turns finishing meanwhile join it."""
+        self._due = self._loop.call_soon(self._cut) if self._flights else None
+        if self._due is None:
+            self._cut()
 
-    def _hurry_now(self) -> None:
-        self._hurried = False
+    def _cut(self) -> None:
+        """Send what is queued to the helper from a plain callback (waking a task costs
+        ~30k instructions a commit); what cannot be sent so is the committer task's."""
+        self._due = None
         child = self.child
+        if not self._jobs or self._dead:
+            return
         if (
-            not self._jobs
-            or self._flights
-            or child is None
+            child is None
+            or self._task is None  # not started: the task takes what is queued
             or self.window
             or self._stopping
             or self.io.locked()
+            or self._broken is not None
             or self.queued_bytes > INLINE_BYTES
-            or self._encoded is not None  # tried: the committer's next pass writes it
+            or self._encoded is not None  # tried: the committer task writes it
         ):
+            self._wake.set()
             return
+        if len(self._flights) >= MAX_FLIGHTS:
+            return  # the oldest flight's landing cuts it (`_landed`)
         encoded = self._encode()
         data, relative, own = encoded
-        if not own and len(data) <= self.journal.room():  # else the committer writes it
+        if not own and len(data) <= self.journal.room():
             self._fly(child, *self._take(), data, relative)
         else:
             self._encoded = (len(self._jobs), encoded)
+            self._wake.set()
 
     def _encode(self) -> Encoded:
-        """Everything queued, encoded on the loop (what `hurry` encoded before, reused)."""
+        """Everything queued, encoded on the loop (what `_cut` encoded before, reused)."""
         done = self._encoded
         if done is None:
             return self.journal.encode(self._jobs)
@@ -272,7 +282,7 @@ class Committer:
             try:
                 if encoded is not None:
                     outcome.places = await self.offload(journal.write, *encoded)
-                elif done is not None:  # the rest encoded in the thread, after `hurry`'s
+                elif done is not None:  # the rest encoded in the thread, after `_cut`'s
                     n, first = done
                     outcome.places = await self.offload(journal.append, outcome.jobs[n:], first)
                 else:
@@ -355,8 +365,6 @@ class Committer:
                 self._slow = spawn(self._land_slowly(flight, False), name="store-commit")
                 return
             self._landed(flight)
-        if not flights:
-            self.hurry()  # the turns queued meanwhile: the helper need not idle
 
     async def _land_slowly(self, flight: Flight, resync: bool) -> None:
         if resync:  # the helper died: write and sync in a thread (again is harmless)
@@ -394,6 +402,8 @@ class Committer:
             self._broken = None
         self._finish(flight.outcome, flight.future)
         flight.applied.set_result(None)
+        if self._jobs and self._due is None:  # queued meanwhile: the helper need not idle
+            self._due = self._loop.call_soon(self._cut)
 
     def _finish(self, outcome: Outcome, future: asyncio.Future[OSError | None]) -> None:
         try:

@@ -112,7 +112,6 @@ class Ledger:
             return
         committer = self.committer
         if committer is not None:
-            committer.hurry()
             error = await committer.waiter(future)
         else:
             error = await asyncio.shield(future)
