@@ -13,6 +13,7 @@
 
     python scripts/bench/bench_journal.py --keep DIR            # fill DIR/state, keep it
     python scripts/bench/bench_journal.py --restart-only DIR/state
+    python scripts/bench/bench_journal.py --append-only DIR/state --bytes 16777216
     python scripts/bench/bench_journal.py --checkpoint-only DIR/state [--churn 20000]
     python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--nice -10]
 
@@ -31,6 +32,11 @@ sampled ticks), durable - memory, and turns per fsync.
 clients, chains of --chain) and prints turns per fsync: under callgrind at two --turns,
 the difference of the instruction counts is the commit path's per turn, beside the
 figures of a memory-only round (--commit-round memory).
+
+--append-only commits turns to DIR/state (chains of 10, 16 clients) with no checkpoint until
+--bytes of journal follow the last one (the most start-up replays under a trigger of that
+many bytes): --restart-only then times that start-up. Fill with room under the 100,000
+records of --restart-only's store, so that no record is evicted at its start.
 
 --checkpoint-only loads a copy of DIR/state and times --rounds checkpoints (2. above);
 with --churn K, K new turns (evicting the K oldest records: sparse journal files, so
@@ -237,6 +243,33 @@ async def checkpoint_only(state: Path, rounds: int, churn: int) -> None:
         await store.close()
 
 
+async def append_only(state: Path, bytes_: int) -> None:
+    """Turns committed to DIR/state with no checkpoint until `bytes_` of journal follow the
+    last one: what start-up replays at worst is the journal a checkpoint trigger allows."""
+    store = Store(
+        max_resident_bytes=64 * 1024**2, max_entries=100_000, ttl=30 * 86400.0,
+        state_dir=state, checkpoint_bytes=1 << 40, max_disk_bytes=1 << 40,
+    )  # fmt: skip
+    await store.start()
+    disk, counter = store.disk, iter(range(10**9))
+    assert disk is not None
+
+    async def client() -> None:
+        parent, depth = None, 0
+        for i in counter:
+            if disk.since_checkpoint >= bytes_:
+                return
+            if depth == 10:
+                parent, depth = None, 0
+            record = store.put(turn(f"more_{i:07d}", depth), parent)
+            await store.commit(record)
+            parent, depth = record, depth + 1
+
+    await asyncio.gather(*(client() for _ in range(16)))
+    print(f"append: {disk.since_checkpoint} bytes of journal after the checkpoint")
+    await store.close()
+
+
 async def restart(state: Path) -> None:
     before = rss_mib()
     store = make(state)
@@ -418,6 +451,8 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
     parser.add_argument("--checkpoint-only", metavar="DIR", help="time checkpoints of DIR")
+    parser.add_argument("--append-only", metavar="DIR", help="journal after DIR's checkpoint")
+    parser.add_argument("--bytes", type=int, default=16 * 1024**2, help="--append-only")
     parser.add_argument("--commit-cpu", action="store_true", help="the commit path's CPU")
     parser.add_argument(
         "--commit-round", nargs="?", const="durable", choices=("durable", "memory"),
@@ -455,6 +490,9 @@ def main() -> None:
         return
     if args.checkpoint_only:
         asyncio.run(checkpoint_only(Path(args.checkpoint_only), args.rounds, args.churn))
+        return
+    if args.append_only:
+        asyncio.run(append_only(Path(args.append_only), args.bytes))
         return
     if args.restart_only:
         asyncio.run(restart(Path(args.restart_only)))
