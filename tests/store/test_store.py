@@ -392,6 +392,41 @@ async def test_a_locked_state_dir_is_refused(tmp_path: Path) -> None:
     await third.close()
 
 
+async def test_a_checkpoint_waits_for_as_much_journal_as_it_holds(tmp_path: Path) -> None:
+    """A checkpoint costs CPU in proportion to the records: the next is written once the
+    journal since it passes the checkpoint's own size where that exceeds
+    `checkpoint_bytes`, and at twice `checkpoint_bytes` at the latest (replay at start-up
+    stays bounded)."""
+    store = make_store(tmp_path, checkpoint_bytes=4096, checkpoint_age=3600.0)
+    await store.start()
+    build_chain(store, 80)
+    await store.flush()
+    await asyncio.sleep(0.3)  # (a checkpoint the turns called for is written)
+    disk = store.disk
+    assert disk is not None and disk.checkpoint_size > 2 * 4096
+    written = sample(store.metrics.snapshot_writes)
+    i = 0
+
+    async def journal_past(n: int) -> None:
+        nonlocal i
+        while disk.since_checkpoint < n:
+            await store.commit(store.put(make_turn(f"more{i}", f"more turn {i}"), None))
+            i += 1
+
+    await journal_past(4096)
+    await asyncio.sleep(0.3)
+    assert sample(store.metrics.snapshot_writes) == written  # not yet: the checkpoint is larger
+    assert disk.since_checkpoint < 2 * 4096
+    await journal_past(2 * 4096)
+    for _ in range(100):
+        if sample(store.metrics.snapshot_writes) > written:
+            break
+        await asyncio.sleep(0.05)
+    assert sample(store.metrics.snapshot_writes) == written + 1
+    await store.close()
+    assert store.check() == []
+
+
 async def test_gauges_follow_the_tiers(tmp_path: Path) -> None:
     store = make_store(tmp_path, max_resident_bytes=500, offload=inline)
     await store.start()

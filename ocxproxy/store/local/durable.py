@@ -8,7 +8,8 @@ Ledger's) after its own accounting, start-up's and the disk cap's to the store,
 compaction's and the checkpoint's to the SegmentTable.
 
 The checkpoint (journal.py) is the index at a journal position; it is written when the
-journal since the last one passes `checkpoint_bytes` or `checkpoint_age`, encoded in
+journal since the last one passes `checkpoint_bytes` (or the checkpoint's own size, up to
+twice that: `checkpoint_after`) or `checkpoint_age`, encoded in
 chunks between which the event loop runs. Journal files before the checkpoint that hold
 few live segments are compacted (their live segments re-appended, and the live responses
 their records' entries hold, each as an RSP entry) and then removed; a journal file is
@@ -308,8 +309,17 @@ class Durable:
         self.available = True
         self.since_checkpoint += outcome.written
         self.apply(outcome)
-        if self.over_disk() or self.since_checkpoint >= self.checkpoint_bytes:
+        if self.over_disk() or self.since_checkpoint >= self.checkpoint_after():
             self._wanted.set()
+
+    def checkpoint_after(self) -> int:
+        """Journal bytes since the checkpoint that call for the next: `checkpoint_bytes`,
+        or the checkpoint's own size where that is larger, up to twice `checkpoint_bytes`.
+        A checkpoint's CPU grows with the records (~5 ms per 1,000 here), so at a fixed
+        trigger every turn pays more for it as the store grows; waiting for as much journal
+        as the checkpoint holds keeps that per byte written, while start-up replays at
+        most twice as much (~0.03 s a MiB here)."""
+        return max(self.checkpoint_bytes, min(self.checkpoint_size, 2 * self.checkpoint_bytes))
 
     def _write_failed(self, error: OSError) -> None:
         reason = errno.errorcode.get(error.errno or 0, "error")
@@ -347,7 +357,7 @@ class Durable:
                         committer.submit(NOP, b"", None)
                     continue
                 over = self.over_disk()
-                due = self.since_checkpoint >= self.checkpoint_bytes or (
+                due = self.since_checkpoint >= self.checkpoint_after() or (
                     self.dirty_at is not None
                     and time.monotonic() - self.dirty_at >= self.checkpoint_age
                 )
