@@ -238,6 +238,52 @@ async def test_ttl_and_max_entries(tmp_path: Path) -> None:
     assert await store2.sweep() == 1 and len(store2) == 0
 
 
+async def test_records_evicted_at_start_up_stay_gone_and_their_files_outlive_it(
+    tmp_path: Path,
+) -> None:
+    """A start with a lower --max-entries evicts the oldest records as it loads; a stop
+    before any checkpoint then, and the next start finds every live record whole and
+    every evicted one gone (even under a roomier cap), none missing a file."""
+    store = make_store(tmp_path, offload=inline)
+    await store.start()
+    for batch in range(3):  # a checkpoint after the first two: files 1, 2 before it, 3 after
+        for i in range(100):
+            await store.commit(store.put(make_turn(f"b{batch}_{i}", f"turn {i} {batch}"), None))
+        if batch < 2:
+            assert await store.flush()
+    await store.close()
+    assert sorted(journal_files(tmp_path)) == [1, 2, 3]
+
+    store = make_store(tmp_path, offload=inline, max_entries=200)
+    await store.start()  # the oldest 100, all of file 1's, evicted
+    assert len(store) == 200
+    with pytest.raises(StoreFailure) as info:
+        store.lookup_nowait("scope-a", "b0_0")
+    assert info.value.reason == FailureReason.EVICTED
+    await store.close()  # before any checkpoint (as a stop during start-up's own would)
+    assert sorted(checkpoint_ids(tmp_path)) == sorted(
+        f"b{b}_{i}" for b in (0, 1) for i in range(100)
+    )
+
+    for cap in (200, 10_000):
+        store = make_store(tmp_path, offload=inline, max_entries=cap)
+        await store.start()
+        assert sample(store.metrics.spill_failures, reason="missing") == 0
+        assert sorted(r.id for r in store.records()) == sorted(
+            f"b{b}_{i}" for b in (1, 2) for i in range(100)
+        )
+        assert await items_of(store, "b1_0") == [
+            {"role": "user", "content": "turn 0 1"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "echo: turn 0 1"}],
+            },
+        ]
+        assert store.check() == []
+        await store.close()
+
+
 async def test_memory_only_store_writes_nothing(tmp_path: Path) -> None:
     store = make_store(None, max_resident_bytes=300)
     await store.start()

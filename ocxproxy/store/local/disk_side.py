@@ -34,14 +34,14 @@ class DiskSide:
         return len(self.store.index)
 
     def restore(self, loaded: Loaded) -> None:
-        """Build records and segments from what start-up read."""
+        """Build records and segments from what start-up read (the caps are enforced
+        once the journal takes entries: `Store.start`)."""
         store = self.store
         records, missing = store.table.restore(loaded, store.clock())
         store.index.restore(records, missing)
         if missing:
             store.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))
-        store.expiry.enforce()
 
     def unwritten(self, record: Record, failure: StoreFailure) -> None:
         """`record`'s PUT failed; it goes, unacknowledged (`commit` answers `failure`)."""

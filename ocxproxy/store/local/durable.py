@@ -173,8 +173,10 @@ class Durable:
             gc.enable()
         self._restored(loaded)
         # Files before the checkpoint that no live segment needs: a crash came between a
-        # checkpoint and their removal (never when the checkpoint was unreadable). And empty
-        # files earlier starts left, but the last: file numbers must only grow.
+        # checkpoint and their removal, or the journal after it deleted what they held
+        # (never when the checkpoint was unreadable; the caps evict only later, journaled:
+        # Store.start). And empty files earlier starts left, but the last: file numbers
+        # must only grow.
         first, live = loaded.replay_from[0], self.table.keydir.live
         last = max(loaded.sizes, default=0)
         stale = [

@@ -201,6 +201,10 @@ class Store:
             await disk.load()  # StateDirUnusable: the proxy refuses to start
             self._committer = self.table.committer = ledger.committer = disk.committer
             self.table.journal, ledger.changed = disk.journal, disk.changed
+            # Only now (a lower --max-entries than the state dir was written with):
+            # what the caps evict is a journaled delete, and its files outlive the
+            # checkpoint that start-up loaded until one without it is durable.
+            self.expiry.enforce()
 
     async def close(self) -> None:
         """Write what is queued (one commit: quick at any backlog) and stop."""
