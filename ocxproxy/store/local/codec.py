@@ -69,7 +69,6 @@ MAX_ENTRY = 1024**3
 FRAME = struct.Struct("<IIB")
 META = struct.Struct("<H")
 ROW = struct.Struct("<I")
-FAST_RESPONSE = 1024  # raw bytes below which a response is compressed at zstd's fastest
 _checked = threading.local()
 
 
@@ -85,22 +84,6 @@ def checked_compressor() -> zstandard.ZstdCompressor:
             level=LEVEL, write_content_size=True, write_checksum=True
         )
     return c
-
-
-def compress_response(data: bytes) -> bytes:
-    """A response object as a REC entry's blob: one zstd frame with its checksum. Below
-    FAST_RESPONSE bytes (a usual turn's response once its output items are cut out) at
-    zstd's fastest setting, which leaves literals uncoded: every durable turn compresses
-    its response on the event loop, and for so few bytes building the literals' Huffman
-    table is most of the time level 1 takes, for blobs a third smaller."""
-    if len(data) >= FAST_RESPONSE:
-        return checked_compressor().compress(data)
-    c = getattr(_checked, "fast", None)
-    if c is None:
-        c = _checked.fast = zstandard.ZstdCompressor(
-            level=-1, write_content_size=True, write_checksum=True
-        )
-    return c.compress(data)
 
 
 # -- rows: the one encoding of a segment's and a record's metadata ---------------------------

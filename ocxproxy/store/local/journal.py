@@ -38,7 +38,7 @@ from ocxproxy.store.local.codec import (
     RSP,
     SEG,
     Loaded,
-    compress_response,
+    checked_compressor,
     decode,
     decode_response,
     frame,
@@ -467,7 +467,7 @@ def encode(
             places.append((at + FRAME.size + 2 + len(meta), len(blob)))
         elif kind == REC:
             row, data = job
-            blob = compress_response(data)
+            blob = checked_compressor().compress(data)
             payload = b"".join((ROW.pack(len(row)), row, blob))
             places.append((at + FRAME.size + ROW.size + len(row), len(blob)))
         elif kind == RSP:
