@@ -65,7 +65,7 @@ class ResidentTier:
             self._lru.move_to_end(name)
             return
         self._lru[name] = segment
-        self.bytes += segment.size + self.entry_bytes
+        self.bytes += self.held(segment)
 
     def touch_all(self, segments: Sequence[Segment]) -> None:
         """Mark a whole chain recently used (the hot path: one C-level pass)."""
@@ -80,7 +80,7 @@ class ResidentTier:
 
     def remove(self, segment: Segment) -> None:
         if self._lru.pop(self._name(segment), None) is not None:
-            self.bytes -= segment.size + self.entry_bytes
+            self.bytes -= self.held(segment)
 
     def evict_over_budget(self) -> list[Segment]:
         """Take the oldest segments out until the tier fits its budget; those taken."""
@@ -90,7 +90,7 @@ class ResidentTier:
             return victims
         for segment in self._lru.values():
             victims.append(segment)
-            excess -= segment.size + self.entry_bytes
+            excess -= self.held(segment)
             if excess <= 0:
                 break
         for segment in victims:
