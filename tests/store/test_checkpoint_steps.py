@@ -69,18 +69,20 @@ async def test_the_encoding_yields_after_every_chunk_of_rows(
     store, _ = await filled(tmp_path)
     monkeypatch.setattr(upkeep, "STEP", 0.0)
     steps = Steps()
-    segment_row, record_row = codec.segment_row, codec.record_row
+    segment_rows, record_rows = codec.checkpoint_segment_rows, codec.checkpoint_record_rows
 
-    def counted_segment(*args: Any) -> Any:
-        steps.add(1)
-        return segment_row(*args)
+    def counted_segments(*args: Any) -> Any:
+        rows = segment_rows(*args)
+        steps.add(len(rows))
+        return rows
 
-    def counted_record(*args: Any) -> Any:
-        steps.add(1)
-        return record_row(*args)
+    def counted_records(*args: Any) -> Any:
+        rows = record_rows(*args)
+        steps.add(len(rows))
+        return rows
 
-    monkeypatch.setattr(codec, "segment_row", counted_segment)
-    monkeypatch.setattr(codec, "record_row", counted_record)
+    monkeypatch.setattr(codec, "checkpoint_segment_rows", counted_segments)
+    monkeypatch.setattr(codec, "checkpoint_record_rows", counted_records)
     assert await store.flush()
     worst = await steps.stop()
     monkeypatch.undo()

@@ -113,12 +113,14 @@ def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "empty", "counts"])
 def test_a_damaged_checkpoint_is_reported_not_used(tmp_path: Path, damage: str) -> None:
     head = codec.encode_head((1, 0), 1.0, 1)
-    good = head + codec.encode_chunk(codec.RECS, []) + codec.encode_end(0, 0)
+    good = b"".join(
+        codec.framed([head, codec.encode_chunk(codec.RECS, []), codec.encode_end(0, 0)])
+    )
     raw = {
         "truncated": good[:-3],
         "flipped": good[:10] + bytes([good[10] ^ 1]) + good[11:],
         "empty": b"",
-        "counts": head + codec.encode_end(5, 0),
+        "counts": b"".join(codec.framed([head, codec.encode_end(5, 0)])),
     }[damage]
     (tmp_path / journal.CHECKPOINT).write_bytes(raw)
     loaded = Journal(tmp_path).load(repair=False)
@@ -174,7 +176,7 @@ def test_replay_of_arbitrary_bytes_never_raises(raw: bytes, cut: int) -> None:
 def test_a_checkpoint_of_arbitrary_bytes_is_an_error_never_a_crash(raw: bytes) -> None:
     loaded = Loaded()
     with contextlib.suppress(ValueError, TypeError, KeyError, IndexError, AttributeError):
-        codec.load_checkpoint(codec.encode_head((1, 0), 1.0, 1) + raw, loaded)
+        codec.load_checkpoint(codec.frame(*codec.encode_head((1, 0), 1.0, 1)) + raw, loaded)
 
 
 @pytest.mark.parametrize(

@@ -37,11 +37,13 @@ from ocxproxy.store.local.codec import (
     ROW,
     RSP,
     SEG,
+    Entry,
     Loaded,
     checked_compressor,
     decode,
     decode_response,
     frame,
+    framed,
     good_prefix,
     load_checkpoint,
 )
@@ -337,8 +339,10 @@ class Journal:
         self._open(self.active + 1, seal=False)
         return self.active, 0
 
-    def write_checkpoint(self, chunks: Sequence[bytes]) -> int:
-        return files.write_atomic(self.root / CHECKPOINT, chunks, sync_every=CHECKPOINT_SYNC)
+    def write_checkpoint(self, entries: Sequence[Entry]) -> int:
+        """The checkpoint's entries (codec.encode_head, ...), framed here, as its file."""
+        path = self.root / CHECKPOINT
+        return files.write_atomic(path, framed(entries), sync_every=CHECKPOINT_SYNC)
 
     def remove(self, packs: Sequence[int]) -> int:
         removed = 0

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Collection, Iterator, Sequence
+from typing import TypeVar
 
 from ocxproxy.model import Record, Segment
 from ocxproxy.store.local import codec
-from ocxproxy.store.shards import Shards
+from ocxproxy.store.shards import SHARDS, Shards
 
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
 CHECKPOINT_AGE = 120.0  # seconds a change may wait for a checkpoint (it is durable already)
@@ -51,10 +51,10 @@ async def encode_checkpoint(
     written_at: float,
     next_sid: int,
     placed: Sequence[tuple[int, list[bytes]]],
-    by_key: Mapping[bytes, Segment],
+    by_key: Shards[bytes, Segment],
     records: list[Record],
     uncommitted: Collection[str] = (),
-) -> tuple[list[bytes], int]:
+) -> tuple[list[codec.Entry], int]:
     """The checkpoint at journal `position` of the segments located in the files before it
     (`placed`: each file and the digests the keydir lists for it, looked up in `by_key` as
     they are read) and of `records` (the durable ones, but those whose ids are
@@ -68,19 +68,14 @@ async def encode_checkpoint(
     where they are now. A segment located before `position` at the capture is still
     there unless no record holds it any more, and then each record captured that held
     it was dropped since (its DEL, expiry or new PUT follows `position`)."""
-    chunks: list[bytes] = [codec.encode_head(position, written_at, next_sid)]
+    chunks: list[codec.Entry] = [codec.encode_head(position, written_at, next_sid)]
     pacer = Pacer()
     n_segs = n_recs = 0
-    get = by_key.get
+    shards = by_key.shards  # (looked up here: Shards.get is a Python call a segment)
     for pack, keys in placed:
         for start in range(0, len(keys), CHUNK):
-            rows: list[list[Any]] = []
-            for key in keys[start : start + CHUNK]:
-                s = get(key)
-                if s is not None and s.pack == pack and s.sid:
-                    row = codec.segment_row(s)
-                    row += (pack, s.offset, s.length)
-                    rows.append(row)
+            found = [shards[hash(k) % SHARDS].get(k) for k in keys[start : start + CHUNK]]
+            rows = codec.checkpoint_segment_rows(found, pack)
             if rows:
                 n_segs += len(rows)
                 chunks.append(codec.encode_chunk(codec.SEGS, rows))
@@ -88,33 +83,13 @@ async def encode_checkpoint(
     # id(chain link) -> the id of the record whose row is out, sharded: one dict of
     # 100,000 entries grows by copying them all at once (~4 ms). Ints and strings only:
     # the GC does not track the dicts, so no pass meanwhile traverses them.
-    named: Shards[int, str] = Shards()
+    named: list[dict[int, str]] = [{} for _ in range(SHARDS)]
     for recs in _taken(records):
-        rows = []
-        for r in recs:
-            if not r.durable or r.id in uncommitted:
-                continue
-            link = r.links
-            prev = link.prev if link is not None else None
-            parent = named.get(id(prev)) if prev is not None else None
-            # The chain is its parent's + one (a conversation's row, whose ids a parent
-            # names only when it is its own previous row, is written whole).
-            response = r.response  # a place, or a segment of its own (bytes: not committed)
-            if type(response) is bytes or (type(response) is Segment and response.pack < 0):
-                continue  # evicted bytes: it would be dropped at load
-            if link is not None and parent is not None and r.ids is None:
-                if link.segment.pack < 0:
-                    continue
-                rows.append(codec.record_row(r, parent))
-            else:
-                if not all(s.pack >= 0 for s in r.segments):
-                    continue
-                rows.append(codec.record_row(r))
-            named[id(link)] = r.id
+        rows = codec.checkpoint_record_rows(recs, uncommitted, named)
         n_recs += len(rows)
         chunks.append(codec.encode_chunk(codec.RECS, rows))
         await pacer.pause()
-    for shard in named.shards:  # let go of them in steps too (~3 ms at once at 100,000 records)
+    for shard in named:  # let go of them in steps too (~3 ms at once at 100,000 records)
         shard.clear()
         await pacer.pause()
     chunks.append(codec.encode_end(n_segs, n_recs))
