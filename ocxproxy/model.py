@@ -347,6 +347,11 @@ class Record:
     # The number of the store index's chunk that holds it, in the order records came
     # (store/records.py); set and read there only.
     chunk: int = field(default=0, repr=False, compare=False)
+    # When set, `response` (once its output is put back) lacks the members the proxy
+    # filled in from the request (instructions, tools, ...): a segment every record of
+    # the same fill shares, whose bytes go back in `fill_at` bytes before its end.
+    fill: Segment | None = field(default=None, repr=False, compare=False)
+    fill_at: int = field(default=0, repr=False, compare=False)
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -394,3 +399,8 @@ class Turn:
     backend: str | None = None
     affinity_key: str | None = None
     stored: bool = True  # store:true; False for store:false turns kept in memory
+    # The members the envelope filled in from the request, the bytes object every turn
+    # with the same values for them shares, and where `response` holds them (-1: nowhere
+    # known): the store keeps them once (Record.fill).
+    fill: bytes = b""
+    fill_at: int = -1

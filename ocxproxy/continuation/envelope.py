@@ -214,6 +214,13 @@ class Patch:
     rewrite = False
     items = False  # its output items need completing (`written`, after the turn is recorded)
     unmerged = False  # `filled` is not in the Response's dict yet (`merge`)
+    # The bytes of the members filled from the request or the defaults, the very object
+    # every turn with the same values for them shares (empty: none), where they are in
+    # `encoded`, and where in the bytes the store keeps (-1: not known). The store keeps
+    # them once for every such turn instead of in each turn's Response (Turn.fill).
+    fill = b""
+    fill_in = 0
+    fill_at = -1
 
     def insert(self, name: str, value: Any) -> None:
         self.inserted = {**self.inserted, name: value}
@@ -296,6 +303,9 @@ class Envelope:
         if plan.missing:
             fill, encoded, per_turn = self._fill(plan.missing)
             patch.filled = fill.members
+            if fill.encoded:  # (the last of the members: `_fill`)
+                patch.fill = fill.encoded
+                patch.fill_in = len(encoded) - len(fill.encoded)
             if merge or self._pinned is not None:
                 response.update(fill.members)
             else:
@@ -360,6 +370,8 @@ class Envelope:
                     if previous is not None:
                         echo = None  # (echoed)
                 if fill.encoded:
+                    patch.fill = fill.encoded
+                    patch.fill_in = sum(map(len, parts)) + len(parts)  # (after their commas)
                     parts.append(fill.encoded)
                     patch.filled = fill.members
                     patch.unmerged = True
@@ -393,6 +405,8 @@ class Envelope:
             if patch.rewrite or patch.inserted or patch.ids or patch.items or data[-1:] != b"}":
                 patch.encoded = b",".join(parts)  # (`spliced`, `written_event` read them)
             elif parts:  # the usual answer
+                if patch.fill:
+                    patch.fill_at = len(data) + patch.fill_in
                 closing = parts.pop() + b"}"
                 return b",".join((data[:-1], *parts, closing)), patch
             else:
@@ -401,6 +415,8 @@ class Envelope:
             return spliced(data, response, patch), patch
         if not patch.encoded:
             return data, patch
+        if patch.fill:
+            patch.fill_at = len(data) + patch.fill_in
         return b"".join((data[:-1], b",", patch.encoded, b"}")), patch
 
     def terminal_event(
@@ -898,6 +914,8 @@ def spliced(data: bytes, response: dict[str, Any], patch: Patch) -> bytes:
         if not members:
             return data
         if data[1:2] != b"}":
+            if patch.fill:
+                patch.fill_at = 1 + patch.fill_in
             return b"".join((b"{", members, b",", data[1:]))
     return _apply(data, response, patch, _object_start, response)
 

@@ -55,6 +55,8 @@ def build_turn(
     output_parts: list[bytes] | None = None,
     encoded: bytes | None = None,
     merge: Callable[[dict[str, Any]], None] | None = None,
+    fill: bytes = b"",
+    fill_at: int = -1,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded (one serialized item each, parsed
     in `tail_items`), then the output items (or `output_parts`, what later turns forward
@@ -62,7 +64,8 @@ def build_turn(
     bytes, kept when they hold the output encoded as the items are; else `response` is
     encoded, after `merge` put in it the members `encoded` has and the dict lacks
     (`Patch.merge`: a backend that writes its items otherwise than orjson, e.g. escaping
-    non-ASCII text or `<`, leaves the store the dict to encode)."""
+    non-ASCII text or `<`, leaves the store the dict to encode). `fill`: the members the
+    envelope filled in, at `fill_at` of `encoded` (Turn.fill), when those bytes are kept."""
     output = response["output"]
     output_bytes = serialize_items(output) if output_parts is None else output_parts
     parts = [*tail, *output_bytes]
@@ -71,6 +74,7 @@ def build_turn(
         if merge is not None:
             merge(response)
         encoded = orjson.dumps(response)
+        fill, fill_at = b"", -1
     return Turn(
         response_id=response["id"],
         scope=scope,
@@ -83,6 +87,8 @@ def build_turn(
         backend=backend,
         affinity_key=affinity_key,
         stored=stored,
+        fill=fill,
+        fill_at=fill_at,
     )
 
 

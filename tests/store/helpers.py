@@ -55,8 +55,10 @@ def make_turn(
     durable: bool = True,
     answer: str | None = None,
     call_id: str | None = None,
+    filled: bool = False,
 ) -> Turn:
-    """A turn whose new items are one user message and one assistant message (or call)."""
+    """A turn whose new items are one user message and one assistant message (or call);
+    `filled`: its response ends with members filled in from the request (`FILL`)."""
     output: dict[str, Any]
     if call_id is not None:
         output = {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
@@ -77,6 +79,19 @@ def make_turn(
         "output": [output],
         "usage": {"input_tokens": 5, "output_tokens": 3},
     }
+    encoded = orjson.dumps(response)
+    if not filled:
+        return Turn(
+            response_id=response_id,
+            scope=scope,
+            durable=durable,
+            items=user_item + b"," + out,
+            n_items=2,
+            call_ids=frozenset({call_id} if call_id else ()),
+            response=encoded,
+        )
+    # The members the envelope fills in from the request, before the closing brace as
+    # it puts them: the store keeps them once (Turn.fill).
     return Turn(
         response_id=response_id,
         scope=scope,
@@ -84,8 +99,13 @@ def make_turn(
         items=user_item + b"," + out,
         n_items=2,
         call_ids=frozenset({call_id} if call_id else ()),
-        response=orjson.dumps(response),
+        response=b"".join((encoded[:-1], b",", FILL, b"}")),
+        fill=FILL,
+        fill_at=len(encoded),
     )
+
+
+FILL = b'"instructions":"Be brief.","tools":[],"tool_choice":"auto","temperature":1.0'
 
 
 def make_store(state_dir: Path | None, **overrides: Any) -> Store:

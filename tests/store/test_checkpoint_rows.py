@@ -50,6 +50,8 @@ def reference_records(
         response = r.response
         if type(response) is bytes or (type(response) is Segment and response.pack < 0):
             continue
+        if r.fill is not None and r.fill.pack < 0:
+            continue
         if link is not None and parent is not None and r.ids is None:
             if link.segment.pack < 0:
                 continue
@@ -106,13 +108,17 @@ def test_record_rows_are_record_row_and_name_the_same_records() -> None:
         record("r8", chain_of([off, a]), place(1, 2, 3, 4)),  # a segment off disk
         record("r9", Chain(first.links, c), place(1, 2, 3, 4), durable=False),
         record("r10", Chain(first.links, c), place(1, 2, 3, 4)),  # uncommitted
+        # the members filled in from the request, a segment: on disk, and not yet
+        record("f1", Chain(first.links, d), place(1, 2, 3, 4), fill=segment(11), fill_at=28),
+        record("f2", Chain(first.links, d), place(1, 2, 3, 4), fill=off, fill_at=28),
         conv := record("c1", chain_of([a, b]), place(1, 5, 6, 7), ids=[["x"], ["y", "z"]]),
         record("c2", Chain(conv.links, c), place(1, 8, 6, 7), ids=[["x"], ["y", "z"], []]),
         record("n1", None, place(2, 0, 1, 1), backend=None, affinity_key=None),
     ]
     rows = codec.checkpoint_record_rows(records, {"r10"}, [{} for _ in range(SHARDS)])
     expected = reference_records(records, {"r10"}, {})
-    assert [row[0] for row in rows] == ["r1", "r2", "r3", "r4", "c1", "c2", "n1"]
+    assert [row[0] for row in rows] == ["r1", "r2", "r3", "r4", "f1", "c1", "c2", "n1"]
+    assert rows[4][11:] == (None, (11, 28))
     assert rows[1][4] == ("^", "r1", 2) and rows[2][4] == [1, 2, 3]
     assert orjson.dumps(rows) == orjson.dumps(expected)
 

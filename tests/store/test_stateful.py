@@ -261,7 +261,8 @@ class StoreMachine(RuleBasedStateMachine):
         rid = f"r{self.counter}"
         texts = [*(pexp.texts if pexp else []), text]
         durable = store_true and (pexp is None or pexp.durable)
-        turn = make_turn(rid, text, scope=scope, durable=durable, answer=f"{len(texts) - 1}:{text}")
+        answer = f"{len(texts) - 1}:{text}"  # (its members filled in: stored once for all)
+        turn = make_turn(rid, text, scope=scope, durable=durable, answer=answer, filled=True)
         record = self.store.put(turn, parent)
         must = self.roomy and (durable or self.resident_cap > 10**5)
         self.model[rid] = exp = Expect(scope, texts, durable, self.clock.now, must=must)
@@ -292,7 +293,7 @@ class StoreMachine(RuleBasedStateMachine):
         except StoreFailure:
             return
         text = exp.texts[-1]
-        turn = make_turn(response_id, text, answer=f"{len(exp.texts) - 1}:{text}")
+        turn = make_turn(response_id, text, answer=f"{len(exp.texts) - 1}:{text}", filled=True)
         assert body == turn.response
 
     @rule(response_id=consumes(ids), ack=st.booleans())

@@ -103,18 +103,20 @@ def inspect(root: Path) -> StateReport:
         if row[3] <= now:
             continue
         needed = [*(codec.chain_sids(row) or (-1,))]  # None: its parent is gone
+        chain = list(needed)
         held = row[5]  # a segment's sid, or the place [file, offset, length, size] of its entry's
         if type(held) is list:
             response = _response(held, report.loaded)
         else:
             needed.append(held)
+        if len(row) > codec.FILL:  # its members filled in from the request, by sid
+            needed.append(row[codec.FILL][0])
         if any(sid not in segments or not _present(segments[sid], report.loaded)
                for sid in needed) or (type(held) is list and response is None):  # fmt: skip
             report.missing.append(row[0])
             continue
         for sid in needed:
             report.live[sid] = segments[sid]
-        chain = needed if type(held) is list else needed[:-1]
         if type(held) is list and response is not None:
             report.responses.append((row[0], response))
         if not _ids_agree(row, [segments[sid] for sid in chain]):

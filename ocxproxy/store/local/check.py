@@ -25,6 +25,8 @@ def check_store(store: Store) -> list[str]:
     for record in store.records():
         response = record.response
         own = (response,) if type(response) is Segment else ()
+        if record.fill is not None:
+            own = (*own, record.fill)
         for segment in (*record.segments, *own):
             refs[segment.key] = refs.get(segment.key, 0) + 1
             if record.durable:

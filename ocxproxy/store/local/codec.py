@@ -12,7 +12,9 @@ payload, so a torn or corrupt entry is detected and replay stops at the last goo
     REC  <row length u32><record row JSON><zstd blob>
                                                     a record and its response object
                                                     (the row's chain by segment sid; a
-                                                    conversation's: its item ids too)
+                                                    conversation's: its item ids too; a
+                                                    response's members filled in from
+                                                    the request: by segment sid)
     RSP  <id length u16><record id JSON><zstd blob> a record's response, moved here by
                                                     compaction
     PUT  <record row JSON>                          a record whose response is a segment
@@ -102,6 +104,7 @@ def segment_row(segment: Segment) -> list[Any]:
 FILE_ROW = 7  # a SEG entry's meta: segment_row() and the length of the segment's own file
 
 IDS = 11  # a record row's field past the 11 every row has: a conversation's item ids
+FILL = 12  # the next: [sid, bytes from the end] of the members the envelope filled in
 
 
 def record_row(record: Record, parent: str | None = None) -> list[Any]:
@@ -112,7 +115,9 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
     ["^", parent, last sid]: a row's size does not grow with the chain's depth. A
     conversation's row ends with its item ids, one list per segment; named by its parent
     (its own previous row: an append), with the last segment's list only, so a turn's row
-    does not grow with the conversation either."""
+    does not grow with the conversation either. A response whose members filled in from
+    the request are a segment of their own (Record.fill) ends with [its sid, where they
+    go back, in bytes from the end], after the item ids (null for a response)."""
     own = record.own
     named = bool(parent) and own is not None
     if parent and own is not None:
@@ -139,6 +144,10 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
     ]
     if record.ids is not None:
         row.append(record.ids[-1] if named else record.ids)
+    if record.fill is not None:
+        if record.ids is None:
+            row.append(None)
+        row.append([record.fill.sid, record.fill_at])
     return row
 
 
@@ -208,6 +217,9 @@ def checkpoint_record_rows(
             held = response.at >> SID_SHIFT
         else:
             continue  # its bytes: not committed yet, or evicted (it would be dropped at load)
+        fill = r.fill
+        if fill is not None and fill.pack < 0:
+            continue
         link = r.links
         ids = r.ids
         if link is None:
@@ -231,11 +243,15 @@ def checkpoint_record_rows(
                     continue
             key = id(link)
             named[key % shards][key] = rid
-        row = (
+        row: tuple[Any, ...] = (
             rid, r.scope, r.created_at, r.expires_at, chain, held, r.output_at, r.backend,
             r.affinity_key, r.n_items, r.stored,
         )  # fmt: skip
-        rows.append(row if ids is None else (*row, ids))
+        if fill is not None:
+            row = (*row, ids, (fill.at >> SID_SHIFT, r.fill_at))
+        elif ids is not None:
+            row = (*row, ids)
+        rows.append(row)
     return rows
 
 
@@ -355,7 +371,7 @@ class Loaded:
         if chain and chain[0] == "^":
             parent = self.records.get(chain[1])
             row[4] = None if parent is None else (parent, chain[2])
-            if len(row) > IDS:
+            if len(row) > IDS and row[IDS] is not None:
                 row[IDS] = None if parent is None else (parent, row[IDS])
         self.records.pop(row[0], None)  # a reused id moves to the end
         self.records[row[0]] = row
@@ -374,7 +390,7 @@ def chain_sids(row: list[Any]) -> list[int] | None:
 def conversation_ids(row: list[Any]) -> list[list[str]] | None:
     """A loaded row's item ids per segment, oldest first (a conversation's; None: the row
     keeps none). ValueError when an append's parent kept none (never written so)."""
-    if len(row) <= IDS:
+    if len(row) <= IDS or row[IDS] is None:
         return None
     tail: list[list[str]] = []
     ids = row[IDS]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ocxproxy.model import Chain, Record, Segment, place
-from ocxproxy.store.local.codec import IDS, Loaded, conversation_ids
+from ocxproxy.store.local.codec import FILL, IDS, Loaded, conversation_ids
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.segment_files import FILES
 
@@ -102,6 +102,12 @@ def rebuild(
             else:  # a segment of its own, by sid
                 response = find(held)
             ids = conversation_ids(row) if len(row) > IDS else None
+            fill: Segment | None = None
+            if len(row) > FILL:  # the members filled in from the request: a segment
+                fill_sid, fill_at = row[FILL]
+                fill = find(fill_sid)
+                if type(fill_at) is not int or fill_at < 0:
+                    raise ValueError(f"{rid}: bad fill")
         except (KeyError, TypeError, ValueError):  # a segment (or, None, a parent) is gone
             missing.append(rid)
             continue
@@ -116,6 +122,9 @@ def rebuild(
         )  # fmt: skip
         if ids is not None:  # a conversation's
             record.ids = ids
+        if fill is not None:
+            fill.refs += 1
+            record.fill, record.fill_at = fill, fill_at
         records.append(record)
     for pos in range(len(chains) - 1, -1, -1):  # children after parents: sum up the tree
         n, parent = under[pos], parents[pos]

@@ -229,20 +229,25 @@ class SegmentTable:
         return [d if d is not None else got[id(s)] for s, d in zip(segments, datas, strict=True)]
 
     async def response_bytes(self, record: Record) -> bytes:
-        """A record's stored response object, its output items put back when they were cut."""
-        response, cut = record.response, record.output_at
+        """A record's stored response object, its output items put back when they were cut,
+        and the members the envelope filled in when they are a segment of their own."""
+        response, cut, fill = record.response, record.output_at, record.fill
+        wanted = [] if cut is None else [record.segments[-1]]
+        if fill is not None:
+            wanted.append(fill)
         if isinstance(response, Segment):
-            if cut is None:
-                (skeleton,) = await self.fetch((response,))
-                return skeleton
-            skeleton, own = await self.fetch((response, record.segments[-1]))
+            skeleton, *got = await self.fetch((response, *wanted))
         else:
             skeleton = response if isinstance(response, bytes) else await self._read(response)
-            if cut is None:
-                return skeleton
-            (own,) = await self.fetch((record.segments[-1],))
-        offset, length = cut
-        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+            got = await self.fetch(wanted) if wanted else []
+        if cut is not None:
+            offset, length = cut
+            own = got[0]
+            skeleton = b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+        if fill is not None:
+            at = len(skeleton) - record.fill_at
+            skeleton = b"".join((skeleton[:at], got[-1], skeleton[at:]))
+        return skeleton
 
     async def _read(self, at: int) -> bytes:
         """A response's bytes from its record's journal entry (`model.place`)."""

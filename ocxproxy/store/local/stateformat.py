@@ -20,7 +20,9 @@ from ocxproxy.store.local import files
 
 NAME = "format"
 UNMARKED = 1  # a dir written before the marker existed
-FORMAT = 2  # what this release writes: responses in their records' entries (REC, RSP)
+# What this release writes: responses in their records' entries (REC, RSP) (2), the
+# members filled in from the request a segment that record rows name (3).
+FORMAT = 3
 _LIMIT = 64  # bytes: the file holds one number
 
 

@@ -112,6 +112,8 @@ class Store:
         self.conversations: Conversations = LocalConversations(self)
         self.idempotency: IdempotencyKeys = ProcessKeys(self)
         self._started = False
+        # The members the envelope filled in last (Turn.fill) and their segment.
+        self._last_fill: tuple[bytes, Segment | None] = (b"", None)
         # The disk side, with a state dir; its committer once the journal is open.
         self.ledger: Ledger | None = None
         self.disk: Durable | None = None
@@ -332,7 +334,8 @@ class Store:
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
         own = self.table.intern(own_segment(turn, durable=False))
-        skeleton, output_at = split_output(turn.response, turn.items)
+        response, fill = self._without_fill(turn)
+        skeleton, output_at = split_output(response, turn.items)
         journaled = durable and self._committer is not None
         # A journaled record's response goes into its record's entry (no segment of its
         # own), unless it is large: then it is a segment, which gets a file of its own that
@@ -352,12 +355,35 @@ class Store:
             Record, turn, parent, now=now, ttl=self.ttl, durable=durable, links=chain,
             segments=segments, response=skeleton if held is None else held, output_at=output_at,
         )  # fmt: skip
-        self.table.hold(segments if held is None else (*segments, held), durable=durable)
+        taken = segments if held is None else (*segments, held)
+        if fill is not None:
+            record.fill, record.fill_at = fill, len(response) - turn.fill_at
+            taken = (*taken, fill)
+        self.table.hold(taken, durable=durable)
         self.index.add(record)
         if journaled:
             self._journal_put(record, parent)
         self.expiry.enforce()
         return record
+
+    def _without_fill(self, turn: Turn) -> tuple[bytes, Segment | None]:
+        """The turn's response without the members the envelope filled in (Turn.fill),
+        and the segment that holds them (None: kept in the response). A coding agent's
+        ~28 KB of instructions and tools are hashed once for every turn that shares
+        their bytes object (or equal bytes), not in each turn's response."""
+        fill, at, data = turn.fill, turn.fill_at, turn.response
+        if not fill or at < 1 or not data.startswith(fill, at):
+            return data, None
+        last, segment = self._last_fill
+        if segment is None or segment.refs <= 0 or (last is not fill and last != fill):
+            segment = self.table.intern(Segment(fill, 0, NO_CALLS, durable=False))
+        elif segment.data is not None:
+            self.table.intern(segment)  # (still the table's: recently used)
+        else:  # its bytes back, from this turn's (the same)
+            again = Segment.restore(segment.key, len(fill), 0, NO_CALLS, durable=False, data=fill)
+            segment = self.table.intern(again)
+        self._last_fill = fill, segment
+        return b"".join((data[:at], data[at + len(fill) :])), segment
 
     def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
         """Forget a record (one `keep` wrote when `kept`; journaled: `await commit()`
@@ -397,10 +423,13 @@ class Store:
         if record.durable and self._committer is not None and self.ledger is not None:
             self.ledger.delete(record, journaled=journaled)
         response = record.response
+        released = record.segments[shared:]
+        if record.fill is not None:
+            released = (*released, record.fill)
         if type(response) is Segment:
-            self.table.release((*record.segments[shared:], response), durable=record.durable)
+            self.table.release((*released, response), durable=record.durable)
             return
-        self.table.release(record.segments[shared:], durable=record.durable)
+        self.table.release(released, durable=record.durable)
         if type(response) is int:
             self.table.keydir.unlocate_response(response)
 
