@@ -41,6 +41,7 @@ backend, so figures are noisy.
     .venv/bin/python scripts/bench/bench_durable.py --quick      # smoke, seconds
     .venv/bin/python scripts/bench/bench_durable.py --only-throughput   # part 5 alone
     .venv/bin/python scripts/bench/bench_durable.py --only-latency      # part 1 alone
+    .venv/bin/python scripts/bench/bench_durable.py --only-latency --zdr  # its floor: no sync
     .venv/bin/python scripts/bench/bench_durable.py --only-rss --turn-bytes 1000 \
         --chain-turns 10 --unique-item-ids       # part 2 alone: ~1 KB turns, chains of 10
                                                  # (filled, then restarted on its state dir;
@@ -392,6 +393,7 @@ class Store:
     allocated: int = 0
     counted: dict[str, float] = field(default_factory=dict)
     disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
+    commits: int = 0  # the proxy's journal group commits (fsyncs) in the window
 
     @property
     def errors(self) -> int:
@@ -456,7 +458,8 @@ async def fill_store(
     *,
     memory: Memory | None = None,
 ) -> Filled:
-    proxy = await start_proxy(backend, state, f"proxy-{records}", memory=memory)
+    extra = ("--zdr",) if args.zdr else ()
+    proxy = await start_proxy(backend, state, f"proxy-{records}", *extra, memory=memory)
     http = Http(proxy.child.url)
     start = time.perf_counter()
     made, failures = await closed_loop(
@@ -476,6 +479,7 @@ async def latency_windows(
     loads = [OpenLoop(f.http, args.rate, 64) for f in filled]
     for load in loads:
         await load.start_chains()
+    before = [journal_commits(await f.proxy.metrics()) for f in filled]
     windows = []
     if args.sequential:
         for load in loads:
@@ -487,7 +491,7 @@ async def latency_windows(
         await asyncio.gather(*(load.run(args.duration) for load in loads))
         windows = [(start, time.monotonic())] * len(loads)
     stores = []
-    for f, load, window in zip(filled, loads, windows, strict=True):
+    for f, load, window, commits in zip(filled, loads, windows, before, strict=True):
         lat = Summary.of(load.latencies)
         slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
         store = Store(f.made, f.seconds, f.failures, lat, slow, load.statuses, load.skipped)
@@ -495,7 +499,9 @@ async def latency_windows(
         await settle(f.proxy, 120)
         store.rss_mib = status_kib(f.proxy.pid, "VmRSS") / 1024
         store.hwm_mib = status_kib(f.proxy.pid, "VmHWM") / 1024
-        store.counted = disk_tiers(await f.proxy.metrics())
+        metrics = await f.proxy.metrics()
+        store.counted = disk_tiers(metrics)
+        store.commits = journal_commits(metrics) - commits
         store.allocated = allocated_bytes(f.proxy.state)
         f.http.close()
         stores.append(store)
@@ -710,10 +716,10 @@ def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
     when = "one store after the other" if args.sequential else "both stores in the same seconds"
     print(
         f"\n## Continuation latency, {args.rate:g} turns/s open loop per store, "
-        f"{args.duration:g} s, {when}"
+        f"{args.duration:g} s, {when}" + (", --zdr (no turn waits for a sync)" if args.zdr else "")
     )
     headers = ["store", "fill turns/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "> 50 ms"]
-    headers += ["non-200", "skipped", "VmRSS", "VmHWM"]
+    headers += ["non-200", "skipped", "fsyncs", "VmRSS", "VmHWM"]
     rows = []
     for s in (small, big):
         codes = ", ".join(f"{n}x{c}" for c, n in sorted(s.statuses.items()) if c != 200)
@@ -728,6 +734,7 @@ def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
                 f"{s.over_50ms:.1%}",
                 codes or "0",
                 s.skipped,
+                f"{s.commits:,}",
                 f"{s.rss_mib:,.0f} MiB",
                 f"{s.hwm_mib:,.0f} MiB",
             ]
@@ -743,8 +750,9 @@ def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
         f"max at {big.records:,}: {ms(big.latency.max)} ms (target ≤ 100 ms)"
     )
     if big.disk:
+        note = " (--zdr: no turn waited for a sync; the bound for comparison)" if args.zdr else ""
         for row in (*disk_relative(small), *disk_relative(big)):
-            print(f"{row[0]}: {row[2]} (target {row[1]}): {row[3]}")
+            print(f"{row[0]}: {row[2]} (target {row[1]}): {row[3]}{note}")
 
 
 def disk_relative(s: Store) -> list[list[str]]:
@@ -1008,11 +1016,16 @@ async def run(args: argparse.Namespace) -> None:
     flags = serve_flags()
     durability = "--durability" in flags
     print(f"load average at start: {loadavg()} (2 cores, shared with other work: noisy)")
-    print(
-        "proxy: default durable configuration"
-        + (" (--durability default)" if durability else " (no --durability flag: older store)")
-        + f"; instant backend; seed {args.seed}"
-    )
+    if args.zdr:
+        print(
+            f"proxy: --zdr (the latency part without the disk); instant backend; seed {args.seed}"
+        )
+    else:
+        print(
+            "proxy: default durable configuration"
+            + (" (--durability default)" if durability else " (no --durability flag: older store)")
+            + f"; instant backend; seed {args.seed}"
+        )
     backend = await asyncio.to_thread(start_backend, unique_item_ids=args.unique_item_ids)
     try:
         with tempfile.TemporaryDirectory(prefix="bench_durable_", dir=args.tmp) as tmp:
@@ -1051,6 +1064,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--only-rss", action="store_true", help="only part 2: the big store's RSS once filled"
+    )
+    parser.add_argument(
+        "--zdr",
+        action="store_true",
+        help="with --only-latency: both stores under --zdr (no journal, no sync), the floor "
+        "the latency has on this box without the disk, beside the canary's syncs",
     )
     parser.add_argument(
         "--turn-bytes", type=int, default=0, help="user text per filling turn (default: short)"
@@ -1093,6 +1112,8 @@ def main() -> None:
         help="no canary syncing beside the windows",
     )
     args = parser.parse_args()
+    if args.zdr and not args.only_latency:
+        parser.error("--zdr goes with --only-latency")
     if args.seed is None:
         args.seed = random.randrange(1 << 30)
     if args.quick:

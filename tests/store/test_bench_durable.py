@@ -45,6 +45,8 @@ async def test_bench_durable_smoke() -> None:
     disk = [line for line in out.splitlines() if line.startswith("the disk's own fdatasync")]
     assert len(disk) == 2 and all(" syncs, p99 " in line for line in disk), out[-3000:]
     assert "the disk's worst sync meanwhile" in table
+    # each store's window counts the group commits (fsyncs) its turns waited for
+    assert all(int(fsyncs) > 0 for fsyncs in window_fsyncs(out, (30, 80))), out[-3000:]
     # each relative figure names its bound and the turns and syncs behind its percentile
     relative = [line for line in table.splitlines() if " vs the disk's (ack)" in line]
     assert len(relative) == 4, table
@@ -54,6 +56,29 @@ async def test_bench_durable_smoke() -> None:
         )
         for line in relative
     ), relative
+
+
+def window_fsyncs(out: str, sizes: tuple[int, ...]) -> list[str]:
+    """The fsyncs column of the latency table's row of each store size."""
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()]
+    return [row[9].replace(",", "") for row in rows if row[0] in {f"{n} records" for n in sizes}]
+
+
+async def test_bench_durable_latency_zdr() -> None:
+    """--only-latency --zdr: the same windows with both stores under --zdr, the floor the
+    latency has without the disk: no turn waited for an fsync."""
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
+    argv += ["--only-latency", "--zdr", "--records", "40", "--small-records", "20"]
+    argv += ["--rate", "100", "--duration", "0.5"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    async with asyncio.timeout(100):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out[-3000:]
+    assert "both stores in the same seconds, --zdr (no turn waits for a sync)" in out, out
+    assert window_fsyncs(out, (20, 40)) == ["0", "0"], out[-3000:]
+    assert "## Figures" not in out  # the other parts did not run
 
 
 async def test_bench_durable_throughput_alone() -> None:
