@@ -31,7 +31,15 @@ sampled ticks), durable - memory, and turns per fsync.
 --commit-round runs one durable round of --commit-cpu's (300 warm turns first; --clients
 clients, chains of --chain) and prints turns per fsync: under callgrind at two --turns,
 the difference of the instruction counts is the commit path's per turn, beside the
-figures of a memory-only round (--commit-round memory).
+figures of a memory-only round (--commit-round memory). With --callgrind only the
+measured turns are counted (callgrind_control switches instrumentation on after the
+warm-up and off before the store closes; start-up and imports, which differ by a few
+million instructions between runs of one tree, are left out), so one run gives the
+figure: the collected count ÷ --turns.
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --instr-atstart=no \
+        python scripts/bench/bench_journal.py --commit-round --callgrind --turns 2000 \
+        --clients 4 --chain 10
 
 --append-only commits turns to DIR/state (chains of 10, 16 clients) with no checkpoint until
 --bytes of journal follow the last one (the most start-up replays under a trigger of that
@@ -301,10 +309,17 @@ def helpers() -> list[int]:
     return out
 
 
+def instrument(on: bool) -> None:
+    """Switch callgrind's instrumentation of this process on or off."""
+    mode = "on" if on else "off"
+    subprocess.run(["callgrind_control", "-i", mode, str(os.getpid())], check=True)
+
+
 async def commit_round(
-    state: Path | None, turns: int, clients: int = 16, chain: int = 100
+    state: Path | None, turns: int, clients: int = 16, chain: int = 100, *, counted: bool = False
 ) -> tuple[float, float, float]:
-    """µs of CPU per turn (this process, the helper) and turns per fsync."""
+    """µs of CPU per turn (this process, the helper) and turns per fsync; `counted`:
+    callgrind counts the measured turns only."""
     store = Store(
         max_resident_bytes=64 * 1024**2, max_entries=100_000, ttl=30 * 86400.0,
         state_dir=state, fsync_child=state is not None,
@@ -313,6 +328,8 @@ async def commit_round(
     for i in range(300):  # the journal's room allocated, the helper warm
         await store.commit(store.put(turn(f"warm_{i}", 0), None))
     kids, counter = helpers(), iter(range(turns))
+    if counted:
+        instrument(True)
     commits = store.metrics.journal_commits.get()
     cpu, helper = on_cpu(os.getpid()), sum(on_cpu(k) for k in kids)
 
@@ -329,6 +346,8 @@ async def commit_round(
     cpu = on_cpu(os.getpid()) - cpu
     helper = sum(on_cpu(k) for k in kids) - helper
     commits = store.metrics.journal_commits.get() - commits
+    if counted:
+        instrument(False)
     await store.close()
     return cpu / turns * 1e6, helper / turns * 1e6, turns / max(commits, 1)
 
@@ -458,6 +477,10 @@ def main() -> None:
         "--commit-round", nargs="?", const="durable", choices=("durable", "memory"),
         help="one round of --commit-cpu's, for callgrind",
     )  # fmt: skip
+    parser.add_argument(
+        "--callgrind", action="store_true",
+        help="--commit-round: count the measured turns only (valgrind --instr-atstart=no)",
+    )  # fmt: skip
     parser.add_argument("--turns", type=int, default=20_000, help="--commit-cpu: per round")
     parser.add_argument("--churn", type=int, default=0, help="--checkpoint-only: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
@@ -485,7 +508,9 @@ def main() -> None:
     if args.commit_round:
         with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
             state = Path(tmp) / "state" if args.commit_round == "durable" else None
-            round_ = commit_round(state, args.turns, args.clients, args.chain)
+            round_ = commit_round(
+                state, args.turns, args.clients, args.chain, counted=args.callgrind
+            )
             print(f"{asyncio.run(round_)[2]:.1f} turns/fsync")
         return
     if args.checkpoint_only:
