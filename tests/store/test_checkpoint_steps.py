@@ -94,6 +94,43 @@ async def test_the_encoding_yields_after_every_chunk_of_rows(
     await store.close()
 
 
+async def test_a_turn_of_several_passes_meets_at_most_one_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two steps the loop runs for upkeep.GAP, not for one pass: a turn's work
+    takes several passes of the loop (its request, the backend's answer, its commit, its
+    answer), and with a step in every pass it waited for one at each."""
+    store, _ = await filled(tmp_path)
+    monkeypatch.setattr(upkeep, "STEP", 0.0)  # every chunk is a step
+    steps = [0]
+    pause = upkeep.Pacer.pause
+
+    async def counted(self: upkeep.Pacer) -> None:
+        steps[0] += 1
+        await pause(self)
+
+    monkeypatch.setattr(upkeep.Pacer, "pause", counted)
+    seen: list[int] = []  # steps begun while a chain of six passes ran
+    done = False
+
+    async def turns() -> None:
+        while not done:
+            before = steps[0]
+            for _ in range(6):
+                await asyncio.sleep(0)
+            seen.append(steps[0] - before)
+
+    task = asyncio.ensure_future(turns())
+    assert await store.flush()
+    done = True
+    await task
+    monkeypatch.undo()
+    assert steps[0] >= N // upkeep.CHUNK  # the encoding's chunks, each a step
+    assert any(seen)  # chains ran while it did
+    assert max(seen) <= 2, sorted(seen)[-10:]  # (2: a chain that a descheduling spread)
+    await store.close()
+
+
 async def test_compaction_scans_and_moves_in_short_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
