@@ -6,6 +6,7 @@ see every turn's Response complete, byte for byte as the client got it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator
@@ -160,3 +161,115 @@ async def test_memory_only_turns_share_the_members_too(
     # not four more copies of the ~28 KB the agent sends on each.
     assert handle.metric("ocxproxy_store_bytes", tier="resident") - held < 16_000
     assert await stored(http, handle.url, list(answered)) == answered
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
+) -> dict[str, Any]:
+    async with http.post(url + "/v1/responses", json=body, headers={**AUTH, **headers}) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    answer: dict[str, Any] = orjson.loads(raw)
+    return answer
+
+
+async def test_each_fill_is_its_own_and_a_store_false_ones_never_reach_the_disk(
+    bare_backend: str, tmp_path: Path, processes: list[Serve], http: aiohttp.ClientSession
+) -> None:
+    """Turns that alternate between fills each get back their own, before and after a
+    restart; store:false members not shared with a stored turn are never journaled,
+    though the turn continues a stored one and stored turns come around it."""
+    state = tmp_path / "state"
+    serve = Serve(bare_backend, state)
+    processes.append(serve)
+    await serve.start()
+    kept, other = "STORED-RULES " + "k" * 3_000, "OTHER-RULES " + "o" * 3_000
+    unkept = "UNSTORED-RULES " + "u" * 3_000
+    answered: dict[str, Any] = {}
+    first = await post(http, serve.url, {"model": "m", "input": "a", "instructions": kept})
+    answered[first["id"]] = first
+    body = {"model": "m", "input": "b", "instructions": unkept, "store": False}
+    await post(http, serve.url, {**body, "previous_response_id": first["id"]})
+    await post(http, serve.url, body)
+    for n, instructions in enumerate((kept, other, kept, other)):
+        answer = await post(
+            http, serve.url, {"model": "m", "input": f"c{n}", "instructions": instructions}
+        )
+        answered[answer["id"]] = answer
+    assert await stored(http, serve.url, list(answered)) == answered
+    assert await serve.stop() == 0
+    assert copies(state, b"STORED-RULES") == copies(state, b"OTHER-RULES") == 1
+    assert copies(state, b"UNSTORED-RULES") == 0
+    again = Serve(bare_backend, state)
+    processes.append(again)
+    await again.start()
+    assert await stored(http, again.url, list(answered)) == answered
+    assert await again.stop() == 0
+
+
+async def test_deletes_replays_and_restarts_keep_the_shared_members(
+    bare_backend: str, tmp_path: Path, processes: list[Serve], http: aiohttp.ClientSession
+) -> None:
+    """Every record of one fill names its segment: an Idempotency-Key's replay, a
+    conversation's turn, a WebSocket turn and a background one give the Response as
+    answered, before and after a restart, and DELETEs of some leave the others whole."""
+    state = tmp_path / "state"
+    members = agent_members()
+    serve = Serve(bare_backend, state)
+    processes.append(serve)
+    await serve.start()
+    answered: dict[str, Any] = {}
+    for k in range(3):
+        body = {"model": "m", "input": f"q{k}", **members}
+        answer = await post(http, serve.url, body, **{"Idempotency-Key": f"key{k}"})
+        answered[answer["id"]] = answer
+    async with http.post(serve.url + "/v1/conversations", json={}, headers=AUTH) as resp:
+        conversation = (await resp.json())["id"]
+    answer = await post(
+        http, serve.url, {"model": "m", "input": "c", "conversation": conversation, **members}
+    )
+    answered[answer["id"]] = answer
+    ws = await http.ws_connect(serve.url + "/v1/responses", headers=AUTH)
+    await ws.send_str(
+        orjson.dumps({"type": "response.create", "model": "m", "input": "w", **members}).decode()
+    )
+    event: dict[str, Any] = {"type": ""}
+    while event["type"] not in ("response.completed", "response.failed", "error"):
+        event = orjson.loads((await ws.receive()).data)
+    await ws.close()
+    answered[event["response"]["id"]] = event["response"]
+    background = await post(
+        http, serve.url, {"model": "m", "input": "bg", "background": True, **members}
+    )
+    for _ in range(100):
+        done = (await stored(http, serve.url, [background["id"]]))[background["id"]]
+        if done["status"] not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.05)
+    assert done["status"] == "completed" and done["instructions"] == members["instructions"]
+    answered[done["id"]] = done
+    ids = list(answered)
+    assert await stored(http, serve.url, ids) == answered
+    async with http.delete(f"{serve.url}/v1/responses/{ids[0]}", headers=AUTH) as resp:
+        assert resp.status == 200
+    assert await serve.stop() == 0
+    assert main(["state", "verify", "--state-dir", str(state)]) == 0
+    again = Serve(bare_backend, state)
+    processes.append(again)
+    await again.start()
+    assert await stored(http, again.url, ids[1:]) == {rid: answered[rid] for rid in ids[1:]}
+    replay = await post(
+        http, again.url, {"model": "m", "input": "q1", **members}, **{"Idempotency-Key": "key1"}
+    )
+    assert replay == answered[ids[1]]
+    for rid in ids[1:]:
+        async with http.delete(f"{again.url}/v1/responses/{rid}", headers=AUTH) as resp:
+            assert resp.status == 200
+    latest = await post(http, again.url, {"model": "m", "input": "z", **members})
+    assert await again.stop() == 0
+    assert main(["state", "verify", "--state-dir", str(state)]) == 0
+    last = Serve(bare_backend, state)
+    processes.append(last)
+    await last.start()
+    assert await stored(http, last.url, [latest["id"]]) == {latest["id"]: latest}
+    assert await last.stop() == 0
