@@ -80,18 +80,12 @@ def make_turn(
         "usage": {"input_tokens": 5, "output_tokens": 3},
     }
     encoded = orjson.dumps(response)
-    if not filled:
-        return Turn(
-            response_id=response_id,
-            scope=scope,
-            durable=durable,
-            items=user_item + b"," + out,
-            n_items=2,
-            call_ids=frozenset({call_id} if call_id else ()),
-            response=encoded,
-        )
-    # The members the envelope fills in from the request, before the closing brace as
-    # it puts them: the store keeps them once (Turn.fill).
+    fill, fill_at = b"", -1
+    if filled:
+        # The members the envelope fills in from the request, before the closing brace
+        # as it puts them: the store keeps them once (Turn.fill).
+        fill, fill_at = FILL, len(encoded)
+        encoded = b"".join((encoded[:-1], b",", FILL, b"}"))
     return Turn(
         response_id=response_id,
         scope=scope,
@@ -99,9 +93,9 @@ def make_turn(
         items=user_item + b"," + out,
         n_items=2,
         call_ids=frozenset({call_id} if call_id else ()),
-        response=b"".join((encoded[:-1], b",", FILL, b"}")),
-        fill=FILL,
-        fill_at=len(encoded),
+        response=encoded,
+        fill=fill,
+        fill_at=fill_at,
     )
 
 

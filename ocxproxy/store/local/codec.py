@@ -153,9 +153,9 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
 
 # The checkpoint's rows of 100,000s of segments and records: the same rows as
 # `segment_row` and `record_row` (a test compares them field by field), built in one loop
-# each from the objects' slots, with no call per row (~1 us a record instead of ~5 for
-# the calls, properties and type checks of the two). Rows are tuples (JSON arrays all the
-# same): fewer objects for the cyclic GC to count. A change to a row is made in both.
+# each from the objects' slots, with no call per row (the calls, properties and type
+# checks of the two are most of what a row costs them). Rows are tuples (JSON arrays all
+# the same): fewer objects for the cyclic GC to count. A change to a row is made in both.
 
 _SPAN_OF = (1 << 60) - 1
 _ONE = (1 << 30) - 1  # a lone item id's start and end, packed (model.ItemIds)

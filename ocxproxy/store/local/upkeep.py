@@ -4,10 +4,9 @@ checkpoint's encoding, in steps between which the event loop runs.
 A step ends once it has worked `STEP` seconds (`Pacer`), so no step of a checkpoint keeps
 the loop long at any store size, and the next begins `GAP` seconds later, not at the
 loop's next pass: a turn takes several passes (its request, the backend's answer, its
-commit, its answer), and with a step in every pass it waited a step at each (at 50,000
-records, the turns under way during a checkpoint took 4-5x as long at the median as the
-others in the same seconds; with the gap about 2x, the checkpoint's wall time twice as
-long for the same CPU). The encoding also keeps the cyclic GC quiet: rows are
+commit, its answer), and with a step in every pass it would wait a step at each; a
+checkpoint takes about twice the wall time for the same CPU (docs/BENCHMARKS.md, the
+latency window's checkpoint row). The encoding also keeps the cyclic GC quiet: rows are
 dumped `CHUNK` at a time (fewer live lists than a generation-0 collection waits for,
 each freed before the next chunk), and its bookkeeping holds only ints and strings (which
 the GC does not track): at 100,000 records the old encoding set off ~800 collections, 6
