@@ -89,6 +89,25 @@ def test_a_small_segment_is_stored_raw_in_a_zstd_frame(tmp_path: Path) -> None:
     assert [(s.offset, s.length) for s in loaded.segments.values()] == [p[1:] for p in places]
 
 
+def test_the_file_a_checkpoint_rotates_to_has_its_room_made_ahead(tmp_path: Path) -> None:
+    """ready_next allocates (and syncs) the next file's room while commits go on, so the
+    first commit after the rotation fits it and goes to the fsync helper like any other,
+    not through a thread that allocates and fsyncs first; the room left unused reads as
+    the end."""
+    j = opened(tmp_path)
+    a = segment(b"[1]", 7)
+    j.append([(SEG, (codec.segment_row(a), a.data, None)), (PUT, row("r", [7], 7))])
+    j.ready_next()
+    j.rotate()
+    assert j.room() == journal.PREALLOCATE
+    assert os.stat(j.path(j.active)).st_blocks * 512 >= journal.PREALLOCATE
+    j.seal_retired()
+    j.append([(PUT, row("later", [7], 7))])
+    j.close()
+    loaded = Journal(tmp_path).load(repair=False)
+    assert loaded.error is None and list(loaded.records) == ["r", "later"]
+
+
 def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
     j = opened(tmp_path)
     a = segment(b"[1]", 7)

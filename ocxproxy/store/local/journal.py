@@ -73,7 +73,7 @@ class Journal:
         self._readers: dict[int, int] = {}
         self._readers_lock = threading.Lock()
         self._opening = threading.Lock()  # the active file changes (ready_next runs beside)
-        self._ready: tuple[int, int] | None = None  # (file, fd) made ahead by ready_next
+        self._ready: tuple[int, int, int] | None = None  # (file, fd, room) made by ready_next
         self._retired: list[tuple[int, int, int]] = []  # (fd, size, allocated) to seal
 
     def __repr__(self) -> str:
@@ -165,15 +165,16 @@ class Journal:
         The file before is sealed now, or with `seal=False` kept for `seal_retired`."""
         with self._opening:
             ready, self._ready = self._ready, None
+            room = 0
             if ready is not None and ready[0] == pack:
-                fd = ready[1]
+                fd, room = ready[1], ready[2]
             else:
                 if ready is not None:
                     files.fs.close(ready[1])
                 fd = self._create(pack)
             if self._fd is not None:
                 self._retired.append((self._fd, self.size, self.allocated))
-            self._fd, self.active, self.size, self.allocated = fd, pack, 0, 0
+            self._fd, self.active, self.size, self.allocated = fd, pack, 0, room
         if seal:
             self.seal_retired()
 
@@ -191,7 +192,10 @@ class Journal:
 
     def ready_next(self) -> None:
         """Blocking, while commits go on: create the file `rotate` moves to (durable in its
-        directory), so the rotation, made while commits wait, does no I/O."""
+        directory) with PREALLOCATE bytes of room (synced), so the rotation, made while
+        commits wait, does no I/O, and the first commits after it go to the fsync helper
+        like any other: in a file without room the first took the committer's thread
+        (allocate, write, fsync), which made the turns in it wait 4-16 ms more."""
         with self._opening:
             pack = self.active + 1
             if self._ready is not None:
@@ -199,7 +203,14 @@ class Journal:
                     return
                 files.fs.close(self._ready[1])
                 self._ready = None
-            self._ready = (pack, self._create(pack))
+            fd = self._create(pack)
+            try:
+                files.fs.posix_fallocate(fd, 0, PREALLOCATE)
+                files.fs.fsync(fd)
+            except OSError:  # (no room made: the first commit grows the file, as before)
+                self._ready = (pack, fd, 0)
+            else:
+                self._ready = (pack, fd, PREALLOCATE)
 
     def seal_retired(self) -> None:
         """Close the files appended to before, without the preallocated room they did not
