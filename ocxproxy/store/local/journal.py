@@ -194,8 +194,8 @@ class Journal:
         """Blocking, while commits go on: create the file `rotate` moves to (durable in its
         directory) with PREALLOCATE bytes of room (synced), so the rotation, made while
         commits wait, does no I/O, and the first commits after it go to the fsync helper
-        like any other: in a file without room the first took the committer's thread
-        (allocate, write, fsync), which made the turns in it wait 4-16 ms more."""
+        like any other: in a file without room the first would take the committer's
+        thread (allocate, write, fsync), and the turns in it would wait for all three."""
         with self._opening:
             pack = self.active + 1
             if self._ready is not None:
