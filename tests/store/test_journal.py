@@ -133,13 +133,13 @@ def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:
 def test_a_damaged_checkpoint_is_reported_not_used(tmp_path: Path, damage: str) -> None:
     head = codec.encode_head((1, 0), 1.0, 1)
     good = b"".join(
-        codec.framed([head, codec.encode_chunk(codec.RECS, []), codec.encode_end(0, 0)])
+        codec.frame(*e) for e in [head, codec.encode_chunk(codec.RECS, []), codec.encode_end(0, 0)]
     )
     raw = {
         "truncated": good[:-3],
         "flipped": good[:10] + bytes([good[10] ^ 1]) + good[11:],
         "empty": b"",
-        "counts": b"".join(codec.framed([head, codec.encode_end(5, 0)])),
+        "counts": codec.frame(*head) + codec.frame(*codec.encode_end(5, 0)),
     }[damage]
     (tmp_path / journal.CHECKPOINT).write_bytes(raw)
     loaded = Journal(tmp_path).load(repair=False)

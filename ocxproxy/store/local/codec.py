@@ -40,7 +40,7 @@ import hashlib
 import struct
 import threading
 import zlib
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -440,8 +440,18 @@ def good_prefix(data: bytes | memoryview, start: int, loaded: Loaded, pack: int)
 
 # A checkpoint is encoded as entries, each its type and payload, on the event loop; they
 # are framed (each payload's crc32 and its copy behind the header, ~30 ms at 100,000
-# records) by the thread that writes them (`framed`).
+# records) by the thread that writes them (journal.write_checkpoint).
 Entry = tuple[int, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Copied:
+    """An entry of the previous checkpoint file, copied as it is: `length` bytes at
+    `offset`, its frame's crc32 `crc` (checked as it is copied)."""
+
+    offset: int
+    length: int
+    crc: int
 
 
 def encode_head(replay_from: tuple[int, int], written_at: float, next_sid: int) -> Entry:
@@ -463,10 +473,19 @@ def encode_end(n_segments: int, n_records: int) -> Entry:
     return END, orjson.dumps([n_segments, n_records])
 
 
-def framed(entries: Iterable[Entry]) -> Iterator[bytes]:
-    """Each entry as the bytes of the file."""
-    for kind, payload in entries:
-        yield frame(kind, payload)
+def copied(raw: bytes, entry: Copied) -> bytes:
+    """The bytes `entry` names, read from the previous checkpoint file (`raw`); ValueError
+    unless they are that very entry, whole (a SEGS chunk, its crc32 as recorded)."""
+    if len(raw) != entry.length or entry.length < FRAME.size:
+        raise ValueError("checkpoint: a copied entry is short")
+    length, crc, kind = FRAME.unpack_from(raw)
+    payload = memoryview(raw)[FRAME.size :]
+    if (
+        kind != SEGS or crc != entry.crc or length != len(payload)
+        or zlib.crc32(payload, kind) != crc
+    ):  # fmt: skip
+        raise ValueError("checkpoint: a copied entry is not the one written")
+    return raw
 
 
 def load_checkpoint(raw: bytes, loaded: Loaded) -> None:

@@ -52,6 +52,7 @@ from ocxproxy.store.local.upkeep import (
     DISK_KEEP,
     MAINTAIN_EVERY,
     SCAN,
+    FileRows,
     Pacer,
     encode_checkpoint,
 )
@@ -129,6 +130,10 @@ class Durable:
         self._maintainer: asyncio.Task[None] | None = None
         self.replay_from = (0, 0)  # the durable checkpoint's journal position
         self.checkpoint_size = 0
+        # The checkpoint file's rows of each journal file, and the capture it was taken at:
+        # the next checkpoint copies those of files unchanged since (upkeep.encode_checkpoint).
+        self.rows: dict[int, FileRows] = {}
+        self.rows_capture = 0
         self.since_checkpoint = 0  # journal bytes appended since the checkpoint's position
         self.dirty_at: float | None = None  # monotonic: oldest change not in the checkpoint
         self._wanted = asyncio.Event()  # maintenance has work (checkpoint, cap)
@@ -469,11 +474,14 @@ class Durable:
             self.dirty_at = None if not committer.pending() else time.monotonic()
             self.since_checkpoint = 0
         await self.offload(j.seal_retired)
-        chunks, n_recs = await encode_checkpoint(
-            position, self.clock(), next_sid, placed, self.table.by_key, records, uncommitted
-        )
+        keydir, since_capture = self.table.keydir, self.rows_capture
+        chunks, n_recs, rows = await encode_checkpoint(
+            position, self.clock(), next_sid, placed, self.table.by_key, records, uncommitted,
+            self.rows, lambda pack: keydir.unchanged_since(pack, since_capture),
+        )  # fmt: skip
+        self.rows = {}  # (the file they are in is being replaced)
         try:
-            size = await self.offload(j.write_checkpoint, chunks)
+            written = await self.offload(j.write_checkpoint, chunks)
         except OSError as exc:
             self.metrics.snapshot_failures.labels(reason="write_failed").inc()
             log.warning("checkpoint not written: %s", exc)
@@ -481,6 +489,13 @@ class Durable:
             self.since_checkpoint += since
             return False
         self.metrics.snapshot_writes.inc()
+        places, size = [], 0
+        for length, crc in written:
+            places.append((size, length, crc))
+            size += length
+        for file_rows in rows.values():
+            file_rows.written(places)
+        self.rows, self.rows_capture = rows, capture
         self.replay_from, self.checkpoint_size = position, size
         # What encoding it took (~36 MiB at 100,000 records) goes back to the system now,
         # not at the next half-minute trim (heap.py); in a thread (it walks malloc's lists).

@@ -17,10 +17,11 @@ data, they report it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,14 @@ from ocxproxy.store.local.codec import (
     ROW,
     RSP,
     SEG,
+    Copied,
     Entry,
     Loaded,
     checked_compressor,
+    copied,
     decode,
     decode_response,
     frame,
-    framed,
     good_prefix,
     load_checkpoint,
 )
@@ -350,10 +352,35 @@ class Journal:
         self._open(self.active + 1, seal=False)
         return self.active, 0
 
-    def write_checkpoint(self, entries: Sequence[Entry]) -> int:
-        """The checkpoint's entries (codec.encode_head, ...), framed here, as its file."""
+    def write_checkpoint(self, entries: Sequence[Entry | Copied]) -> list[tuple[int, int]]:
+        """The checkpoint's entries (codec.encode_head, ...), framed here, and entries of
+        the previous checkpoint file copied from it, as the new file; each entry's length
+        and crc32 there. OSError when a copied entry is not what it was."""
         path = self.root / CHECKPOINT
-        return files.write_atomic(path, framed(entries), sync_every=CHECKPOINT_SYNC)
+        written: list[tuple[int, int]] = []
+        old: int | None = None
+
+        def chunks() -> Iterator[bytes]:
+            for entry in entries:
+                if isinstance(entry, Copied):
+                    assert old is not None
+                    try:
+                        data = copied(os.pread(old, entry.length, entry.offset), entry)
+                    except ValueError as exc:
+                        raise OSError(errno.EIO, str(exc)) from None
+                else:
+                    data = frame(*entry)
+                written.append((len(data), FRAME.unpack_from(data)[1]))
+                yield data
+
+        if any(isinstance(entry, Copied) for entry in entries):
+            old = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        try:
+            files.write_atomic(path, chunks(), sync_every=CHECKPOINT_SYNC)
+        finally:
+            if old is not None:
+                os.close(old)
+        return written
 
     def remove(self, packs: Sequence[int]) -> int:
         removed = 0

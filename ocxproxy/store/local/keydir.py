@@ -21,8 +21,8 @@ SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 
 class Keydir:
     __slots__ = (
-        "captures", "files", "gone", "keys", "left_at", "live", "live_bytes", "located",
-        "responses", "sizes",
+        "captures", "changed_at", "files", "gone", "keys", "left_at", "live", "live_bytes",
+        "located", "responses", "sizes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -30,6 +30,8 @@ class Keydir:
         self.live: dict[int, int] = {}  # file -> compressed bytes of those segments
         self.sizes: dict[int, int] = {}  # file -> its size
         self.left_at: dict[int, int] = {}  # file -> capture number when a segment last left
+        # file -> capture number when a segment located there last changed its metadata
+        self.changed_at: dict[int, int] = {}
         self.keys: dict[int, list[bytes]] = {}  # file -> digests of the segments placed there
         # file -> ids of the records whose responses were placed there
         self.responses: dict[int, list[str]] = {}
@@ -119,6 +121,17 @@ class Keydir:
             self.left_at[pack] = self.captures
         segment.pack = -1
 
+    def changed(self, segment: Segment) -> None:
+        """A located segment's metadata (its row) changed: its item ids were learnt."""
+        if segment.pack > FILES:
+            self.changed_at[segment.pack] = self.captures
+
+    def unchanged_since(self, pack: int, capture: int) -> bool:
+        """No segment left journal file `pack`, or changed its row there, since
+        `capture`. (One may have come back: a forgotten segment taken back where it was
+        lists its key there again, so the number of keys listed tells that.)"""
+        return self.left_at.get(pack, -1) < capture and self.changed_at.get(pack, -1) < capture
+
     def written_unneeded(self, key: str) -> None:
         """A segment file written for a segment dropped while its commit was in flight:
         removed like one that left, unless a live segment was placed in it since."""
@@ -137,6 +150,7 @@ class Keydir:
         self.live.pop(pack, None)
         self.sizes.pop(pack, None)
         self.left_at.pop(pack, None)
+        self.changed_at.pop(pack, None)
         self.keys.pop(pack, None)
         self.responses.pop(pack, None)
 

@@ -72,8 +72,9 @@ class SegmentTable:
         if existing.data is None:  # in the journal only, or lost: take the fresh bytes back
             existing.data = segment.data
             existing.lost = None
-        if existing.ids is NO_ITEMS:
+        if existing.ids is NO_ITEMS and segment.ids is not NO_ITEMS:
             existing.item_ids = segment.item_ids
+            self.keydir.changed(existing)  # (a checkpoint's copy of its row is stale)
         self._admit(existing)
         return existing
 

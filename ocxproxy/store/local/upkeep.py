@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ocxproxy.model import Record, Segment
 from ocxproxy.store.local import codec
+from ocxproxy.store.local.segment_files import FILES
 from ocxproxy.store.shards import SHARDS, Shards
 
 CHECKPOINT_BYTES = 16 * 1024**2  # journal bytes since the last checkpoint that call for one
@@ -52,6 +54,22 @@ class Pacer:
             self.since = time.perf_counter()
 
 
+@dataclass(slots=True)
+class FileRows:
+    """A journal file's segment rows in a checkpoint: how many keys the keydir listed for
+    it, the rows, the SEGS entries holding them (their indexes among the checkpoint's
+    entries) and, once the file is written, where those are in it (`copies`)."""
+
+    keys: int
+    rows: int = 0
+    at: list[int] = field(default_factory=list)
+    copies: list[codec.Copied] = field(default_factory=list)
+
+    def written(self, places: Sequence[tuple[int, int, int]]) -> None:
+        """The checkpoint is written: each entry's (offset, length, crc32) in its file."""
+        self.copies = [codec.Copied(*places[i]) for i in self.at]
+
+
 async def encode_checkpoint(
     position: tuple[int, int],
     written_at: float,
@@ -60,13 +78,21 @@ async def encode_checkpoint(
     by_key: Shards[bytes, Segment],
     records: list[Record],
     uncommitted: Collection[str] = (),
-) -> tuple[list[codec.Entry], int]:
+    previous: Mapping[int, FileRows] | None = None,
+    unchanged: Callable[[int], bool] = lambda pack: False,
+) -> tuple[list[codec.Entry | codec.Copied], int, dict[int, FileRows]]:
     """The checkpoint at journal `position` of the segments located in the files before it
     (`placed`: each file and the digests the keydir lists for it, looked up in `by_key` as
     they are read) and of `records` (the durable ones, but those whose ids are
-    `uncommitted`), as chunks to write, and how many records it names. A record is named
-    by its parent's row when that row is out already; a record that needs a segment the
-    journal does not hold is left out.
+    `uncommitted`), as entries to write, how many records it names, and its rows of each
+    journal file. A record is named by its parent's row when that row is out already; a
+    record that needs a segment the journal does not hold is left out.
+
+    A journal file's rows in the `previous` checkpoint (the file being replaced) are
+    copied from it, not encoded again, when they would come out the same: the keydir
+    lists as many keys for the file as then, and no segment left it or changed its row
+    there since that checkpoint's capture (`unchanged`). Files before the position are
+    never appended to, so its segments are then the very ones, where they were.
 
     Nothing is filtered at the capture (100,000 records at once would stall the loop):
     the records' list is read here chunk by chunk, and emptied as it is read (letting go
@@ -74,18 +100,31 @@ async def encode_checkpoint(
     where they are now. A segment located before `position` at the capture is still
     there unless no record holds it any more, and then each record captured that held
     it was dropped since (its DEL, expiry or new PUT follows `position`)."""
-    chunks: list[codec.Entry] = [codec.encode_head(position, written_at, next_sid)]
+    chunks: list[codec.Entry | codec.Copied] = [codec.encode_head(position, written_at, next_sid)]
     pacer = Pacer()
     n_segs = n_recs = 0
+    files: dict[int, FileRows] = {}
     shards = by_key.shards  # (looked up here: Shards.get is a Python call a segment)
     for pack, keys in placed:
+        rows_of = FileRows(len(keys))
+        was = previous.get(pack) if previous and pack != FILES else None
+        if was is not None and was.keys == len(keys) and unchanged(pack):
+            rows_of.rows, rows_of.at = was.rows, list(range(len(chunks), len(chunks) + len(was.at)))
+            chunks += was.copies
+            n_segs += was.rows
+            files[pack] = rows_of
+            continue
         for start in range(0, len(keys), CHUNK):
             found = [shards[hash(k) % SHARDS].get(k) for k in keys[start : start + CHUNK]]
             rows = codec.checkpoint_segment_rows(found, pack)
             if rows:
-                n_segs += len(rows)
+                rows_of.rows += len(rows)
+                rows_of.at.append(len(chunks))
                 chunks.append(codec.encode_chunk(codec.SEGS, rows))
             await pacer.pause()
+        n_segs += rows_of.rows
+        if pack != FILES:  # (a file of segment files, whose keys come and go: never copied)
+            files[pack] = rows_of
     # id(chain link) -> the id of the record whose row is out, sharded: one dict of
     # 100,000 entries grows by copying them all at once (~4 ms). Ints and strings only:
     # the GC does not track the dicts, so no pass meanwhile traverses them.
@@ -99,7 +138,7 @@ async def encode_checkpoint(
         shard.clear()
         await pacer.pause()
     chunks.append(codec.encode_end(n_segs, n_recs))
-    return chunks, n_recs
+    return chunks, n_recs, files
 
 
 T = TypeVar("T")
