@@ -1,5 +1,6 @@
 """Where segment bytes are: the count of segments the journal holds, and per journal file
-the bytes its live segments take, its size, when a segment last left it, and the keys of
+the bytes its live segments take, its size, when a segment last left it (or changed its
+row there: the checkpoint copies a file's rows only if neither happened), and the keys of
 the segments placed there (compaction's list of what to look at: a segment that left
 stays listed until its file goes, at most as many as those still there once the file is
 sparse enough to compact). Segments in files of their own (segment_files.py, "file"
