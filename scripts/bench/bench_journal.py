@@ -41,6 +41,15 @@ figure: the collected count ÷ --turns.
         python scripts/bench/bench_journal.py --commit-round --callgrind --turns 2000 \
         --clients 4 --chain 10
 
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null --collect-atstart=no \
+        --toggle-collect='*functools_reduce*' \
+        python scripts/bench/bench_journal.py --checkpoint-round DIR/state [--churn K]
+
+--checkpoint-round loads a copy of DIR/state, writes a checkpoint, commits --churn new
+turns, and writes one more inside functools.reduce: under callgrind as above, the
+instructions of the event loop's thread for that checkpoint (its threads' work, the
+writing, is not counted), a figure the machine's load does not move.
+
 --append-only commits turns to DIR/state (chains of 10, 16 clients) with no checkpoint until
 --bytes of journal follow the last one (the most start-up replays under a trigger of that
 many bytes): --restart-only then times that start-up. Fill with room under the 100,000
@@ -62,6 +71,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import http.client
 import os
 import shutil
@@ -249,6 +259,27 @@ async def checkpoint_only(state: Path, rounds: int, churn: int) -> None:
         await store.sweep()  # (a pass over every record, in short steps of the loop)
         print(f"sweep at {len(store)} records: {(time.perf_counter() - t0) * 1e3:.1f} ms")
         await store.close()
+
+
+def checkpoint_round(state: Path, churn: int) -> None:
+    """A checkpoint of a copy of `state` (after a first one and `churn` new turns) run
+    inside functools.reduce, the C function callgrind is told to count in."""
+    with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+        copy = Path(tmp) / "state"
+        shutil.copytree(state, copy)
+        loop = asyncio.new_event_loop()
+        store = make(copy)
+        loop.run_until_complete(store.start())
+        assert loop.run_until_complete(store.flush())
+        parent = None
+        for i in range(churn):
+            parent = store.put(turn(f"churn_{i}", i % 10), parent if i % 10 else None)
+        loop.run_until_complete(store.commit())
+        heap.settle()  # as `serve` keeps the heap
+        functools.reduce(lambda _, __: loop.run_until_complete(store.flush()), [0], None)
+        print(f"checkpoint at {len(store)} records")
+        loop.run_until_complete(store.close())
+        loop.close()
 
 
 async def append_only(state: Path, bytes_: int) -> None:
@@ -470,6 +501,7 @@ def main() -> None:
     parser.add_argument("--keep", metavar="DIR", help="fill DIR/state and keep it")
     parser.add_argument("--serve-only", metavar="DIR", help="time serve to /readyz on DIR")
     parser.add_argument("--checkpoint-only", metavar="DIR", help="time checkpoints of DIR")
+    parser.add_argument("--checkpoint-round", metavar="DIR", help="one, for callgrind")
     parser.add_argument("--append-only", metavar="DIR", help="journal after DIR's checkpoint")
     parser.add_argument("--bytes", type=int, default=16 * 1024**2, help="--append-only")
     parser.add_argument("--commit-cpu", action="store_true", help="the commit path's CPU")
@@ -482,7 +514,7 @@ def main() -> None:
         help="--commit-round: count the measured turns only (valgrind --instr-atstart=no)",
     )  # fmt: skip
     parser.add_argument("--turns", type=int, default=20_000, help="--commit-cpu: per round")
-    parser.add_argument("--churn", type=int, default=0, help="--checkpoint-only: new turns")
+    parser.add_argument("--churn", type=int, default=0, help="--checkpoint-*: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nice", type=int, metavar="N", help="--serve-only at niceness N")
@@ -515,6 +547,9 @@ def main() -> None:
         return
     if args.checkpoint_only:
         asyncio.run(checkpoint_only(Path(args.checkpoint_only), args.rounds, args.churn))
+        return
+    if args.checkpoint_round:
+        checkpoint_round(Path(args.checkpoint_round), args.churn)
         return
     if args.append_only:
         asyncio.run(append_only(Path(args.append_only), args.bytes))
