@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_ITEMS, ItemIds, Segment
 from ocxproxy.store.compression import SMALL
-from ocxproxy.store.local import codec, journal
+from ocxproxy.store.local import codec, files, journal
 from ocxproxy.store.local.codec import DEL, PUT, SEG, Loaded
 from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import HYPOTHESIS
@@ -103,6 +103,30 @@ def test_the_file_a_checkpoint_rotates_to_has_its_room_made_ahead(tmp_path: Path
     assert os.stat(j.path(j.active)).st_blocks * 512 >= journal.PREALLOCATE
     j.seal_retired()
     j.append([(PUT, row("later", [7], 7))])
+    j.close()
+    loaded = Journal(tmp_path).load(repair=False)
+    assert loaded.error is None and list(loaded.records) == ["r", "later"]
+
+
+def test_a_file_made_ahead_without_room_still_takes_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while ready_next makes the next file's room leaves the file with none
+    counted: the rotation still happens, and the first commit after it allocates the
+    room itself."""
+    j = opened(tmp_path)
+    j.append([(PUT, row("r", [], 7))])
+
+    def refused(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(files.fs, "posix_fallocate", refused)
+        j.ready_next()
+    j.rotate()
+    assert j.room() == 0
+    j.seal_retired()
+    j.append([(PUT, row("later", [], 7))])
     j.close()
     loaded = Journal(tmp_path).load(repair=False)
     assert loaded.error is None and list(loaded.records) == ["r", "later"]

@@ -209,7 +209,7 @@ class Journal:
             try:
                 files.fs.posix_fallocate(fd, 0, PREALLOCATE)
                 files.fs.fsync(fd)
-            except OSError:  # (no room made: the first commit grows the file, as before)
+            except OSError:  # (no room made: the first commit allocates it)
                 self._ready = (pack, fd, 0)
             else:
                 self._ready = (pack, fd, PREALLOCATE)
