@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import NO_ITEMS, ItemIds, Segment
 from ocxproxy.store.compression import SMALL
-from ocxproxy.store.local import codec, files, journal
+from ocxproxy.store.local import codec, journal
 from ocxproxy.store.local.codec import DEL, PUT, SEG, Loaded
 from ocxproxy.store.local.journal import Journal
 from tests.store.helpers import HYPOTHESIS
@@ -87,49 +87,6 @@ def test_a_small_segment_is_stored_raw_in_a_zstd_frame(tmp_path: Path) -> None:
     j.close()
     loaded = Journal(tmp_path).load(repair=False)
     assert [(s.offset, s.length) for s in loaded.segments.values()] == [p[1:] for p in places]
-
-
-def test_the_file_a_checkpoint_rotates_to_has_its_room_made_ahead(tmp_path: Path) -> None:
-    """ready_next allocates (and syncs) the next file's room while commits go on, so the
-    first commit after the rotation fits it and goes to the fsync helper like any other,
-    not through a thread that allocates and fsyncs first; the room left unused reads as
-    the end."""
-    j = opened(tmp_path)
-    a = segment(b"[1]", 7)
-    j.append([(SEG, (codec.segment_row(a), a.data, None)), (PUT, row("r", [7], 7))])
-    j.ready_next()
-    j.rotate()
-    assert j.room() == journal.PREALLOCATE
-    assert os.stat(j.path(j.active)).st_blocks * 512 >= journal.PREALLOCATE
-    j.seal_retired()
-    j.append([(PUT, row("later", [7], 7))])
-    j.close()
-    loaded = Journal(tmp_path).load(repair=False)
-    assert loaded.error is None and list(loaded.records) == ["r", "later"]
-
-
-def test_a_file_made_ahead_without_room_still_takes_commits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A full disk while ready_next makes the next file's room leaves the file with none
-    counted: the rotation still happens, and the first commit after it allocates the
-    room itself."""
-    j = opened(tmp_path)
-    j.append([(PUT, row("r", [], 7))])
-
-    def refused(*args: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(files.fs, "posix_fallocate", refused)
-        j.ready_next()
-    j.rotate()
-    assert j.room() == 0
-    j.seal_retired()
-    j.append([(PUT, row("later", [], 7))])
-    j.close()
-    loaded = Journal(tmp_path).load(repair=False)
-    assert loaded.error is None and list(loaded.records) == ["r", "later"]
 
 
 def test_checkpoint_round_trip_and_replay_after_it(tmp_path: Path) -> None:

@@ -75,7 +75,7 @@ class Journal:
         self._readers: dict[int, int] = {}
         self._readers_lock = threading.Lock()
         self._opening = threading.Lock()  # the active file changes (ready_next runs beside)
-        self._ready: tuple[int, int, int] | None = None  # (file, fd, room) made by ready_next
+        self._ready: tuple[int, int] | None = None  # (file, fd) made ahead by ready_next
         self._retired: list[tuple[int, int, int]] = []  # (fd, size, allocated) to seal
 
     def __repr__(self) -> str:
@@ -167,16 +167,15 @@ class Journal:
         The file before is sealed now, or with `seal=False` kept for `seal_retired`."""
         with self._opening:
             ready, self._ready = self._ready, None
-            room = 0
             if ready is not None and ready[0] == pack:
-                fd, room = ready[1], ready[2]
+                fd = ready[1]
             else:
                 if ready is not None:
                     files.fs.close(ready[1])
                 fd = self._create(pack)
             if self._fd is not None:
                 self._retired.append((self._fd, self.size, self.allocated))
-            self._fd, self.active, self.size, self.allocated = fd, pack, 0, room
+            self._fd, self.active, self.size, self.allocated = fd, pack, 0, 0
         if seal:
             self.seal_retired()
 
@@ -194,10 +193,7 @@ class Journal:
 
     def ready_next(self) -> None:
         """Blocking, while commits go on: create the file `rotate` moves to (durable in its
-        directory) with PREALLOCATE bytes of room (synced), so the rotation, made while
-        commits wait, does no I/O, and the first commits after it go to the fsync helper
-        like any other: in a file without room the first would take the committer's
-        thread (allocate, write, fsync), and the turns in it would wait for all three."""
+        directory), so the rotation, made while commits wait, does no I/O."""
         with self._opening:
             pack = self.active + 1
             if self._ready is not None:
@@ -205,14 +201,7 @@ class Journal:
                     return
                 files.fs.close(self._ready[1])
                 self._ready = None
-            fd = self._create(pack)
-            try:
-                files.fs.posix_fallocate(fd, 0, PREALLOCATE)
-                files.fs.fsync(fd)
-            except OSError:  # (no room made: the first commit allocates it)
-                self._ready = (pack, fd, 0)
-            else:
-                self._ready = (pack, fd, PREALLOCATE)
+            self._ready = (pack, self._create(pack))
 
     def seal_retired(self) -> None:
         """Close the files appended to before, without the preallocated room they did not
