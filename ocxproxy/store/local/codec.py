@@ -439,8 +439,8 @@ def good_prefix(data: bytes | memoryview, start: int, loaded: Loaded, pack: int)
 
 
 # A checkpoint is encoded as entries, each its type and payload, on the event loop; they
-# are framed (each payload's crc32 and its copy behind the header, ~30 ms at 100,000
-# records) by the thread that writes them (journal.write_checkpoint).
+# are framed (each payload's crc32 and its copy behind the header: linear in the
+# checkpoint's bytes) by the thread that writes them (journal.write_checkpoint).
 Entry = tuple[int, bytes]
 
 
