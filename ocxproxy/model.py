@@ -11,7 +11,7 @@ from itertools import islice
 from typing import Any, TypeVar
 
 _SPANS = struct.Struct("<QQ")  # an item's start and end in its segment's bytes
-_ONE = (1 << 30) - 1  # the largest start and end a lone item's span packs into one int
+LONE_MAX = (1 << 30) - 1  # the largest start and end a lone item's span packs into one int
 
 _T = TypeVar("_T")
 _SHARED: dict[object, object] = {}
@@ -26,15 +26,17 @@ SID_SHIFT = SPAN_SHIFT + 60
 LENGTH_MAX = (1 << LENGTH_BITS) - 1
 OFFSET_MAX = (1 << 40) - 1
 _PLACE = (1 << SPAN_SHIFT) - 1
-_SPAN = ((1 << 60) - 1) << SPAN_SHIFT
+SPAN_MAX = (1 << 60) - 1
+_SPAN = SPAN_MAX << SPAN_SHIFT
 _NO_SPAN = ~_SPAN
 _BELOW_SID = (1 << SID_SHIFT) - 1
 
 # A durable record's response once its journal entry is committed (`Record.response`, an
 # int): its journal file above the offset (up to 1 TiB) and compressed length of its bytes
 # there above their size (each up to 4 GiB).
-_SIZE_BITS = 32
-_SIZE_MAX = (1 << _SIZE_BITS) - 1
+SIZE_BITS = 32
+SIZE_MAX = (1 << SIZE_BITS) - 1
+PACK_SHIFT = SIZE_BITS + LENGTH_BITS + 40  # the journal file's, above offset and length
 
 
 def place(pack: int, offset: int, length: int, size: int) -> int:
@@ -42,15 +44,15 @@ def place(pack: int, offset: int, length: int, size: int) -> int:
     and their `size` once decompressed, as one int; ValueError when out of range."""
     if not (
         pack >= 0 and 0 <= offset <= OFFSET_MAX and 0 <= length <= LENGTH_MAX
-        and 0 <= size <= _SIZE_MAX
+        and 0 <= size <= SIZE_MAX
     ):  # fmt: skip
         raise ValueError(f"response place out of range: {pack}, {offset}, {length}, {size}")
-    return ((pack << 40 | offset) << LENGTH_BITS | length) << _SIZE_BITS | size
+    return ((pack << 40 | offset) << LENGTH_BITS | length) << SIZE_BITS | size
 
 
 def unplace(at: int) -> tuple[int, int, int, int]:
     """`place`'s (pack, offset, length, size)."""
-    size, at = at & _SIZE_MAX, at >> _SIZE_BITS
+    size, at = at & SIZE_MAX, at >> SIZE_BITS
     length, at = at & LENGTH_MAX, at >> LENGTH_BITS
     return at >> 40, at & OFFSET_MAX, length, size
 
@@ -93,7 +95,7 @@ class ItemIds:
         # ids in segment after segment, and after a restart too.
         if len(entries) == 1:  # the usual turn: one output item with an id (5x faster)
             ((item_id, start, end),) = entries
-            if 0 <= start <= end <= _ONE:
+            if 0 <= start <= end <= LONE_MAX:
                 self._ids, self._spans = sys.intern(item_id), start << 30 | end
                 return
         last = {sys.intern(item_id): (start, end) for item_id, start, end in entries}
@@ -112,7 +114,7 @@ class ItemIds:
         """The (start, end) of the item with this id, or None."""
         ids, spans = self._ids, self._spans
         if type(spans) is int:
-            return (spans >> 30, spans & _ONE) if ids == item_id else None
+            return (spans >> 30, spans & LONE_MAX) if ids == item_id else None
         try:
             at = ids.index(item_id)
         except ValueError:
@@ -128,7 +130,7 @@ class ItemIds:
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
         ids, spans = self._ids, self._spans
         if type(spans) is int:  # the usual segment (a generator over a zip costs more)
-            return iter(((ids, spans >> 30, spans & _ONE),))  # type: ignore[arg-type]
+            return iter(((ids, spans >> 30, spans & LONE_MAX),))  # type: ignore[arg-type]
         pairs = _SPANS.iter_unpack(spans)  # type: ignore[arg-type]
         return ((i, s, e) for i, (s, e) in zip(ids, pairs, strict=True))
 
@@ -367,7 +369,7 @@ class Record:
         response = self.response
         if isinstance(response, Segment):
             return response.size
-        return len(response) if isinstance(response, bytes) else response & _SIZE_MAX
+        return len(response) if isinstance(response, bytes) else response & SIZE_MAX
 
     @property
     def own(self) -> Segment | None:

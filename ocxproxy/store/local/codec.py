@@ -51,10 +51,15 @@ from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import (
     LENGTH_BITS,
     LENGTH_MAX,
+    LONE_MAX,
     NO_CALLS,
     NO_ITEMS,
     OFFSET_MAX,
+    PACK_SHIFT,
     SID_SHIFT,
+    SIZE_BITS,
+    SIZE_MAX,
+    SPAN_MAX,
     SPAN_SHIFT,
     ItemIds,
     Record,
@@ -157,11 +162,6 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
 # checks of the two are most of what a row costs them). Rows are tuples (JSON arrays all
 # the same): fewer objects for the cyclic GC to count. A change to a row is made in both.
 
-_SPAN_OF = (1 << 60) - 1
-_ONE = (1 << 30) - 1  # a lone item id's start and end, packed (model.ItemIds)
-_SIZE_MAX = (1 << 32) - 1
-_PACK_SHIFT = 2 * LENGTH_BITS + 40  # a response's place: its file above these bits
-
 
 def checkpoint_segment_rows(found: list[Segment | None], pack: int) -> list[tuple[Any, ...]]:
     """`segment_row` and [pack, offset, length] of each segment of `found` located in
@@ -177,8 +177,8 @@ def checkpoint_segment_rows(found: list[Segment | None], pack: int) -> list[tupl
         calls = s.call_ids
         ids = s.ids
         if type(ids) is str:
-            span = at >> SPAN_SHIFT & _SPAN_OF
-            items: Any = ((ids, span >> 30, span & _ONE),)
+            span = at >> SPAN_SHIFT & SPAN_MAX
+            items: Any = ((ids, span >> 30, span & LONE_MAX),)
         else:
             items = list(ids) if ids is not NO_ITEMS else ()
         rows.append((
@@ -208,10 +208,10 @@ def checkpoint_record_rows(
         response = r.response
         if type(response) is int:
             held: Any = (
-                response >> _PACK_SHIFT,
-                response >> (LENGTH_BITS + 32) & OFFSET_MAX,
-                response >> 32 & LENGTH_MAX,
-                response & _SIZE_MAX,
+                response >> PACK_SHIFT,
+                response >> (LENGTH_BITS + SIZE_BITS) & OFFSET_MAX,
+                response >> SIZE_BITS & LENGTH_MAX,
+                response & SIZE_MAX,
             )
         elif type(response) is Segment and response.pack >= 0:
             held = response.at >> SID_SHIFT
