@@ -8,8 +8,10 @@ scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
      turns), then continuation turns open loop at --rate turns/s over 64 chains for
      --duration s; latency counts from each turn's scheduled send time. Both N in this run
      (--small-records, --records), each its own proxy; the small store is the baseline of
-     the ratio. Both windows run in the same seconds (--sequential: one after the other),
-     so a stall of the shared disk, which every durable turn waits on, falls on both.
+     the ratio. Each store runs alone, as a deployed proxy does: the small store's window
+     is split around the big one's (A B A), so both are centred on the same moment and a
+     slow minute of the shared disk or box falls on both alike. With --together both run
+     in the same seconds instead, their commits reaching the disk in the same instants.
   2. RSS of the filled proxy (VmRSS, and peak VmHWM); allocated bytes of its state dir
      (st_blocks * 512) ÷ the bytes the store counts (ocxproxy_store_bytes in /metrics, every
      tier that is not memory) once its writes have settled.
@@ -474,28 +476,29 @@ async def fill_store(
 async def latency_windows(
     filled: list[Filled], args: argparse.Namespace, watch: Watch | None
 ) -> list[Store]:
-    """Each filled proxy's open-loop window, all in the same seconds (or one after the
-    other with --sequential), then its RSS and allocation once its writes settled."""
+    """The two filled proxies' open-loop windows, each alone, A B A (or both in the same
+    seconds with --together), then each one's RSS and allocation once its writes settled."""
     loads = [OpenLoop(f.http, args.rate, 64) for f in filled]
     for load in loads:
         await load.start_chains()
     before = [journal_commits(await f.proxy.metrics()) for f in filled]
-    windows = []
-    if args.sequential:
-        for load in loads:
-            start = time.monotonic()
-            await load.run(args.duration)
-            windows.append((start, time.monotonic()))
-    else:
+    windows: list[list[tuple[float, float]]] = [[] for _ in loads]
+    if args.together:
         start = time.monotonic()
         await asyncio.gather(*(load.run(args.duration) for load in loads))
-        windows = [(start, time.monotonic())] * len(loads)
+        windows = [[(start, time.monotonic())] for _ in loads]
+    else:
+        small, big = range(2)
+        for which, seconds in ((small, 0.5), (big, 1.0), (small, 0.5)):
+            start = time.monotonic()
+            await loads[which].run(args.duration * seconds)
+            windows[which].append((start, time.monotonic()))
     stores = []
-    for f, load, window, commits in zip(filled, loads, windows, before, strict=True):
+    for f, load, spans, commits in zip(filled, loads, windows, before, strict=True):
         lat = Summary.of(load.latencies)
         slow = sum(1 for x in load.latencies if x > 0.05) / max(len(load.latencies), 1)
         store = Store(f.made, f.seconds, f.failures, lat, slow, load.statuses, load.skipped)
-        store.disk = watch.between(*window) if watch else []
+        store.disk = [sync for span in spans for sync in watch.between(*span)] if watch else []
         await settle(f.proxy, 120)
         store.rss_mib = status_kib(f.proxy.pid, "VmRSS") / 1024
         store.hwm_mib = status_kib(f.proxy.pid, "VmHWM") / 1024
@@ -713,7 +716,7 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
 
 
 def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
-    when = "one store after the other" if args.sequential else "both stores in the same seconds"
+    when = "both stores in the same seconds" if args.together else "each store alone, A B A"
     print(
         f"\n## Continuation latency, {args.rate:g} turns/s open loop per store, "
         f"{args.duration:g} s, {when}" + (", --zdr (no turn waits for a sync)" if args.zdr else "")
@@ -741,7 +744,7 @@ def report_latency(small: Store, big: Store, args: argparse.Namespace) -> None:
         )
     print(table(headers, rows))
     if big.disk:
-        same = "the same seconds" if not args.sequential else "each window's seconds"
+        same = "the same seconds" if args.together else "its own windows' seconds"
         for s in (small, big):
             print(f"the disk's own fdatasync in {same} ({s.records:,}): {describe(s.disk)}")
     ratio = big.latency.p99 / small.latency.p99
@@ -876,7 +879,7 @@ async def measure(
         await fill_store(backend, root / "small", args.small_records, args),
         await fill_store(backend, root / "big", args.records, args),
     ]
-    progress("measuring latency" + (" (one store after the other)" if args.sequential else ""))
+    progress("measuring latency" + (" (both stores at once)" if args.together else " (A B A)"))
     small, big = await latency_windows(filled, args, watch)
     filled[0].proxy.stop()
     proxy = filled[1].proxy
@@ -1100,9 +1103,9 @@ def main() -> None:
         help="--only-rss: trace allocations (N frames each) and print the largest holders",
     )
     parser.add_argument(
-        "--sequential",
+        "--together",
         action="store_true",
-        help="latency windows one store after the other (default: both in the same seconds)",
+        help="both stores' latency windows in the same seconds (default: each alone, A B A)",
     )
     parser.add_argument("--tmp", help="where the state dirs go (default: the temp dir)")
     parser.add_argument(

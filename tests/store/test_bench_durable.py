@@ -36,6 +36,7 @@ async def test_bench_durable_smoke() -> None:
     async with asyncio.timeout(100):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out[-3000:]
+    assert "each store alone, A B A\n" in out, out[-3000:]
     table = out[out.index("## Figures (default durable configuration)") :]
     for figure in FIGURES:
         line = next((line for line in table.splitlines() if line.startswith(figure)), None)
@@ -65,10 +66,10 @@ def window_fsyncs(out: str, sizes: tuple[int, ...]) -> list[str]:
 
 
 async def test_bench_durable_latency_zdr() -> None:
-    """--only-latency --zdr: the same windows with both stores under --zdr, the floor the
-    latency has without the disk: no turn waited for an fsync."""
+    """--only-latency --zdr --together: both stores' windows in the same seconds under
+    --zdr, the floor the latency has without the disk: no turn waited for an fsync."""
     argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_durable.py")]
-    argv += ["--only-latency", "--zdr", "--records", "40", "--small-records", "20"]
+    argv += ["--only-latency", "--zdr", "--together", "--records", "40", "--small-records", "20"]
     argv += ["--rate", "100", "--duration", "0.5"]
     proc = await asyncio.create_subprocess_exec(
         *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
