@@ -10,8 +10,10 @@ prints each sync over --slow ms with the wall time, and p99/max every 10 s, unti
     python scripts/bench/disk_canary.py /tmp &   # beside bench_durable.py --only-latency
 
 `Watch` runs it beside a benchmark (`--record FILE --every 0.025`: each sync's monotonic
-start and duration appended to FILE, nothing printed), so the benchmark can report the
-disk's syncs in the same seconds as each of its windows (bench_durable.py).
+start and duration appended to FILE, with how late the canary woke up for it, nothing
+printed), so the benchmark can report the disk's syncs in the same seconds as each of its
+windows (bench_durable.py), and the box's own stalls: a wake-up late by many ms is the
+machine not running a ready process, whatever the disk does.
 """
 
 from __future__ import annotations
@@ -89,16 +91,22 @@ class Watch:
         """The durations of the syncs under way in [start, end) (time.monotonic seconds):
         a stall begun before the window and lasting into it counts, so a window shorter
         than a stall still shows it."""
-        syncs = []
+        return [took for at, took, _ in self._lines() if at < end and at + took > start]
+
+    def late(self, start: float, end: float) -> list[float]:
+        """How late (seconds) the canary woke up for each sync in [start, end): its sleep
+        overran by that much, the box's stall rather than the disk's."""
+        return [late for at, _, late in self._lines() if start <= at < end]
+
+    def _lines(self) -> list[tuple[float, float, float]]:
+        lines = []
         with contextlib.suppress(FileNotFoundError), open(self.record) as f:
             for line in f:
                 fields = line.split()
-                if len(fields) != 2:  # a torn last line
+                if len(fields) != 3:  # a torn last line
                     continue
-                at, took = float(fields[0]), float(fields[1])
-                if at < end and at + took > start:
-                    syncs.append(took)
-        return syncs
+                lines.append((float(fields[0]), float(fields[1]), float(fields[2])))
+        return lines
 
 
 def tail(syncs: list[float]) -> tuple[int, float, float]:
@@ -144,10 +152,13 @@ def main() -> None:
 
 def record(canary: Canary, path: Path, every: float) -> None:
     with open(path, "a", buffering=1) as out:
+        late = 0.0
         while True:
             at = time.monotonic()
-            out.write(f"{at:.6f} {canary.sync():.6f}\n")
+            out.write(f"{at:.6f} {canary.sync():.6f} {late:.6f}\n")
+            asleep = time.monotonic()
             time.sleep(every)
+            late = max(time.monotonic() - asleep - every, 0.0)
 
 
 def run(canary: Canary, seconds: float, slow: float, every: float) -> None:
