@@ -25,12 +25,15 @@ one's have come (replay stops at the first gap, so a commit counts only with eve
 commit before it), and when one fails, every later one in flight fails with it and the
 file is cut back to where the failed one began. The file's room grows ahead: once less
 than GROW_BELOW is left, a thread allocates and syncs the next PREALLOCATE bytes while
-commits go on (`Journal.grow`).
-Anything else (a large commit, one with a segment that gets its own file, a new file, room
-used up before it grew, no helper, relaxed durability's window) is the committer task's:
-it waits until no commit is in flight and no growth is under way, then is encoded,
-written and synced in a thread (what the callback encoded on the loop before finding it
-could not be sent is kept, not encoded again: a segment is compressed once).
+commits go on (`Journal.grow`). An empty file (one a checkpoint just rotated to) has no
+room: its first commit goes to the helper all the same, past the file's end (the
+helper's fdatasync then syncs the new size too), and the room is made past it; a commit
+that finds the growth under way and no room waits for it, then goes to the helper.
+Anything else (a large commit, one with a segment that gets its own file, a file past
+FILE_BYTES, room that could not be made, no helper, relaxed durability's window) is the
+committer task's: it waits until no commit is in flight and no growth is under way, then
+is encoded, written and synced in a thread (what the callback encoded on the loop before
+finding it could not be sent is kept, not encoded again: a segment is compressed once).
 
 The one asyncio.Lock `io` orders every write to the journal files: appends, rotation for a
 checkpoint, and removal of files (`quiet()`: with no commit in flight). The room's growth
@@ -201,7 +204,7 @@ class Committer:
             return  # the oldest flight's landing cuts it (`_landed`)
         encoded = self._encode()
         data, relative, own = encoded
-        if not own and len(data) <= self.journal.room():
+        if not own and self.journal.takes(len(data)):
             self._fly(child, *self._take(), data, relative)
         else:
             self._encoded = (len(self._jobs), encoded)
@@ -274,7 +277,9 @@ class Committer:
             outcome, future = self._take()
             if child is not None and encoded is not None:
                 data, relative, own = encoded
-                if not own and len(data) <= journal.room():
+                if not own and not journal.takes(len(data)) and self._growing is not None:
+                    await self._grown()  # the room it needs is being made: the helper's then
+                if not own and journal.takes(len(data)) and self._broken is None:
                     self._fly(child, outcome, future, data, relative)
                     return future
             await self._quiesce()
@@ -330,12 +335,13 @@ class Committer:
         self._flights.append(flight)
         synced.add_done_callback(self._answered)
         if journal.room() < GROW_BELOW and self._growing is None and not self._stopping:
-            self._growing = spawn(self._grow(journal.active, journal.allocated), name="store-grow")
+            self._growing = spawn(self._grow(journal.active, journal.end()), name="store-grow")
 
     async def _grow(self, pack: int, at: int) -> None:
-        """The active file's next room, allocated in a thread while commits go on (a
-        commit that found no room would wait for every flight to land, then grow the
-        file and sync it in a thread). A failure is left to that commit to meet."""
+        """The active file's next room from `at`, allocated in a thread while commits go
+        on (a commit that found no room would wait for every flight to land, then grow the
+        file and sync it in a thread). A failure is left to the next commit that does not
+        fit to meet: it goes through the thread, which allocates the room itself."""
         try:
             await self.offload(self.journal.grow, pack, at)
         except OSError as exc:

@@ -193,7 +193,8 @@ class Journal:
 
     def ready_next(self) -> None:
         """Blocking, while commits go on: create the file `rotate` moves to (durable in its
-        directory), so the rotation, made while commits wait, does no I/O."""
+        directory), so the rotation, made while commits wait, does no I/O. It gets no room
+        here: its first commit goes to the fsync helper all the same (`takes`)."""
         with self._opening:
             pack = self.active + 1
             if self._ready is not None:
@@ -280,11 +281,12 @@ class Journal:
 
     def grow(self, pack: int, at: int) -> None:
         """Blocking, while the fsync helper writes into the room left: allocate the next
-        PREALLOCATE bytes of room past `at` in file `pack` (synced), so no commit waits
-        for the growth. Nothing when that file's room changed meanwhile. The committer
-        never changes the active file or its room while this runs."""
+        PREALLOCATE bytes of room from `at` in file `pack` (synced), so no commit waits
+        for the growth; `at` is the end of the room, or of the entries where they went
+        past it (`takes`). Nothing when that file's room or end changed meanwhile. The
+        committer never changes the active file or its room while this runs."""
         fd = self._fd
-        if fd is None or self.active != pack or self.allocated != at or at >= FILE_BYTES:
+        if fd is None or self.active != pack or self.end() != at or at >= FILE_BYTES:
             return
         files.fs.posix_fallocate(fd, at, PREALLOCATE)
         files.fs.fsync(fd)
@@ -297,11 +299,23 @@ class Journal:
             return 0
         return self.allocated - self.size
 
+    def takes(self, length: int) -> bool:
+        """Whether `claim` takes a commit of `length` bytes: it fits the allocated room, or
+        the active file is empty (a file just rotated to has no room until its first
+        commit: room made before would be there in a store that commits nothing after a
+        checkpoint, counted against its disk cap). A commit past the allocated end grows
+        the file: the helper's fdatasync then syncs its new size too."""
+        return length <= self.room() or (self._fd is not None and self.size == 0)
+
+    def end(self) -> int:
+        """Where the active file's next room begins: past its room and its entries."""
+        return max(self.allocated, self.size)
+
     def claim(self, data: bytes, relative: Sequence[Any]) -> list[Any]:
-        """Take the allocated room for one commit that the fsync helper writes and syncs
-        (not durable until it answers; on any error the caller cuts it back, `cut_back`).
+        """Take the place for one commit that the fsync helper writes and syncs (`takes`;
+        not durable until it answers; on any error the caller cuts it back, `cut_back`).
         As `write`, the places of its SEG blobs."""
-        assert self._fd is not None and len(data) <= self.room()
+        assert self._fd is not None and self.takes(len(data))
         before = self.size
         self.size = before + len(data)
         return self._placed(before, relative)
