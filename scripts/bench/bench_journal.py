@@ -64,6 +64,18 @@ to /readyz 200, with their CPU seconds and RSS then; several --python interprete
 worktree's .venv/bin/python, run from that worktree) alternate, an A/B in one run. Python
 caches ocxproxy's bytecode, as an installed package has it (--no-bytecode: removes it first
 and writes none, as a source tree with PYTHONDONTWRITEBYTECODE set: every start compiles).
+
+    python scripts/bench/bench_journal.py --rotations [--rounds 10] [--clients 8]
+
+--rotations forces --rounds checkpoints (each rotates the journal to a new file), 0.4 s
+apart, into a durable store with the fsync helper that --clients clients commit to, each
+waiting 0-20 ms (uniform) after its commit before its next turn (16 clients unless
+--clients is given; chains of --chain): per checkpoint, whether the fsync helper or the
+committer's thread wrote the first commit after its capture, that commit's time from its
+cut (taken from the queue) to its outcome applied, how long after the capture it landed,
+and the longest commit latency of the turns begun during the capture or in the 20 ms
+after it; then the first commits' cut-to-landed time against the others', and every
+turn's commit latency.
 """
 
 from __future__ import annotations
@@ -74,12 +86,14 @@ import contextlib
 import functools
 import http.client
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -407,6 +421,132 @@ async def commit_cpu(turns: int, rounds: int) -> None:
     )
 
 
+AFTER = 0.02  # --rotations: the turns begun this long after a capture are its
+SOON = 0.05  # and the commits landed this long after it
+
+
+async def rotations(rounds: int, clients: int, chain: int) -> None:
+    """--rotations: the commits right after each of `rounds` forced checkpoints."""
+    print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
+    with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
+        store = Store(
+            max_resident_bytes=64 * 1024**2, max_entries=100_000, ttl=30 * 86400.0,
+            state_dir=Path(tmp) / "state", fsync_child=True,
+        )  # fmt: skip
+        await store.start()
+        disk = store.disk
+        assert disk is not None and disk.committer is not None and disk.journal is not None
+        committer, journal = disk.committer, disk.journal
+        landed: list[tuple[float, Any, bool]] = []  # (when, commit, by the thread)
+        threaded: set[Any] = set()  # the commits the thread wrote
+        captures: list[tuple[float, float]] = []  # a capture's start and end
+
+        finish, write, append, quiet, take = (
+            committer._finish, journal.write, journal.append, committer.quiet, committer._take
+        )  # fmt: skip
+        cut: dict[Any, float] = {}  # a commit's future: when it was cut
+
+        def finished(outcome: Any, future: Any) -> None:
+            landed.append((time.perf_counter(), future, future in threaded))
+            finish(outcome, future)
+
+        grows: list[tuple[float, float]] = []  # the room's growths: start and end
+
+        def grow(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return grow_(*args)
+            finally:
+                grows.append((t0, time.perf_counter()))
+
+        def took() -> Any:
+            taken = take()
+            cut[taken[1]] = time.perf_counter()
+            return taken
+
+        def thread_write(*args: Any) -> Any:
+            threaded.add(committer._inflight)
+            return write(*args)
+
+        def thread_append(*args: Any) -> Any:
+            threaded.add(committer._inflight)
+            return append(*args)
+
+        @contextlib.asynccontextmanager
+        async def held() -> Any:
+            pack = journal.active
+            async with quiet():
+                began = time.perf_counter()
+                yield
+            if journal.active != pack:
+                captures.append((began, time.perf_counter()))
+
+        grow_ = journal.grow
+        wrapped: dict[object, dict[str, Any]] = {
+            committer: {"_finish": finished, "_take": took, "quiet": held},
+            journal: {"write": thread_write, "append": thread_append, "grow": grow},
+        }
+        for owner, methods in wrapped.items():
+            for name, method in methods.items():
+                setattr(owner, name, method)
+        waits: list[tuple[float, float, Any]] = []  # (submitted, landed, its commit)
+        done = asyncio.Event()
+        counter, spread = iter(range(10**9)), random.Random(0)
+
+        async def client() -> None:
+            parent, depth = None, 0
+            while not done.is_set():
+                if depth == chain:
+                    parent, depth = None, 0
+                record = store.put(turn(f"resp_{next(counter):07d}", depth), parent)
+                t0, future = time.perf_counter(), committer.pending()
+                await store.commit(record)
+                waits.append((t0, time.perf_counter(), future))
+                parent, depth = record, depth + 1
+                await asyncio.sleep(spread.uniform(0.0, 0.02))
+
+        tasks = [asyncio.ensure_future(client()) for _ in range(clients)]
+        await asyncio.sleep(1.0)
+        for _ in range(rounds):
+            assert await store.flush()
+            await asyncio.sleep(0.4)
+        done.set()
+        await asyncio.gather(*tasks)
+        await store.close()
+    firsts, first_commits = [], set()
+    for began, at in captures:
+        first = next((x for x in landed if x[0] > at), None)
+        if first is None:
+            continue
+        firsts.append(first[0] - cut[first[1]])
+        first_commits.add(first[1])
+        soon = [x[0] - cut[x[1]] for x in landed if at < x[0] < at + SOON and x[1] in cut]
+        growth = [f"{(b - a) * 1e3:.1f}" for a, b in grows if at < a < at + SOON]
+        near = [t1 - t0 for t0, t1, _ in waits if began <= t0 <= at + AFTER]
+        print(
+            f"first commit after a capture: {'thread' if first[2] else 'helper'}, cut to "
+            f"landed {firsts[-1] * 1e3:.1f} ms, {(first[0] - at) * 1e3:.1f} ms after the "
+            f"capture; the slowest of the {len(soon)} commits in {SOON * 1e3:.0f} ms "
+            f"{max(soon) * 1e3:.1f} ms; the room's growth then {', '.join(growth) or '-'} ms; "
+            f"the {len(near)} turns begun during the capture or {AFTER * 1e3:.0f} ms after "
+            f"waited up to {max(near, default=0) * 1e3:.1f} ms"
+        )
+    others = sorted(t - cut[f] for t, f, _ in landed if f in cut and f not in first_commits)
+    firsts.sort()
+    print(
+        f"cut to landed: the first commits after a capture p50 "
+        f"{firsts[len(firsts) // 2] * 1e3:.2f} ms, max {firsts[-1] * 1e3:.2f}; the others p50 "
+        f"{others[len(others) // 2] * 1e3:.2f}, p90 {others[len(others) * 9 // 10] * 1e3:.2f}"
+    )
+    lat = sorted(t1 - t0 for t0, t1, _ in waits)
+    n = len(lat)
+    print(
+        f"{n} turns: commit p50 {lat[n // 2] * 1e3:.2f} ms, p99 {lat[n * 99 // 100] * 1e3:.2f}, "
+        f"max {lat[-1] * 1e3:.2f}; commits by the thread {sum(x[2] for x in landed)} of "
+        f"{len(landed)}; load average {os.getloadavg()[0]:.2f}"
+    )
+
+
 def proc_figures(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) and RSS MiB of a live process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -514,6 +654,7 @@ def main() -> None:
         help="--commit-round: count the measured turns only (valgrind --instr-atstart=no)",
     )  # fmt: skip
     parser.add_argument("--turns", type=int, default=20_000, help="--commit-cpu: per round")
+    parser.add_argument("--rotations", action="store_true", help="commits after rotations")
     parser.add_argument("--churn", type=int, default=0, help="--checkpoint-*: new turns")
     parser.add_argument("--python", nargs="+", type=Path, default=[Path(sys.executable)])
     parser.add_argument("--rounds", type=int, default=5)
@@ -536,6 +677,9 @@ def main() -> None:
         return
     if args.commit_cpu:
         asyncio.run(commit_cpu(args.turns, args.rounds))
+        return
+    if args.rotations:
+        asyncio.run(rotations(args.rounds, 16 if args.clients == 64 else args.clients, args.chain))
         return
     if args.commit_round:
         with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
