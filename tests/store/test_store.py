@@ -96,8 +96,9 @@ async def test_past_the_byte_cap_segments_leave_memory_not_the_store(tmp_path: P
     await store.close()
 
 
-async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path) -> None:
-    store = make_store(tmp_path, max_resident_bytes=400, offload=inline)
+@pytest.mark.parametrize("helper", [False, True], ids=["thread", "fsync-helper"])
+async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path, helper: bool) -> None:
+    store = make_store(tmp_path, max_resident_bytes=400, offload=inline, fsync_child=helper)
     await store.start()
     build_chain(store, 20, prefix="private", durable=False)
     await store.flush()
@@ -111,8 +112,12 @@ async def test_store_false_content_is_dropped_never_spilled(tmp_path: Path) -> N
     await store.close()
 
 
-async def test_disk_cap_evicts_the_oldest_segments(tmp_path: Path) -> None:
-    store = make_store(tmp_path, max_resident_bytes=300, max_disk_bytes=10_000, offload=inline)
+@pytest.mark.parametrize("helper", [False, True], ids=["thread", "fsync-helper"])
+async def test_disk_cap_evicts_the_oldest_segments(tmp_path: Path, helper: bool) -> None:
+    store = make_store(
+        tmp_path, max_resident_bytes=300, max_disk_bytes=10_000, offload=inline,
+        fsync_child=helper,
+    )  # fmt: skip
     await store.start()
     build_chain(store, 10, prefix="old")
     await store.flush()
