@@ -9,7 +9,10 @@ by copying them all in one step of the event loop (one OrderedDict of every reco
 the order, oldest first, is kept apart in chunks: plain dicts of at most `CHUNK` records
 each, by number, oldest first; a record knows its chunk (`Record.chunk`), so it leaves it
 at once. Only the newest chunk takes new records; an older one is copied smaller as it
-empties (at `CHUNK // 4` records, then at every power of two), and goes once empty.
+empties (at `CHUNK // 4` records, then at every power of two), and goes once empty. So an
+older chunk whose count has not changed holds the very records it held: the checkpoint
+copies such a chunk's rows from its previous file (upkeep.encode_checkpoint), unless one of
+its records changed otherwise since (`changed`: its response moved by compaction).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ CHUNK = 4096  # records per chunk of the order (the most one step copies or scan
 class Records:
     __slots__ = (
         "by_id",
+        "changed_at",
         "chunks",
         "count",
         "failed",
@@ -48,6 +52,9 @@ class Records:
         self.chunks: dict[int, dict[str, Record]] = {0: {}}
         self.newest = 0
         self.count = 0
+        # chunk number -> when (the caller's clock: the keydir's capture number) a record
+        # of it last changed its checkpoint row in place (`changed`)
+        self.changed_at: dict[int, int] = {}
         self.items = ItemIndex()
         self.tombstones: OrderedDict[str, FailureReason] = OrderedDict()
         self.failed: OrderedDict[str, StoreFailure] = OrderedDict()  # ids whose commit failed
@@ -116,6 +123,7 @@ class Records:
                 self.chunks[number] = dict(chunk)
             else:
                 del self.chunks[number]
+                self.changed_at.pop(number, None)
         self.pinned_bytes -= self.pinned.pop(record.id, 0)
         self.items.remove(record)
         if reason is not None:
@@ -143,6 +151,20 @@ class Records:
         for chunk in self.chunks.values():
             out += chunk.values()
         return out
+
+    def layout(self) -> list[tuple[int, int]]:
+        """Each chunk's number and count, oldest first (`oldest()` is their records)."""
+        return [(number, len(chunk)) for number, chunk in self.chunks.items()]
+
+    def unchanged(self, number: int, count: int, since: int) -> bool:
+        """Chunk `number` holds `count` records and none changed its row (`changed`) at or
+        after `since`: when it was an older chunk of `count` records then, the same ones."""
+        chunk = self.chunks.get(number)
+        return chunk is not None and len(chunk) == count and self.changed_at.get(number, -1) < since
+
+    def changed(self, record: Record, when: int) -> None:
+        """`record` (indexed) changed its checkpoint row in place at `when`."""
+        self.changed_at[record.chunk] = when
 
     def oldest_unpinned(self) -> Record | None:
         return next((r for r in self if r.expires_at < NEVER), None)

@@ -44,7 +44,7 @@ async def as_if_encoded_whole(store: Store, state_dir: Path) -> None:
     """The checkpoint just written is the one a checkpoint encoded whole writes now."""
     assert store.disk is not None
     written = entries(state_dir)
-    store.disk.rows = {}  # (nothing to copy from)
+    store.disk.rows, store.disk.record_rows = {}, {}  # (nothing to copy from)
     assert await store.flush()
     assert entries(state_dir) == written
 

@@ -15,7 +15,6 @@ import orjson
 
 from ocxproxy.model import NO_CALLS, Chain, ItemIds, Record, Segment, chain_of, place
 from ocxproxy.store.local import codec
-from ocxproxy.store.shards import SHARDS
 from tests.store.helpers import checkpoint_ids, make_store, make_turn
 
 
@@ -115,7 +114,7 @@ def test_record_rows_are_record_row_and_name_the_same_records() -> None:
         record("c2", Chain(conv.links, c), place(1, 8, 6, 7), ids=[["x"], ["y", "z"], []]),
         record("n1", None, place(2, 0, 1, 1), backend=None, affinity_key=None),
     ]
-    rows = codec.checkpoint_record_rows(records, {"r10"}, [{} for _ in range(SHARDS)])
+    rows = codec.checkpoint_record_rows(records, {"r10"}, {}, lambda key: None)
     expected = reference_records(records, {"r10"}, {})
     assert [row[0] for row in rows] == ["r1", "r2", "r3", "r4", "f1", "c1", "c2", "n1"]
     assert rows[4][11:] == (None, (11, 28))

@@ -40,7 +40,7 @@ import hashlib
 import struct
 import threading
 import zlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,16 +189,19 @@ def checkpoint_segment_rows(found: list[Segment | None], pack: int) -> list[tupl
 
 
 def checkpoint_record_rows(
-    records: list[Record], uncommitted: Collection[str], named: list[dict[int, str]]
+    records: list[Record],
+    uncommitted: Collection[str],
+    named: dict[int, str],
+    earlier: Callable[[int], str | None],
 ) -> list[tuple[Any, ...]]:
     """The rows of the durable `records` but those `uncommitted`, those whose response
     is not in the journal (its bytes not committed yet, or evicted), and those with a
     segment not in the journal. `named` (id(chain link) -> the id of the record whose row
-    is out with it, sharded by the link's id modulo its length) gives a record's parent
-    row, whose chain is this one's but the last link: the row names it instead of the
-    chain (not a conversation's row, written whole); each row's link is added to it."""
+    is out with it: those of this chunk of the order so far), else `earlier` (the same
+    of the rows out before, by the link's id), gives a record's parent row, whose chain is
+    this one's but the last link: the row names it instead of the chain (not a
+    conversation's row, written whole); each row's link is added to `named`."""
     rows = []
-    shards = len(named)
     for r in records:
         if not r.durable:
             continue
@@ -229,7 +232,9 @@ def checkpoint_record_rows(
             parent = None
             if prev is not None and ids is None:
                 key = id(prev)
-                parent = named[key % shards].get(key)
+                parent = named.get(key)
+                if parent is None:
+                    parent = earlier(key)
             own = link.segment
             if parent is not None:
                 if own.pack < 0:
@@ -241,8 +246,7 @@ def checkpoint_record_rows(
                 chain = [s.at >> SID_SHIFT for s in segments if s.pack >= 0]
                 if len(chain) != len(segments):
                     continue
-            key = id(link)
-            named[key % shards][key] = rid
+            named[id(link)] = rid
         row: tuple[Any, ...] = (
             rid, r.scope, r.created_at, r.expires_at, chain, held, r.output_at, r.backend,
             r.affinity_key, r.n_items, r.stored,
@@ -475,13 +479,13 @@ def encode_end(n_segments: int, n_records: int) -> Entry:
 
 def copied(raw: bytes, entry: Copied) -> bytes:
     """The bytes `entry` names, read from the previous checkpoint file (`raw`); ValueError
-    unless they are that very entry, whole (a SEGS chunk, its crc32 as recorded)."""
+    unless they are that very entry, whole (a SEGS or RECS chunk, its crc32 as recorded)."""
     if len(raw) != entry.length or entry.length < FRAME.size:
         raise ValueError("checkpoint: a copied entry is short")
     length, crc, kind = FRAME.unpack_from(raw)
     payload = memoryview(raw)[FRAME.size :]
     if (
-        kind != SEGS or crc != entry.crc or length != len(payload)
+        kind not in (SEGS, RECS) or crc != entry.crc or length != len(payload)
         or zlib.crc32(payload, kind) != crc
     ):  # fmt: skip
         raise ValueError("checkpoint: a copied entry is not the one written")

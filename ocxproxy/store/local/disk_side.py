@@ -53,6 +53,14 @@ class DiskSide:
     def holds(self, record: Record) -> bool:
         return self.store.index.by_id.get(record.id) is record
 
+    def moved(self, record: Record) -> None:
+        store = self.store
+        store.index.changed(record, store.table.keydir.captures)
+
+    def unchanged(self, number: int, count: int, since: int) -> bool:
+        store = self.store
+        return store.table.keydir.lost_at < since and store.index.unchanged(number, count, since)
+
     def record(self, record_id: str) -> Record | None:
         return self.store.index.by_id.get(record_id)
 
@@ -63,7 +71,7 @@ class DiskSide:
     def evict_for_disk(self, target: float) -> None:
         self.store.expiry.for_disk(target)
 
-    def checkpoint_view(self) -> tuple[list[Record], set[str]]:
+    def checkpoint_view(self) -> tuple[list[Record], list[tuple[int, int]], set[str]]:
         store = self.store
         assert store.ledger is not None
-        return store.index.oldest(), store.ledger.uncommitted()
+        return store.index.oldest(), store.index.layout(), store.ledger.uncommitted()

@@ -52,6 +52,7 @@ from ocxproxy.store.local.upkeep import (
     DISK_KEEP,
     MAINTAIN_EVERY,
     SCAN,
+    ChunkRows,
     FileRows,
     Pacer,
     encode_checkpoint,
@@ -83,10 +84,15 @@ class Owner(Protocol):
     def record(self, record_id: str) -> Record | None:
         """The live record of this id."""
 
-    def checkpoint_view(self) -> tuple[list[Record], set[str]]:
-        """Every record, oldest first, and the ids whose PUT is not committed yet: a
-        checkpoint names the durable ones but those (filtered while encoding, not all at
-        once here)."""
+    def checkpoint_view(self) -> tuple[list[Record], list[tuple[int, int]], set[str]]:
+        """Every record, oldest first, the number and count of each chunk of that order
+        (records.Records), and the ids whose PUT is not committed yet: a checkpoint names
+        the durable ones but those (filtered while encoding, not all at once here)."""
+
+    def unchanged(self, number: int, count: int, since: int) -> bool:
+        """Chunk `number` of the records' order still holds `count` records, and none
+        changed its checkpoint row in place (or lost a segment) at or after capture
+        `since` (records.Records.unchanged)."""
 
 
 class Durable:
@@ -130,9 +136,11 @@ class Durable:
         self._maintainer: asyncio.Task[None] | None = None
         self.replay_from = (0, 0)  # the durable checkpoint's journal position
         self.checkpoint_size = 0
-        # The checkpoint file's rows of each journal file, and the capture it was taken at:
-        # the next checkpoint copies those of files unchanged since (upkeep.encode_checkpoint).
+        # The checkpoint file's rows of each journal file and of each chunk of the records'
+        # order, and the capture it was taken at: the next checkpoint copies those of
+        # files and chunks unchanged since (upkeep.encode_checkpoint).
         self.rows: dict[int, FileRows] = {}
+        self.record_rows: dict[int, ChunkRows] = {}
         self.rows_capture = 0
         self.since_checkpoint = 0  # journal bytes appended since the checkpoint's position
         self.dirty_at: float | None = None  # monotonic: oldest change not in the checkpoint
@@ -461,7 +469,7 @@ class Durable:
         async with committer.quiet():
             position = await self.offload(j.rotate)
             capture = self.table.captured(position[0])
-            records, uncommitted = self.owner.checkpoint_view()
+            records, layout, uncommitted = self.owner.checkpoint_view()
             # Frozen before the loop runs again: until it is encoded the list holds every
             # record, and any GC collection meanwhile, of any generation, would visit
             # each of them (10-35 ms with the loop stopped at 100,000 records, under
@@ -474,12 +482,13 @@ class Durable:
             self.dirty_at = None if not committer.pending() else time.monotonic()
             self.since_checkpoint = 0
         await self.offload(j.seal_retired)
-        keydir, since_capture = self.table.keydir, self.rows_capture
-        chunks, n_recs, rows = await encode_checkpoint(
-            position, self.clock(), next_sid, placed, self.table.by_key, records, uncommitted,
-            self.rows, lambda pack: keydir.unchanged_since(pack, since_capture),
+        keydir, owner, since_capture = self.table.keydir, self.owner, self.rows_capture
+        chunks, n_recs, rows, record_rows = await encode_checkpoint(
+            position, self.clock(), next_sid, placed, self.table.by_key, records, layout,
+            uncommitted, self.rows, lambda pack: keydir.unchanged_since(pack, since_capture),
+            self.record_rows, lambda number, count: owner.unchanged(number, count, since_capture),
         )  # fmt: skip
-        self.rows = {}  # (the file they are in is being replaced)
+        self.rows, self.record_rows = {}, {}  # (the file they are in is being replaced)
         try:
             written = await self.offload(j.write_checkpoint, chunks)
         except OSError as exc:
@@ -493,9 +502,9 @@ class Durable:
         for length, crc in written:
             places.append((size, length, crc))
             size += length
-        for file_rows in rows.values():
+        for file_rows in (*rows.values(), *record_rows.values()):
             file_rows.written(places)
-        self.rows, self.rows_capture = rows, capture
+        self.rows, self.record_rows, self.rows_capture = rows, record_rows, capture
         self.replay_from, self.checkpoint_size = position, size
         # What encoding it took (~36 MiB at 100,000 records) goes back to the system now,
         # not at the next half-minute trim (heap.py); in a thread (it walks malloc's lists).

@@ -23,7 +23,7 @@ SEG_OVERHEAD = 96  # about what a SEG entry adds to its blob (frame, metadata)
 class Keydir:
     __slots__ = (
         "captures", "changed_at", "files", "gone", "keys", "left_at", "live", "live_bytes",
-        "located", "responses", "sizes",
+        "located", "lost_at", "responses", "sizes",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -38,6 +38,8 @@ class Keydir:
         self.responses: dict[int, list[str]] = {}
         self.live_bytes = 0
         self.captures = 0  # checkpoints captured
+        # capture number when a segment live records hold last lost its journal copy
+        self.lost_at = -1
         self.files: dict[str, None] = {}  # keys (hex) of the segments in files of their own
         self.gone: dict[str, int] = {}  # files no segment needs -> capture number they left at
 
@@ -121,6 +123,14 @@ class Keydir:
         else:
             self.left_at[pack] = self.captures
         segment.pack = -1
+
+    def lost(self, segment: Segment) -> None:
+        """A located segment that records still hold is unreadable where it is: no longer
+        located (those records' rows leave the checkpoint, so none of its rows is copied
+        from the previous checkpoint file: `lost_at`)."""
+        if segment.pack >= 0:
+            self.lost_at = self.captures
+        self.unlocate(segment)
 
     def changed(self, segment: Segment) -> None:
         """A located segment's metadata (its row) changed: its item ids were learnt."""

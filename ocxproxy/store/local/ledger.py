@@ -41,6 +41,9 @@ class Owner(Protocol):
     def holds(self, record: Record) -> bool:
         """Is `record` the store's live record of its id?"""
 
+    def moved(self, record: Record) -> None:
+        """`record`'s response moved (compaction): its checkpoint row changed."""
+
 
 class Ledger:
     def __init__(self, owner: Owner, table: SegmentTable) -> None:
@@ -152,6 +155,7 @@ class Ledger:
                     keydir.unlocate_response(before)
                     record.response = place(at[0], at[1], at[2], unplace(before)[3])
                     keydir.locate_response(record.id, record.response)
+                    self.owner.moved(record)
                 continue
             elif kind != PUT:
                 continue

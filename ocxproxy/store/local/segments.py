@@ -220,7 +220,7 @@ class SegmentTable:
             self.metrics.spill_failures.labels(reason=str(result.reason)).inc()
             log.warning("journal read failed for segment %s: %s", segment.key[:12], result)
             if live and result.reason != FailureReason.READ_FAILED and segment.data is None:
-                self.keydir.unlocate(segment)
+                self.keydir.lost(segment)
                 segment.lost = segment.lost or str(result.reason)
             failure = failure or StoreFailure(FailureReason(segment.lost or result.reason))
         if failure is not None:

@@ -70,6 +70,79 @@ class FileRows:
         self.copies = [codec.Copied(*places[i]) for i in self.at]
 
 
+# A parent row a chunk's rows named in another chunk: that chunk's number, the id of the
+# parent's chain link, the parent's id.
+Parent = tuple[int, int, str]
+
+
+@dataclass(slots=True)
+class ChunkRows(FileRows):
+    """A chunk of the records' order's rows in a checkpoint (`keys`: its records then,
+    each with a row), and what else those rows depend on: the parent rows they named in
+    other chunks (`after`), and whether one lists its whole chain though a link precedes
+    its own (`loose`: no row before it was out with that link)."""
+
+    after: tuple[Parent, ...] = ()
+    loose: bool = False
+
+
+class Named:
+    """id(chain link) -> the id of the record whose row is out with it, one map per chunk
+    of the records' order, in order (no map grows past a chunk: one of 100,000 entries
+    grows by copying them all at once, ~4 ms). A copied chunk's map is filled only when a
+    lookup reaches it. Ints and strings only: the GC does not track the maps."""
+
+    __slots__ = ("at", "found", "here", "maps", "missed", "numbers", "unfilled")
+
+    def __init__(self) -> None:
+        self.maps: list[dict[int, str]] = []
+        self.numbers: list[int] = []
+        self.at: dict[int, int] = {}  # chunk number -> its map's index
+        self.unfilled: list[list[Record] | None] = []
+        self.here: dict[int, str] = {}  # the chunk being encoded
+        self.found: list[Parent] = []  # the parents its rows named in other chunks
+        self.missed = False  # a lookup found no parent
+
+    def begin(self, number: int, copied: list[Record] | None = None) -> None:
+        """The next chunk: its rows are encoded (filling `here`), or they were `copied`,
+        every one of these records with a row."""
+        self.here = {}
+        self.at[number] = len(self.maps)
+        self.maps.append(self.here)
+        self.numbers.append(number)
+        self.unfilled.append(copied)
+        self.found, self.missed = [], False
+
+    def earlier(self, key: int) -> str | None:
+        """The record named by link id `key` in an earlier chunk, the latest first."""
+        maps, unfilled = self.maps, self.unfilled
+        for i in range(len(maps) - 2, -1, -1):
+            records = unfilled[i]
+            if records is not None:
+                unfilled[i] = None
+                named = maps[i]
+                for r in records:
+                    link = r.links
+                    if link is not None:
+                        named[id(link)] = r.id
+            parent = maps[i].get(key)
+            if parent is not None:
+                self.found.append((self.numbers[i], key, parent))
+                return parent
+        self.missed = True
+        return None
+
+    def still(self, after: tuple[Parent, ...], copied: set[int]) -> bool:
+        """Is each of these parent rows out again, with the same link? (Each link is one
+        record's: a chunk copied holds it as before; one encoded has it in its map.)"""
+        for number, key, rid in after:
+            if number not in copied:
+                at = self.at.get(number)
+                if at is None or self.maps[at].get(key) != rid:
+                    return False
+        return True
+
+
 async def encode_checkpoint(
     position: tuple[int, int],
     written_at: float,
@@ -77,22 +150,35 @@ async def encode_checkpoint(
     placed: Sequence[tuple[int, list[bytes]]],
     by_key: Shards[bytes, Segment],
     records: list[Record],
+    layout: Sequence[tuple[int, int]],
     uncommitted: Collection[str] = (),
     previous: Mapping[int, FileRows] | None = None,
     unchanged: Callable[[int], bool] = lambda pack: False,
-) -> tuple[list[codec.Entry | codec.Copied], int, dict[int, FileRows]]:
+    chunks_before: Mapping[int, ChunkRows] | None = None,
+    chunk_unchanged: Callable[[int, int], bool] = lambda number, count: False,
+) -> tuple[list[codec.Entry | codec.Copied], int, dict[int, FileRows], dict[int, ChunkRows]]:
     """The checkpoint at journal `position` of the segments located in the files before it
     (`placed`: each file and the digests the keydir lists for it, looked up in `by_key` as
     they are read) and of `records` (the durable ones, but those whose ids are
-    `uncommitted`), as entries to write, how many records it names, and its rows of each
-    journal file. A record is named by its parent's row when that row is out already; a
-    record that needs a segment the journal does not hold is left out.
+    `uncommitted`; `layout`: the number and count of each chunk of the store's order they
+    are, records.Records), as entries to write, how many records it names, and its rows of
+    each journal file and of each chunk. A record is named by its parent's row when that
+    row is out already; a record that needs a segment the journal does not hold is left
+    out. Each chunk's rows are entries of their own.
 
     A journal file's rows in the `previous` checkpoint (the file being replaced) are
     copied from it, not encoded again, when they would come out the same: the keydir
     lists as many keys for the file as then, and no segment left it or changed its row
     there since that checkpoint's capture (`unchanged`). Files before the position are
     never appended to, so its segments are then the very ones, where they were.
+
+    So are a chunk's rows (`chunks_before`), when they would come out the same: it was an
+    older chunk then, each of its records had a row, it holds as many now, none changed
+    its row in place since nor lost a segment (`chunk_unchanged`), and the parent rows its
+    rows named in other chunks are out again (copied, or encoded with the same link). A
+    row that listed its whole chain though a link preceded its own names no parent again
+    if every record before it had a row then: that link's record is none of them, and
+    records only join the order at its end.
 
     Nothing is filtered at the capture (100,000 records at once would stall the loop):
     the records' list is read here chunk by chunk, and emptied as it is read (letting go
@@ -125,31 +211,62 @@ async def encode_checkpoint(
         n_segs += rows_of.rows
         if pack != FILES:  # (a file of segment files, whose keys come and go: never copied)
             files[pack] = rows_of
-    # id(chain link) -> the id of the record whose row is out, sharded: one dict of
-    # 100,000 entries grows by copying them all at once (~4 ms). Ints and strings only:
-    # the GC does not track the dicts, so no pass meanwhile traverses them.
-    named: list[dict[int, str]] = [{} for _ in range(SHARDS)]
-    for recs in _taken(records):
-        rows = codec.checkpoint_record_rows(recs, uncommitted, named)
-        n_recs += len(rows)
-        chunks.append(codec.encode_chunk(codec.RECS, rows))
-        await pacer.pause()
-    for shard in named:  # let go of them in steps too (~3 ms at once at 100,000 records)
-        shard.clear()
+    named = Named()
+    kept: dict[int, ChunkRows] = {}
+    copied: set[int] = set()
+    whole_so_far = True  # every record of the chunks so far has a row
+    newest = len(layout) - 1  # (the chunk that takes new records)
+    for n, ((number, count), recs) in enumerate(zip(layout, _split(records, layout), strict=True)):
+        was = chunks_before.get(number) if chunks_before else None
+        if (
+            was is not None and was.keys == count and chunk_unchanged(number, count)
+            and named.still(was.after, copied)
+        ):  # fmt: skip
+            rows_of = ChunkRows(count, was.rows, after=was.after, loose=was.loose)
+            rows_of.at = list(range(len(chunks), len(chunks) + len(was.copies)))
+            chunks += was.copies
+            n_recs += was.rows
+            copied.add(number)
+            named.begin(number, recs)
+            if whole_so_far or not was.loose:
+                kept[number] = rows_of
+            await pacer.pause()
+            continue
+        named.begin(number)
+        rows_of = ChunkRows(count)
+        for start in range(0, count, CHUNK):
+            rows = codec.checkpoint_record_rows(
+                recs[start : start + CHUNK], uncommitted, named.here, named.earlier
+            )
+            rows_of.rows += len(rows)
+            rows_of.at.append(len(chunks))
+            chunks.append(codec.encode_chunk(codec.RECS, rows))
+            await pacer.pause()
+        del recs
+        whole = rows_of.rows == count
+        if whole and n != newest and (whole_so_far or not named.missed):
+            rows_of.after, rows_of.loose = tuple(named.found), named.missed
+            kept[number] = rows_of
+        n_recs += rows_of.rows
+        whole_so_far = whole_so_far and whole
+    for n in range(len(named.maps)):  # let go of them in steps too (~3 ms at once)
+        named.maps[n].clear()
+        named.unfilled[n] = None
         await pacer.pause()
     chunks.append(codec.encode_end(n_segs, n_recs))
-    return chunks, n_recs, files
+    return chunks, n_recs, files, kept
 
 
 T = TypeVar("T")
 
 
-def _taken(items: list[T]) -> Iterator[list[T]]:
-    """`items` in order, CHUNK at a time, each chunk taken out of the list (reversed
-    first, so that taking one moves nothing)."""
+def _split(items: list[T], layout: Sequence[tuple[int, int]]) -> Iterator[list[T]]:
+    """`items` in order, as many at a time as each count of `layout` says, each part
+    taken out of the list (reversed first, so that taking one moves nothing)."""
     items.reverse()
-    while items:
-        chunk = items[-CHUNK:]
-        del items[-CHUNK:]
-        chunk.reverse()
-        yield chunk
+    for _, count in layout:
+        at = len(items) - count
+        part = items[at:]
+        del items[at:]
+        part.reverse()
+        yield part
