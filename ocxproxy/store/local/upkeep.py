@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -70,19 +71,16 @@ class FileRows:
         self.copies = [codec.Copied(*places[i]) for i in self.at]
 
 
-# A parent row a chunk's rows named in another chunk: that chunk's number, the id of the
-# parent's chain link, the parent's id.
-Parent = tuple[int, int, str]
-
-
 @dataclass(slots=True)
 class ChunkRows(FileRows):
     """A chunk of the records' order's rows in a checkpoint (`keys`: its records then,
     each with a row), and what else those rows depend on: the parent rows they named in
-    other chunks (`after`), and whether one lists its whole chain though a link precedes
-    its own (`loose`: no row before it was out with that link)."""
+    other chunks (`after`: that chunk's number and the id of the parent's chain link, in
+    pairs; 16 bytes each, kept until the next checkpoint), and whether one lists its whole
+    chain though a link precedes its own (`loose`: no row before it was out with that
+    link)."""
 
-    after: tuple[Parent, ...] = ()
+    after: array[int] = field(default_factory=lambda: array("q"))
     loose: bool = False
 
 
@@ -100,7 +98,7 @@ class Named:
         self.at: dict[int, int] = {}  # chunk number -> its map's index
         self.unfilled: list[list[Record] | None] = []
         self.here: dict[int, str] = {}  # the chunk being encoded
-        self.found: list[Parent] = []  # the parents its rows named in other chunks
+        self.found = array("q")  # the parents its rows named in other chunks (ChunkRows)
         self.missed = False  # a lookup found no parent
 
     def begin(self, number: int, copied: list[Record] | None = None) -> None:
@@ -111,7 +109,7 @@ class Named:
         self.maps.append(self.here)
         self.numbers.append(number)
         self.unfilled.append(copied)
-        self.found, self.missed = [], False
+        self.found, self.missed = array("q"), False
 
     def earlier(self, key: int) -> str | None:
         """The record named by link id `key` in an earlier chunk, the latest first."""
@@ -127,18 +125,20 @@ class Named:
                         named[id(link)] = r.id
             parent = maps[i].get(key)
             if parent is not None:
-                self.found.append((self.numbers[i], key, parent))
+                self.found += array("q", (self.numbers[i], key))
                 return parent
         self.missed = True
         return None
 
-    def still(self, after: tuple[Parent, ...], copied: set[int]) -> bool:
-        """Is each of these parent rows out again, with the same link? (Each link is one
-        record's: a chunk copied holds it as before; one encoded has it in its map.)"""
-        for number, key, rid in after:
+    def still(self, after: array[int], copied: set[int]) -> bool:
+        """Is each of these parent rows out again? (Each chain link is one record's, whose
+        id never changes: a chunk copied holds it as before; one encoded has its link in
+        its map if its row is out. The links are alive: the records copied hold them.)"""
+        for n in range(0, len(after), 2):
+            number = after[n]
             if number not in copied:
                 at = self.at.get(number)
-                if at is None or self.maps[at].get(key) != rid:
+                if at is None or after[n + 1] not in self.maps[at]:
                     return False
         return True
 
@@ -245,7 +245,7 @@ async def encode_checkpoint(
         del recs
         whole = rows_of.rows == count
         if whole and n != newest and (whole_so_far or not named.missed):
-            rows_of.after, rows_of.loose = tuple(named.found), named.missed
+            rows_of.after, rows_of.loose = named.found, named.missed
             kept[number] = rows_of
         n_recs += rows_of.rows
         whole_so_far = whole_so_far and whole
