@@ -174,18 +174,12 @@ _PREVIOUS = "previous_response_id"
 _PER_TURN = frozenset(("created_at", _PREVIOUS))
 # The request members a filled one can come from.
 _FROM_REQUEST = frozenset((*_ECHOED, "tools", "text", "reasoning"))
-_FILLS: dict[tuple[Any, ...], _Fill] = {}
-_LAST_FILL: tuple[frozenset[str] | None, tuple[str, ...] | None, str | None, _Fill] = (
-    None,
-    None,
-    None,
-    _Fill.__new__(_Fill),  # (never returned: no missing members are None)
-)
+# The _Fill of each set of missing members (a stream's pending events and its terminal
+# one lack different sets), by what the request gives for them: one dict per such key.
+_FILLS: dict[tuple[Any, ...], dict[frozenset[str], _Fill]] = {}
+_LAST_FILLS: tuple[tuple[Any, ...], dict[frozenset[str], _Fill]] = ((), {})
 _FILLS_KEPT = 64
 _INSTRUCTIONS = frozenset(("instructions",))
-# By the members filled in, the key and the _Fill of the last request that gave any of
-# them (a stream's pending events and its terminal one lack different sets).
-_LAST_KEYED: dict[frozenset[str], tuple[tuple[Any, ...], _Fill]] = {}
 
 
 _STAMP = (0, b"")  # the last completed_at written into a JSON answer, and its bytes
@@ -241,12 +235,12 @@ class Envelope:
         "_created_at",
         "_defaults",
         "_echo",
+        "_family",
         "_fills",
         "_inserts",
         "_members",
         "_pinned",
         "_served_models",
-        "_values",
     )
 
     def __init__(
@@ -276,8 +270,9 @@ class Envelope:
         self._fills: dict[frozenset[str], tuple[_Fill, bytes, dict[str, Any]]] | None = None
         # A pending event's members, by what decides them (_Seen.members).
         self._inserts: dict[tuple[Any, ...], bytes] | None = None
-        # The request's values of the filled members, as a _FILLS key has them.
-        self._values: tuple[str | None, bytes] | None = None
+        # The _Fill of each set of missing members for what this request gives for them
+        # (`_shared_fill`: found once per request).
+        self._family: dict[frozenset[str], _Fill] | None = None
 
     @property
     def echo(self) -> tuple[str, Any] | None:
@@ -506,57 +501,61 @@ class Envelope:
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
         the same values for what it fills in, else a new one."""
-        global _LAST_FILL
+        family = self._family
+        if family is None:
+            family = self._family = self._fills_of_request()
+        fill = family.get(missing)
+        if fill is None:
+            if len(family) >= _FILLS_KEPT:
+                family.clear()
+            fill = family[missing] = _Fill(self, missing)
+        return fill
+
+    def _fills_of_request(self) -> dict[frozenset[str], _Fill]:
+        """The _Fills of every request that gives the same values as this one for the
+        members filled in (its own for a store:false one: not kept past it); the key is
+        compared with the last request's before it is hashed."""
+        global _LAST_FILLS
         body = self._body
-        model = body.get("model")  # (what the model shown depends on, with served_models)
-        shown = model if type(model) is str else None
         if _FROM_REQUEST.isdisjoint(body):
-            last = _LAST_FILL  # the last request's that gave none of the filled members
-            if missing is last[0] and self._served_models is last[1] and model == last[2]:
-                return last[3]
-            key: tuple[Any, ...] = (missing, self._served_models, shown, None, b"")
+            model = body.get("model")  # (what the model shown depends on, with served_models)
+            key: tuple[Any, ...] = (self._served_models, model if type(model) is str else None)
         elif body.get("store") is False:  # (its instructions, tools: not kept past it)
-            return _Fill(self, missing)
+            return {}
         elif self._members is not None:
             # A coding agent sends tens of KB of instructions and tools on every turn: the
-            # bytes they were forwarded as are compared (a memcmp), not encoded again, and
-            # the key is compared with the last one before it is hashed. (Its last member
-            # is an object's bytes, a key of the request's values an array's.)
-            key = (missing, self._served_models, None, None, self._members)
-            last_keyed = _LAST_KEYED.get(missing)
-            if last_keyed is not None and key == last_keyed[0]:
-                return last_keyed[1]
+            # bytes they were forwarded as are compared (a memcmp), not encoded again. (The
+            # model is in them; a key of the request's values ends in an array's bytes.)
+            key = (self._served_models, None, None, self._members)
         else:
             # (a str `instructions` is compared as it is instead of encoded)
-            values = self._values
-            if values is None:  # (once per request: a stream's Responses lack different sets)
-                instructions = body.get("instructions")
-                names = _FROM_REQUEST.intersection(body)
-                if type(instructions) is str:
-                    names = names - _INSTRUCTIONS
-                else:
-                    instructions = None
-                try:
-                    encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
-                except orjson.JSONEncodeError:  # (not from JSON): its own
-                    return _Fill(self, missing)
-                values = self._values = instructions, encoded
-            key = (missing, self._served_models, shown, *values)
-            last_keyed = _LAST_KEYED.get(missing)
-            if last_keyed is not None and key == last_keyed[0]:
-                return last_keyed[1]
-        fill = _FILLS.get(key)
-        if fill is None:
-            fill = _Fill(self, missing)
+            model = body.get("model")
+            instructions = body.get("instructions")
+            names = _FROM_REQUEST.intersection(body)
+            if type(instructions) is str:
+                names = names - _INSTRUCTIONS
+            else:
+                instructions = None
+            try:
+                encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
+            except orjson.JSONEncodeError:  # (not from JSON): its own
+                return {}
+            key = (
+                self._served_models,
+                model if type(model) is str else None,
+                instructions,
+                encoded,
+            )
+        last = _LAST_FILLS
+        if key == last[0]:
+            return last[1]
+        family = _FILLS.get(key)
+        if family is None:
             if len(_FILLS) >= _FILLS_KEPT:
                 _FILLS.clear()
-                _LAST_KEYED.clear()
-            _FILLS[key] = fill
-        if key[4]:
-            _LAST_KEYED[missing] = key, fill
-        elif shown is not None:
-            _LAST_FILL = missing, self._served_models, shown, fill
-        return fill
+            family = _FILLS[key] = {}
+        _LAST_FILLS = key, family
+        return family
 
     def _previous(self) -> str | None:
         echo = self._echo

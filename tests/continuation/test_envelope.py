@@ -514,7 +514,8 @@ def test_a_store_false_requests_values_are_not_kept_past_it() -> None:
         envelope = Envelope({"model": "m", "store": store, "instructions": secret})
         patch = envelope.complete(dict(LLAMA), final=True)
         assert secret.encode() in patch.encoded
-        kept = b"".join(fill.encoded for fill in envelope_module._FILLS.values())
+        fills = [fill for family in envelope_module._FILLS.values() for fill in family.values()]
+        kept = b"".join(fill.encoded for fill in fills)
         assert (secret.encode() in kept) is store
 
 
@@ -559,7 +560,7 @@ def test_a_coding_agents_instructions_and_tools_fill_each_request_with_its_own(
     response = dict(LLAMA)
     envelope(secret, store=False).complete(response, final=True)
     assert response["instructions"] == secret
-    kept = [*envelope_module._FILLS, *(key for key, _ in envelope_module._LAST_KEYED.values())]
+    kept = [*envelope_module._FILLS, envelope_module._LAST_FILLS[0]]
     assert not any(holds(key, secret) for key in kept)
     assert any(holds(key, other) for key in kept)
 
@@ -677,3 +678,32 @@ def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() 
     payload = orjson.loads(event.data)
     assert Envelope(REQUEST).terminal_event(event, payload)[1] is None
     assert response_problems(payload["response"]) == []  # merged: the store encodes it
+
+
+class _CountedGets(dict):  # type: ignore[type-arg]
+    gets = 0
+
+    def get(self, *args: Any) -> Any:
+        self.gets += 1
+        return super().get(*args)
+
+
+@pytest.mark.parametrize("body", [{"model": "m"}, {"model": "m", "instructions": "Be brief."}])
+def test_a_streams_responses_find_their_fills_without_a_lookup_per_response(
+    monkeypatch: pytest.MonkeyPatch, body: dict[str, Any]
+) -> None:
+    """A stream's pending events and its terminal one lack different sets of members: the
+    fills of a request with the values the last one gave are found without hashing its key
+    again, turn after turn, for both sets (and are the same fills)."""
+    counted = _CountedGets()
+    monkeypatch.setattr(envelope_module, "_FILLS", counted)
+    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}), raising=False)
+    filled = []
+    for n in range(4):
+        envelope = Envelope(dict(body), None, (), None, created_at=5)
+        first = dict(orjson.loads(pending(f"resp_{n}", 5).data)["response"])
+        filled.append(envelope.complete(first, final=False).filled)
+        filled.append(envelope.complete(dict(LLAMA), final=True).filled)
+    assert counted.gets == 1
+    assert filled[0] is filled[2] is filled[4] and filled[1] is filled[3] is filled[5]
+    assert filled[0] is not filled[1]
