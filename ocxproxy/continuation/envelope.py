@@ -159,7 +159,7 @@ class _Fill:
     differ from turn to turn, are each Envelope's own (`created_at`, `previous`: they
     are missing too)."""
 
-    __slots__ = ("created_at", "encoded", "members", "previous")
+    __slots__ = ("created_at", "encoded", "members", "pending", "previous")
 
     def __init__(self, envelope: Envelope, missing: frozenset[str]) -> None:
         defaults = envelope._request_defaults()
@@ -168,6 +168,9 @@ class _Fill:
         self.encoded = orjson.dumps(self.members)[1:-1]
         self.created_at = "created_at" in missing
         self.previous = "previous_response_id" in missing
+        # What a pending event of a seen shape gets of them (`Envelope._members_as_seen`):
+        # whether it lacks completed_at too, and the bytes, built once for every such turn.
+        self.pending: tuple[bool, bytes] | None = None
 
 
 _PREVIOUS = "previous_response_id"
@@ -269,7 +272,7 @@ class Envelope:
         # those of its members that are the turn's own.
         self._fills: dict[frozenset[str], tuple[_Fill, bytes, dict[str, Any]]] | None = None
         # A pending event's members, by what decides them (_Seen.members).
-        self._inserts: dict[tuple[Any, ...], bytes] | None = None
+        self._inserts: dict[tuple[Any, ...], tuple[bytes, ...]] | None = None
         # The _Fill of each set of missing members for what this request gives for them
         # (`_shared_fill`: found once per request).
         self._family: dict[frozenset[str], _Fill] | None = None
@@ -699,7 +702,8 @@ class Envelope:
                 if members and event.at >= 0:  # the usual event: its raw bytes end in data
                     at += event.at
                     raw = event.raw
-                    event.raw = raw = b"".join((raw[:at], members, b",", raw[at:]))
+                    own, shared, last_own = members
+                    event.raw = raw = b"".join((raw[:at], own, shared, last_own, raw[at:]))
                     event.data = raw[event.at : -2]
                     return event
                 seen = last_seen
@@ -742,7 +746,7 @@ class Envelope:
         if members:
             data = event.data
             at = seen.at
-            return with_data(event, b"".join((data[:at], members, b",", data[at:])))
+            return with_data(event, b"".join((data[:at], *members, data[at:])))
         return self._as_seen_patched(event, seen)
 
     def _rewrites_model(self, seen: _Seen) -> bool:
@@ -750,13 +754,17 @@ class Envelope:
         model = seen.model
         return bool(self._served_models or model == "") and self._shown_model(model) != model
 
-    def _members_as_seen(self, seen: _Seen) -> bytes:
-        """The bytes of the members a pending event of a seen shape gets, worked out once
-        per turn (b"": they are not all inserted at one place: an echoed member is null
-        in it, the model shown is not its own, or the Envelope pins members)."""
+    def _members_as_seen(self, seen: _Seen) -> tuple[bytes, ...]:
+        """The bytes of the members a pending event of a seen shape gets, each followed by
+        a comma, in three parts: the turn's own (`created_at`, `previous_response_id`),
+        those every turn of the same fill shares (built once for them all: a coding
+        agent's instructions are not copied once more per turn), and the echoed
+        `conversation`. Worked out once per turn (empty: they are not all inserted at one
+        place: an echoed member is null in it, the model shown is not its own, or the
+        Envelope pins members)."""
         if self._inserts is None:
             self._inserts = {}
-        members = b""
+        members: tuple[bytes, ...] = ()
         echo = self._echo
         plan = seen.plan
         if (
@@ -766,21 +774,28 @@ class Envelope:
             and (echo is None or echo[0] not in seen.nulls)
             and not ((self._served_models or seen.model == "") and self._rewrites_model(seen))
         ):
-            parts = []  # (as _fill orders them, without its bookkeeping for complete)
+            own = shared = last = b""  # (as _fill orders them, without its bookkeeping)
             if plan.missing:
                 fill = self._shared_fill(plan.missing)
                 if fill.created_at:
-                    parts.append(b'"created_at":%d' % self._created())
+                    own = b'"created_at":%d,' % self._created()
                 if fill.previous:
                     previous = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
-                    parts.append(b'"previous_response_id":' + orjson.dumps(previous))
-                if fill.encoded:
-                    parts.append(fill.encoded)
-            if plan.completed_at:
-                parts.append(b'"completed_at":null')
+                    own += b'"previous_response_id":%s,' % orjson.dumps(previous)
+                done = fill.pending
+                if done is not None and done[0] is plan.completed_at:
+                    shared = done[1]
+                else:
+                    shared = fill.encoded + b"," if fill.encoded else b""
+                    if plan.completed_at:
+                        shared += b'"completed_at":null,'
+                    fill.pending = plan.completed_at, shared
+            elif plan.completed_at:
+                shared = b'"completed_at":null,'
             if echo is not None and echo[0] == "conversation" and seen.no_conversation:
-                parts.append(b'"conversation":' + orjson.dumps(echo[1]))
-            members = b",".join(parts)
+                last = b'"conversation":%s,' % orjson.dumps(echo[1])
+            if own or shared or last:
+                members = own, shared, last
         self._inserts[seen.members] = members
         return members
 

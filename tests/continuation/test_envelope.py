@@ -707,3 +707,48 @@ def test_a_streams_responses_find_their_fills_without_a_lookup_per_response(
     assert counted.gets == 1
     assert filled[0] is filled[2] is filled[4] and filled[1] is filled[3] is filled[5]
     assert filled[0] is not filled[1]
+
+
+def test_pending_events_get_each_turns_fill_as_the_shape_and_the_request_change() -> None:
+    """A pending event of a seen shape gets the members its own request fills in, and the
+    turn's own id and created_at, whether the backend's events change shape between turns
+    (completed_at given as null, then not: the bytes shared by a fill's turns are built
+    for each) or the request's instructions do: every event valid, no member twice."""
+    turns = [
+        ("Be brief.", False),
+        ("Be brief.", False),
+        ("Be thorough.", False),
+        ("Be brief.", True),
+        ("Be brief.", True),
+        ("Be thorough.", True),
+        ("Be thorough.", False),
+        ("Be brief.", False),
+    ]
+    for n, (instructions, completed_at) in enumerate(turns):
+        previous = f"resp_prev{n}"
+        body = {**REQUEST, "store": True, "instructions": instructions}
+        envelope = Envelope(body, ("previous_response_id", previous), (), None, created_at=9)
+        for kind, seq in (("response.created", 0), ("response.in_progress", 1)):
+            response: dict[str, Any] = {
+                "id": f"resp_t{n}",
+                "object": "response",
+                "created_at": 1700000000 + n,
+                "status": "in_progress",
+                "model": "bench",
+                "output": [],
+            }
+            if completed_at:
+                response["completed_at"] = None
+            payload = {"type": kind, "response": response, "sequence_number": seq}
+            event = parse_event(encode_event(kind, orjson.dumps(payload)))
+            done = envelope.pending_event(event)
+            assert parse_event(done.raw) == done
+            out = orjson.loads(done.data)
+            assert event_problems(out) == []
+            for name in out["response"]:
+                assert done.data.count(b'"%s":' % name.encode()) == 1, name
+            given = out["response"]
+            assert given["id"] == f"resp_t{n}" and given["created_at"] == 1700000000 + n
+            assert given["instructions"] == instructions
+            assert given["previous_response_id"] == previous
+            assert given["completed_at"] is None and out["sequence_number"] == seq
