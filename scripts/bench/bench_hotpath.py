@@ -42,9 +42,10 @@ from typing import Any
 import orjson
 from benchkit import make_items, user_message
 from instant_backend import InstantBackend
-from loopback import message_length
+from loopback import CONTENT_LENGTH, message_length
 
 from ocxproxy.config import Config
+from ocxproxy.h1 import LAST_CHUNK
 from ocxproxy.http.context import PROXY
 from ocxproxy.http.front import FrontConnection, FrontEnd
 from ocxproxy.server import build_app
@@ -125,21 +126,37 @@ class Backend:
 
 
 class Client:
-    """One keep-alive client connection into the front end."""
+    """One keep-alive client connection into the front end. An answer's writes are kept as
+    they come and joined once it is whole, its end known from its head's framing and the
+    last write: like a socket's reader, not a scan and a copy of all of it at every write
+    (that would count each byte the proxy sends as the proxy's work several times over)."""
 
     def __init__(self, front: FrontEnd) -> None:
         self.conn = FrontConnection(front)
-        self.received = bytearray()
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.total = -1  # the answer's length, when its head gives a Content-Length
         self.done: asyncio.Future[bytes] | None = None
         self.conn.connection_made(MemoryTransport(self.sink))  # type: ignore[arg-type]
 
     def sink(self, data: bytes) -> None:
-        self.received.extend(data)
-        n = message_length(self.received)
-        if n and self.done is not None:
-            answer = bytes(self.received[:n])
-            del self.received[:n]
-            self.done.set_result(answer)
+        parts = self.parts
+        parts.append(data)
+        self.size += len(data)
+        if len(parts) == 1:  # (the front end writes an answer's head whole, first)
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                raise AssertionError("an answer's head split over writes")
+            length = CONTENT_LENGTH.search(data, 0, end + 2)
+            self.total = end + 4 + int(length.group(1)) if length is not None else -1
+        if self.size == self.total or (
+            self.total < 0 and (data == LAST_CHUNK or data.endswith(b"\r\n" + LAST_CHUNK))
+        ):
+            answer = b"".join(parts) if len(parts) > 1 else data
+            parts.clear()
+            self.size = 0
+            if self.done is not None:
+                self.done.set_result(answer)
 
     async def post(self, body: bytes) -> bytes:
         self.done = asyncio.get_running_loop().create_future()
