@@ -503,62 +503,60 @@ class Envelope:
 
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
-        the same values for what it fills in, else a new one."""
+        the same values for what it fills in, else a new one. The request's fills (one
+        per set of missing members) are found once per request, by a key compared with
+        the last request's before it is hashed; a store:false request's are its own, not
+        kept past it."""
+        global _LAST_FILLS
         family = self._family
         if family is None:
-            family = self._family = self._fills_of_request()
+            body = self._body
+            key: tuple[Any, ...] | None = None
+            if _FROM_REQUEST.isdisjoint(body):
+                model = body.get("model")  # (the model shown depends on it, and served_models)
+                key = (self._served_models, model if type(model) is str else None)
+            elif body.get("store") is False:  # (its instructions, tools: not kept past it)
+                key = None
+            elif self._members is not None:
+                # A coding agent sends tens of KB of instructions and tools on every turn:
+                # the bytes they were forwarded as are compared (a memcmp), not encoded
+                # again. (The model is in them; a key of the request's values ends in an
+                # array's bytes.)
+                key = (self._served_models, None, None, self._members)
+            else:
+                # (a str `instructions` is compared as it is instead of encoded)
+                model = body.get("model")
+                instructions = body.get("instructions")
+                names = _FROM_REQUEST.intersection(body)
+                if type(instructions) is str:
+                    names = names - _INSTRUCTIONS
+                else:
+                    instructions = None
+                try:
+                    encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
+                except orjson.JSONEncodeError:  # (not from JSON): its own
+                    key = None
+                else:
+                    shown = model if type(model) is str else None
+                    key = (self._served_models, shown, instructions, encoded)
+            if key is None:
+                family = {}
+            elif key == _LAST_FILLS[0]:
+                family = _LAST_FILLS[1]
+            else:
+                family = _FILLS.get(key)
+                if family is None:
+                    if len(_FILLS) >= _FILLS_KEPT:
+                        _FILLS.clear()
+                    family = _FILLS[key] = {}
+                _LAST_FILLS = key, family
+            self._family = family
         fill = family.get(missing)
         if fill is None:
             if len(family) >= _FILLS_KEPT:
                 family.clear()
             fill = family[missing] = _Fill(self, missing)
         return fill
-
-    def _fills_of_request(self) -> dict[frozenset[str], _Fill]:
-        """The _Fills of every request that gives the same values as this one for the
-        members filled in (its own for a store:false one: not kept past it); the key is
-        compared with the last request's before it is hashed."""
-        global _LAST_FILLS
-        body = self._body
-        if _FROM_REQUEST.isdisjoint(body):
-            model = body.get("model")  # (what the model shown depends on, with served_models)
-            key: tuple[Any, ...] = (self._served_models, model if type(model) is str else None)
-        elif body.get("store") is False:  # (its instructions, tools: not kept past it)
-            return {}
-        elif self._members is not None:
-            # A coding agent sends tens of KB of instructions and tools on every turn: the
-            # bytes they were forwarded as are compared (a memcmp), not encoded again. (The
-            # model is in them; a key of the request's values ends in an array's bytes.)
-            key = (self._served_models, None, None, self._members)
-        else:
-            # (a str `instructions` is compared as it is instead of encoded)
-            model = body.get("model")
-            instructions = body.get("instructions")
-            names = _FROM_REQUEST.intersection(body)
-            if type(instructions) is str:
-                names = names - _INSTRUCTIONS
-            else:
-                instructions = None
-            try:
-                encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
-            except orjson.JSONEncodeError:  # (not from JSON): its own
-                return {}
-            key = (
-                self._served_models,
-                model if type(model) is str else None,
-                instructions,
-                encoded,
-            )
-        last = _LAST_FILLS
-        if key == last[0]:
-            return last[1]
-        family = _FILLS.get(key)
-        if family is None:
-            if len(_FILLS) >= _FILLS_KEPT:
-                _FILLS.clear()
-            family = _FILLS[key] = {}
-        _LAST_FILLS = key, family
-        return family
 
     def _previous(self) -> str | None:
         echo = self._echo
