@@ -712,8 +712,9 @@ def test_a_streams_responses_find_their_fills_without_a_lookup_per_response(
 def test_pending_events_get_each_turns_fill_as_the_shape_and_the_request_change() -> None:
     """A pending event of a seen shape gets the members its own request fills in, and the
     turn's own id and created_at, whether the backend's events change shape between turns
-    (completed_at given as null, then not: the bytes shared by a fill's turns are built
-    for each) or the request's instructions do: every event valid, no member twice."""
+    (completed_at given as null, then not, between turns and within one: the bytes
+    shared by a fill's turns are built for each) or the request's instructions do:
+    every event valid, no member twice."""
     turns = [
         ("Be brief.", False),
         ("Be brief.", False),
@@ -723,12 +724,17 @@ def test_pending_events_get_each_turns_fill_as_the_shape_and_the_request_change(
         ("Be thorough.", True),
         ("Be thorough.", False),
         ("Be brief.", False),
+        ("Be brief.", (True, False)),  # (and within a turn: one event with it, one without)
+        ("Be brief.", (False, True)),
     ]
-    for n, (instructions, completed_at) in enumerate(turns):
+    for n, (instructions, given) in enumerate(turns):
         previous = f"resp_prev{n}"
         body = {**REQUEST, "store": True, "instructions": instructions}
         envelope = Envelope(body, ("previous_response_id", previous), (), None, created_at=9)
-        for kind, seq in (("response.created", 0), ("response.in_progress", 1)):
+        both = given if type(given) is tuple else (given, given)
+        for kind, seq, completed_at in zip(
+            ("response.created", "response.in_progress"), (0, 1), both, strict=True
+        ):
             response: dict[str, Any] = {
                 "id": f"resp_t{n}",
                 "object": "response",
