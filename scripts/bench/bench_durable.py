@@ -590,7 +590,6 @@ class Throughput:
     cpu: float = 0.0  # CPU seconds the proxy and its fsync helper used in the window
     fsyncs: int = 0  # journal commits in the window (one write and fdatasync each)
     disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
-    late: list[float] = field(default_factory=list)  # how late the canary woke for them
 
     @property
     def tps(self) -> float:
