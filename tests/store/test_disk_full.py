@@ -167,7 +167,9 @@ async def test_disk_full_is_not_silent_and_recovers(
 
         # Memory stays bounded while turns keep failing: after a first round (the allocator
         # and buffers settle), another 80 MiB of refused input (and as much echoed back) must
-        # not raise RSS by more than part of it; one that kept refused turns grows by all.
+        # not raise RSS by more than part of it, in at least one of two such rounds: one that
+        # kept refused turns grows by all of them in every round, while the allocator's spread
+        # under load (2-51 MiB seen in one round) does not add up round after round.
         sem = asyncio.Semaphore(8)
         outcomes: list[str | None] = []
 
@@ -178,10 +180,15 @@ async def test_disk_full_is_not_silent_and_recovers(
 
         lines_before = proxy.lines
         await asyncio.gather(*(big_turn(n) for n in range(160)))
-        rss_before = proxy.rss_kib()
-        await asyncio.gather(*(big_turn(n) for n in range(320)))
-        growth = (proxy.rss_kib() - rss_before) * 1024
-        assert growth < 48 * 2**20, f"RSS grew {growth / 2**20:.0f} MiB for 80 MiB refused"
+        growths = []
+        for _ in range(2):
+            rss_before = proxy.rss_kib()
+            await asyncio.gather(*(big_turn(n) for n in range(320)))
+            growths.append((proxy.rss_kib() - rss_before) * 1024)
+        assert min(growths) < 48 * 2**20, (
+            "RSS grew " + ", ".join(f"{g / 2**20:.0f}" for g in growths) + " MiB for 80 MiB "
+            "refused in each round"
+        )
         acked_while_full += [rid for rid in outcomes if rid is not None]
         assert outcomes.count(None) == len(outcomes), "acknowledged on a full disk"
         logged = proxy.lines - lines_before
