@@ -23,7 +23,8 @@ scripts/bench/instant_backend.py, driven from outside over loopback HTTP:
      --throughput-rounds ABBA rounds, each run counted until its graceful stop completes
      (until the state is durable); durable ÷ zdr of the pooled runs, and the CPU time the
      proxy and its fsync helper used per turn in each window (from /proc: CPU time, not
-     wall time, so the other load on a shared box is not counted), durable ÷ zdr.
+     wall time, so the other load on a shared box is not counted), durable ÷ zdr, with
+     the helper's part of it and the turns each fsync carried.
 
 Beside all of it, a canary in the state dirs' file system (disk_canary.Watch) writes 550
 bytes and fdatasyncs them every 25 ms, and each latency and throughput window is reported
@@ -588,6 +589,7 @@ class Throughput:
     window: float
     stop: float
     cpu: float = 0.0  # CPU seconds the proxy and its fsync helper used in the window
+    helper: float = 0.0  # of which the fsync helper's
     fsyncs: int = 0  # journal commits in the window (one write and fdatasync each)
     disk: list[float] = field(default_factory=list)  # the canary's syncs in the window
 
@@ -613,35 +615,39 @@ async def throughput(
     proxy = await start_proxy(backend, state, f"proxy-{label}", *extra)
     http = Http(proxy.child.url)
     fsyncs = journal_commits(await proxy.metrics())
-    start, cpu = time.monotonic(), family_cpu(proxy.pid)
+    start, (cpu, helper) = time.monotonic(), family_cpu(proxy.pid)
     turns, failures = await closed_loop(http, 16, 100, seconds=args.throughput_duration)
-    end, cpu = time.monotonic(), family_cpu(proxy.pid) - cpu
+    end, (cpu_end, helper_end) = time.monotonic(), family_cpu(proxy.pid)
+    cpu, helper = cpu_end - cpu, helper_end - helper
     fsyncs = journal_commits(await proxy.metrics()) - fsyncs
     http.close()
     stop = proxy.stop()
     window = end - start
     progress(f"{label}: {turns / window:,.0f} turns/s in the window, graceful stop {stop:.2f} s")
     return Throughput(
-        label, turns, failures, window, stop, cpu, fsyncs,
+        label, turns, failures, window, stop, cpu, helper, fsyncs,
         watch.between(start, end) if watch else [],
     )  # fmt: skip
 
 
-def family_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children (the fsync helper), as
-    the kernel counts them: CPU time, not wall time, so the other load on a shared box
-    does not count against either configuration. A child is listed under the thread that
-    started it (the helper is started in a thread), so every thread's list is read."""
+def family_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of a process and its children (the fsync helper), and
+    of the children alone, as the kernel counts them: CPU time, not wall time, so the
+    other load on a shared box does not count against either configuration. A child is
+    listed under the thread that started it (the helper is started in a thread), so every
+    thread's list is read."""
     children: list[int] = []
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
                 children += [int(c) for c in f.read().split()]
-    total = 0.0
+    total = helper = 0.0
     for p in (pid, *children):
         with contextlib.suppress(OSError):
-            total += cpu_seconds(p)
-    return total
+            seconds = cpu_seconds(p)
+            total += seconds
+            helper += seconds if p != pid else 0.0
+    return total, helper
 
 
 def cpu_per_turn(runs: list[Throughput], label: str) -> float:
@@ -695,12 +701,14 @@ def report_throughput(tput: list[Throughput]) -> tuple[float, float]:
             disk_max(t.disk),
             f"{sum(s for s in t.disk if s > STALL):.1f}" if t.disk else "-",
             f"{t.cpu / max(1, t.turns) * 1e6:,.0f}",
+            f"{t.helper / max(1, t.turns) * 1e6:,.0f}" if t.fsyncs else "-",
             f"{t.turns / t.fsyncs:.1f}" if t.fsyncs else "-",
         ]
         for t in tput
     ]
     headers = ["configuration", "turns", "failures", "window s", "stop s", "in window/s"]
     headers += ["turns/s incl. stop", "disk max sync ms", "disk stalled s", "CPU µs/turn"]
+    headers += ["of it helper's"]
     headers += ["turns/fsync"]
     print(table(headers, rows))
     if any(t.disk for t in tput):

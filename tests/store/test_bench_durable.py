@@ -99,12 +99,15 @@ async def test_bench_durable_throughput_alone() -> None:
     assert "## Figures" not in out  # the other parts did not run
     rows = [line.split() for line in out.splitlines() if line.startswith(("--zdr ", "durable "))]
     assert [row[0] for row in rows if row[1].isdigit()] == ["--zdr", "durable"], out[-3000:]
-    # Its last four columns: the disk canary's worst sync (ms), stalled seconds, the CPU
-    # per turn of the proxy and its fsync helper (µs), and turns per fsync (durable only).
+    # Its last five columns: the disk canary's worst sync (ms), stalled seconds, the CPU
+    # per turn of the proxy and its fsync helper (µs), the helper's part of it, and turns
+    # per fsync (the last two durable only).
     runs = {row[0]: row for row in rows if row[1].isdigit()}
-    assert all(float(row[-4].replace(",", "")) > 0 for row in runs.values()), out
-    assert all(float(row[-2].replace(",", "")) > 0 for row in runs.values()), out
-    assert runs["--zdr"][-1] == "-", out
+    assert all(float(row[-5].replace(",", "")) > 0 for row in runs.values()), out
+    assert all(float(row[-3].replace(",", "")) > 0 for row in runs.values()), out
+    assert runs["--zdr"][-2:] == ["-", "-"], out
+    helper, cpu = (float(runs["durable"][i].replace(",", "")) for i in (-2, -3))
+    assert 0 <= helper < cpu, out
     assert float(runs["durable"][-1]) >= 1, out
     assert "durable ÷ --zdr: " in out, out[-3000:]
     assert re.search(r"CPU per turn .* durable ÷ --zdr: [\d.]+x \([\d,]+ / [\d,]+ µs\)", out)
