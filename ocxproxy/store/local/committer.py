@@ -10,16 +10,17 @@ changes the store's index or segments: it sees opaque `subjects`.
 How a commit is written: with the fsync helper (syncer.py), a small commit that fits the
 journal file's allocated room is encoded on the loop and sent to the helper process,
 which writes it there and fdatasyncs it while the next commits are sent (up to
-MAX_FLIGHTS in flight: here concurrent fdatasyncs of one file took ~0.2 ms each where one
-at a time took ~4 ms under load). The loop never writes to the file itself: a pwrite into
-the page cache stopped it for up to ~280 ms while the disk was busy. A plain callback
+MAX_FLIGHTS in flight, each down a lane of its own: here concurrent fdatasyncs of one
+file took ~0.2 ms each where one at a time took ~4 ms under load). The loop never writes
+to the file itself: a pwrite into the page cache stopped it for up to ~280 ms while the
+disk was busy. A plain callback
 (`call_soon`, not the committer task, whose wake-up cost ~30k instructions a commit)
 cuts and sends the commit: with nothing in flight, once the callbacks the event loop
 runs after the first entry's are done (a lone turn is never held back, and the turns
 finishing in the same pass share its fsync), and so once a flight lands with entries
 queued behind it; while commits are in flight, one more pass of the event loop later,
 so the turns finishing in it join (at MAX_FLIGHTS, when the oldest lands). The helper's
-answers are applied in its socket's reader callback, with no task per commit. Outcomes are
+answers are applied in its sockets' reader callback, with no task per commit. Outcomes are
 applied in the order the commits were sent, each once its own answer and every earlier
 one's have come (replay stops at the first gap, so a commit counts only with every
 commit before it), and when one fails, every later one in flight fails with it and the

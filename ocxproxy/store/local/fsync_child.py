@@ -2,18 +2,18 @@
 proxy (syncer.py), so no write to the journal file blocks the proxy's event loop (a pwrite
 into the page cache waited up to ~280 ms there while the disk was busy).
 
-Run as `python -I -S fsync_child.py FD` with FD one end of a Unix socket pair; standard
-library only, nothing of ocxproxy is imported. It says b"r" once ready, then loops: a
-file descriptor (SCM_RIGHTS, sent with a lone b"f") replaces the file it writes; each
-request, b"w", a one-byte id, the offset (8 bytes) and length (4 bytes) of its data, then
-the data, is written there (pwrite), and then the file fdatasynced; it is answered by two
-bytes, the id and 0 or the errno. Requests received together are written in order and
-share one fdatasync, in the thread that received them while another thread waits for the
-next (the proxy may have several commits in flight: concurrent syncs of one file do not
-wait for each other's turn; no thread hands work to another, which cost a wake-up and a
-GIL hand-over per sync). It exits when the proxy's end closes (the proxy stopped or
-died), never on a signal sent to the proxy's process group: the proxy decides when it is
-done.
+Run as `python -I -S fsync_child.py FD...` with each FD one end of a Unix socket pair (a
+lane); standard library only, nothing of ocxproxy is imported. It says b"r" down each
+lane once ready. Each lane has a thread of its own, which loops: a file descriptor
+(SCM_RIGHTS, sent with a lone b"f") replaces the file it writes; each request, b"w", a
+one-byte id, the offset (8 bytes) and length (4 bytes) of its data, then the data, is
+written there (pwrite), and then the file fdatasynced; it is answered down the same lane
+by two bytes, the id and 0 or the errno. Requests received together are written in order
+and share one fdatasync. The proxy sends a commit down a lane with nothing in flight, so
+commits in flight at once are synced at once (concurrent syncs of one file do not wait
+for each other's turn), and no thread wakes another (a hand-over costs a wake-up and a
+GIL hand-over per sync). It exits when the proxy's ends close (the proxy stopped or died),
+never on a signal sent to the proxy's process group: the proxy decides when it is done.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import struct
 import sys
 import threading
 
-THREADS = 8  # syncs at once (the proxy has at most a few commits in flight)
 HEAD = struct.Struct(">cBQI")  # b"w", id, offset, length (syncer.py packs it)
 RECEIVE = 1 << 18  # bytes read at once
 INT = array.array("i").itemsize  # a file descriptor's size in SCM_RIGHTS data
@@ -36,20 +35,16 @@ FDS = socket.CMSG_SPACE(8 * INT)  # room for the file descriptors received at on
 F = ord("f")
 
 
-def serve(sock: socket.socket) -> None:
-    receiving = threading.Lock()  # one thread waits in recv at a time
-    answering = threading.Lock()
-    held = [-1, 0]  # the file synced now, and whether the proxy's end closed (under receiving)
-    pending = [b""]  # a partial request (under receiving)
-    # Received into, again and again (under receiving): a new buffer of RECEIVE bytes for
-    # each receive would cost the helper three more system calls (mmap, mremap, munmap).
+def lane(sock: socket.socket) -> None:
+    """Serve one lane until the proxy's end of it closes."""
+    held = -1  # the file written to now
+    pending = b""  # a partial request
+    # Received into, again and again: a new buffer of RECEIVE bytes for each receive
+    # would cost three more system calls (mmap, mremap, munmap).
     buffer = bytearray(RECEIVE)
     view = memoryview(buffer)
-
-    def take() -> tuple[list[tuple[int, int, bytes]], int] | None:
-        """The next whole requests received (id, offset, data) and a file to write them
-        to, or None once the proxy's end is closed. Holds `receiving`."""
-        while not held[1]:
+    try:
+        while True:
             try:
                 got, ancillary, _, _ = sock.recvmsg_into([buffer], FDS)
             except OSError:
@@ -57,13 +52,12 @@ def serve(sock: socket.socket) -> None:
             for level, kind, fds in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     for new in array.array("i", fds[: len(fds) - len(fds) % INT]):
-                        if held[0] >= 0:
-                            os.close(held[0])
-                        held[0] = new
+                        if held >= 0:
+                            os.close(held)
+                        held = new
             if not got:
-                held[1] = 1
-                return None
-            data = pending[0] + view[:got] if pending[0] else view[:got].tobytes()
+                return
+            data = pending + view[:got] if pending else view[:got].tobytes()
             requests, at = [], 0
             while at < len(data):
                 if data[at] == F:  # (its fd came with it)
@@ -77,48 +71,34 @@ def serve(sock: socket.socket) -> None:
                     break
                 requests.append((request, offset, data[at + HEAD.size : end]))
                 at = end
-            pending[0] = data[at:]
-            if requests:
-                try:
-                    return requests, os.dup(held[0])  # its own: the file may be replaced
-                except OSError as exc:
-                    answer(bytes(r[0] for r in requests), exc)
-        return None
-
-    def answer(requests: bytes, error: OSError | None) -> None:
-        code = 0 if error is None else min(error.errno or errno.EIO, 255)
-        with answering, contextlib.suppress(OSError):
-            sock.sendall(bytes(b for request in requests for b in (request, code)))
-
-    def work() -> None:
-        # Leader and followers: the thread that received requests writes and syncs them,
-        # while another waits for the next ones; one fdatasync answers every request
-        # received together.
-        while True:
-            with receiving:
-                taken = take()
-            if taken is None:
-                return
-            requests, fd = taken
+            pending = data[at:]
+            if not requests:
+                continue
             error: OSError | None = None
             try:
-                for _, offset, data in requests:
-                    view = memoryview(data)
-                    while view:
-                        n = os.pwrite(fd, view, offset)
-                        view, offset = view[n:], offset + n
-                os.fdatasync(fd)
+                for _, offset, chunk in requests:
+                    written = memoryview(chunk)
+                    while written:
+                        n = os.pwrite(held, written, offset)
+                        written, offset = written[n:], offset + n
+                os.fdatasync(held)
             except OSError as exc:
                 error = exc
-            finally:
-                os.close(fd)
-            answer(bytes(r[0] for r in requests), error)
+            code = 0 if error is None else min(error.errno or errno.EIO, 255)
+            with contextlib.suppress(OSError):
+                sock.sendall(bytes(b for r in requests for b in (r[0], code)))
+    finally:
+        if held >= 0:
+            os.close(held)
 
-    sock.sendall(b"r")
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(THREADS - 1)]
+
+def serve(socks: list[socket.socket]) -> None:
+    for sock in socks:
+        sock.sendall(b"r")
+    threads = [threading.Thread(target=lane, args=(s,), daemon=True) for s in socks[1:]]
     for thread in threads:
         thread.start()
-    work()
+    lane(socks[0])
     for thread in threads:
         thread.join()
 
@@ -126,9 +106,11 @@ def serve(sock: socket.socket) -> None:
 def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    with sock, contextlib.suppress(OSError):  # OSError: the proxy's end is gone
-        serve(sock)
+    socks = [socket.socket(fileno=int(fd)) for fd in sys.argv[1:]]
+    with contextlib.suppress(OSError):  # OSError: the proxy's end is gone
+        serve(socks)
+    for sock in socks:
+        sock.close()
 
 
 if __name__ == "__main__":
