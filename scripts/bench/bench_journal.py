@@ -17,13 +17,14 @@
     python scripts/bench/bench_journal.py --checkpoint-only DIR/state [--churn 20000]
     python scripts/bench/bench_journal.py --serve-only DIR/state [--python A B] [--nice -10]
 
-    python scripts/bench/bench_journal.py --commit-cpu [--turns 20000] [--rounds 3]
+    python scripts/bench/bench_journal.py --commit-cpu [--turns 20000] [--rounds 3] [--clients 4]
 
---commit-cpu times the commit path alone: --turns turns by 16 clients (chains of 100, each
-awaiting its commit) into a memory-only store and into a durable one with the fsync
-helper, in alternating rounds; per turn, the on-CPU time of this process (every thread)
-and of the helper from /proc/*/schedstat (nanoseconds: the scheduler's own account, not
-sampled ticks), durable - memory, and turns per fsync.
+--commit-cpu times the commit path alone: --turns turns by 16 clients (or --clients; chains
+of 100, each awaiting its commit, so each fsync carries as many turns as there are
+clients) into a memory-only store and into a durable one with the fsync helper, in
+alternating rounds; per turn, the on-CPU time of this process (every thread) and of the
+helper from /proc/*/schedstat (nanoseconds: the scheduler's own account, not sampled
+ticks), durable - memory, and turns per fsync.
 
     valgrind --tool=callgrind python scripts/bench/bench_journal.py --commit-round \
         --turns 2300 --clients 16 --chain 10
@@ -397,18 +398,19 @@ async def commit_round(
     return cpu / turns * 1e6, helper / turns * 1e6, turns / max(commits, 1)
 
 
-async def commit_cpu(turns: int, rounds: int) -> None:
+async def commit_cpu(turns: int, rounds: int, clients: int = 16) -> None:
     print("load average: " + " ".join(f"{n:.2f}" for n in os.getloadavg()))
     got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
     for n in range(rounds):
         for durable in (False, True) if n % 2 == 0 else (True, False):
             with tempfile.TemporaryDirectory(prefix="bench_journal_") as tmp:
                 state = Path(tmp) / "state" if durable else None
-                got[durable].append(await commit_round(state, turns))
+                got[durable].append(await commit_round(state, turns, clients))
             cpu, helper, per = got[durable][-1]
             if durable:
                 print(
-                    f"durable: {cpu:.1f} + helper {helper:.1f} µs CPU/turn, {per:.1f} turns/fsync"
+                    f"durable: {cpu:.1f} + helper {helper:.1f} µs CPU/turn, {per:.1f} turns/fsync "
+                    f"(helper {helper * per:.0f} µs a fsync)"
                 )
             else:
                 print(f"memory:  {cpu:.1f} µs CPU per turn")
@@ -676,7 +678,7 @@ def main() -> None:
         serve_rounds(Path(args.serve_only), args.python, args.rounds, bytecode=args.bytecode)
         return
     if args.commit_cpu:
-        asyncio.run(commit_cpu(args.turns, args.rounds))
+        asyncio.run(commit_cpu(args.turns, args.rounds, 16 if args.clients == 64 else args.clients))
         return
     if args.rotations:
         asyncio.run(rotations(args.rounds, 16 if args.clients == 64 else args.clients, args.chain))
