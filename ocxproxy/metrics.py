@@ -513,6 +513,11 @@ class Metrics:
             "Journal commits that failed (disk full, I/O error), by errno",
             ["reason"],
         )
+        self.store_disk_full = Counter(
+            "ocxproxy_store_disk_full_total",
+            "Times evicting could not take the store back under --max-disk-bytes (what is "
+            "left is pinned or others' files): new turns are refused until there is room",
+        )
         self.store_available = Gauge(
             "ocxproxy_store_available",
             "1 while the journal takes writes, 0 after a failed commit until one succeeds",

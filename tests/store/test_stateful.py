@@ -267,7 +267,13 @@ class StoreMachine(RuleBasedStateMachine):
         must = self.roomy and (durable or self.resident_cap > 10**5)
         self.model[rid] = exp = Expect(scope, texts, durable, self.clock.now, must=must)
         if ack:  # the HTTP layer answers only after this returns
-            self.run(self.store.commit(record))
+            try:
+                self.run(self.store.commit(record))
+            except StoreFailure as failure:  # over the disk cap, nothing to evict: refused
+                if failure.reason != FailureReason.FULL:
+                    raise
+                assert not self.roomy
+                return rid
             exp.committed = durable
         return rid
 

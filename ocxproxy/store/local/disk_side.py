@@ -68,8 +68,8 @@ class DiskSide:
         """Back within the caps after a commit's outcome."""
         self.store.expiry.enforce()
 
-    def evict_for_disk(self, target: float) -> None:
-        self.store.expiry.for_disk(target)
+    async def evict_for_disk(self, target: float, limit: float, per_record: float) -> bool:
+        return await self.store.expiry.for_disk(target, limit, per_record)
 
     def checkpoint_view(self) -> tuple[list[Record], list[tuple[int, int]], set[str]]:
         store = self.store

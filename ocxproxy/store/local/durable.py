@@ -46,10 +46,13 @@ from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.segments import SegmentTable
 from ocxproxy.store.local.syncer import FsyncChild
 from ocxproxy.store.local.upkeep import (
+    CAP_BACKOFF,
+    CAP_GAP,
     COMPACT_BATCH,
     COMPACT_BELOW,
     COMPACT_BYTES,
     DISK_KEEP,
+    DISK_LOW,
     MAINTAIN_EVERY,
     SCAN,
     ChunkRows,
@@ -78,8 +81,11 @@ class Owner(Protocol):
     def restore(self, loaded: Loaded) -> None:
         """Build the records and segments start-up read."""
 
-    def evict_for_disk(self, target: float) -> None:
-        """Drop the oldest durable records until live segments take `target` bytes."""
+    async def evict_for_disk(self, target: float, limit: float, per_record: float) -> bool:
+        """Drop whole chains, the least recently extended first, until live segments and
+        the next checkpoint (`per_record` bytes a record) take `target` bytes (the newest
+        chain only while they take more than `limit`); True when they still take more
+        than `limit` with nothing more to drop."""
 
     def record(self, record_id: str) -> Record | None:
         """The live record of this id."""
@@ -136,6 +142,7 @@ class Durable:
         self._maintainer: asyncio.Task[None] | None = None
         self.replay_from = (0, 0)  # the durable checkpoint's journal position
         self.checkpoint_size = 0
+        self.checkpoint_records = 0  # the records it names
         # The checkpoint file's rows of each journal file and of each chunk of the records'
         # order, and the capture it was taken at: the next checkpoint copies those of
         # files and chunks unchanged since (upkeep.encode_checkpoint).
@@ -147,6 +154,11 @@ class Durable:
         self._wanted = asyncio.Event()  # maintenance has work (checkpoint, cap)
         self._checkpointing = asyncio.Lock()
         self.available = True
+        # The disk cap cannot be met by evicting: new turns are refused (Store.put) until
+        # the store is back under it. Checkpoints the cap calls for wait until `_cap_next`.
+        self.full = False
+        self._cap_wait = CAP_GAP
+        self._cap_next = 0.0  # monotonic
         self._failures_unlogged = 0
         self._logged_at = 0.0
 
@@ -185,6 +197,7 @@ class Durable:
         finally:
             gc.enable()
         self._restored(loaded)
+        self.checkpoint_records = len(self.owner)  # (with those the journal after it added)
         # Files before the checkpoint that no live segment needs: a crash came between a
         # checkpoint and their removal, or the journal after it deleted what they held
         # (never when the checkpoint was unreadable; the caps evict only later, journaled:
@@ -372,10 +385,14 @@ class Durable:
                         committer.submit(NOP, b"", None)
                     continue
                 over = self.over_disk()
+                if self.full and not over:  # deletes, expiry or others' files made room
+                    self._room_again()
                 due = self.since_checkpoint >= self.checkpoint_after() or (
                     self.dirty_at is not None
                     and time.monotonic() - self.dirty_at >= self.checkpoint_age
                 )
+                if over and not due and time.monotonic() < self._cap_next:
+                    continue  # the last pass for the cap was too recent (`_cap_passed`)
                 if over or due:
                     await self.checkpoint()
             except asyncio.CancelledError:
@@ -445,22 +462,70 @@ class Durable:
             await self.committer.write()
 
     async def checkpoint(self) -> bool:
-        """Compact, then capture the index at a fresh journal file, encode it in chunks (the
-        loop runs between them), write it, and remove the files it makes unneeded."""
+        """Evict for the disk cap when over it, compact, then capture the index at a fresh
+        journal file, encode it in chunks (the loop runs between them), write it, and
+        remove the files it makes unneeded."""
         async with self._checkpointing:
-            return await self._checkpoint_now()
+            exhausted = await self._evict() if self.over_disk() else None
+            written = await self._checkpoint_now()
+            if exhausted is not None:
+                self._cap_passed(exhausted)
+            return written
+
+    async def _evict(self) -> bool | None:
+        """What the store keeps on disk (live segments, with the checkpoint) down to
+        DISK_LOW of --max-disk-bytes, whole chains at a time (Expiry.for_disk): the rest is
+        room for the journal's tail, compaction's garbage and the next checkpoint, and the
+        next pass waits for DISK_KEEP - DISK_LOW of the cap in new turns. The chain
+        extended last goes only when it alone keeps the store over DISK_KEEP. The
+        checkpoint shrinks too once it no longer names the evicted records. True when
+        still over DISK_KEEP with nothing more to evict (None: no journal)."""
+        if self.committer is None or self.journal is None:
+            return None
+        others = self.others_bytes()
+        low = self.max_disk_bytes * DISK_LOW - others
+        keep = self.max_disk_bytes * DISK_KEEP - others
+        per_record = self.checkpoint_size / max(self.checkpoint_records, 1)
+        return await self.owner.evict_for_disk(low, keep, per_record)
+
+    def _cap_passed(self, exhausted: bool) -> None:
+        """After a checkpoint the disk cap called for: the next waits CAP_GAP when it
+        brought the store under the cap, else twice as long as the last (at most
+        CAP_BACKOFF): a pass that cannot free enough is not repeated at every commit.
+        With nothing left to evict the store is full: said once, counted, and new turns
+        are refused until there is room."""
+        now = time.monotonic()
+        if not self.over_disk():
+            self._cap_wait, self._cap_next = CAP_GAP, now + CAP_GAP
+            if self.full:
+                self._room_again()
+            return
+        self._cap_next = now + self._cap_wait
+        self._cap_wait = min(2 * self._cap_wait, CAP_BACKOFF)
+        if exhausted and not self.full:
+            self.full = True
+            self.metrics.store_disk_full.inc()
+            mib = 2**20
+            log.warning(
+                "store full: %.1f MiB of live data, checkpoint and background files, over "
+                "the %.1f MiB it may keep (%d%% of --max-disk-bytes %.1f MiB), and nothing "
+                "more can be evicted (what is left is pinned: conversations, or others' "
+                "files); new turns are refused (503) until there is room: delete "
+                "conversations or raise --max-disk-bytes",
+                (self.table.keydir.live_bytes + self.checkpoint_size + self.others_bytes())
+                / mib, self.max_disk_bytes * DISK_KEEP / mib, round(DISK_KEEP * 100),
+                self.max_disk_bytes / mib,
+            )  # fmt: skip
+
+    def _room_again(self) -> None:
+        self.full = False
+        self._cap_wait = CAP_GAP
+        log.warning("store back under --max-disk-bytes: new turns are stored again")
 
     async def _checkpoint_now(self) -> bool:
         committer, j = self.committer, self.journal
         if committer is None or j is None:
             return False
-        if self.over_disk():
-            # What the store keeps on disk (live segments, with the checkpoint) back under
-            # DISK_KEEP of --max-disk-bytes; the rest is room for the journal's tail,
-            # compaction's garbage and the next checkpoint. The checkpoint shrinks too
-            # once it no longer names the evicted records.
-            keep = self.max_disk_bytes * DISK_KEEP - self.others_bytes()
-            self.owner.evict_for_disk(max(keep - self.checkpoint_size, keep / 2))
         await self._compact()
         # The next file is made (and synced) while commits go on: the rotation, while they
         # wait, is a swap; the old file is sealed once they go on again.
@@ -506,6 +571,7 @@ class Durable:
             file_rows.written(places)
         self.rows, self.record_rows, self.rows_capture = rows, record_rows, capture
         self.replay_from, self.checkpoint_size = position, size
+        self.checkpoint_records = n_recs
         # What encoding it took (~36 MiB at 100,000 records) goes back to the system now,
         # not at the next half-minute trim (heap.py); in a thread (it walks malloc's lists).
         del chunks

@@ -53,7 +53,7 @@ class KeptRecords:
         naming the old one, whatever the record's length. With `expires_at=NEVER` it is
         pinned: no count or byte cap drops it, and StoreFailure(FULL) refuses a write that
         would need that, unless `force` (a turn already answered: taken even past the
-        caps)."""
+        caps), and any while the store is full (`Durable.full`)."""
         store = self.store
         durable = durable and store._committer is not None
         pinned = expires_at >= NEVER
@@ -65,6 +65,10 @@ class KeptRecords:
         entry = 0 if durable else store.resident.entry_bytes  # in memory: entries count too
         size = store.index.pinned_size(record_id, chain, shared, len(meta), entry)
         if pinned and not force and not self._fits(record_id, size, durable=durable):
+            raise StoreFailure(FailureReason.FULL, record_id)
+        if pinned and durable and store.disk is not None and store.disk.full:
+            # Over --max-disk-bytes with nothing left to evict: refused even when forced
+            # (a turn's append: its response is refused too, Store.put).
             raise StoreFailure(FailureReason.FULL, record_id)
         take = store.table.take
         taken = [take(s, durable) for s in fresh]

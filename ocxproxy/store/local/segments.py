@@ -78,14 +78,16 @@ class SegmentTable:
         self._admit(existing)
         return existing
 
-    def adopt(self, segment: Segment, durable: bool) -> Segment:
+    def adopt(self, segment: Segment, durable: bool, *, evicted: bool = False) -> Segment:
         """This table's segment for a segment object it does not index, for a record that
-        is `durable` or not. Bytes it forgot but the journal still holds are taken back."""
+        is `durable` or not. Bytes it forgot but the journal still holds are taken back,
+        unless the record that held it was `evicted` here: then what no live record holds
+        stays gone (lost: EVICTED), or eviction would not free it."""
         mine = self.by_key.get(segment.digest)
         if mine is segment:
             return mine
         if mine is not None:
-            if mine.data is None and segment.data is not None:
+            if mine.data is None and segment.data is not None and not evicted:
                 mine.data, mine.lost = segment.data, None
                 self._admit(mine)
             return mine
@@ -95,14 +97,14 @@ class SegmentTable:
             segment.n_items,
             segment.call_ids,
             durable=False,
-            data=segment.data,
+            data=None if evicted else segment.data,
             item_ids=segment.item_ids,
         )
         self.by_key[copy.digest] = copy
         if copy.data is not None:
             self._admit(copy)
             return copy
-        ghost = self._ghosts.pop(copy.digest, None)
+        ghost = None if evicted else self._ghosts.pop(copy.digest, None)
         if durable and ghost is not None and self._still_there(copy.key, ghost[0]):
             copy.sid = ghost[3]
             self.keydir.locate(copy, *ghost[:3])

@@ -181,8 +181,8 @@ class Store:
 
     @property
     def available(self) -> bool:
-        """The disk takes writes (always, without one)."""
-        return self.disk is None or self.disk.available
+        """The disk takes writes, and the disk cap new turns (always, without one)."""
+        return self.disk is None or (self.disk.available and not self.disk.full)
 
     def count_on_disk(self, bytes_used: Callable[[], int]) -> None:
         """Files of the state dir kept by others (background responses'): counted in
@@ -349,7 +349,10 @@ class Store:
             chain, segments = Chain(parent.links, own), (*parent.segments, own)
             parent.built = None  # the newest record of the chain keeps it built
         else:  # dropped meanwhile, or another store's record: take its segments in
-            segments = (*(self.table.adopt(s, durable) for s in parent.segments), own)
+            # (not those the disk cap evicted: a turn in flight would bring its chain back)
+            evicted = parent.id in self.expiry.for_disk_ids
+            adopt = self.table.adopt
+            segments = (*(adopt(s, durable, evicted=evicted) for s in parent.segments), own)
             chain = Chain(chain_of(segments[:-1]), own)
         record = turn_record(
             Record, turn, parent, now=now, ttl=self.ttl, durable=durable, links=chain,
@@ -362,7 +365,12 @@ class Store:
         self.table.hold(taken, durable=durable)
         self.index.add(record)
         if journaled:
-            self._journal_put(record, parent)
+            assert self.disk is not None
+            if self.disk.full:  # over --max-disk-bytes, nothing to evict: `commit` raises
+                failure = StoreFailure(FailureReason.FULL, "over --max-disk-bytes")
+                self.disk_side.unwritten(record, failure)
+            else:
+                self._journal_put(record, parent)
         self.expiry.enforce()
         return record
 

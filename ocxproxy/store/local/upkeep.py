@@ -39,6 +39,9 @@ COMPACT_BATCH = 500  # segments moved per commit (its outcome is applied in one 
 COMPACT_BYTES = 32 * 1024**2  # most bytes one checkpoint's compaction moves
 MAINTAIN_EVERY = 0.5
 DISK_KEEP = 0.6  # share of --max-disk-bytes live segments and the checkpoint may fill
+DISK_LOW = 0.5  # share the disk cap's eviction takes them down to, below DISK_KEEP
+CAP_GAP = 5.0  # least seconds between two checkpoints the disk cap calls for
+CAP_BACKOFF = 60.0  # most, doubling from CAP_GAP while each leaves the store over
 
 
 class Pacer:
