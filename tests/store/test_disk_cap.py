@@ -142,14 +142,20 @@ async def test_nothing_to_evict_is_said_once_and_new_turns_are_refused(
         assert store.disk.full
         assert not store.available
         assert sample(store.metrics.store_disk_full) == 1
-        for i in range(20):  # refused, typed, and no checkpoint for each
+        # Refused, typed, and no checkpoint for each, nor at each maintenance pass
+        # (MAINTAIN_EVERY) over the two seconds they take: the next waits CAP_GAP.
+        for i in range(20):
             record = store.put(make_turn(f"b{i}", text(rng)), None)
             with pytest.raises(StoreFailure) as info:
                 await store.commit(record)
             assert info.value.reason == FailureReason.FULL
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
         with pytest.raises(StoreFailure):
             store.lookup_nowait("scope-a", "b0")
+        # Nor a conversation's write, even one forced past the caps (an answered turn's).
+        with pytest.raises(StoreFailure) as info:
+            store.kept.keep("conv_1", "scope-a", (), b"{}", created_at=0.0, force=True)
+        assert info.value.reason == FailureReason.FULL
     full = [r for r in caplog.records if "store full" in r.getMessage()]
     assert len(full) == 1
     assert sample(store.metrics.snapshot_writes) - written <= 2
