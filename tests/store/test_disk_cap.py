@@ -84,6 +84,34 @@ async def test_the_chain_in_use_survives_and_older_chains_go_whole(tmp_path: Pat
     await store.close()
 
 
+async def test_the_chain_extended_last_stays_while_it_alone_is_under_the_cap(
+    tmp_path: Path,
+) -> None:
+    """A session that alone takes more than eviction's target (50% of the cap) but less
+    than what the store may keep (60%): over the cap, the other chains go and it stays
+    whole, though it is the oldest."""
+    rng = random.Random(11)
+    store = make_store(tmp_path, max_disk_bytes=CAP, max_resident_bytes=1, offload=inline)
+    await store.start()
+    head = extend(store, rng, "s", 80, None)  # ~210 KB, its root the oldest record
+    for k in range(2):
+        extend(store, rng, f"idle{k}-", 15, None)  # ~39 KB each: the store is over the cap
+    store.put(make_turn("s80", text(rng)), head)  # and the session is extended last
+    await store.commit()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if sample(store.metrics.store_evictions, reason="disk_bytes"):
+            break
+    await asyncio.sleep(0.05)
+    with pytest.raises(StoreFailure) as info:
+        store.lookup_nowait("scope-a", "idle1-14")
+    assert info.value.reason == FailureReason.EVICTED
+    assert sample(store.metrics.store_evictions, reason="disk_bytes") == 30
+    assert len(await store.history(store.lookup_nowait("scope-a", "s80"))) == 81
+    assert store.check() == []
+    await store.close()
+
+
 async def test_a_chain_past_the_cap_alone_goes_whole_and_stays_gone(tmp_path: Path) -> None:
     """A session that alone outgrows the store's share of the cap is evicted whole, and a
     turn in flight on it then does not bring its chain back onto the disk: the store gets
