@@ -548,11 +548,15 @@ class Durable:
             self.since_checkpoint = 0
         await self.offload(j.seal_retired)
         keydir, owner, since_capture = self.table.keydir, self.owner, self.rows_capture
-        chunks, n_recs, rows, record_rows = await encode_checkpoint(
-            position, self.clock(), next_sid, placed, self.table.by_key, records, layout,
-            uncommitted, self.rows, lambda pack: keydir.unchanged_since(pack, since_capture),
-            self.record_rows, lambda number, count: owner.unchanged(number, count, since_capture),
-        )  # fmt: skip
+        try:
+            chunks, n_recs, rows, record_rows = await encode_checkpoint(
+                position, self.clock(), next_sid, placed, self.table.by_key, records, layout,
+                uncommitted, self.rows, lambda pack: keydir.unchanged_since(pack, since_capture),
+                self.record_rows,
+                lambda number, count: owner.unchanged(number, count, since_capture),
+            )  # fmt: skip
+        finally:
+            self.table.encoded()
         self.rows, self.record_rows = {}, {}  # (the file they are in is being replaced)
         try:
             written = await self.offload(j.write_checkpoint, chunks)

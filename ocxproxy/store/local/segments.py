@@ -45,7 +45,10 @@ class SegmentTable:
         # Set once the journal is open: where SEG entries go and bytes are read back.
         self.committer: Committer | None = None
         self.journal: Journal | None = None
-        self._ghosts: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()  # forgotten
+        # Places of forgotten segments an in-flight child may take back (`adopt`): those
+        # forgotten since the last checkpoint's capture, while none was being encoded.
+        self._ghosts: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()
+        self._encoding = False  # a checkpoint captured and not yet encoded
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -80,9 +83,14 @@ class SegmentTable:
 
     def adopt(self, segment: Segment, durable: bool, *, evicted: bool = False) -> Segment:
         """This table's segment for a segment object it does not index, for a record that
-        is `durable` or not. Bytes it forgot but the journal still holds are taken back,
-        unless the record that held it was `evicted` here: then what no live record holds
-        stays gone (lost: EVICTED), or eviction would not free it."""
+        is `durable` or not. Bytes it forgot but the journal still holds are taken back
+        where they are (a ghost) while the durable index still names that place: no
+        checkpoint captured since it forgot them, nor being encoded then (one leaves out
+        a segment no record it names holds any more). So the new record's entry loads
+        after a crash, and no checkpoint removes the file meanwhile (its removals are of
+        files left before its capture). Otherwise, or when the record that held it was
+        `evicted` here (what no live record holds stays gone, or eviction would not free
+        it), the bytes are lost: EVICTED."""
         mine = self.by_key.get(segment.digest)
         if mine is segment:
             return mine
@@ -161,7 +169,7 @@ class SegmentTable:
         # parent record); put() adopts them back.
         del self.by_key[segment.digest]
         self.resident.remove(segment)
-        if segment.pack >= 0:  # an in-flight child may still need it (see adopt)
+        if segment.pack >= 0 and not self._encoding:  # an in-flight child may need it (adopt)
             self._ghosts[segment.digest] = (
                 segment.pack,
                 segment.offset,
@@ -348,10 +356,19 @@ class SegmentTable:
 
     def captured(self, pack: int) -> int:
         """A checkpoint captures the index, its journal continuing in new file `pack`:
-        the capture's number (`Keydir.removable`)."""
+        the capture's number (`Keydir.removable`). It names no segment forgotten before:
+        none is taken back any more (`adopt`), nor one forgotten until it is `encoded`."""
         self.keydir.sizes[pack] = 0
         self.keydir.captures += 1
+        self._ghosts.clear()
+        self._encoding = True
         return self.keydir.captures
+
+    def encoded(self) -> None:
+        """The checkpoint captured last is encoded (or given up): a segment forgotten from
+        now on is in it (encoded while still held) or in an entry the journal replays
+        after it."""
+        self._encoding = False
 
     def dropped(self, packs: Sequence[int]) -> None:
         """Journal files removed: nothing is located there any more."""
