@@ -11,13 +11,19 @@ A connection goes back to the pool only when its answer ended exactly at its fra
 with nothing after it, and the backend allows reuse; an answer that cannot be framed
 exactly (h1.BadMessage) closes it. An idle connection is retired before the backend's own
 idle timeout can close it under a new request: the backend's `Keep-Alive: timeout=` less a
-second, else `keepalive` (2 s by default, below uvicorn's 5 s).
+second, else `keepalive` (2 s by default, below uvicorn's 5 s). One whose socket holds
+bytes or the end the loop has not read yet is not taken (one poll), and a backend seen to
+close a connection kept after a chunked answer (llama.cpp closes after every stream,
+though it answers `Keep-Alive`) has none kept after a chunked answer any more: a request
+written on a connection the backend is closing is cut off with nothing answered, and a
+POST is not sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import select
 import ssl
 import time
 from collections.abc import AsyncIterable, Mapping
@@ -84,6 +90,7 @@ class _Connection(FlowControlled):
 
     __slots__ = (
         "buffered",
+        "chunked",
         "closed",
         "error",
         "idle_limit",
@@ -107,6 +114,7 @@ class _Connection(FlowControlled):
         self.waiter: asyncio.Future[None] | None = None
         self.idle_since = 0.0
         self.idle_limit = IDLE
+        self.chunked = False  # its last answer was chunked (a stream)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -182,6 +190,19 @@ class _Connection(FlowControlled):
             self.transport.close()
 
 
+def _ended_unread(conn: _Connection) -> bool:
+    """Bytes or the end wait on an idle connection's socket that the loop has not read:
+    a backend that closes as soon as it has answered (llama.cpp after a stream) when the
+    next request comes in the same turn of the loop. One poll, as curl checks before
+    reuse; a request written there would be cut off with nothing answered."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
@@ -190,7 +211,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class _Origin:
     """One backend base URL: where to connect, the path prefix, idle connections."""
 
-    __slots__ = ("host", "host_header", "idle", "port", "prefix", "ssl")
+    __slots__ = ("closes_after_chunked", "host", "host_header", "idle", "port", "prefix", "ssl")
 
     def __init__(self, base: str) -> None:
         parts = urlsplit(base)
@@ -201,6 +222,9 @@ class _Origin:
         self.prefix = parts.path.rstrip("/").encode()
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
         self.idle: list[_Connection] = []
+        # Seen to close a connection kept after a chunked answer (llama.cpp does so after
+        # every stream, though it answers Keep-Alive): those are not kept any more.
+        self.closes_after_chunked = False
 
 
 class Http1Client:
@@ -231,7 +255,8 @@ class Http1Client:
         origin = self._origins.get(base)
         if origin is None:
             origin = self._origins[base] = _Origin(base)
-        conn = self._idle(origin) or await self._connect(origin)
+        idle = self._idle(origin)
+        conn = idle or await self._connect(origin)
         if conn.closed:  # a new connection the backend closed at once (an idle one is checked)
             conn.close()
             raise Unsent("The connection closed before the request was sent.")
@@ -241,7 +266,9 @@ class Http1Client:
         try:
             await self._send(conn, origin, method, path, headers, body)
             return await Http1Response.read_head(self, conn, origin)
-        except BaseException:
+        except BaseException as exc:
+            if idle is not None and idle.chunked and isinstance(exc, Disconnected):
+                origin.closes_after_chunked = True  # it closed under this request
             conn.close()
             raise
 
@@ -259,7 +286,11 @@ class Http1Client:
         found = None
         while idle:
             conn = idle.pop()
-            if conn.closed or now - conn.idle_since >= conn.idle_limit:
+            if now - conn.idle_since >= conn.idle_limit:
+                conn.close()
+            elif conn.closed or (found is None and _ended_unread(conn)):
+                if conn.chunked:
+                    origin.closes_after_chunked = True
                 conn.close()
             elif found is None:
                 found = conn
@@ -269,11 +300,14 @@ class Http1Client:
         idle.extend(kept)
         return found
 
-    def keep(self, conn: _Connection, origin: _Origin, keep_alive: str | None) -> None:
+    def keep(
+        self, conn: _Connection, origin: _Origin, keep_alive: str | None, chunked: bool
+    ) -> None:
         """Pool a connection whose answer ended at its framed end; `keep_alive` is the
-        answer's Keep-Alive field, whose timeout the connection is retired before."""
+        answer's Keep-Alive field, whose timeout the connection is retired before;
+        `chunked`: the answer was chunked (not kept from a backend that closes then)."""
         conn.drop_parser()
-        if conn.closed or len(origin.idle) >= MAX_IDLE:
+        if conn.closed or len(origin.idle) >= MAX_IDLE or (chunked and origin.closes_after_chunked):
             conn.close()
             return
         limit = self.keepalive
@@ -286,6 +320,7 @@ class Http1Client:
             return
         conn.idle_limit = limit
         conn.idle_since = time.monotonic()
+        conn.chunked = chunked
         origin.idle.append(conn)
 
     async def _connect(self, origin: _Origin) -> _Connection:
@@ -439,7 +474,7 @@ class Http1Response:
             and not parser.trailing
             and conn.error is None
         ):
-            self._client.keep(conn, self._origin, parser.headers.get("Keep-Alive"))
+            self._client.keep(conn, self._origin, parser.headers.get("Keep-Alive"), parser.chunked)
         else:
             conn.close()
 

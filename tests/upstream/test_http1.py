@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -384,6 +385,67 @@ async def test_an_idle_connection_the_server_closed_is_not_reused(
     await asyncio.sleep(0.05)  # let the client see the end
     assert await round_trip(client, server) == b"second"
     assert [len(c.requests) for c in server.connections] == [1, 1]
+
+
+def closes_after_each_answer(answer: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A backend in a thread that closes each connection as soon as it has answered one
+    request, as llama.cpp does after a streamed answer; its socket and thread."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return  # the test closed the listener
+            with sock:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += sock.recv(65536)
+                sock.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+async def test_an_idle_connection_closed_before_the_loop_read_the_end_is_not_reused(
+    client: Http1Client,
+) -> None:
+    """The backend's close arrived but the loop has not read it yet (the next request came
+    in the same turn of the loop): the connection is not taken for the next request."""
+    listener, thread = closes_after_each_answer(CHUNKED)
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        for _ in range(2):
+            response = await client.request("GET", base, "/", {}, None)
+            assert await response.read() == CHUNKED_BODY
+            response.release()
+            time.sleep(0.05)  # noqa: ASYNC251 (on purpose: the close is on the socket, unread)
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+        listener.close()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
+async def test_a_backend_that_closes_after_a_chunked_answer_has_none_kept_after_one(
+    server: ScriptedPeer, client: Http1Client
+) -> None:
+    """Once it closed a connection kept after a chunked answer, the next chunked answer's
+    connection is closed rather than kept (a request there would race its close); one
+    after a Content-Length answer is still kept."""
+    server.answer(CHUNKED, 0.05, None)  # closed once the client has kept it
+    server.answer(CHUNKED)  # left open: the client closes it
+    server.answer(ok(b"third"))
+    server.answer(ok(b"fourth"))
+    assert await round_trip(client, server) == CHUNKED_BODY
+    await wait_done(server.connections[0])
+    await asyncio.sleep(0.05)  # let the client see the end
+    assert await round_trip(client, server) == CHUNKED_BODY
+    assert await round_trip(client, server) == b"third"
+    assert await round_trip(client, server) == b"fourth"
+    assert [len(c.requests) for c in server.connections] == [1, 1, 2]
 
 
 async def test_an_idle_connection_older_than_keepalive_is_not_reused(
