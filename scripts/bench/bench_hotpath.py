@@ -71,6 +71,9 @@ class MemoryTransport:
     def is_closing(self) -> bool:
         return self.closing
 
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # no socket
+
     def close(self) -> None:
         self.closing = True
 
