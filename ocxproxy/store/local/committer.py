@@ -56,14 +56,14 @@ from typing import Any
 
 from ocxproxy.aio import spawn
 from ocxproxy.store.local.journal import PREALLOCATE, Encoded, Journal
-from ocxproxy.store.local.syncer import ChildGone, FsyncChild
+from ocxproxy.store.local.syncer import LANES, ChildGone, FsyncChild
 
 log = logging.getLogger("ocxproxy.store")
 
 Offload = Callable[..., Awaitable[Any]]
 
 INLINE_BYTES = 64 * 1024  # segment bytes a commit may have to be encoded on the loop
-MAX_FLIGHTS = 4  # commits at the fsync helper at once
+MAX_FLIGHTS = LANES  # commits at the fsync helper at once: one down each lane
 GROW_BELOW = PREALLOCATE // 2  # room left in the active file that starts its next growth
 
 

@@ -46,7 +46,7 @@ PROGRAM = Path(__file__).with_name("fsync_child.py")
 READY_TIMEOUT = 10.0  # seconds for the helper to start
 EXIT_TIMEOUT = 5.0  # seconds for it to exit once told to
 HEAD = struct.Struct(">cBQI")  # b"w", id, offset, length (fsync_child.py unpacks it)
-LANES = 4  # sockets (and threads) to the helper: the committer's MAX_FLIGHTS
+LANES = 4  # sockets (and threads) to the helper, and so the committer's MAX_FLIGHTS
 
 
 class ChildGone(Exception):
