@@ -13,7 +13,8 @@ ensure_venv() {  # ensure_venv EXTRAS   e.g. ensure_venv "local" or "dev,local"
     fi
     local stamp="$VENV/.ocxproxy-stamp"
     local want
-    want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$extras"
+    # (the C fast paths are compiled by the install: a change to them installs again)
+    want="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/ocxproxy/*.c | sha256sum | cut -c1-16)-$extras"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
         return 0
     fi

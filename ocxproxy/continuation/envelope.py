@@ -37,8 +37,11 @@ from typing import Any
 
 import orjson
 
+from ocxproxy.speedups import SPEEDUPS
 from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event, loads_or_none, with_data
 
+# The compiled fast paths, or None (the Python ones run): tests set it to None too.
+_c = SPEEDUPS
 _MISSING: Any = object()
 _NONE = type(None)
 _NUMBER = (int, float)  # type(value) in _NUMBER: a bool is not a number here
