@@ -56,7 +56,7 @@ def reference_records(
                 continue
             rows.append(codec.record_row(r, parent))
         else:
-            if not all(s.pack >= 0 for s in r.segments):
+            if not all(s.pack >= 0 or (s.lost and not s.sid) for s in r.segments):
                 continue
             rows.append(codec.record_row(r))
         named[id(link)] = r.id
@@ -94,6 +94,8 @@ def test_record_rows_are_record_row_and_name_the_same_records() -> None:
     kept = Segment(b"{}", 0, NO_CALLS, durable=True)
     kept.sid, kept.pack = 10, 1
     evicted = Segment(b"{}", 0, NO_CALLS, durable=True)
+    unwritten = segment(12, pack=-1, sid=0)  # lost before it was written
+    unwritten.data, unwritten.lost = None, "evicted"
     root = chain_of([a])
     at = place(3, 1 << 39, 1234, 5678)  # big numbers in each field
     records = [
@@ -105,6 +107,7 @@ def test_record_rows_are_record_row_and_name_the_same_records() -> None:
         record("r6", Chain(first.links, c), evicted),  # its response evicted: left out
         record("r7", Chain(first.links, off), place(1, 2, 3, 4)),  # own segment off disk
         record("r8", chain_of([off, a]), place(1, 2, 3, 4)),  # a segment off disk
+        record("r11", chain_of([unwritten, a]), place(1, 2, 3, 4)),  # named UNWRITTEN
         record("r9", Chain(first.links, c), place(1, 2, 3, 4), durable=False),
         record("r10", Chain(first.links, c), place(1, 2, 3, 4)),  # uncommitted
         # the members filled in from the request, a segment: on disk, and not yet
@@ -116,8 +119,9 @@ def test_record_rows_are_record_row_and_name_the_same_records() -> None:
     ]
     rows = codec.checkpoint_record_rows(records, {"r10"}, {}, lambda key: None)
     expected = reference_records(records, {"r10"}, {})
-    assert [row[0] for row in rows] == ["r1", "r2", "r3", "r4", "f1", "c1", "c2", "n1"]
-    assert rows[4][11:] == (None, (11, 28))
+    assert [row[0] for row in rows] == ["r1", "r2", "r3", "r4", "r11", "f1", "c1", "c2", "n1"]
+    assert rows[4][4] == [codec.UNWRITTEN, 1]
+    assert rows[5][11:] == (None, (11, 28))
     assert rows[1][4] == ("^", "r1", 2) and rows[2][4] == [1, 2, 3]
     assert orjson.dumps(rows) == orjson.dumps(expected)
 

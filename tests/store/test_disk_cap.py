@@ -206,7 +206,8 @@ async def test_a_turn_in_flight_on_an_evicted_chain_does_not_bring_it_back(
 ) -> None:
     """The parent a turn was looked up on is evicted for the disk cap while the backend
     answers: the turn is kept, but its chain's bytes are not taken back onto the disk
-    (eviction would free nothing); a continuation of it is told it was evicted."""
+    (eviction would free nothing); a continuation of it is told it was evicted, after a
+    restart too (no segment counted missing: nothing was lost but what the cap took)."""
     rng = random.Random(10)
     store = make_store(tmp_path, max_disk_bytes=CAP, max_resident_bytes=1, offload=inline)
     await store.start()
@@ -224,6 +225,14 @@ async def test_a_turn_in_flight_on_an_evicted_chain_does_not_bring_it_back(
     with pytest.raises(StoreFailure) as info:
         store.lookup_nowait("scope-a", "s29")
     assert info.value.reason == FailureReason.EVICTED
+    assert store.check() == []
+    await store.close()
+    store = make_store(tmp_path, max_disk_bytes=CAP, max_resident_bytes=1, offload=inline)
+    await store.start()
+    with pytest.raises(StoreFailure) as info:
+        await store.history(store.lookup_nowait("scope-a", "s30"))
+    assert info.value.reason == FailureReason.EVICTED
+    assert sample(store.metrics.spill_failures, reason="missing") == 0
     assert store.check() == []
     await store.close()
 

@@ -110,6 +110,15 @@ FILE_ROW = 7  # a SEG entry's meta: segment_row() and the length of the segment'
 
 IDS = 11  # a record row's field past the 11 every row has: a conversation's item ids
 FILL = 12  # the next: [sid, bytes from the end] of the members the envelope filled in
+# The sid a record row's chain gives a segment whose bytes were lost before they were
+# written (never named: a turn in flight on a chain evicted or dropped meanwhile, which
+# answers EVICTED when continued): start-up answers its record EVICTED too.
+UNWRITTEN = 0
+
+
+def unwritten(segment: Segment) -> bool:
+    """Lost before it was ever written: a record's row names it UNWRITTEN."""
+    return segment.lost is not None and not segment.sid
 
 
 def record_row(record: Record, parent: str | None = None) -> list[Any]:
@@ -196,11 +205,12 @@ def checkpoint_record_rows(
 ) -> list[tuple[Any, ...]]:
     """The rows of the durable `records` but those `uncommitted`, those whose response
     is not in the journal (its bytes not committed yet, or evicted), and those with a
-    segment not in the journal. `named` (id(chain link) -> the id of the record whose row
-    is out with it: those of this chunk of the order so far), else `earlier` (the same
-    of the rows out before, by the link's id), gives a record's parent row, whose chain is
-    this one's but the last link: the row names it instead of the chain (not a
-    conversation's row, written whole); each row's link is added to `named`."""
+    segment not in the journal (but one lost before it was written: UNWRITTEN). `named`
+    (id(chain link) -> the id of the record whose row is out with it: those of this
+    chunk of the order so far), else `earlier` (the same of the rows out before, by the
+    link's id), gives a record's parent row, whose chain is this one's but the last
+    link: the row names it instead of the chain (not a conversation's row, written
+    whole); each row's link is added to `named`."""
     rows = []
     for r in records:
         if not r.durable:
@@ -245,7 +255,9 @@ def checkpoint_record_rows(
                 segments = link.segments() if built is None else built
                 chain = [s.at >> SID_SHIFT for s in segments if s.pack >= 0]
                 if len(chain) != len(segments):
-                    continue
+                    if not all(s.pack >= 0 or unwritten(s) for s in segments):
+                        continue
+                    chain = [s.at >> SID_SHIFT for s in segments]  # (UNWRITTEN: 0)
             named[id(link)] = rid
         row: tuple[Any, ...] = (
             rid, r.scope, r.created_at, r.expires_at, chain, held, r.output_at, r.backend,
