@@ -14,9 +14,11 @@ idle timeout can close it under a new request: the backend's `Keep-Alive: timeou
 second, else `keepalive` (2 s by default, below uvicorn's 5 s). One whose socket holds
 bytes or the end the loop has not read yet is not taken (one poll), and a backend seen to
 close a connection kept after a chunked answer (llama.cpp closes after every stream,
-though it answers `Keep-Alive`) has none kept after a chunked answer any more: a request
-written on a connection the backend is closing is cut off with nothing answered, and a
-POST is not sent again.
+though it answers `Keep-Alive`) has none kept after a chunked answer for `RELEARN`
+seconds: a request written on a connection the backend is closing is cut off with
+nothing answered, and a POST is not sent again. Then one is kept again, so a backend
+replaced by one that keeps them (a restart, an upgrade) gets its connections reused,
+and one that still closes them is seen to again, on the idle connection.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
 MAX_IDLE = 64  # kept-alive connections per backend
 IDLE = 2.0  # seconds an idle connection is kept when the backend names no timeout
 IDLE_MARGIN = 1.0  # retire this long before the backend's own Keep-Alive timeout
+RELEARN = 60.0  # seconds none is kept after a chunked answer once the backend closed one
 MAX_BUFFERED = 1024 * 1024  # body bytes read ahead of the caller before reading pauses
 # Framing is the client's job, never the caller's.
 _OWN_HEADERS = frozenset(
@@ -211,7 +214,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class _Origin:
     """One backend base URL: where to connect, the path prefix, idle connections."""
 
-    __slots__ = ("closes_after_chunked", "host", "host_header", "idle", "port", "prefix", "ssl")
+    __slots__ = ("chunked_unkept_until", "host", "host_header", "idle", "port", "prefix", "ssl")
 
     def __init__(self, base: str) -> None:
         parts = urlsplit(base)
@@ -222,9 +225,14 @@ class _Origin:
         self.prefix = parts.path.rstrip("/").encode()
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if secure else None
         self.idle: list[_Connection] = []
-        # Seen to close a connection kept after a chunked answer (llama.cpp does so after
-        # every stream, though it answers Keep-Alive): those are not kept any more.
-        self.closes_after_chunked = False
+        # Until when (time.monotonic()) no connection is kept after a chunked answer: the
+        # backend was seen to close one (llama.cpp does so after every stream, though it
+        # answers Keep-Alive) less than RELEARN seconds before.
+        self.chunked_unkept_until = 0.0
+
+    def closed_after_chunked(self) -> None:
+        """The backend closed a connection kept after a chunked answer."""
+        self.chunked_unkept_until = time.monotonic() + RELEARN
 
 
 class Http1Client:
@@ -268,7 +276,7 @@ class Http1Client:
             return await Http1Response.read_head(self, conn, origin)
         except BaseException as exc:
             if idle is not None and idle.chunked and isinstance(exc, Disconnected):
-                origin.closes_after_chunked = True  # it closed under this request
+                origin.closed_after_chunked()  # it closed under this request
             conn.close()
             raise
 
@@ -290,7 +298,7 @@ class Http1Client:
                 conn.close()
             elif conn.closed or (found is None and _ended_unread(conn)):
                 if conn.chunked:
-                    origin.closes_after_chunked = True
+                    origin.closed_after_chunked()
                 conn.close()
             elif found is None:
                 found = conn
@@ -307,7 +315,9 @@ class Http1Client:
         answer's Keep-Alive field, whose timeout the connection is retired before;
         `chunked`: the answer was chunked (not kept from a backend that closes then)."""
         conn.drop_parser()
-        if conn.closed or len(origin.idle) >= MAX_IDLE or (chunked and origin.closes_after_chunked):
+        now = time.monotonic()
+        unkept = chunked and now < origin.chunked_unkept_until  # (the backend closes them)
+        if conn.closed or len(origin.idle) >= MAX_IDLE or unkept:
             conn.close()
             return
         limit = self.keepalive
@@ -319,7 +329,7 @@ class Http1Client:
             conn.close()
             return
         conn.idle_limit = limit
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now
         conn.chunked = chunked
         origin.idle.append(conn)
 

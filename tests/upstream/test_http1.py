@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from ocxproxy.h1 import MAX_HEAD
+from ocxproxy.upstream import http1
 from ocxproxy.upstream.http1 import (
     BrokenOff,
     ConnectFailed,
@@ -444,6 +445,28 @@ async def test_a_backend_that_closes_after_a_chunked_answer_has_none_kept_after_
     await asyncio.sleep(0.05)  # let the client see the end
     assert await round_trip(client, server) == CHUNKED_BODY
     assert await round_trip(client, server) == b"third"
+    assert await round_trip(client, server) == b"fourth"
+    assert [len(c.requests) for c in server.connections] == [1, 1, 2]
+
+
+async def test_a_backend_that_closed_after_a_chunked_answer_has_one_kept_again_later(
+    server: ScriptedPeer, client: Http1Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELEARN seconds after it closed one, a connection after a chunked answer is kept
+    again: the backend replaced by one that keeps them (a restart, an upgrade) has its
+    connections reused after streams."""
+    monkeypatch.setattr(http1, "RELEARN", 0.5)
+    server.answer(CHUNKED, 0.05, None)  # closed once the client has kept it
+    server.answer(CHUNKED)  # within RELEARN: the client closes it
+    server.answer(CHUNKED)  # after RELEARN: kept
+    server.answer(ok(b"fourth"))  # on the connection kept
+    assert await round_trip(client, server) == CHUNKED_BODY
+    await wait_done(server.connections[0])
+    await asyncio.sleep(0.05)  # let the client see the end
+    assert await round_trip(client, server) == CHUNKED_BODY
+    await wait_done(server.connections[1])
+    await asyncio.sleep(0.5)
+    assert await round_trip(client, server) == CHUNKED_BODY
     assert await round_trip(client, server) == b"fourth"
     assert [len(c.requests) for c in server.connections] == [1, 1, 2]
 
