@@ -101,6 +101,7 @@ class _Connection(FlowControlled):
         "loop",
         "parser",
         "paused",
+        "poller",
         "transport",
         "waiter",
     )
@@ -118,9 +119,14 @@ class _Connection(FlowControlled):
         self.idle_since = 0.0
         self.idle_limit = IDLE
         self.chunked = False  # its last answer was chunked (a stream)
+        self.poller: select.poll | None = None  # its socket's, for `_ended_unread`
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # (registered once, not at each reuse)
+            self.poller = select.poll()
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -197,13 +203,10 @@ def _ended_unread(conn: _Connection) -> bool:
     """Bytes or the end wait on an idle connection's socket that the loop has not read:
     a backend that closes as soon as it has answered (llama.cpp after a stream) when the
     next request comes in the same turn of the loop. One poll, as curl checks before
-    reuse; a request written there would be cut off with nothing answered."""
-    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
-    if sock is None:
-        return False
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
+    reuse; a request written there would be cut off with nothing answered. (Asked only
+    of a connection not closed: its socket's descriptor is still its own.)"""
+    poller = conn.poller
+    return poller is not None and bool(poller.poll(0))
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

@@ -11,6 +11,7 @@ sample of them shows what the client does with one.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
 import time
@@ -428,6 +429,26 @@ async def test_an_idle_connection_closed_before_the_loop_read_the_end_is_not_reu
         listener.close()
     thread.join(2)
     assert not thread.is_alive()
+
+
+async def test_a_connection_reused_is_polled_with_the_poll_object_made_at_connect(
+    server: ScriptedPeer, client: Http1Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unread-end check costs a reuse one poll() call: its poll object is made and
+    registered once, when the connection is made."""
+    made: list[select.poll] = []
+
+    def poll() -> select.poll:
+        made.append(real())
+        return made[-1]
+
+    real = select.poll
+    monkeypatch.setattr(select, "poll", poll)
+    for i in range(3):
+        server.answer(ok(b"%d" % i))
+        assert await round_trip(client, server) == b"%d" % i
+    assert [len(c.requests) for c in server.connections] == [3]
+    assert len(made) == 1
 
 
 async def test_a_backend_that_closes_after_a_chunked_answer_has_none_kept_after_one(
