@@ -17,6 +17,7 @@ import pytest
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Record
 from ocxproxy.store import Store
+from ocxproxy.store.local import admin
 from tests.conftest import MakeProxy
 from tests.fakes.backend import FakeBackend
 from tests.serve import create
@@ -227,6 +228,8 @@ async def test_a_turn_in_flight_on_an_evicted_chain_does_not_bring_it_back(
     assert info.value.reason == FailureReason.EVICTED
     assert store.check() == []
     await store.close()
+    report, problems = admin.verify(tmp_path)  # (`ocxproxy state verify`)
+    assert problems == [] and report.evicted == ["s30"]
     store = make_store(tmp_path, max_disk_bytes=CAP, max_resident_bytes=1, offload=inline)
     await store.start()
     with pytest.raises(StoreFailure) as info:

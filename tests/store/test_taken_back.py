@@ -18,7 +18,7 @@ import pytest
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Record
 from ocxproxy.store import Store
-from ocxproxy.store.local import codec, durable, segment_files
+from ocxproxy.store.local import admin, codec, durable, segment_files
 from ocxproxy.store.local.segment_files import FILES
 from tests.store.helpers import inline, make_store, make_turn, sample
 from tests.store.test_checkpoint_reuse import chains
@@ -54,6 +54,8 @@ async def after_crash(state: Path, tmp_path: Path, large: bool) -> bytes | Failu
     so far is durable in it: a crash) answers for r1's chain."""
     crashed = tmp_path / "crashed"
     shutil.copytree(state, crashed)
+    _, problems = admin.verify(crashed)  # (`ocxproxy state verify`)
+    assert problems == []
     store = new_store(crashed, large)
     await store.start()
     try:

@@ -35,6 +35,8 @@ class StateReport:
     # (record id, place) of each live response kept in its record's entry
     responses: list[tuple[str, int]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # records needing an unknown segment
+    # records whose chain was evicted while their turn was in flight (codec.UNWRITTEN)
+    evicted: list[str] = field(default_factory=list)
     bad_ids: list[str] = field(default_factory=list)  # conversations whose ids disagree
     temps: list[Path] = field(default_factory=list)
     checked: int = 0
@@ -85,6 +87,7 @@ class StateReport:
         out.append(f"torn tails     {ld.cut}")
         out.append(f"unneeded files {len(self.unneeded)}")
         out.append(f"missing        {len(self.missing)}")
+        out.append(f"evicted        {len(self.evicted)} (in flight on a chain evicted)")
         out.append(f"temp files     {len(self.temps)}")
         return out
 
@@ -111,6 +114,9 @@ def inspect(root: Path) -> StateReport:
             needed.append(held)
         if len(row) > codec.FILL:  # its members filled in from the request, by sid
             needed.append(row[codec.FILL][0])
+        if codec.UNWRITTEN in needed:  # lost before it was written: start-up says EVICTED
+            report.evicted.append(row[0])
+            continue
         if any(sid not in segments or not _present(segments[sid], report.loaded)
                for sid in needed) or (type(held) is list and response is None):  # fmt: skip
             report.missing.append(row[0])
