@@ -60,6 +60,7 @@ async def after_crash(state: Path, tmp_path: Path, large: bool) -> bytes | Failu
     await store.start()
     try:
         got = await answer(store, "r1")
+        assert store.check() == []
     finally:
         await store.close()
     assert sample(store.metrics.spill_failures, reason="missing") == 0
