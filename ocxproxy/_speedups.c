@@ -4,12 +4,738 @@
  * ocxproxy/speedups.py loads this module; its callers never need it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
+#include <time.h>
 
 #ifndef SOURCE_DIGEST
 #define SOURCE_DIGEST ""
 #endif
 
+/* Names and constants, interned once at import (no other state is kept here). */
+static PyObject *s__body, *s__created_at, *s__echo, *s__family, *s__members, *s__pinned,
+    *s__served_models, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens, *s_completed,
+    *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast, *s_fill,
+    *s_fill_at, *s_fill_in, *s_filled, *s_input_tokens, *s_input_tokens_details, *s_members,
+    *s_message, *s_model, *s_output, *s_output_text, *s_output_tokens,
+    *s_output_tokens_details, *s_plan, *s_previous, *s_previous_response_id, *s_raw,
+    *s_reasoning, *s_reasoning_tokens, *s_response, *s_sequence_number, *s_status, *s_store,
+    *s_total_tokens, *s_type, *s_unmerged, *s_usage;
+
+/* ---- small helpers ---------------------------------------------------------------- */
+
+/* A run of bytes a spliced Response is built from. */
+typedef struct {
+    const char *ptr;
+    Py_ssize_t len;
+} Piece;
+
+#define MAX_PIECES 4
+
+/* Whether `value` is an exact str equal to the ASCII `name` (a compare, no allocation). */
+static int is_str(PyObject *value, PyObject *name) {
+    if (value == name)
+        return 1;
+    return PyUnicode_CheckExact(value) && PyUnicode_GET_LENGTH(value) == PyUnicode_GET_LENGTH(name)
+        && PyUnicode_Compare(value, name) == 0;
+}
+
+/* A dict's exact-int member, as `type(d[name]) is int` checks it: 1 yes, 0 no. */
+static int int_member(PyObject *dict, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(dict, name);
+    return value != NULL && PyLong_CheckExact(value);
+}
+
+/* `_usage_changed`'s quick check: the usual usage (1), or one the Python path must see (0). */
+static int usage_usual(PyObject *usage) {
+    if (usage == Py_None)
+        return 1;
+    if (!PyDict_CheckExact(usage))
+        return 0;
+    if (!int_member(usage, s_input_tokens) || !int_member(usage, s_output_tokens)
+        || !int_member(usage, s_total_tokens))
+        return 0;
+    PyObject *details = PyDict_GetItemWithError(usage, s_input_tokens_details);
+    if (details == NULL || !PyDict_CheckExact(details) || !int_member(details, s_cached_tokens))
+        return 0;
+    details = PyDict_GetItemWithError(usage, s_output_tokens_details);
+    if (details == NULL || !PyDict_CheckExact(details) || !int_member(details, s_reasoning_tokens))
+        return 0;
+    return 1;
+}
+
+/* `_item_complete` for the usual items: 1 complete, 0 not or not the usual kind. */
+static int item_usual(PyObject *item) {
+    if (!PyDict_CheckExact(item))
+        return 0;
+    if (PyDict_GetItemWithError(item, s_status) == NULL)
+        return 0;
+    PyObject *kind = PyDict_GetItemWithError(item, s_type);
+    if (kind == NULL || !PyUnicode_CheckExact(kind))
+        return 0;
+    if (!is_str(kind, s_message))
+        return !is_str(kind, s_reasoning);
+    PyObject *content = PyDict_GetItemWithError(item, s_content);
+    if (content == NULL || !PyList_CheckExact(content))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(content); i++) {
+        PyObject *part = PyList_GET_ITEM(content, i);
+        if (!PyDict_CheckExact(part))
+            return 0;
+        PyObject *type = PyDict_GetItemWithError(part, s_type);
+        if (type == NULL || !is_str(type, s_output_text))
+            return 0;
+        PyObject *annotations = PyDict_GetItemWithError(part, s_annotations);
+        if (annotations == NULL || !PyList_CheckExact(annotations))
+            return 0;
+    }
+    return 1;
+}
+
+/* An exact tuple's item, or NULL (no exception) when it has too few. */
+static PyObject *item_of(PyObject *tuple, Py_ssize_t i) {
+    if (!PyTuple_CheckExact(tuple) || PyTuple_GET_SIZE(tuple) <= i)
+        return NULL;
+    return PyTuple_GET_ITEM(tuple, i);
+}
+
+/* The decimal digits of `value` written at `out`; their count. */
+static int digits(char *out, size_t size, long long value) {
+    int n = snprintf(out, size, "%lld", value);
+    return n < 0 || (size_t)n >= size ? -1 : n;
+}
+
+/* `int(time.time())`: the realtime clock's whole seconds. */
+static int now_seconds(long long *out) {
+    struct timespec ts;
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    *out = (long long)ts.tv_sec;
+    return 0;
+}
+
+/* An attribute read, as a new reference (NULL with an exception set on failure). */
+#define GET(obj, name) PyObject_GetAttr((obj), (name))
+
+
+/* `a == b` as Python's tuple compare decides it (identity first). */
+static int equal(PyObject *a, PyObject *b) {
+    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* ---- Envelope.answer and Envelope.terminal_event: their common case ------------------ */
+
+/* The request's fills found at once (`Envelope._shared_fill`'s key, compared with the
+ * last request's): a new reference to the family, None when not found so (the Python
+ * then finds it), NULL on error. */
+static PyObject *quick_family(PyObject *env, PyObject *served, PyObject *last_fills,
+                              PyObject *from_request) {
+    PyObject *last_key = item_of(last_fills, 0), *last_family = item_of(last_fills, 1);
+    PyObject *body = NULL, *members = NULL, *found = Py_None;
+    if (last_family == NULL || !PyTuple_CheckExact(last_key) || !PyDict_CheckExact(last_family)
+        || !PyFrozenSet_CheckExact(from_request))
+        return Py_NewRef(Py_None);
+    body = GET(env, s__body);
+    if (body == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(body))
+        goto done;
+    int disjoint = 1;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(body, &pos, &key, &value)) {
+        int in = PySet_Contains(from_request, key);
+        if (in < 0)
+            goto fail;
+        if (in) {
+            disjoint = 0;
+            break;
+        }
+    }
+    int same;
+    if (disjoint) { /* (served_models, the model if a str) */
+        PyObject *model = PyDict_GetItemWithError(body, s_model);
+        if (model == NULL && PyErr_Occurred())
+            goto fail;
+        PyObject *shown = model != NULL && PyUnicode_CheckExact(model) ? model : Py_None;
+        if (PyTuple_GET_SIZE(last_key) != 2)
+            goto done;
+        same = equal(served, PyTuple_GET_ITEM(last_key, 0));
+        if (same > 0)
+            same = equal(shown, PyTuple_GET_ITEM(last_key, 1));
+    } else { /* (served_models, None, None, the members' bytes as forwarded) */
+        PyObject *store = PyDict_GetItemWithError(body, s_store);
+        if (store == NULL && PyErr_Occurred())
+            goto fail;
+        if (store == Py_False || PyTuple_GET_SIZE(last_key) != 4)
+            goto done;
+        members = GET(env, s__members);
+        if (members == NULL)
+            goto fail;
+        if (members == Py_None)
+            goto done;
+        same = equal(served, PyTuple_GET_ITEM(last_key, 0));
+        if (same > 0)
+            same = equal(Py_None, PyTuple_GET_ITEM(last_key, 1));
+        if (same > 0)
+            same = equal(Py_None, PyTuple_GET_ITEM(last_key, 2));
+        if (same > 0)
+            same = equal(members, PyTuple_GET_ITEM(last_key, 3));
+    }
+    if (same < 0)
+        goto fail;
+    if (same)
+        found = last_family;
+done:
+    Py_DECREF(body);
+    Py_XDECREF(members);
+    return Py_NewRef(found);
+fail:
+    Py_DECREF(body);
+    Py_XDECREF(members);
+    return NULL;
+}
+
+/* The _Fill of `missing` for this Envelope (`Envelope._shared_fill`, its usual lookup
+ * done here): a new reference, NULL on error. */
+static PyObject *shared_fill(PyObject *env, PyObject *missing, PyObject *served,
+                             PyObject *last_fills, PyObject *from_request) {
+    PyObject *family = GET(env, s__family);
+    if (family == NULL)
+        return NULL;
+    if (family == Py_None) {
+        Py_DECREF(family);
+        family = quick_family(env, served, last_fills, from_request);
+        if (family == NULL)
+            return NULL;
+        if (family != Py_None && PyObject_SetAttr(env, s__family, family) < 0) {
+            Py_DECREF(family);
+            return NULL;
+        }
+    }
+    if (PyDict_CheckExact(family)) {
+        PyObject *fill = PyDict_GetItemWithError(family, missing);
+        if (fill != NULL) {
+            Py_INCREF(fill);
+            Py_DECREF(family);
+            return fill;
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(family);
+            return NULL;
+        }
+    }
+    Py_DECREF(family);
+    return PyObject_CallMethodOneArg(env, s__shared_fill, missing);
+}
+
+/* Whether `value` is a str orjson writes as its characters between quotes (ASCII, no
+ * quote, backslash or control character): then its bytes are its JSON string's. */
+static int plain_ascii(PyObject *value, const char **chars, Py_ssize_t *len) {
+    if (!PyUnicode_CheckExact(value) || !PyUnicode_IS_ASCII(value))
+        return 0;
+    const char *p = (const char *)PyUnicode_1BYTE_DATA(value);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(value);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (p[i] < 0x20 || p[i] == '"' || p[i] == '\\' || p[i] == 0x7F)
+            return 0;
+    *chars = p;
+    *len = n;
+    return 1;
+}
+
+#define OWN_SIZE 512
+
+/* The members a Response of the shape last seen valid gets, as the Python's `answer`
+ * decides them for the usual answer (`args`: the Envelope, the Response's dict, the
+ * length of its bytes, and what the Python keeps: the last valid answer's members,
+ * types and plan, the last request's fills, `_FROM_REQUEST`, `Patch`). */
+typedef struct {
+    PyObject *env, *response, *last, *last_fills, *from_request, *patch_type;
+    Py_ssize_t data_len;
+} AnswerArgs;
+
+typedef struct {
+    Piece pieces[MAX_PIECES]; /* the members' bytes, to be joined with commas */
+    int count;
+    char own[OWN_SIZE]; /* created_at's and previous_response_id's bytes */
+    char stamp[48]; /* completed_at's bytes */
+    PyObject *patch;
+    PyObject *fill; /* holds the shared bytes a piece points into */
+} Answer;
+
+static Py_ssize_t answer_len(const Answer *a) {
+    Py_ssize_t total = a->count > 1 ? a->count - 1 : 0;
+    for (int i = 0; i < a->count; i++)
+        total += a->pieces[i].len;
+    return total;
+}
+
+static char *answer_write(const Answer *a, char *out) {
+    for (int i = 0; i < a->count; i++) {
+        if (i)
+            *out++ = ',';
+        memcpy(out, a->pieces[i].ptr, (size_t)a->pieces[i].len);
+        out += a->pieces[i].len;
+    }
+    return out;
+}
+
+static void answer_clear(Answer *a) {
+    Py_CLEAR(a->patch);
+    Py_CLEAR(a->fill);
+}
+
+/* 1: `out` holds the members and a new Patch, the dict's members are set; 0: not the
+ * usual case, nothing changed (but the Envelope's fills and created_at, which the
+ * Python finds the same way); -1: an error. */
+static int answer_members(const AnswerArgs *args, Answer *out) {
+    PyObject *response = args->response, *env = args->env;
+    PyObject *keys = item_of(args->last, 0), *types = item_of(args->last, 1),
+             *plan = item_of(args->last, 2);
+    PyObject *pinned = NULL, *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL,
+             *created_flag = NULL, *previous_flag = NULL, *encoded = NULL, *filled = NULL,
+             *created = NULL, *completed_at = NULL, *patch = NULL, *number = NULL;
+    PyObject *previous = NULL; /* borrowed */
+    int result = 0;
+    out->count = 0;
+    out->patch = out->fill = NULL;
+    if (plan == NULL || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(types)
+        || plan == Py_None || !PyDict_CheckExact(response))
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
+    if (n == 0 || PyTuple_GET_SIZE(types) != n || PyDict_GET_SIZE(response) != n)
+        return 0;
+    /* Its shape: the members, in order, and their types of the last answer seen valid. */
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(response, &pos, &key, &value)) {
+        if (i >= n)
+            return 0;
+        PyObject *known = PyTuple_GET_ITEM(keys, i);
+        if (key != known
+            && !(PyUnicode_CheckExact(key) && PyUnicode_CheckExact(known)
+                 && PyUnicode_Compare(key, known) == 0))
+            return 0;
+        if ((PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(types, i))
+            return 0;
+        i++;
+    }
+    if (i != n)
+        return 0;
+    result = -1;
+    if ((pinned = GET(env, s__pinned)) == NULL || (fast = GET(plan, s_fast)) == NULL
+        || (served = GET(env, s__served_models)) == NULL || (echo = GET(env, s__echo)) == NULL)
+        goto done;
+    result = 0;
+    /* _Plan.fast: (missing, completed_at, usage, names, values), None until known */
+    PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
+             *usage_flag = item_of(fast, 2), *names = item_of(fast, 3), *valid = item_of(fast, 4);
+    if (pinned != Py_None || valid == NULL || !PyFrozenSet_CheckExact(missing)
+        || !PyBool_Check(stamp_flag) || !PyBool_Check(usage_flag) || !PyTuple_CheckExact(names)
+        || !PyTuple_CheckExact(valid) || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
+        goto done;
+    /* The values that do not change turn to turn are those last seen valid. */
+    if (PyTuple_GET_SIZE(names)) {
+        int none = PyObject_Not(served);
+        if (none <= 0) {
+            result = none;
+            goto done;
+        }
+    }
+    for (i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        value = PyDict_GetItemWithError(response, PyTuple_GET_ITEM(names, i));
+        if (value == NULL) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
+        int same = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(valid, i), Py_EQ);
+        if (same <= 0) {
+            result = same;
+            goto done;
+        }
+    }
+    if (usage_flag == Py_True) {
+        value = PyDict_GetItemWithError(response, s_usage);
+        if (value == NULL || !usage_usual(value)) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
+    }
+    /* Its output items: all of them as the schema wants them already. */
+    value = PyDict_GetItemWithError(response, s_output);
+    if (value != NULL) {
+        if (!PyList_CheckExact(value))
+            goto done;
+        for (i = 0; i < PyList_GET_SIZE(value); i++)
+            if (!item_usual(PyList_GET_ITEM(value, i))) {
+                result = PyErr_Occurred() ? -1 : 0;
+                goto done;
+            }
+    } else if (PyErr_Occurred()) {
+        result = -1;
+        goto done;
+    }
+    /* The members filled in: the turn's own (created_at, the echoed id), then the shared
+     * ones, then completed_at. */
+    Py_ssize_t own = 0, fill_in = 0;
+    int echoed = echo == Py_None;
+    if (PySet_GET_SIZE(missing)) {
+        result = -1;
+        if ((fill = shared_fill(env, missing, served, args->last_fills, args->from_request))
+                == NULL
+            || (created_flag = GET(fill, s_created_at)) == NULL
+            || (previous_flag = GET(fill, s_previous)) == NULL
+            || (encoded = GET(fill, s_encoded)) == NULL || (filled = GET(fill, s_members)) == NULL)
+            goto done;
+        result = 0;
+        if (!PyBool_Check(created_flag) || !PyBool_Check(previous_flag)
+            || !PyBytes_CheckExact(encoded))
+            goto done;
+        if (created_flag == Py_True) { /* Envelope._created */
+            if ((created = GET(env, s__created_at)) == NULL) {
+                result = -1;
+                goto done;
+            }
+            if (created == Py_None) {
+                long long now;
+                Py_DECREF(created);
+                created = NULL;
+                if (now_seconds(&now) < 0 || (created = PyLong_FromLongLong(now)) == NULL
+                    || PyObject_SetAttr(env, s__created_at, created) < 0) {
+                    result = -1;
+                    goto done;
+                }
+            }
+            if (!PyLong_CheckExact(created))
+                goto done;
+            int overflow;
+            long long value = PyLong_AsLongLongAndOverflow(created, &overflow);
+            if (overflow || (value == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                goto done;
+            }
+            own = snprintf(out->own, OWN_SIZE, "\"created_at\":%lld", value);
+            out->pieces[out->count++] = (Piece){out->own, own};
+        }
+        if (previous_flag == Py_True) { /* the echoed id, which the backend never saw */
+            previous = Py_None;
+            PyObject *name = item_of(echo, 0), *id = item_of(echo, 1);
+            if (id != NULL && PyTuple_GET_SIZE(echo) == 2) {
+                int same = equal(name, s_previous_response_id);
+                if (same < 0) {
+                    result = -1;
+                    goto done;
+                }
+                if (same)
+                    previous = id;
+            } else if (echo != Py_None)
+                goto done; /* (not an echo the Python path would take apart either) */
+            const char *chars = "null";
+            Py_ssize_t len = 4;
+            if (previous != Py_None) {
+                if (!plain_ascii(previous, &chars, &len) || own + len + 32 > OWN_SIZE)
+                    goto done;
+                echoed = 1;
+            }
+            char *at = out->own + own;
+            memcpy(at, "\"previous_response_id\":", 23);
+            if (previous != Py_None)
+                at[23] = '"';
+            memcpy(at + 23 + (previous != Py_None), chars, (size_t)len);
+            Py_ssize_t size = 23 + len + (previous != Py_None ? 2 : 0);
+            if (previous != Py_None)
+                at[size - 1] = '"';
+            out->pieces[out->count++] = (Piece){at, size};
+            own += size;
+        }
+        if (PyBytes_GET_SIZE(encoded)) {
+            fill_in = own + out->count;
+            out->pieces[out->count++]
+                = (Piece){PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded)};
+        }
+    }
+    if (!echoed) { /* Envelope._check_echo: a usual answer's echoed member is its own */
+        PyObject *name = item_of(echo, 0), *id = item_of(echo, 1);
+        if (id == NULL || PyTuple_GET_SIZE(echo) != 2 || !PyUnicode_CheckExact(name)
+            || is_str(name, s_created_at) || is_str(name, s_completed_at)
+            || is_str(name, s_previous_response_id))
+            goto done;
+        value = PyDict_GetItemWithError(response, name);
+        if (value == NULL || value == Py_None) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
+    }
+    if (stamp_flag == Py_True) {
+        value = PyDict_GetItemWithError(response, s_status);
+        int completed = 0;
+        if (value != NULL)
+            completed = PyObject_RichCompareBool(value, s_completed, Py_EQ);
+        else if (PyErr_Occurred())
+            completed = -1;
+        if (completed < 0) {
+            result = -1;
+            goto done;
+        }
+        if (completed) {
+            long long now;
+            if (now_seconds(&now) < 0 || (completed_at = PyLong_FromLongLong(now)) == NULL) {
+                result = -1;
+                goto done;
+            }
+            Py_ssize_t len = snprintf(out->stamp, sizeof out->stamp, "\"completed_at\":%lld", now);
+            out->pieces[out->count++] = (Piece){out->stamp, len};
+        } else {
+            completed_at = Py_NewRef(Py_None);
+            memcpy(out->stamp, "\"completed_at\":null", 19);
+            out->pieces[out->count++] = (Piece){out->stamp, 19};
+        }
+    }
+    /* Everything is decided: the dict's members set (as the Python sets them), the patch. */
+    result = -1;
+    if ((patch = PyObject_CallNoArgs(args->patch_type)) == NULL
+        || PyObject_SetAttr(patch, s_plan, plan) < 0)
+        goto done;
+    if (created != NULL && PyDict_SetItem(response, s_created_at, created) < 0)
+        goto done;
+    if (previous != NULL && PyDict_SetItem(response, s_previous_response_id, previous) < 0)
+        goto done;
+    if (encoded != NULL && PyBytes_GET_SIZE(encoded)) {
+        if ((number = PyLong_FromSsize_t(fill_in)) == NULL
+            || PyObject_SetAttr(patch, s_fill, encoded) < 0
+            || PyObject_SetAttr(patch, s_fill_in, number) < 0
+            || PyObject_SetAttr(patch, s_filled, filled) < 0
+            || PyObject_SetAttr(patch, s_unmerged, Py_True) < 0)
+            goto done;
+        Py_SETREF(number, PyLong_FromSsize_t(args->data_len + fill_in));
+        if (number == NULL || PyObject_SetAttr(patch, s_fill_at, number) < 0)
+            goto done;
+    }
+    if (completed_at != NULL && PyDict_SetItem(response, s_completed_at, completed_at) < 0)
+        goto done;
+    out->patch = Py_NewRef(patch);
+    out->fill = Py_XNewRef(fill);
+    result = 1;
+done:
+    Py_XDECREF(pinned);
+    Py_XDECREF(fast);
+    Py_XDECREF(served);
+    Py_XDECREF(echo);
+    Py_XDECREF(fill);
+    Py_XDECREF(created_flag);
+    Py_XDECREF(previous_flag);
+    Py_XDECREF(encoded);
+    Py_XDECREF(filled);
+    Py_XDECREF(created);
+    Py_XDECREF(completed_at);
+    Py_XDECREF(patch);
+    Py_XDECREF(number);
+    return result;
+}
+
+/* answer(envelope, data, response, last_answer, last_fills, from_request, Patch):
+ * Envelope.answer's usual answer, (the stored bytes, the patch), or None. */
+static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "answer() takes 7 arguments");
+        return NULL;
+    }
+    PyObject *data = args[1];
+    if (!PyBytes_CheckExact(data) || PyBytes_GET_SIZE(data) < 2
+        || PyBytes_AS_STRING(data)[PyBytes_GET_SIZE(data) - 1] != '}')
+        Py_RETURN_NONE;
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    AnswerArgs in = {args[0], args[2], args[3], args[4], args[5], args[6], len};
+    Answer a;
+    int done = answer_members(&in, &a);
+    if (done <= 0) {
+        if (done < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *stored;
+    if (a.count == 0)
+        stored = Py_NewRef(data);
+    else { /* the members before its closing brace */
+        stored = PyBytes_FromStringAndSize(NULL, len + 1 + answer_len(&a));
+        if (stored != NULL) {
+            char *at = PyBytes_AS_STRING(stored);
+            memcpy(at, PyBytes_AS_STRING(data), (size_t)(len - 1));
+            at += len - 1;
+            *at++ = ',';
+            at = answer_write(&a, at);
+            *at = '}';
+        }
+    }
+    PyObject *result = stored == NULL ? NULL : PyTuple_Pack(2, stored, a.patch);
+    Py_XDECREF(stored);
+    answer_clear(&a);
+    return result;
+}
+
+/* Where a terminal event's Response is in its data (`_response_span`), or 0. */
+static int response_span(const char *data, Py_ssize_t len, PyObject *layout, long long seq,
+                         Py_ssize_t *start, Py_ssize_t *end) {
+    PyObject *head = item_of(layout, 0), *sdk_tail = item_of(layout, 2);
+    if (sdk_tail == NULL || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(sdk_tail))
+        return 0;
+    char number[24];
+    int width = digits(number, sizeof number, seq);
+    if (width < 0)
+        return 0;
+    /* The tail after the Response: `,"sequence_number":N}` or the SDK's order's. */
+    const char *before, *after;
+    Py_ssize_t before_len, after_len;
+    Py_ssize_t head_len = PyBytes_GET_SIZE(head);
+    if (len >= head_len && memcmp(data, PyBytes_AS_STRING(head), (size_t)head_len) == 0) {
+        *start = head_len;
+        before = ",\"sequence_number\":";
+        before_len = 19;
+        after = "}";
+        after_len = 1;
+    } else if (len >= 12 && memcmp(data, "{\"response\":", 12) == 0) {
+        *start = 12;
+        const char *tail = PyBytes_AS_STRING(sdk_tail);
+        Py_ssize_t tail_len = PyBytes_GET_SIZE(sdk_tail);
+        const char *mark = NULL;
+        for (Py_ssize_t i = 0; i + 1 < tail_len; i++)
+            if (tail[i] == '%' && tail[i + 1] == 'd') {
+                mark = tail + i;
+                break;
+            }
+        if (mark == NULL || memchr(tail, '%', (size_t)(mark - tail)) != NULL
+            || memchr(mark + 2, '%', (size_t)(tail + tail_len - mark - 2)) != NULL)
+            return 0;
+        before = tail;
+        before_len = mark - tail;
+        after = mark + 2;
+        after_len = tail + tail_len - after;
+    } else
+        return 0;
+    Py_ssize_t tail_len = before_len + width + after_len;
+    *end = len - tail_len;
+    if (*end - *start < 3)
+        return 0;
+    const char *tail = data + *end;
+    if (memcmp(tail, before, (size_t)before_len) != 0
+        || memcmp(tail + before_len, number, (size_t)width) != 0
+        || memcmp(tail + before_len + width, after, (size_t)after_len) != 0)
+        return 0;
+    return data[*start] == '{' && data[*end - 1] == '}';
+}
+
+/* terminal_event(envelope, event, payload, last_answer, last_fills, from_request, Patch,
+ * layouts): Envelope.terminal_event for the usual event (its Response found at once, its
+ * items complete, its bytes framed as usual): (the patch, (the stored bytes, True)), the
+ * event's bytes changed in place; or None. */
+static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "terminal_event() takes 8 arguments");
+        return NULL;
+    }
+    PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
+    PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
+             *new_raw = NULL, *result = NULL;
+    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts))
+        Py_RETURN_NONE;
+    PyObject *response = PyDict_GetItemWithError(payload, s_response);
+    PyObject *kind = response == NULL ? NULL : PyDict_GetItemWithError(payload, s_type);
+    PyObject *seq = kind == NULL ? NULL : PyDict_GetItemWithError(payload, s_sequence_number);
+    if (seq == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
+        Py_RETURN_NONE;
+    PyObject *layout = PyDict_GetItemWithError(layouts, kind);
+    if (layout == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
+    if (overflow || (number == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if ((data = GET(event, s_data)) == NULL || (raw = GET(event, s_raw)) == NULL
+        || (at_obj = GET(event, s_at)) == NULL)
+        goto done;
+    Py_ssize_t at = PyLong_CheckExact(at_obj) ? PyLong_AsSsize_t(at_obj) : -1;
+    if (at == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    Py_ssize_t start, end;
+    if (!PyBytes_CheckExact(data) || !PyBytes_CheckExact(raw) || at < 0
+        || at > PyBytes_GET_SIZE(raw)
+        || !response_span(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), layout, number,
+                          &start, &end)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    AnswerArgs in = {env, response, args[3], args[4], args[5], args[6], end - start};
+    Answer a;
+    int answered = answer_members(&in, &a);
+    if (answered <= 0) {
+        if (answered == 0)
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
+    const char *given = PyBytes_AS_STRING(data) + start;
+    Py_ssize_t given_len = end - start, len = PyBytes_GET_SIZE(data);
+    if (a.count == 0)
+        stored = PyBytes_FromStringAndSize(given, given_len);
+    else {
+        Py_ssize_t members = answer_len(&a), stored_len = given_len + 1 + members;
+        stored = PyBytes_FromStringAndSize(NULL, stored_len);
+        new_data = PyBytes_FromStringAndSize(NULL, len + 1 + members);
+        new_raw = PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
+        if (stored == NULL || new_data == NULL || new_raw == NULL) {
+            answer_clear(&a);
+            goto done;
+        }
+        char *to = PyBytes_AS_STRING(stored);
+        memcpy(to, given, (size_t)(given_len - 1));
+        to += given_len - 1;
+        *to++ = ',';
+        to = answer_write(&a, to);
+        *to = '}';
+        to = PyBytes_AS_STRING(new_data);
+        memcpy(to, PyBytes_AS_STRING(data), (size_t)start);
+        memcpy(to + start, PyBytes_AS_STRING(stored), (size_t)stored_len);
+        memcpy(to + start + stored_len, PyBytes_AS_STRING(data) + end, (size_t)(len - end));
+        to = PyBytes_AS_STRING(new_raw);
+        memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
+        memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
+        memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
+        if (PyObject_SetAttr(event, s_raw, new_raw) < 0
+            || PyObject_SetAttr(event, s_data, new_data) < 0) {
+            answer_clear(&a);
+            goto done;
+        }
+    }
+    if (stored != NULL)
+        result = Py_BuildValue("(N(OO))", Py_NewRef(a.patch), stored, Py_True);
+    answer_clear(&a);
+done:
+    Py_XDECREF(data);
+    Py_XDECREF(raw);
+    Py_XDECREF(at_obj);
+    Py_XDECREF(stored);
+    Py_XDECREF(new_data);
+    Py_XDECREF(new_raw);
+    return result;
+}
+
+/* (sorted by name) */
 static PyMethodDef speedups_methods[] = {
+    {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL,
+     "Envelope.answer's usual answer, or None."},
+    {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,
+     "Envelope.terminal_event's usual event, or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -17,7 +743,36 @@ static struct PyModuleDef speedups_module = {
     PyModuleDef_HEAD_INIT, "ocxproxy._speedups", NULL, -1, speedups_methods,
 };
 
+static int intern(PyObject **slot, const char *name) {
+    *slot = PyUnicode_InternFromString(name);
+    return *slot == NULL ? -1 : 0;
+}
+
 PyMODINIT_FUNC PyInit__speedups(void) {
+    if (intern(&s__body, "_body") || intern(&s__created_at, "_created_at")
+        || intern(&s__echo, "_echo") || intern(&s__family, "_family")
+        || intern(&s__members, "_members") || intern(&s__pinned, "_pinned")
+        || intern(&s__served_models, "_served_models") || intern(&s__shared_fill, "_shared_fill")
+        || intern(&s_annotations, "annotations") || intern(&s_at, "at")
+        || intern(&s_cached_tokens, "cached_tokens") || intern(&s_completed, "completed")
+        || intern(&s_completed_at, "completed_at") || intern(&s_content, "content")
+        || intern(&s_created_at, "created_at") || intern(&s_data, "data")
+        || intern(&s_encoded, "encoded") || intern(&s_fast, "fast") || intern(&s_fill, "fill")
+        || intern(&s_fill_at, "fill_at") || intern(&s_fill_in, "fill_in")
+        || intern(&s_filled, "filled") || intern(&s_input_tokens, "input_tokens")
+        || intern(&s_input_tokens_details, "input_tokens_details")
+        || intern(&s_members, "members") || intern(&s_message, "message")
+        || intern(&s_model, "model") || intern(&s_output, "output")
+        || intern(&s_output_text, "output_text") || intern(&s_output_tokens, "output_tokens")
+        || intern(&s_output_tokens_details, "output_tokens_details") || intern(&s_plan, "plan")
+        || intern(&s_previous, "previous")
+        || intern(&s_previous_response_id, "previous_response_id") || intern(&s_raw, "raw")
+        || intern(&s_reasoning, "reasoning") || intern(&s_reasoning_tokens, "reasoning_tokens")
+        || intern(&s_response, "response") || intern(&s_sequence_number, "sequence_number")
+        || intern(&s_status, "status") || intern(&s_store, "store")
+        || intern(&s_total_tokens, "total_tokens") || intern(&s_type, "type")
+        || intern(&s_unmerged, "unmerged") || intern(&s_usage, "usage"))
+        return NULL;
     PyObject *module = PyModule_Create(&speedups_module);
     if (module != NULL && PyModule_AddStringConstant(module, "SOURCE_DIGEST", SOURCE_DIGEST) < 0) {
         Py_DECREF(module);

@@ -25,6 +25,9 @@ were forwarded as, so a coding agent's instructions and tools are not encoded ag
 pending event whose shape was seen is not decoded (`pending_event`), a JSON answer of
 the shape and values last seen valid is completed in one call (`answer`, a terminal
 event's Response too: `terminal_event`), and its spliced bytes are what the store keeps.
+With the compiled fast paths built (ocxproxy/_speedups.c), that usual answer and event
+are one C call each, from what the Python keeps here (`_LAST_ANSWER`, `_Plan.fast`,
+`_LAST_FILLS`); any other case declines to the Python below, which stays the reference.
 """
 
 from __future__ import annotations
@@ -130,7 +133,17 @@ class _Plan:
     """For a Response with these members: the required ones it lacks (completed_at
     apart: its value depends on the Response) and those it has."""
 
-    __slots__ = ("completed_at", "given", "missing", "present", "ruled", "usage", "valid")
+    __slots__ = (
+        "completed_at",
+        "fast",
+        "given",
+        "missing",
+        "names",
+        "present",
+        "ruled",
+        "usage",
+        "valid",
+    )
 
     def __init__(self, keys: tuple[str, ...]) -> None:
         missing = _REQUIRED.difference(keys)
@@ -143,8 +156,22 @@ class _Plan:
         # and the last ones seen valid: the same again are valid again.
         self.usage = "usage" in self.given
         same = () if "completed_at" in self.given else sorted(self.given - {"usage"})
+        self.names = tuple(same)
         self.ruled = operator.itemgetter(*same) if same else None
         self.valid: Any = _MISSING
+        # What the compiled `answer` reads of it, once the values are known: (missing,
+        # completed_at, usage, the ruled names, their values seen valid); None: not yet.
+        self.fast: tuple[Any, ...] | None = None
+        if not self.given - {"usage"}:
+            self.fast = self.missing, self.completed_at, self.usage, (), ()
+
+    def seen_valid(self, response: dict[str, Any]) -> None:
+        """The ruled values of `response`, a valid answer: those of the next answers that
+        are the same are valid too."""
+        assert self.ruled is not None
+        self.valid = valid = self.ruled(response)
+        values = valid if len(self.names) > 1 else (valid,)
+        self.fast = self.missing, self.completed_at, self.usage, self.names, values
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
@@ -342,6 +369,10 @@ class Envelope:
         its output passes over them (and, when nothing is left to do with them, the
         patch's `encoded` stays empty: they are copied once, into the answer's bytes)."""
         global _LAST_ANSWER
+        if _c is not None:  # the usual answer, in one call
+            done = _c.answer(self, data, response, _LAST_ANSWER, _LAST_FILLS, _FROM_REQUEST, Patch)
+            if done is not None:
+                return done  # type: ignore[no-any-return]
         keys = tuple(response)
         types = tuple(map(type, response.values()))
         last = _LAST_ANSWER
@@ -396,7 +427,7 @@ class Envelope:
                         and not (patch.rewrite or patch.inserted)
                         and self._body.get("store") is not False
                     ):
-                        plan.valid = ruled(response)
+                        plan.seen_valid(response)
             if echo is not None:
                 self._check_echo(response, patch)
         output = response.get("output")
@@ -429,6 +460,19 @@ class Envelope:
         (changed in place: its items need nothing more, else `written_event` completes
         them once the turn is recorded). None for the bytes when the Response is not found
         at once in the event's: then the patch is merged, and the store encodes the dict."""
+        if _c is not None:  # the usual event, in one call
+            done = _c.terminal_event(
+                self,
+                event,
+                payload,
+                _LAST_ANSWER,
+                _LAST_FILLS,
+                _FROM_REQUEST,
+                Patch,
+                _TERMINAL_LAYOUTS,
+            )
+            if done is not None:
+                return done  # type: ignore[no-any-return]
         data = event.data
         response = payload["response"]
         span = _response_span(data, payload)

@@ -57,6 +57,20 @@ REQUEST = {
 }
 
 
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def fast_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on the compiled fast paths (ocxproxy/_speedups.c) and on the Python's,
+    each from the shapes and fills no earlier test left."""
+    for name in ("_PLANS", "_VALID", "_FILLS", "_PENDING", "_LAST"):
+        monkeypatch.setattr(envelope_module, name, {})
+    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
+    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    if request.param == "python":
+        monkeypatch.setattr(envelope_module, "_c", None)
+    elif envelope_module._c is None:
+        pytest.skip("the compiled fast paths are not built here")
+
+
 def completed(response: dict[str, Any], request: dict[str, Any] | None = None, **kw: Any) -> Any:
     data = orjson.dumps(response)
     return orjson.loads(Envelope(request, **kw).json(data, orjson.loads(data)))

@@ -16,6 +16,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from ocxproxy.continuation import envelope
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.fakes.chat_backend import ChatBackend
@@ -32,6 +33,16 @@ BODY: dict[str, Any] = {
     "metadata": {"run": "1"},
 }
 ENVELOPE_ONLY = (b"frequency_penalty", b"top_logprobs", b"service_tier", b"completed_at")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def fast_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on the envelope's compiled fast paths (ocxproxy/_speedups.c) and on
+    the Python's."""
+    if request.param == "python":
+        monkeypatch.setattr(envelope, "_c", None)
+    elif envelope._c is None:
+        pytest.skip("the compiled fast paths are not built here")
 
 
 @pytest.fixture(params=["spec", "llama", "chat"])
