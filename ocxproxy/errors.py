@@ -17,7 +17,8 @@
     └── UpstreamError             502/504 backend unreachable, timed out or broke off
 
 Store failures (store/) are typed as StoreFailure with a FailureReason; the HTTP layer
-turns them into PreviousResponseNotFound, counting the reason.
+turns them into PreviousResponseNotFound, counting the reason, and a turn's failed commit
+into the error its reason calls for (`not_stored`).
 """
 
 from __future__ import annotations
@@ -237,6 +238,42 @@ class StoreFailure(Exception):
         super().__init__(f"{reason}: {detail}" if detail else str(reason))
         self.reason = reason
         self.detail = detail
+
+
+_NOT_SAVED = " Nothing was saved; retry later, or send store=false."
+_GONE = {
+    FailureReason.EVICTED: "was evicted",
+    FailureReason.EXPIRED: "expired",
+    FailureReason.UNKNOWN: "was deleted",
+    FailureReason.MISSING: "was lost",
+}
+
+
+def not_stored(failure: StoreFailure) -> OcxError:
+    """The answer to a turn whose commit `failure` refused (the turn is not acknowledged):
+    what its reason is to a client. Its message names the cause alone, never content."""
+    reason, lead = failure.reason, "The response could not be stored: "
+    if reason == FailureReason.FULL:
+        return StoreFull(
+            lead + "the proxy's store is full (its byte or entry cap is reached and what it "
+            "holds may not be evicted)." + _NOT_SAVED
+        )
+    if reason in _GONE:  # what it continues went while it ran: as a retry would find it
+        return InvalidRequest(
+            lead + f"the stored history it continues {_GONE[reason]} while it ran. "
+            "Nothing was saved; send the whole conversation as input instead.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    if reason == FailureReason.WRITE_FAILED:
+        return StorageUnavailable(
+            lead + "the proxy's storage could not write it (a full disk or an I/O error, "
+            "or a shared store that did not answer or whose replicas did not acknowledge "
+            "the write)." + _NOT_SAVED
+        )
+    return StorageUnavailable(  # CORRUPT, READ_FAILED, TOO_LARGE: stored data it needed
+        lead + f"the proxy's storage could not read what it builds on ({reason})." + _NOT_SAVED
+    )
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -61,6 +61,7 @@ from ocxproxy.errors import (
     UpstreamError,
     complete_error_event,
     error_answer,
+    not_stored,
 )
 from ocxproxy.http import compaction, idempotency
 from ocxproxy.http.context import Proxy, Reply, scope_of
@@ -252,9 +253,9 @@ class Exchange:
 
     async def commit(self) -> None:
         """Until the turn finish() remembered, and what it wrote to its conversation, are
-        durable (a no-op unless the store is in `ack` mode); StorageUnavailable when they
-        cannot be, or the error that kept finish() from appending the turn to its
-        conversation: the turn must not be acknowledged."""
+        durable (a no-op unless the store is in `ack` mode); when they cannot be, the error
+        the store's reason calls for (errors.not_stored), or the error that kept finish()
+        from appending the turn to its conversation: the turn must not be acknowledged."""
         if self.failure is not None:
             raise self.failure
         kept, self.kept = self.kept, []
@@ -267,13 +268,10 @@ class Exchange:
                 await self.proxy.store.commit(other)
             if record is not None and target is not None:
                 await target.commit(record)
-        except StoreFailure:
+        except StoreFailure as failure:
             self.recorded = False
             metrics.turns_not_recorded.labels(reason="storage_unavailable").inc()
-            raise StorageUnavailable(
-                "The response could not be stored: the proxy's storage is unavailable "
-                "(e.g. its disk is full). Nothing was saved; retry later, or send store=false."
-            ) from None
+            raise not_stored(failure) from None
         if record is not None:
             metrics.turns_recorded.labels(kind="durable" if record.durable else "memory").inc()
             save_after(self, record)

@@ -12,9 +12,13 @@ import aiohttp
 import orjson
 import pytest
 
+from ocxproxy.errors import FailureReason, StoreFailure
+from ocxproxy.model import Record
+from ocxproxy.store import Store
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import closed_port
+from tests.serve import create
 
 
 def assert_openai_error(body: Any, type_: str, param: str | None = None) -> dict[str, Any]:
@@ -206,4 +210,82 @@ async def test_backend_timeout_is_504(
     assert error["code"] == "upstream_timeout"
     assert time.monotonic() - start < 1.5
     await wait_ready(http, proxy)
+    await still_serves(http, proxy)
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "type_", "code", "says"),
+    [
+        (FailureReason.WRITE_FAILED, 503, "server_error", "storage_unavailable", "could not write"),
+        (FailureReason.FULL, 507, "server_error", "store_full", "is full"),
+        (
+            FailureReason.EVICTED,
+            400,
+            "invalid_request_error",
+            "previous_response_not_found",
+            "evicted",
+        ),
+        (
+            FailureReason.EXPIRED,
+            400,
+            "invalid_request_error",
+            "previous_response_not_found",
+            "expired",
+        ),
+        (
+            FailureReason.MISSING,
+            400,
+            "invalid_request_error",
+            "previous_response_not_found",
+            "lost",
+        ),
+        (
+            FailureReason.UNKNOWN,
+            400,
+            "invalid_request_error",
+            "previous_response_not_found",
+            "deleted",
+        ),
+        (FailureReason.CORRUPT, 503, "server_error", "storage_unavailable", "(corrupt)"),
+        (FailureReason.READ_FAILED, 503, "server_error", "storage_unavailable", "(read_failed)"),
+        (FailureReason.TOO_LARGE, 503, "server_error", "storage_unavailable", "(too_large)"),
+    ],
+)
+async def test_a_refused_commit_says_why(
+    reason: FailureReason,
+    status: int,
+    type_: str,
+    code: str,
+    says: str,
+    backend: FakeBackend,
+    make_proxy: MakeProxy,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn whose commit the store refuses is answered with what its reason is to a
+    client (a full disk is not blamed for a chain lost meanwhile), as JSON and as the
+    stream's `error` event, counted, its message naming no content; not acknowledged."""
+    proxy = await make_proxy(backend.url)
+    real = Store.commit
+
+    async def refuse(self: Store, record: Record | None = None) -> None:
+        if record is not None:
+            raise StoreFailure(reason, "secret-detail")
+        await real(self, record)
+
+    monkeypatch.setattr(Store, "commit", refuse)
+    for stream in (False, True):
+        body = {"model": "m", "input": "private words", "stream": stream}
+        got, error, rid = await create(http, proxy.url, body)
+        assert rid is None and error is not None
+        if stream:
+            assert got == 200 and error["type"] == "error", error
+            error = error["error"]
+        else:
+            assert got == status
+        assert (error["type"], error["code"]) == (type_, code), error
+        assert says in error["message"]
+        assert "private" not in error["message"] and "secret" not in error["message"]
+    assert proxy.metric("ocxproxy_turns_not_recorded_total", reason="storage_unavailable") == 2
+    monkeypatch.undo()
     await still_serves(http, proxy)

@@ -240,13 +240,13 @@ async def test_a_turn_in_flight_on_an_evicted_chain_does_not_bring_it_back(
     await store.close()
 
 
-async def test_a_turn_the_full_store_cannot_take_is_answered_503(
+async def test_a_turn_the_full_store_cannot_take_is_answered_507(
     make_proxy: MakeProxy, backend: FakeBackend, http: aiohttp.ClientSession
 ) -> None:
     """Over HTTP: while nothing can be evicted to get under --max-disk-bytes, a store:true
-    turn is answered 503 storage_unavailable as for a full disk (never a 200 for a turn
-    that is not kept), /readyz says the store is unavailable, and turns are taken again
-    once there is room."""
+    turn is answered 507 store_full, as a conversation write is (never a 200 for a turn
+    that is not kept, nor an answer blaming the disk), /readyz says the store is
+    unavailable, and turns are taken again once there is room."""
     proxy = await make_proxy(backend.url, max_disk_bytes=CAP)
     body = {"model": "fake-model", "input": "hello"}
     store = proxy.proxy.store
@@ -264,9 +264,10 @@ async def test_a_turn_the_full_store_cannot_take_is_answered_503(
         assert rid is None, "a turn the store cannot keep must not be acknowledged"
         assert error is not None
         if stream:  # the stream's end: an error event in place of response.completed
-            assert error["error"]["code"] == "storage_unavailable"
+            error = error["error"]
         else:
-            assert status == 503 and error["code"] == "storage_unavailable"
+            assert status == 507
+        assert error["code"] == "store_full" and "store is full" in error["message"], error
     assert proxy.metric("ocxproxy_store_disk_full_total") == 1
     async with http.get(proxy.url + "/readyz") as r:
         assert r.status == 503
