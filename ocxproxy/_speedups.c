@@ -4,6 +4,7 @@
  * ocxproxy/speedups.py loads this module; its callers never need it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
 #include <time.h>
 
@@ -12,11 +13,12 @@
 #endif
 
 /* Names and constants, interned once at import (no other state is kept here). */
-static PyObject *s__body, *s__created_at, *s__echo, *s__family, *s__members, *s__pinned,
+static PyObject *s__body, *s__created_at, *s__echo, *s__family, *s__inserts, *s__members,
+    *s__pinned,
     *s__served_models, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens, *s_completed,
     *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast, *s_fill,
-    *s_fill_at, *s_fill_in, *s_filled, *s_input_tokens, *s_input_tokens_details, *s_members,
-    *s_message, *s_model, *s_output, *s_output_text, *s_output_tokens,
+    *s_fill_at, *s_fill_in, *s_filled, *s_id, *s_input_tokens, *s_input_tokens_details, *s_members,
+    *s_memo, *s_message, *s_model, *s_name, *s_output, *s_output_text, *s_output_tokens,
     *s_output_tokens_details, *s_plan, *s_previous, *s_previous_response_id, *s_raw,
     *s_reasoning, *s_reasoning_tokens, *s_response, *s_sequence_number, *s_status, *s_store,
     *s_total_tokens, *s_type, *s_unmerged, *s_usage;
@@ -730,10 +732,412 @@ done:
     return result;
 }
 
+/* ---- Envelope.pending_event ------------------------------------------------------- */
+
+/* An attribute kept in a __slots__ slot, read and written at its offset: a generic
+ * getattr costs ~100 instructions, ten times this. The offset is the one the type's member
+ * descriptor for the name gives, found again when the object's type or that type's
+ * version (which changes when the type is) is not the one last seen; any other attribute
+ * (no slot, a subclass's property, …) goes through the generic getattr and setattr. */
+typedef struct {
+    PyObject **name;
+    PyTypeObject *type; /* (a strong reference: its address is not reused meanwhile) */
+    unsigned int version;
+    Py_ssize_t offset; /* 0: the generic way */
+} Slot;
+
+static int slot_lookup(Slot *slot, PyTypeObject *type) {
+    PyObject *descr = _PyType_Lookup(type, *slot->name); /* (borrowed) */
+    Py_ssize_t offset = 0;
+    if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)
+        && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == T_OBJECT_EX && !(member->flags & READONLY)
+            && member->offset >= (Py_ssize_t)sizeof(PyObject)
+            && member->offset + (Py_ssize_t)sizeof(PyObject *) <= type->tp_basicsize) {
+            offset = member->offset;
+        }
+    }
+    Py_INCREF(type);
+    Py_XSETREF(slot->type, type);
+    slot->version = type->tp_version_tag; /* (0: none assigned, looked up again next time) */
+    slot->offset = offset;
+    return offset != 0;
+}
+
+static inline int slot_offset(Slot *slot, PyTypeObject *type) {
+    if (slot->type == type && type->tp_version_tag == slot->version && slot->version != 0) {
+        return slot->offset != 0;
+    }
+    return slot_lookup(slot, type);
+}
+
+/* The attribute's value (a new reference), NULL with an exception set. */
+static inline PyObject *slot_get(Slot *slot, PyObject *object) {
+    if (slot_offset(slot, Py_TYPE(object))) {
+        PyObject *value = *(PyObject **)((char *)object + slot->offset);
+        if (value != NULL) {
+            Py_INCREF(value);
+            return value;
+        }
+    }
+    return PyObject_GetAttr(object, *slot->name); /* (raises when unset) */
+}
+
+static inline int slot_set(Slot *slot, PyObject *object, PyObject *value) {
+    if (slot_offset(slot, Py_TYPE(object))) {
+        PyObject **at = (PyObject **)((char *)object + slot->offset);
+        PyObject *old = *at;
+        Py_INCREF(value);
+        *at = value;
+        Py_XDECREF(old);
+        return 0;
+    }
+    return PyObject_SetAttr(object, *slot->name, value);
+}
+
+static Slot event_name = {&s_name}, event_raw = {&s_raw}, event_data = {&s_data},
+            event_at = {&s_at}, envelope_inserts = {&s__inserts}, envelope_pinned = {&s__pinned},
+            envelope_members = {&s__members}, envelope_served = {&s__served_models},
+            envelope_echo = {&s__echo}, envelope_created_at = {&s__created_at},
+            seen_members = {&s_members}, seen_memo = {&s_memo};
+
+/* The pieces spliced into a pending event, in order. */
+typedef struct {
+    const char *bytes[10];
+    Py_ssize_t sizes[10];
+    int count;
+    char number[32]; /* created_at's digits */
+} Pieces;
+
+static void add(Pieces *pieces, const char *bytes, Py_ssize_t size) {
+    pieces->bytes[pieces->count] = bytes;
+    pieces->sizes[pieces->count] = size;
+    pieces->count++;
+}
+
+/* `"created_at":<value>,` (0: not an int that fits). */
+static int add_created_at(Pieces *pieces, PyObject *value) {
+    if (!PyLong_CheckExact(value)) {
+        return 0;
+    }
+    int overflow = 0;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || (number == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    char *end = pieces->number + sizeof(pieces->number);
+    char *at = end;
+    *--at = ',';
+    unsigned long long magnitude =
+        number < 0 ? 0ULL - (unsigned long long)number : (unsigned long long)number;
+    do {
+        *--at = (char)('0' + magnitude % 10);
+        magnitude /= 10;
+    } while (magnitude);
+    if (number < 0) {
+        *--at = '-';
+    }
+    add(pieces, "\"created_at\":", 13);
+    add(pieces, at, end - at);
+    return 1;
+}
+
+/* pending_event(envelope, event, lasts): a pending event of the shape its name was last
+ * seen in (`lasts`: envelope._LAST) completed in place, its members spliced into its raw
+ * bytes: the event, or None when the case is not this one's (the Python path runs).
+ * The members are the envelope's for the shape (`_inserts`), else the shape's memo
+ * (`_Seen.memo`) when it was worked out for a request with the same forwarded members,
+ * served models and echo. Relies on Event's invariant: `at` >= 0 means `raw` is a head,
+ * then `data`, then a blank line. */
+static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pending_event() takes 3 arguments");
+        return NULL;
+    }
+    PyObject *envelope = args[0], *event = args[1], *lasts = args[2];
+    if (!PyDict_CheckExact(lasts)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *result = NULL, *last = NULL, *raw = NULL, *at_object = NULL, *inserts = NULL;
+    PyObject *key = NULL, *members = NULL, *memo = NULL, *pinned = NULL, *forwarded = NULL;
+    PyObject *served = NULL, *echo = NULL, *created_at = NULL, *id = NULL, *spliced = NULL;
+    PyObject *data = NULL;
+    Pieces pieces;
+    pieces.count = 0;
+    const char *chars;
+    Py_ssize_t length;
+
+    PyObject *name = slot_get(&event_name, event);
+    if (name == NULL) {
+        return NULL;
+    }
+    last = PyDict_GetItemWithError(lasts, name);
+    Py_DECREF(name);
+    if (last == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(last);
+    /* (prefix, n, middle, digits, suffix, cut, at, seen): see envelope._remember_last */
+    if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 8) {
+        goto decline;
+    }
+    PyObject *prefix = PyTuple_GET_ITEM(last, 0), *middle = PyTuple_GET_ITEM(last, 2);
+    PyObject *suffix = PyTuple_GET_ITEM(last, 4), *insert_at = PyTuple_GET_ITEM(last, 6);
+    PyObject *seen = PyTuple_GET_ITEM(last, 7);
+    if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(middle) || !PyBytes_CheckExact(suffix)
+        || !PyLong_CheckExact(insert_at)) {
+        goto decline;
+    }
+    if ((raw = slot_get(&event_raw, event)) == NULL
+        || (at_object = slot_get(&event_at, event)) == NULL) {
+        goto error;
+    }
+    if (!PyBytes_CheckExact(raw) || !PyLong_CheckExact(at_object)) {
+        goto decline;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(at_object);
+    Py_ssize_t insert = PyLong_AsSsize_t(insert_at);
+    if ((at == -1 || insert == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto decline;
+    }
+    Py_ssize_t raw_size = PyBytes_GET_SIZE(raw);
+    if (at < 0 || raw_size - 2 < at) {
+        goto decline;
+    }
+    /* The shape, checked on the event's data (raw[at:-2]): the bytes around the id's
+     * value and created_at's digits are those it was last seen with. */
+    const char *bytes = PyBytes_AS_STRING(raw) + at;
+    Py_ssize_t size = raw_size - 2 - at;
+    Py_ssize_t n = PyBytes_GET_SIZE(prefix), m = PyBytes_GET_SIZE(middle);
+    Py_ssize_t s = PyBytes_GET_SIZE(suffix);
+    if (n > size || memcmp(bytes, PyBytes_AS_STRING(prefix), n) != 0) {
+        goto decline;
+    }
+    const char *quote = memchr(bytes + n, '"', size - n);
+    if (quote == NULL) {
+        goto decline;
+    }
+    Py_ssize_t digits = (quote - bytes) + m; /* where created_at's digits begin */
+    Py_ssize_t cut = size - s;               /* and end */
+    if (m == 0 || s == 0 || digits >= cut || memcmp(quote, PyBytes_AS_STRING(middle), m) != 0
+        || memcmp(bytes + cut, PyBytes_AS_STRING(suffix), s) != 0) {
+        goto decline;
+    }
+    for (Py_ssize_t i = digits; i < cut; i++) {
+        if (bytes[i] < '0' || bytes[i] > '9') {
+            goto decline;
+        }
+    }
+    if (insert <= 0 || insert > size) {
+        goto decline;
+    }
+
+    /* The members: the envelope's for this shape, else the shape's memo. */
+    if ((inserts = slot_get(&envelope_inserts, envelope)) == NULL) {
+        goto error;
+    }
+    if (PyDict_CheckExact(inserts)) {
+        if ((key = slot_get(&seen_members, seen)) == NULL) {
+            goto error;
+        }
+        members = PyDict_GetItemWithError(inserts, key);
+        if (members == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        Py_XINCREF(members);
+    }
+    if (members != NULL) {
+        if (!PyTuple_CheckExact(members) || PyTuple_GET_SIZE(members) != 3) {
+            goto decline; /* none at one place (the Python path decides) */
+        }
+        for (int i = 0; i < 3; i++) {
+            PyObject *part = PyTuple_GET_ITEM(members, i);
+            if (!PyBytes_CheckExact(part)) {
+                goto decline;
+            }
+            add(&pieces, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+        }
+    } else {
+        /* (served_models, forwarded members, echo's name, created_at?, previous id?,
+         * shared bytes, conversation?) */
+        if ((memo = slot_get(&seen_memo, seen)) == NULL) {
+            goto error;
+        }
+        if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 7) {
+            goto decline;
+        }
+        PyObject *shared = PyTuple_GET_ITEM(memo, 5);
+        if (!PyBytes_CheckExact(shared)) {
+            goto decline;
+        }
+        if ((pinned = slot_get(&envelope_pinned, envelope)) == NULL) {
+            goto error;
+        }
+        if (pinned != Py_None) {
+            goto decline;
+        }
+        if ((forwarded = slot_get(&envelope_members, envelope)) == NULL) {
+            goto error;
+        }
+        PyObject *memo_forwarded = PyTuple_GET_ITEM(memo, 1);
+        if (!PyBytes_CheckExact(forwarded) || !PyBytes_CheckExact(memo_forwarded)) {
+            goto decline;
+        }
+        if (forwarded != memo_forwarded
+            && (PyBytes_GET_SIZE(forwarded) != PyBytes_GET_SIZE(memo_forwarded)
+                || memcmp(PyBytes_AS_STRING(forwarded), PyBytes_AS_STRING(memo_forwarded),
+                          PyBytes_GET_SIZE(forwarded))
+                       != 0)) {
+            goto decline;
+        }
+        if ((served = slot_get(&envelope_served, envelope)) == NULL) {
+            goto error;
+        }
+        PyObject *memo_served = PyTuple_GET_ITEM(memo, 0);
+        if (served != memo_served) {
+            if (!PyTuple_CheckExact(served) || !PyTuple_CheckExact(memo_served)) {
+                goto decline;
+            }
+            int same = PyObject_RichCompareBool(served, memo_served, Py_EQ);
+            if (same < 0) {
+                goto error;
+            }
+            if (!same) {
+                goto decline;
+            }
+        }
+        if ((echo = slot_get(&envelope_echo, envelope)) == NULL) {
+            goto error;
+        }
+        PyObject *echo_name = Py_None, *echo_value = Py_None;
+        if (echo != Py_None) {
+            if (!PyTuple_CheckExact(echo) || PyTuple_GET_SIZE(echo) != 2) {
+                goto decline;
+            }
+            echo_name = PyTuple_GET_ITEM(echo, 0);
+            echo_value = PyTuple_GET_ITEM(echo, 1);
+        }
+        PyObject *memo_echo = PyTuple_GET_ITEM(memo, 2);
+        if (echo_name != memo_echo) {
+            if (!PyUnicode_CheckExact(echo_name) || !PyUnicode_CheckExact(memo_echo)
+                || PyUnicode_Compare(echo_name, memo_echo) != 0) {
+                if (PyErr_Occurred()) {
+                    goto error;
+                }
+                goto decline;
+            }
+        }
+        int previous = echo_name == s_previous_response_id
+                       || (PyUnicode_CheckExact(echo_name)
+                           && PyUnicode_Compare(echo_name, s_previous_response_id) == 0);
+        if (PyTuple_GET_ITEM(memo, 3) == Py_True) {
+            if ((created_at = slot_get(&envelope_created_at, envelope)) == NULL) {
+                goto error;
+            }
+            if (!add_created_at(&pieces, created_at)) {
+                goto decline; /* (not known yet: the Python path takes the time) */
+            }
+        }
+        if (PyTuple_GET_ITEM(memo, 4) == Py_True) {
+            if (!previous) {
+                add(&pieces, "\"previous_response_id\":null,", 28);
+            } else if (plain_ascii(echo_value, &chars, &length)) {
+                add(&pieces, "\"previous_response_id\":\"", 24);
+                add(&pieces, chars, length);
+                add(&pieces, "\",", 2);
+            } else {
+                goto decline;
+            }
+        }
+        add(&pieces, PyBytes_AS_STRING(shared), PyBytes_GET_SIZE(shared));
+        if (PyTuple_GET_ITEM(memo, 6) == Py_True) {
+            /* `"conversation":{"id":"…"},` for the usual echo; else the Python path */
+            if (previous || !PyDict_CheckExact(echo_value) || PyDict_GET_SIZE(echo_value) != 1
+                || (id = PyDict_GetItemWithError(echo_value, s_id)) == NULL) {
+                if (PyErr_Occurred()) {
+                    goto error;
+                }
+                goto decline;
+            }
+            Py_INCREF(id);
+            if (!plain_ascii(id, &chars, &length)) {
+                goto decline;
+            }
+            /* (at most 9 pieces: created_at 2, previous 3, shared 1, conversation 3) */
+            add(&pieces, "\"conversation\":{\"id\":\"", 22);
+            add(&pieces, chars, length);
+            add(&pieces, "\"},", 3);
+        }
+    }
+
+    /* raw[:at + insert], the members, raw[at + insert:]: one allocation, and the data. */
+    Py_ssize_t total = raw_size;
+    for (int i = 0; i < pieces.count; i++) {
+        if (pieces.sizes[i] > PY_SSIZE_T_MAX - total) {
+            goto decline;
+        }
+        total += pieces.sizes[i];
+    }
+    if (total == raw_size) {
+        goto decline; /* (nothing to insert: the Python path decides) */
+    }
+    if ((spliced = PyBytes_FromStringAndSize(NULL, total)) == NULL) {
+        goto error;
+    }
+    char *out = PyBytes_AS_STRING(spliced);
+    Py_ssize_t head = at + insert;
+    memcpy(out, PyBytes_AS_STRING(raw), head);
+    out += head;
+    for (int i = 0; i < pieces.count; i++) {
+        memcpy(out, pieces.bytes[i], pieces.sizes[i]);
+        out += pieces.sizes[i];
+    }
+    memcpy(out, PyBytes_AS_STRING(raw) + head, raw_size - head);
+    data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(spliced) + at, total - 2 - at);
+    if (data == NULL || slot_set(&event_raw, event, spliced) < 0
+        || slot_set(&event_data, event, data) < 0) {
+        goto error;
+    }
+    Py_INCREF(event);
+    result = event;
+    goto done;
+decline:
+    Py_INCREF(Py_None);
+    result = Py_None;
+    goto done;
+error:
+    result = NULL;
+done:
+    Py_XDECREF(last);
+    Py_XDECREF(raw);
+    Py_XDECREF(at_object);
+    Py_XDECREF(inserts);
+    Py_XDECREF(key);
+    Py_XDECREF(members);
+    Py_XDECREF(memo);
+    Py_XDECREF(pinned);
+    Py_XDECREF(forwarded);
+    Py_XDECREF(served);
+    Py_XDECREF(echo);
+    Py_XDECREF(created_at);
+    Py_XDECREF(id);
+    Py_XDECREF(spliced);
+    Py_XDECREF(data);
+    return result;
+}
+
 /* (sorted by name) */
 static PyMethodDef speedups_methods[] = {
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL,
      "Envelope.answer's usual answer, or None."},
+    {"pending_event", (PyCFunction)(void (*)(void))pending_event, METH_FASTCALL,
+     "Envelope.pending_event's usual event (completed in place), or None."},
     {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,
      "Envelope.terminal_event's usual event, or None."},
     {NULL, NULL, 0, NULL},
@@ -751,6 +1155,7 @@ static int intern(PyObject **slot, const char *name) {
 PyMODINIT_FUNC PyInit__speedups(void) {
     if (intern(&s__body, "_body") || intern(&s__created_at, "_created_at")
         || intern(&s__echo, "_echo") || intern(&s__family, "_family")
+        || intern(&s__inserts, "_inserts")
         || intern(&s__members, "_members") || intern(&s__pinned, "_pinned")
         || intern(&s__served_models, "_served_models") || intern(&s__shared_fill, "_shared_fill")
         || intern(&s_annotations, "annotations") || intern(&s_at, "at")
@@ -761,7 +1166,8 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         || intern(&s_fill_at, "fill_at") || intern(&s_fill_in, "fill_in")
         || intern(&s_filled, "filled") || intern(&s_input_tokens, "input_tokens")
         || intern(&s_input_tokens_details, "input_tokens_details")
-        || intern(&s_members, "members") || intern(&s_message, "message")
+        || intern(&s_id, "id") || intern(&s_members, "members") || intern(&s_memo, "memo")
+        || intern(&s_message, "message") || intern(&s_name, "name")
         || intern(&s_model, "model") || intern(&s_output, "output")
         || intern(&s_output_text, "output_text") || intern(&s_output_tokens, "output_tokens")
         || intern(&s_output_tokens_details, "output_tokens_details") || intern(&s_plan, "plan")

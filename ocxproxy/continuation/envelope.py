@@ -22,7 +22,9 @@ the object. What a Response lacks is worked out once per shape of its members
 (`_Plan`), the members filled in are built and encoded once for every request that gives
 the same values for them (`_Fill`; a continuation's are known by the bytes its members
 were forwarded as, so a coding agent's instructions and tools are not encoded again), a
-pending event whose shape was seen is not decoded (`pending_event`), a JSON answer of
+pending event whose shape was seen is not decoded (`pending_event`; compiled, it is
+matched and spliced in one call, with the members a request forwarded with the same bytes
+got, kept with the shape: `_Seen.memo`), a JSON answer of
 the shape and values last seen valid is completed in one call (`answer`, a terminal
 event's Response too: `terminal_event`), and its spliced bytes are what the store keeps.
 With the compiled fast paths built (ocxproxy/_speedups.c), that usual answer and event
@@ -723,6 +725,11 @@ class Envelope:
         without decoding it when one of the same shape was completed before: the same
         bytes but for the Response's `id` and `created_at` need the same members. The
         event is changed in place when its members are spliced into its bytes."""
+        if _c is not None and _c.pending_event(self, event, _LAST) is not None:
+            return event  # (the usual event, completed as `_pending_event` does, in one call)
+        return self._pending_event(event)
+
+    def _pending_event(self, event: Event) -> Event:
         data = event.data
         seen: _Seen | None = None
         last = _LAST.get(event.name)  # the shape its name came in last
@@ -820,13 +827,15 @@ class Envelope:
             and not ((self._served_models or seen.model == "") and self._rewrites_model(seen))
         ):
             own = shared = last = b""  # (as _fill orders them, without its bookkeeping)
+            created = previous = False
             if plan.missing:
                 fill = self._shared_fill(plan.missing)
-                if fill.created_at:
+                created, previous = fill.created_at, fill.previous
+                if created:
                     own = b'"created_at":%d,' % self._created()
-                if fill.previous:
-                    previous = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
-                    own += b'"previous_response_id":%s,' % orjson.dumps(previous)
+                if previous:
+                    given = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
+                    own += b'"previous_response_id":%s,' % orjson.dumps(given)
                 done = fill.pending
                 if done is not None and done[0] is plan.completed_at:
                     shared = done[1]
@@ -841,6 +850,21 @@ class Envelope:
                 last = b'"conversation":%s,' % orjson.dumps(echo[1])
             if own or shared or last:
                 members = own, shared, last
+                # What decides them but the turn's own values, kept for the next request
+                # of the same (`_c.pending_event` reads it): the forwarded members decide
+                # the fill; not a store:false request's, not kept past it.
+                if self._members is not None and self._body.get("store") is not False:
+                    name = echo[0] if echo is not None else None
+                    conversation = bool(last)
+                    seen.memo = (
+                        self._served_models,
+                        self._members,
+                        name,
+                        created,
+                        previous,
+                        shared,
+                        conversation,
+                    )
         self._inserts[seen.members] = members
         return members
 
@@ -879,7 +903,7 @@ class _Seen:
     inserted (0: not at one place for every event of the shape). `members`: what decides
     the members such an event gets (`created` and `in_progress` ones share them)."""
 
-    __slots__ = ("at", "members", "model", "no_conversation", "nulls", "plan")
+    __slots__ = ("at", "members", "memo", "model", "no_conversation", "nulls", "plan")
 
     def __init__(
         self,
@@ -895,6 +919,9 @@ class _Seen:
         self.no_conversation = no_conversation
         self.at = at
         self.members = (plan, nulls, no_conversation, model)
+        # The members the last request whose members were forwarded as these bytes gave
+        # such an event (`Envelope._members_as_seen`): every such request gives the same.
+        self.memo: tuple[Any, ...] | None = None
 
 
 def _insertion(data: bytes) -> int:
