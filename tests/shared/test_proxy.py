@@ -15,6 +15,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from ocxproxy.aio import spawn
 from ocxproxy.cli import main
 from ocxproxy.config import Config
 from ocxproxy.http.context import scope_of
@@ -22,14 +23,18 @@ from ocxproxy.store.shared.keys import Keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
+from tests.serve import respond
 from tests.shared.conftest import require
 from tests.shared.servers import KvServer
 
 
 async def replicas(
-    make_proxy: MakeProxy, backend: FakeBackend, url: str, n: int = 3
+    make_proxy: MakeProxy, backend: FakeBackend, url: str, n: int = 3, **settings: Any
 ) -> list[ProxyHandle]:
-    return [await make_proxy(backend.url, shared_store=url, state_dir=None) for _ in range(n)]
+    return [
+        await make_proxy(backend.url, shared_store=url, state_dir=None, **settings)
+        for _ in range(n)
+    ]
 
 
 async def test_a_chain_alternating_across_replicas_json_sse_and_stream_helper(
@@ -349,3 +354,40 @@ async def test_a_turn_whose_record_cannot_be_written_leaves_its_idempotency_key_
     finally:
         backend.delay = 0
         await client.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_turn_whose_chain_is_evicted_while_it_runs_is_kept_as_on_one_node(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    kv_server: KvServer,
+    http: aiohttp.ClientSession,
+    stream: bool,
+) -> None:
+    """A turn in flight on a chain the byte budget evicts meanwhile is acknowledged (its
+    answer is valid, a stream's is out already), and continuing it answers 400
+    previous_response_not_found, on every replica: what the local store answers, not a
+    503 blaming a full disk."""
+    a, b = await replicas(make_proxy, backend, kv_server.url, n=2, shared_max_bytes=1)
+    first = await a.client().responses.create(model="m", input="first")
+    backend.stall_next(0.5)
+    body = {"model": "m", "input": "late", "previous_response_id": first.id, "stream": stream}
+    late = spawn(respond(http, a.url, body, {"Authorization": "Bearer sk-test-a"}), name="late")
+    await asyncio.sleep(0.2)
+    await b.client().responses.create(model="m", input="other")  # evicts first's chain
+    with pytest.raises(openai.BadRequestError) as gone:
+        await b.client().responses.create(model="m", input="x", previous_response_id=first.id)
+    assert gone.value.code == "previous_response_not_found"
+    status, error, response = await late
+    assert status == 200 and error is None and response is not None, error
+    assert response["output"][0]["content"][0]["text"].endswith("late")
+    for proxy in (a, b):
+        with pytest.raises(openai.BadRequestError) as gone:
+            await proxy.client().responses.create(
+                model="m", input="next", previous_response_id=response["id"]
+            )
+        assert gone.value.code == "previous_response_not_found"
+    assert a.metric("ocxproxy_shared_commits_total", outcome="missing") == 0
+    assert a.metric("ocxproxy_shared_commits_total", outcome="ok") == 2
+    assert a.metric("ocxproxy_turns_not_recorded_total", reason="storage_unavailable") == 0
+    assert b.metric("ocxproxy_store_evictions_total", reason="shared_bytes") >= 1

@@ -189,7 +189,24 @@ end
 return {chain, total, evicted, expired}
 """
 
-LOST = "OCXLOST"  # the commit script's error when the parent's chain expired meanwhile
+LOST = "OCXLOST"  # the commit script's error when the parent's chain went meanwhile
+
+# KEYS: the record, a chain never written (the record's value names its token), the
+#       budget's three keys. ARGV: the record's value, expiry (ms since epoch).
+# A turn whose parent's chain went while it ran (evicted, expired: COMMIT answered OCXLOST)
+# is kept all the same, as on one node: its record alone, on a chain that is gone, so its
+# continuations answer `evicted`. Its bytes count as a chain of their own (they leave the
+# count when it expires, or is evicted). Returns the total bytes.
+KEEP_LOST = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PXAT', ARGV[2])
+  local added = #ARGV[1] + #KEYS[1] + 16
+  redis.call('ZADD', KEYS[3], 'GT', ARGV[2], KEYS[2])
+  redis.call('HINCRBY', KEYS[4], KEYS[2], added)
+  redis.call('INCRBY', KEYS[5], added)
+end
+return tonumber(redis.call('GET', KEYS[5]) or 0)
+"""
 # Chain tokens need to be unique, not secret (a scope's keys answer only that scope): a
 # generator seeded from the OS (again in a forked child), not a getrandom() a commit.
 _tokens = random.Random(os.urandom(32))
@@ -232,6 +249,14 @@ def commit_call(
         script_keys += [keys.bucket(ends), keys.buckets()]
         args += [ends, *sorted(fields)]
     return script_keys, args
+
+
+def keep_lost_call(keys: Keys, record: SharedRecord) -> tuple[list[bytes], list[Any]]:
+    """KEEP_LOST's keys and arguments: `record` (its whole length) on a chain never written."""
+    token = _tokens.randbytes(8)
+    value = b"%d:" % record.length + token + record_body(record)
+    script_keys = [keys.record(record.id), keys.chain(token), *budget_keys(keys.prefix)]
+    return script_keys, [value, round(record.expires_at * 1000)]
 
 
 def encode_segment(segment: Segment, data: bytes) -> bytes:

@@ -31,7 +31,12 @@ PING_TIMEOUT = 2.0  # a PING unanswered this long: the server is unavailable
 UNAVAILABLE = (
     "The proxy's shared store is unavailable: nothing was forwarded or stored. Retry later."
 )
-_SOURCES = {"begin": layout.BEGIN, "item": layout.ITEM, "commit": layout.COMMIT}
+_SOURCES = {
+    "begin": layout.BEGIN,
+    "item": layout.ITEM,
+    "commit": layout.COMMIT,
+    "keep_lost": layout.KEEP_LOST,
+}
 # A script's SHA1 is its name on the server: known here, whether or not it is loaded there.
 _SHAS = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in _SOURCES.items()}
 
@@ -208,7 +213,13 @@ class Server:
             raise StorageUnavailable(UNAVAILABLE) from None
 
     def commit_command(self, keys: Sequence[bytes | str], args: Sequence[Any]) -> tuple[Any, ...]:
-        return ("EVALSHA", _SHAS["commit"], len(keys), *keys, *args)
+        return self.script_command("commit", keys, args)
+
+    def script_command(
+        self, name: str, keys: Sequence[bytes | str], args: Sequence[Any]
+    ) -> tuple[Any, ...]:
+        """A script run by name, as `write` sends it."""
+        return ("EVALSHA", _SHAS[name], len(keys), *keys, *args)
 
     async def _reload(self, op: str) -> None:
         try:

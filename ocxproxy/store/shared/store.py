@@ -392,8 +392,17 @@ class SharedStore:
         return append.version
 
     async def _write(self, shared: SharedRecord, parent: Record | None, append: Any = None) -> None:
+        lost = False
         try:
-            chain = await self._commit(shared, parent, append)
+            try:
+                chain = await self._commit(shared, parent, append)
+            except StoreFailure as failure:
+                if failure.reason != FailureReason.MISSING or append is not None:
+                    raise  # (a conversation's turn gets a chain of its own: _commit)
+                # Its parent's chain went while it ran (evicted, expired): the backend's
+                # answer is valid, and a stream's is out already, so the turn is kept and
+                # acknowledged as on one node, and its continuations answer `evicted`.
+                chain, lost = await self._keep_lost(shared), True
         except StorageUnavailable:
             self.metrics.shared_commits.labels("unavailable").inc()
             raise StoreFailure(FailureReason.WRITE_FAILED, "shared store unavailable") from None
@@ -403,6 +412,8 @@ class SharedStore:
         if chain:  # (else its conversation changed: nothing was written)
             shared.chain = chain
             self.metrics.shared_commits.labels("ok").inc()
+            if lost:  # (nothing of it can be read: no segments or digests to hold)
+                return
             self._cache(shared.segments[-1])
             names = [s.key for s in shared.segments]
             self.chains.put(shared.chain, names)
@@ -433,6 +444,13 @@ class SharedStore:
         if append is not None:
             append.version = int(reply[4])
         return bytes(chain)
+
+    async def _keep_lost(self, record: SharedRecord) -> bytes:
+        """`record` written on a chain that is gone (layout.KEEP_LOST): its chain key."""
+        script_keys, args = layout.keep_lost_call(self._keys_of(record.scope), record)
+        command = partial(self.server.script_command, "keep_lost", script_keys, args)
+        self._counted(int(await self.server.write("keep_lost", command)), 0)
+        return script_keys[1]
 
     def _counted(self, total: int, expired: int, evicted: int = 0) -> None:
         """The server's byte count after a write here, and what it dropped."""
