@@ -12,16 +12,203 @@
 #define SOURCE_DIGEST ""
 #endif
 
-/* Names and constants, interned once at import (no other state is kept here). */
+/* Names interned once at import (the only other object kept here: `no_members`). */
 static PyObject *s__body, *s__created_at, *s__echo, *s__family, *s__inserts, *s__members,
-    *s__pinned,
-    *s__served_models, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens, *s_completed,
-    *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast, *s_fill,
-    *s_fill_at, *s_fill_in, *s_filled, *s_id, *s_input_tokens, *s_input_tokens_details, *s_members,
-    *s_memo, *s_message, *s_model, *s_name, *s_output, *s_output_text, *s_output_tokens,
-    *s_output_tokens_details, *s_plan, *s_previous, *s_previous_response_id, *s_raw,
-    *s_reasoning, *s_reasoning_tokens, *s_response, *s_sequence_number, *s_status, *s_store,
-    *s_total_tokens, *s_type, *s_unmerged, *s_usage;
+    *s__pinned, *s__served_models, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
+    *s_completed, *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast,
+    *s_id, *s_input_tokens, *s_input_tokens_details, *s_members, *s_memo, *s_message, *s_model,
+    *s_name, *s_output, *s_output_text, *s_output_tokens, *s_output_tokens_details, *s_previous,
+    *s_previous_response_id, *s_raw, *s_reasoning, *s_reasoning_tokens, *s_response,
+    *s_sequence_number, *s_status, *s_store, *s_total_tokens, *s_type, *s_usage;
+
+/* ---- Envelope's and Patch's per-object state ----------------------------------------
+ * The bases of continuation/envelope.py's Envelope and Patch when this module is built:
+ * their members as a C struct (the same names, read and written from Python as slots
+ * are), made without running a Python __init__ (an Envelope is made per request, a Patch
+ * per Response), and read here without an attribute lookup. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *body, *members, *echo, *served_models, *created_at, *pinned, *defaults, *fills,
+        *inserts, *family;
+} EnvelopeState;
+
+static PyObject *no_members; /* the empty dict a Patch's and an Envelope's defaults share
+                              * (never changed: they are replaced, not updated) */
+
+#define ENVELOPE_FIELDS(X) \
+    X(body) X(members) X(echo) X(served_models) X(created_at) X(pinned) X(defaults) X(fills) \
+    X(inserts) X(family)
+
+static int envelope_traverse(EnvelopeState *self, visitproc visit, void *arg) {
+#define VISIT(name) Py_VISIT(self->name);
+    ENVELOPE_FIELDS(VISIT)
+    return 0;
+}
+
+static int envelope_clear(EnvelopeState *self) {
+#define CLEAR(name) Py_CLEAR(self->name);
+    ENVELOPE_FIELDS(CLEAR)
+    return 0;
+}
+
+static void envelope_dealloc(EnvelopeState *self) {
+    PyObject_GC_UnTrack(self);
+    envelope_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Envelope(body=None, echo=None, served_models=(), members=None, *, created_at=None) */
+static PyObject *envelope_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"body", "echo", "served_models", "members", "created_at", NULL};
+    PyObject *body = Py_None, *echo = Py_None, *served = NULL, *members = Py_None,
+             *created_at = Py_None;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (kwds == NULL && n <= 4) { /* (the hot path's call: positional) */
+        if (n > 0)
+            body = PyTuple_GET_ITEM(args, 0);
+        if (n > 1)
+            echo = PyTuple_GET_ITEM(args, 1);
+        if (n > 2)
+            served = PyTuple_GET_ITEM(args, 2);
+        if (n > 3)
+            members = PyTuple_GET_ITEM(args, 3);
+    } else if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OOOO$O:Envelope", names, &body, &echo,
+                                            &served, &members, &created_at))
+        return NULL;
+    EnvelopeState *self = (EnvelopeState *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    /* Built for each create request: only what it is given is kept, the rest is worked
+     * out when a Response needs it (see envelope.py's _EnvelopeState). */
+    self->body = Py_NewRef(body == Py_None ? no_members : body);
+    self->members = Py_NewRef(members);
+    self->echo = Py_NewRef(echo);
+    self->served_models = served == NULL ? PyTuple_New(0) : Py_NewRef(served);
+    self->created_at = Py_NewRef(created_at);
+    self->pinned = Py_NewRef(Py_None);
+    self->defaults = Py_NewRef(Py_None);
+    self->fills = Py_NewRef(Py_None);
+    self->inserts = Py_NewRef(Py_None);
+    self->family = Py_NewRef(Py_None);
+    if (self->served_models == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+/* (T_OBJECT_EX: an attribute deleted is unset, as a slot's; the C here checks for NULL) */
+#define MEMBER(type, field, name) {name, T_OBJECT_EX, offsetof(type, field), 0, NULL},
+
+static PyMemberDef envelope_state_members[] = {
+    MEMBER(EnvelopeState, body, "_body") MEMBER(EnvelopeState, members, "_members")
+    MEMBER(EnvelopeState, echo, "_echo") MEMBER(EnvelopeState, served_models, "_served_models")
+    MEMBER(EnvelopeState, created_at, "_created_at") MEMBER(EnvelopeState, pinned, "_pinned")
+    MEMBER(EnvelopeState, defaults, "_defaults") MEMBER(EnvelopeState, fills, "_fills")
+    MEMBER(EnvelopeState, inserts, "_inserts") MEMBER(EnvelopeState, family, "_family")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject EnvelopeState_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ocxproxy._speedups.EnvelopeState",
+    .tp_basicsize = sizeof(EnvelopeState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The members of an Envelope (continuation/envelope.py), as a C struct.",
+    .tp_traverse = (traverseproc)envelope_traverse,
+    .tp_clear = (inquiry)envelope_clear,
+    .tp_dealloc = (destructor)envelope_dealloc,
+    .tp_members = envelope_state_members,
+    .tp_new = envelope_new,
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *plan, *filled, *encoded, *inserted, *ids, *rewrite, *items, *unmerged, *fill,
+        *fill_in, *fill_at;
+} PatchState;
+
+#define PATCH_FIELDS(X) \
+    X(plan) X(filled) X(encoded) X(inserted) X(ids) X(rewrite) X(items) X(unmerged) X(fill) \
+    X(fill_in) X(fill_at)
+
+static int patch_traverse(PatchState *self, visitproc visit, void *arg) {
+    PATCH_FIELDS(VISIT)
+    return 0;
+}
+
+static int patch_clear(PatchState *self) {
+    PATCH_FIELDS(CLEAR)
+    return 0;
+}
+
+static void patch_dealloc(PatchState *self) {
+    PyObject_GC_UnTrack(self);
+    patch_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A Patch with its defaults (those of envelope.py's _PatchState). */
+static PatchState *patch_make(PyTypeObject *type) {
+    PatchState *self = (PatchState *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->encoded = PyBytes_FromStringAndSize(NULL, 0);
+    self->fill = PyBytes_FromStringAndSize(NULL, 0);
+    self->ids = PyTuple_New(0);
+    self->fill_in = PyLong_FromLong(0);
+    self->fill_at = PyLong_FromLong(-1);
+    if (self->encoded == NULL || self->fill == NULL || self->ids == NULL || self->fill_in == NULL
+        || self->fill_at == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->plan = Py_NewRef(Py_None);
+    self->filled = Py_NewRef(no_members);
+    self->inserted = Py_NewRef(no_members);
+    self->rewrite = Py_NewRef(Py_False);
+    self->items = Py_NewRef(Py_False);
+    self->unmerged = Py_NewRef(Py_False);
+    return self;
+}
+
+static PyObject *patch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Patch() takes no arguments");
+        return NULL;
+    }
+    return (PyObject *)patch_make(type);
+}
+
+static PyMemberDef patch_state_members[] = {
+    MEMBER(PatchState, plan, "plan") MEMBER(PatchState, filled, "filled")
+    MEMBER(PatchState, encoded, "encoded") MEMBER(PatchState, inserted, "inserted")
+    MEMBER(PatchState, ids, "ids") MEMBER(PatchState, rewrite, "rewrite")
+    MEMBER(PatchState, items, "items") MEMBER(PatchState, unmerged, "unmerged")
+    MEMBER(PatchState, fill, "fill") MEMBER(PatchState, fill_in, "fill_in")
+    MEMBER(PatchState, fill_at, "fill_at")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject PatchState_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ocxproxy._speedups.PatchState",
+    .tp_basicsize = sizeof(PatchState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The members of a Patch (continuation/envelope.py), as a C struct.",
+    .tp_traverse = (traverseproc)patch_traverse,
+    .tp_clear = (inquiry)patch_clear,
+    .tp_dealloc = (destructor)patch_dealloc,
+    .tp_members = patch_state_members,
+    .tp_new = patch_new,
+};
+
+/* A field of a struct set to a new reference (`value` stolen; NULL: an error). */
+static int set_field(PyObject **field, PyObject *value) {
+    if (value == NULL)
+        return -1;
+    Py_XSETREF(*field, value);
+    return 0;
+}
 
 /* ---- small helpers ---------------------------------------------------------------- */
 
@@ -100,10 +287,24 @@ static PyObject *item_of(PyObject *tuple, Py_ssize_t i) {
     return PyTuple_GET_ITEM(tuple, i);
 }
 
-/* The decimal digits of `value` written at `out`; their count. */
-static int digits(char *out, size_t size, long long value) {
-    int n = snprintf(out, size, "%lld", value);
-    return n < 0 || (size_t)n >= size ? -1 : n;
+/* The decimal digits of `value` (as Python's `%d` writes them) at `out`, which has room
+ * for 21 bytes: their count. */
+static int digits(char *out, long long value) {
+    char buffer[24];
+    int n = 0;
+    unsigned long long left = (unsigned long long)value;
+    if (value < 0)
+        left = 0ULL - left;
+    do {
+        buffer[n++] = (char)('0' + left % 10);
+        left /= 10;
+    } while (left);
+    int width = 0;
+    if (value < 0)
+        out[width++] = '-';
+    while (n)
+        out[width++] = buffer[--n];
+    return width;
 }
 
 /* `int(time.time())`: the realtime clock's whole seconds. */
@@ -131,17 +332,12 @@ static int equal(PyObject *a, PyObject *b) {
 /* The request's fills found at once (`Envelope._shared_fill`'s key, compared with the
  * last request's): a new reference to the family, None when not found so (the Python
  * then finds it), NULL on error. */
-static PyObject *quick_family(PyObject *env, PyObject *served, PyObject *last_fills,
+static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *last_fills,
                               PyObject *from_request) {
     PyObject *last_key = item_of(last_fills, 0), *last_family = item_of(last_fills, 1);
-    PyObject *body = NULL, *members = NULL, *found = Py_None;
+    PyObject *body = Py_XNewRef(env->body), *members = NULL, *found = Py_None;
     if (last_family == NULL || !PyTuple_CheckExact(last_key) || !PyDict_CheckExact(last_family)
-        || !PyFrozenSet_CheckExact(from_request))
-        return Py_NewRef(Py_None);
-    body = GET(env, s__body);
-    if (body == NULL)
-        return NULL;
-    if (!PyDict_CheckExact(body))
+        || !PyFrozenSet_CheckExact(from_request) || body == NULL || !PyDict_CheckExact(body))
         goto done;
     int disjoint = 1;
     Py_ssize_t pos = 0;
@@ -172,10 +368,8 @@ static PyObject *quick_family(PyObject *env, PyObject *served, PyObject *last_fi
             goto fail;
         if (store == Py_False || PyTuple_GET_SIZE(last_key) != 4)
             goto done;
-        members = GET(env, s__members);
-        if (members == NULL)
-            goto fail;
-        if (members == Py_None)
+        members = Py_XNewRef(env->members);
+        if (members == NULL || members == Py_None)
             goto done;
         same = equal(served, PyTuple_GET_ITEM(last_key, 0));
         if (same > 0)
@@ -190,31 +384,27 @@ static PyObject *quick_family(PyObject *env, PyObject *served, PyObject *last_fi
     if (same)
         found = last_family;
 done:
-    Py_DECREF(body);
+    Py_XDECREF(body);
     Py_XDECREF(members);
     return Py_NewRef(found);
 fail:
-    Py_DECREF(body);
+    Py_XDECREF(body);
     Py_XDECREF(members);
     return NULL;
 }
 
 /* The _Fill of `missing` for this Envelope (`Envelope._shared_fill`, its usual lookup
  * done here): a new reference, NULL on error. */
-static PyObject *shared_fill(PyObject *env, PyObject *missing, PyObject *served,
+static PyObject *shared_fill(EnvelopeState *env, PyObject *missing, PyObject *served,
                              PyObject *last_fills, PyObject *from_request) {
-    PyObject *family = GET(env, s__family);
-    if (family == NULL)
-        return NULL;
-    if (family == Py_None) {
-        Py_DECREF(family);
+    PyObject *family = Py_XNewRef(env->family);
+    if (family == NULL || family == Py_None) {
+        Py_XDECREF(family);
         family = quick_family(env, served, last_fills, from_request);
         if (family == NULL)
             return NULL;
-        if (family != Py_None && PyObject_SetAttr(env, s__family, family) < 0) {
-            Py_DECREF(family);
-            return NULL;
-        }
+        if (family != Py_None)
+            Py_XSETREF(env->family, Py_NewRef(family));
     }
     if (PyDict_CheckExact(family)) {
         PyObject *fill = PyDict_GetItemWithError(family, missing);
@@ -229,7 +419,7 @@ static PyObject *shared_fill(PyObject *env, PyObject *missing, PyObject *served,
         }
     }
     Py_DECREF(family);
-    return PyObject_CallMethodOneArg(env, s__shared_fill, missing);
+    return PyObject_CallMethodOneArg((PyObject *)env, s__shared_fill, missing);
 }
 
 /* Whether `value` is a str orjson writes as its characters between quotes (ASCII, no
@@ -293,19 +483,24 @@ static void answer_clear(Answer *a) {
  * usual case, nothing changed (but the Envelope's fills and created_at, which the
  * Python finds the same way); -1: an error. */
 static int answer_members(const AnswerArgs *args, Answer *out) {
-    PyObject *response = args->response, *env = args->env;
+    PyObject *response = args->response;
     PyObject *keys = item_of(args->last, 0), *types = item_of(args->last, 1),
              *plan = item_of(args->last, 2);
-    PyObject *pinned = NULL, *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL,
-             *created_flag = NULL, *previous_flag = NULL, *encoded = NULL, *filled = NULL,
-             *created = NULL, *completed_at = NULL, *patch = NULL, *number = NULL;
+    PyObject *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL, *created_flag = NULL,
+             *previous_flag = NULL, *encoded = NULL, *filled = NULL, *created = NULL,
+             *completed_at = NULL;
+    PatchState *patch = NULL;
     PyObject *previous = NULL; /* borrowed */
     int result = 0;
     out->count = 0;
     out->patch = out->fill = NULL;
     if (plan == NULL || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(types)
-        || plan == Py_None || !PyDict_CheckExact(response))
+        || plan == Py_None || !PyDict_CheckExact(response)
+        || !PyObject_TypeCheck(args->env, &EnvelopeState_Type)
+        || !PyType_Check(args->patch_type)
+        || !PyType_IsSubtype((PyTypeObject *)args->patch_type, &PatchState_Type))
         return 0;
+    EnvelopeState *env = (EnvelopeState *)args->env;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
     if (n == 0 || PyTuple_GET_SIZE(types) != n || PyDict_GET_SIZE(response) != n)
         return 0;
@@ -326,15 +521,16 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     }
     if (i != n)
         return 0;
-    result = -1;
-    if ((pinned = GET(env, s__pinned)) == NULL || (fast = GET(plan, s_fast)) == NULL
-        || (served = GET(env, s__served_models)) == NULL || (echo = GET(env, s__echo)) == NULL)
-        goto done;
-    result = 0;
+    if (env->pinned != Py_None || env->served_models == NULL || env->echo == NULL)
+        return 0; /* (pinned members, or one deleted: the Python's) */
+    if ((fast = GET(plan, s_fast)) == NULL)
+        return -1;
+    served = Py_NewRef(env->served_models); /* (held: _shared_fill runs Python) */
+    echo = Py_NewRef(env->echo);
     /* _Plan.fast: (missing, completed_at, usage, names, values), None until known */
     PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
              *usage_flag = item_of(fast, 2), *names = item_of(fast, 3), *valid = item_of(fast, 4);
-    if (pinned != Py_None || valid == NULL || !PyFrozenSet_CheckExact(missing)
+    if (valid == NULL || !PyFrozenSet_CheckExact(missing)
         || !PyBool_Check(stamp_flag) || !PyBool_Check(usage_flag) || !PyTuple_CheckExact(names)
         || !PyTuple_CheckExact(valid) || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
         goto done;
@@ -396,20 +592,18 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             || !PyBytes_CheckExact(encoded))
             goto done;
         if (created_flag == Py_True) { /* Envelope._created */
-            if ((created = GET(env, s__created_at)) == NULL) {
-                result = -1;
+            if (env->created_at == NULL) /* (deleted: the Python's) */
                 goto done;
-            }
-            if (created == Py_None) {
+            if (env->created_at == Py_None) {
                 long long now;
-                Py_DECREF(created);
-                created = NULL;
-                if (now_seconds(&now) < 0 || (created = PyLong_FromLongLong(now)) == NULL
-                    || PyObject_SetAttr(env, s__created_at, created) < 0) {
+                PyObject *value = NULL;
+                if (now_seconds(&now) < 0 || (value = PyLong_FromLongLong(now)) == NULL) {
                     result = -1;
                     goto done;
                 }
+                Py_XSETREF(env->created_at, value);
             }
+            created = Py_NewRef(env->created_at);
             if (!PyLong_CheckExact(created))
                 goto done;
             int overflow;
@@ -418,7 +612,8 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
                 PyErr_Clear();
                 goto done;
             }
-            own = snprintf(out->own, OWN_SIZE, "\"created_at\":%lld", value);
+            memcpy(out->own, "\"created_at\":", 13);
+            own = 13 + digits(out->own + 13, value);
             out->pieces[out->count++] = (Piece){out->own, own};
         }
         if (previous_flag == Py_True) { /* the echoed id, which the backend never saw */
@@ -487,7 +682,8 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
                 result = -1;
                 goto done;
             }
-            Py_ssize_t len = snprintf(out->stamp, sizeof out->stamp, "\"completed_at\":%lld", now);
+            memcpy(out->stamp, "\"completed_at\":", 15);
+            Py_ssize_t len = 15 + digits(out->stamp + 15, now);
             out->pieces[out->count++] = (Piece){out->stamp, len};
         } else {
             completed_at = Py_NewRef(Py_None);
@@ -497,31 +693,27 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     }
     /* Everything is decided: the dict's members set (as the Python sets them), the patch. */
     result = -1;
-    if ((patch = PyObject_CallNoArgs(args->patch_type)) == NULL
-        || PyObject_SetAttr(patch, s_plan, plan) < 0)
+    if ((patch = patch_make((PyTypeObject *)args->patch_type)) == NULL)
         goto done;
+    Py_XSETREF(patch->plan, Py_NewRef(plan));
     if (created != NULL && PyDict_SetItem(response, s_created_at, created) < 0)
         goto done;
     if (previous != NULL && PyDict_SetItem(response, s_previous_response_id, previous) < 0)
         goto done;
     if (encoded != NULL && PyBytes_GET_SIZE(encoded)) {
-        if ((number = PyLong_FromSsize_t(fill_in)) == NULL
-            || PyObject_SetAttr(patch, s_fill, encoded) < 0
-            || PyObject_SetAttr(patch, s_fill_in, number) < 0
-            || PyObject_SetAttr(patch, s_filled, filled) < 0
-            || PyObject_SetAttr(patch, s_unmerged, Py_True) < 0)
+        if (set_field(&patch->fill_in, PyLong_FromSsize_t(fill_in)) < 0
+            || set_field(&patch->fill_at, PyLong_FromSsize_t(args->data_len + fill_in)) < 0)
             goto done;
-        Py_SETREF(number, PyLong_FromSsize_t(args->data_len + fill_in));
-        if (number == NULL || PyObject_SetAttr(patch, s_fill_at, number) < 0)
-            goto done;
+        Py_XSETREF(patch->fill, Py_NewRef(encoded));
+        Py_XSETREF(patch->filled, Py_NewRef(filled));
+        Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
     }
     if (completed_at != NULL && PyDict_SetItem(response, s_completed_at, completed_at) < 0)
         goto done;
-    out->patch = Py_NewRef(patch);
+    out->patch = Py_NewRef((PyObject *)patch);
     out->fill = Py_XNewRef(fill);
     result = 1;
 done:
-    Py_XDECREF(pinned);
     Py_XDECREF(fast);
     Py_XDECREF(served);
     Py_XDECREF(echo);
@@ -533,7 +725,6 @@ done:
     Py_XDECREF(created);
     Py_XDECREF(completed_at);
     Py_XDECREF(patch);
-    Py_XDECREF(number);
     return result;
 }
 
@@ -584,9 +775,7 @@ static int response_span(const char *data, Py_ssize_t len, PyObject *layout, lon
     if (sdk_tail == NULL || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(sdk_tail))
         return 0;
     char number[24];
-    int width = digits(number, sizeof number, seq);
-    if (width < 0)
-        return 0;
+    int width = digits(number, seq);
     /* The tail after the Response: `,"sequence_number":N}` or the SDK's order's. */
     const char *before, *after;
     Py_ssize_t before_len, after_len;
@@ -1162,25 +1351,34 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         || intern(&s_cached_tokens, "cached_tokens") || intern(&s_completed, "completed")
         || intern(&s_completed_at, "completed_at") || intern(&s_content, "content")
         || intern(&s_created_at, "created_at") || intern(&s_data, "data")
-        || intern(&s_encoded, "encoded") || intern(&s_fast, "fast") || intern(&s_fill, "fill")
-        || intern(&s_fill_at, "fill_at") || intern(&s_fill_in, "fill_in")
-        || intern(&s_filled, "filled") || intern(&s_input_tokens, "input_tokens")
+        || intern(&s_encoded, "encoded")
+        || intern(&s_fast, "fast")
+        || intern(&s_input_tokens, "input_tokens")
         || intern(&s_input_tokens_details, "input_tokens_details")
         || intern(&s_id, "id") || intern(&s_members, "members") || intern(&s_memo, "memo")
         || intern(&s_message, "message") || intern(&s_name, "name")
         || intern(&s_model, "model") || intern(&s_output, "output")
         || intern(&s_output_text, "output_text") || intern(&s_output_tokens, "output_tokens")
-        || intern(&s_output_tokens_details, "output_tokens_details") || intern(&s_plan, "plan")
+        || intern(&s_output_tokens_details, "output_tokens_details")
         || intern(&s_previous, "previous")
         || intern(&s_previous_response_id, "previous_response_id") || intern(&s_raw, "raw")
         || intern(&s_reasoning, "reasoning") || intern(&s_reasoning_tokens, "reasoning_tokens")
         || intern(&s_response, "response") || intern(&s_sequence_number, "sequence_number")
         || intern(&s_status, "status") || intern(&s_store, "store")
-        || intern(&s_total_tokens, "total_tokens") || intern(&s_type, "type")
-        || intern(&s_unmerged, "unmerged") || intern(&s_usage, "usage"))
+        || intern(&s_total_tokens, "total_tokens")
+        || intern(&s_type, "type")
+        || intern(&s_usage, "usage"))
+        return NULL;
+    if (no_members == NULL && (no_members = PyDict_New()) == NULL)
+        return NULL;
+    if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&speedups_module);
-    if (module != NULL && PyModule_AddStringConstant(module, "SOURCE_DIGEST", SOURCE_DIGEST) < 0) {
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddStringConstant(module, "SOURCE_DIGEST", SOURCE_DIGEST) < 0
+        || PyModule_AddObjectRef(module, "EnvelopeState", (PyObject *)&EnvelopeState_Type) < 0
+        || PyModule_AddObjectRef(module, "PatchState", (PyObject *)&PatchState_Type) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -38,7 +38,7 @@ import operator
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -226,14 +226,11 @@ def _stamp(now: int) -> bytes:
     return _STAMP[1]
 
 
-class Patch:
-    """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
-    request's or default values shared by the turn's Responses, their bytes `encoded`
-    once per turn, then a `completed_at` decided per Response; `inserted`, the few other
-    members decided per Response), ids set where they were null, and whether anything
-    else changed (then the object is re-encoded). Its members are the class's until set
-    (a Patch is made for every Response: no __init__ to run); `inserted` and `ids` are
-    replaced, never changed in place, as they are shared until then."""
+class _PatchState:
+    """A Patch's members (compiled: _speedups.PatchState, a C struct with these defaults).
+    They are the class's until set (a Patch is made for every Response: no __init__ to
+    run); `inserted` and `ids` are replaced, never changed in place, as they are shared
+    until then."""
 
     plan: _Plan | None = None
     filled: dict[str, Any] = _NO_MEMBERS
@@ -251,19 +248,10 @@ class Patch:
     fill_in = 0
     fill_at = -1
 
-    def insert(self, name: str, value: Any) -> None:
-        self.inserted = {**self.inserted, name: value}
 
-    def merge(self, response: dict[str, Any]) -> None:
-        """The filled members put into the dict of the Response `complete` was given
-        with merge=False (a no-op after the first time)."""
-        if self.unmerged:
-            self.unmerged = False
-            response.update(self.filled)
-
-
-class Envelope:
-    """The members one create request's Responses are completed with."""
+class _EnvelopeState:
+    """An Envelope's members (compiled: _speedups.EnvelopeState, a C struct made the same
+    way without a Python __init__ to run)."""
 
     __slots__ = (
         "_body",
@@ -308,6 +296,40 @@ class Envelope:
         # The _Fill of each set of missing members for what this request gives for them
         # (`_shared_fill`: found once per request).
         self._family: dict[frozenset[str], _Fill] | None = None
+
+
+if TYPE_CHECKING or SPEEDUPS is None:
+    _PatchBase = _PatchState
+    _EnvelopeBase = _EnvelopeState
+else:  # (their members in C: read there without a lookup)
+    _PatchBase = SPEEDUPS.PatchState
+    _EnvelopeBase = SPEEDUPS.EnvelopeState
+
+
+class Patch(_PatchBase):
+    """What `Envelope.complete` changed: members inserted (absent before: `filled`, the
+    request's or default values shared by the turn's Responses, their bytes `encoded`
+    once per turn, then a `completed_at` decided per Response; `inserted`, the few other
+    members decided per Response), ids set where they were null, and whether anything
+    else changed (then the object is re-encoded)."""
+
+    __slots__ = ()
+
+    def insert(self, name: str, value: Any) -> None:
+        self.inserted = {**self.inserted, name: value}
+
+    def merge(self, response: dict[str, Any]) -> None:
+        """The filled members put into the dict of the Response `complete` was given
+        with merge=False (a no-op after the first time)."""
+        if self.unmerged:
+            self.unmerged = False
+            response.update(self.filled)
+
+
+class Envelope(_EnvelopeBase):
+    """The members one create request's Responses are completed with (`_EnvelopeState`)."""
+
+    __slots__ = ()
 
     @property
     def echo(self) -> tuple[str, Any] | None:
