@@ -335,7 +335,7 @@ static int equal(PyObject *a, PyObject *b) {
 static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *last_fills,
                               PyObject *from_request) {
     PyObject *last_key = item_of(last_fills, 0), *last_family = item_of(last_fills, 1);
-    PyObject *body = Py_XNewRef(env->body), *members = NULL, *found = Py_None;
+    PyObject *body = Py_XNewRef(env->body), *members = NULL, *shown = NULL, *found = Py_None;
     if (last_family == NULL || !PyTuple_CheckExact(last_key) || !PyDict_CheckExact(last_family)
         || !PyFrozenSet_CheckExact(from_request) || body == NULL || !PyDict_CheckExact(body))
         goto done;
@@ -343,6 +343,8 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
     Py_ssize_t pos = 0;
     PyObject *key, *value;
     while (PyDict_Next(body, &pos, &key, &value)) {
+        if (!PyUnicode_CheckExact(key)) /* (hashed and compared: Python code) */
+            goto done;
         int in = PySet_Contains(from_request, key);
         if (in < 0)
             goto fail;
@@ -356,7 +358,8 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
         PyObject *model = PyDict_GetItemWithError(body, s_model);
         if (model == NULL && PyErr_Occurred())
             goto fail;
-        PyObject *shown = model != NULL && PyUnicode_CheckExact(model) ? model : Py_None;
+        /* (held: comparing the served models may change the body) */
+        shown = Py_NewRef(model != NULL && PyUnicode_CheckExact(model) ? model : Py_None);
         if (PyTuple_GET_SIZE(last_key) != 2)
             goto done;
         same = equal(served, PyTuple_GET_ITEM(last_key, 0));
@@ -386,10 +389,12 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
 done:
     Py_XDECREF(body);
     Py_XDECREF(members);
+    Py_XDECREF(shown);
     return Py_NewRef(found);
 fail:
     Py_XDECREF(body);
     Py_XDECREF(members);
+    Py_XDECREF(shown);
     return NULL;
 }
 
@@ -548,7 +553,9 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             result = PyErr_Occurred() ? -1 : 0;
             goto done;
         }
+        Py_INCREF(value); /* (its comparison may take it out of the dict) */
         int same = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(valid, i), Py_EQ);
+        Py_DECREF(value);
         if (same <= 0) {
             result = same;
             goto done;
@@ -853,6 +860,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         PyErr_Clear();
         Py_RETURN_NONE;
     }
+    Py_INCREF(response); /* (the Envelope's methods, which run meanwhile, may take it out) */
     if ((data = GET(event, s_data)) == NULL || (raw = GET(event, s_raw)) == NULL
         || (at_obj = GET(event, s_at)) == NULL)
         goto done;
@@ -912,6 +920,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         result = Py_BuildValue("(N(OO))", Py_NewRef(a.patch), stored, Py_True);
     answer_clear(&a);
 done:
+    Py_DECREF(response);
     Py_XDECREF(data);
     Py_XDECREF(raw);
     Py_XDECREF(at_obj);

@@ -1,0 +1,125 @@
+"""The compiled fast paths (ocxproxy/_speedups.c) hold what they read while Python code
+runs: a comparison, or a method of the Envelope, can change the very dicts a value was
+read from, and free it. Each case runs in an interpreter of its own with the debug
+allocator (freed memory overwritten), where a value used after it was freed crashes, or
+shows in whatever reused its memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ocxproxy.continuation import envelope as envelope_module
+
+pytestmark = pytest.mark.skipif(envelope_module._c is None, reason="not built here")
+
+ROOT = Path(envelope_module.__file__).parents[2]
+PRELUDE = """
+import orjson
+from ocxproxy.continuation import envelope as E
+from ocxproxy.continuation.envelope import Envelope, Patch, _Plan
+from ocxproxy.upstream.sse import encode_event, parse_event
+
+class Clears:
+    '''Equal to anything; comparing it empties `target` first.'''
+    def __init__(self, target):
+        self.target = target
+    def __eq__(self, other):
+        self.target.clear()
+        return True
+    def __hash__(self):
+        return 0
+
+def plan(keys, missing=(), names=(), values=()):
+    made = _Plan(tuple(keys))
+    made.fast = (frozenset(missing), False, False, names, values)
+    return made
+"""
+CASES = {
+    # A value the last valid answer's is compared with, freed by that comparison.
+    "a ruled value": (
+        """
+response = {}
+response["tools"] = [Clears(response), *("x" * 50)]
+last = (("tools",), (list,), plan(["tools"], names=("tools",), values=([0, *("x" * 50)],)))
+done = E._c.answer(Envelope(), b'{"tools":[]}', response, last, ((), {}), E._FROM_REQUEST, Patch)
+print(done[0].decode())
+""",
+        '{"tools":[]}',
+    ),
+    # The request's model, freed by the comparison of the served models before it.
+    "the request's model": (
+        """
+body = {"model": "".join(["mo", "del"])}
+envelope = Envelope(body, None, (Clears(body),))
+last = (("id",), (str,), plan(["id"], missing=["tools"]))
+fills = ((("served",), "model"), {})
+done = E._c.answer(envelope, b'{"id":"r"}', {"id": "r"}, last, fills, E._FROM_REQUEST, Patch)
+print(done[0].decode())
+""",
+        '{"id":"r","tools":[]}',
+    ),
+    # A key of the request's body that takes itself out of it when hashed: the Python
+    # path (`_FROM_REQUEST.isdisjoint`) sees the dict change size.
+    "a key of the request": (
+        """
+body = {}
+class Key:
+    def __hash__(self):
+        body.clear()
+        return hash("tools")
+    def __eq__(self, other):
+        return False
+body[Key()] = 1
+last = (("id",), (str,), plan(["id"], missing=["tools"]))
+try:
+    E._c.answer(Envelope(body), b'{"id":"r"}', {"id": "r"}, last, (((), None), {}),
+                E._FROM_REQUEST, Patch)
+except RuntimeError as error:
+    print(type(error).__name__)
+""",
+        "RuntimeError",
+    ),
+    # A terminal event's Response, taken out of its payload by the Envelope's method.
+    "a terminal event's Response": (
+        """
+payload = {}
+class Taking(Envelope):
+    __slots__ = ()
+    def _shared_fill(self, missing):
+        payload.clear()
+        return super()._shared_fill(missing)
+members = {"id": "r1", "status": "in_progress", **{f"m{i}": i for i in range(10)}}
+data = orjson.dumps({"type": "response.completed", "response": members, "sequence_number": 1})
+event = parse_event(encode_event("response.completed", data))
+payload.update(orjson.loads(data))
+last = (tuple(members), tuple(map(type, members.values())), plan(members, ["created_at"]))
+done = E._c.terminal_event(Taking({}, created_at=5), event, payload, last, ((), {}),
+                           E._FROM_REQUEST, Patch, E._TERMINAL_LAYOUTS)
+print(done[1][0].decode()[-16:])
+print(*sorted({type(key).__name__ for family in E._FILLS.values() for key in family}))
+""",
+        ',"created_at":5} frozenset',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_python_code_may_free_is_held_meanwhile(case: str) -> None:
+    source, expected = CASES[case]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OCXPROXY_")}
+    environ |= {"PYTHONPATH": str(ROOT), "PYTHONMALLOC": "debug", "OCXPROXY_REQUIRE_SPEEDUPS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", PRELUDE + source],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == expected.split()
