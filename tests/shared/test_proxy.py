@@ -19,7 +19,7 @@ from ocxproxy.aio import spawn
 from ocxproxy.cli import main
 from ocxproxy.config import Config
 from ocxproxy.http.context import scope_of
-from ocxproxy.store.shared.keys import Keys
+from ocxproxy.store.shared.keys import Keys, budget_keys
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -391,3 +391,14 @@ async def test_a_turn_whose_chain_is_evicted_while_it_runs_is_kept_as_on_one_nod
     assert a.metric("ocxproxy_shared_commits_total", outcome="ok") == 2
     assert a.metric("ocxproxy_turns_not_recorded_total", reason="storage_unavailable") == 0
     assert b.metric("ocxproxy_store_evictions_total", reason="shared_bytes") >= 1
+    # Its record counts in the byte budget as a chain of its own, until that is evicted.
+    kv = aioredis.Redis.from_url(kv_server.url)
+    chains, per_chain, total = budget_keys("ocx:")
+    try:
+        assert await kv.zcard(chains) == 2  # "other"'s and its own
+        await b.client().responses.create(model="m", input="again")  # evicts both
+        assert await kv.zcard(chains) == 1
+        counts = [int(n) for n in await kv.hvals(per_chain)]
+        assert len(counts) == 1 and counts[0] == int(await kv.get(total))
+    finally:
+        await kv.aclose()
