@@ -18,8 +18,11 @@ import redis.asyncio as aioredis
 from ocxproxy.aio import spawn
 from ocxproxy.cli import main
 from ocxproxy.config import Config
+from ocxproxy.errors import StorageUnavailable
 from ocxproxy.http.context import scope_of
+from ocxproxy.store.shared.conversations import SharedConversations
 from ocxproxy.store.shared.keys import Keys, budget_keys
+from ocxproxy.store.shared.server import UNAVAILABLE
 from tests.conftest import MakeProxy, ProxyHandle
 from tests.fakes.backend import FakeBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -402,3 +405,34 @@ async def test_a_turn_whose_chain_is_evicted_while_it_runs_is_kept_as_on_one_nod
         assert len(counts) == 1 and counts[0] == int(await kv.get(total))
     finally:
         await kv.aclose()
+
+
+async def test_an_idempotency_key_the_store_cannot_complete_says_so(
+    make_proxy: MakeProxy,
+    backend: FakeBackend,
+    kv_server: KvServer,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server goes away between a turn's commit and its Idempotency-Key's: the answer
+    says the response was stored and the key not (a retry runs the turn again), not that
+    nothing was forwarded or stored."""
+    (a,) = await replicas(make_proxy, backend, kv_server.url, n=1)
+
+    async def down(*args: Any, **kwargs: Any) -> None:
+        raise StorageUnavailable(UNAVAILABLE)
+
+    monkeypatch.setattr(SharedConversations, "idempotency_done", down)
+    headers = {"Authorization": "Bearer sk-test-a", "Idempotency-Key": "k-down"}
+    body = {"model": "m", "input": "x"}
+    async with http.post(f"{a.base_url}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 503
+        error = (await resp.json())["error"]
+    assert error["code"] == "storage_unavailable"
+    assert "Idempotency-Key" in error["message"] and "nothing" not in error["message"].lower()
+    assert len(backend.responses_seen) == 1
+    assert a.metric("ocxproxy_shared_commits_total", outcome="ok") == 1
+    monkeypatch.undo()
+    async with http.post(f"{a.base_url}/responses", json=body, headers=headers) as resp:
+        assert resp.status == 200 and "Idempotent-Replayed" not in resp.headers
+    assert len(backend.responses_seen) == 2  # run again, as the answer said

@@ -10,6 +10,7 @@ from typing import Any
 
 from ocxproxy.aio import spawn
 from ocxproxy.continuation.locks import in_progress, mismatch
+from ocxproxy.errors import FailureReason, StorageUnavailable, StoreFailure
 from ocxproxy.model import Record
 from ocxproxy.store.idempotency import TTL, Key, ProcessKeys, entry_of, response_of
 from ocxproxy.store.lease import quietly, ttl_of
@@ -77,7 +78,12 @@ class ServerKeys:
         entry = entry_of(key, response)
 
         async def write() -> None:
-            await self.server.idempotency_done(key.scope, key.record_id, _marker(key), entry, TTL)
+            try:
+                await self.server.idempotency_done(
+                    key.scope, key.record_id, _marker(key), entry, TTL
+                )
+            except StorageUnavailable:  # (its response is stored by now: a failed commit)
+                raise StoreFailure(FailureReason.WRITE_FAILED, "shared store unavailable") from None
             if key.holder is not None:
                 key.holder.cancel()
                 key.holder = None
