@@ -280,11 +280,26 @@ static int item_usual(PyObject *item) {
     return 1;
 }
 
+#define MAX_MEMBERS 64 /* (a Response with more is left to the Python) */
+
 /* An exact tuple's item, or NULL (no exception) when it has too few. */
 static PyObject *item_of(PyObject *tuple, Py_ssize_t i) {
     if (!PyTuple_CheckExact(tuple) || PyTuple_GET_SIZE(tuple) <= i)
         return NULL;
     return PyTuple_GET_ITEM(tuple, i);
+}
+
+/* The int at `tuple[i]` if it is a place in `n` members or -1; else -2. */
+static Py_ssize_t place(PyObject *tuple, Py_ssize_t i, Py_ssize_t n) {
+    PyObject *value = item_of(tuple, i);
+    if (value == NULL || !PyLong_CheckExact(value))
+        return -2;
+    Py_ssize_t at = PyLong_AsSsize_t(value);
+    if (at == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -2;
+    }
+    return at >= -1 && at < n ? at : -2;
 }
 
 /* The decimal digits of `value` (as Python's `%d` writes them) at `out`, which has room
@@ -491,9 +506,11 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     PyObject *response = args->response;
     PyObject *keys = item_of(args->last, 0), *types = item_of(args->last, 1),
              *plan = item_of(args->last, 2);
-    PyObject *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL, *created_flag = NULL,
-             *previous_flag = NULL, *encoded = NULL, *filled = NULL, *created = NULL,
-             *completed_at = NULL;
+    PyObject *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL, *fill_fast = NULL,
+             *created = NULL, *completed_at = NULL;
+    PyObject *created_flag = NULL, *previous_flag = NULL, *encoded = NULL, *filled = NULL;
+    PyObject *values[MAX_MEMBERS]; /* (the dict's, held once the shape is its own) */
+    Py_ssize_t held = 0;
     PatchState *patch = NULL;
     PyObject *previous = NULL; /* borrowed */
     int result = 0;
@@ -507,7 +524,8 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         return 0;
     EnvelopeState *env = (EnvelopeState *)args->env;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
-    if (n == 0 || PyTuple_GET_SIZE(types) != n || PyDict_GET_SIZE(response) != n)
+    if (n == 0 || n > MAX_MEMBERS || PyTuple_GET_SIZE(types) != n
+        || PyDict_GET_SIZE(response) != n)
         return 0;
     /* Its shape: the members, in order, and their types of the last answer seen valid. */
     Py_ssize_t pos = 0, i = 0;
@@ -522,22 +540,32 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             return 0;
         if ((PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(types, i))
             return 0;
-        i++;
+        values[i++] = value;
     }
     if (i != n)
         return 0;
     if (env->pinned != Py_None || env->served_models == NULL || env->echo == NULL)
         return 0; /* (pinned members, or one deleted: the Python's) */
-    if ((fast = GET(plan, s_fast)) == NULL)
-        return -1;
+    /* Held from here: a comparison, or the Envelope's _shared_fill, runs Python code,
+     * which may take them out of the dict. */
+    for (i = 0; i < n; i++)
+        Py_INCREF(values[i]);
+    held = n;
+    if ((fast = GET(plan, s_fast)) == NULL) {
+        result = -1;
+        goto done;
+    }
     served = Py_NewRef(env->served_models); /* (held: _shared_fill runs Python) */
     echo = Py_NewRef(env->echo);
-    /* _Plan.fast: (missing, completed_at, usage, names, values), None until known */
+    /* _Plan.fast: (missing, completed_at, where usage is, where the ruled values are,
+     * those values seen valid, where the output and the status are), None until known */
     PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
-             *usage_flag = item_of(fast, 2), *names = item_of(fast, 3), *valid = item_of(fast, 4);
-    if (valid == NULL || !PyFrozenSet_CheckExact(missing)
-        || !PyBool_Check(stamp_flag) || !PyBool_Check(usage_flag) || !PyTuple_CheckExact(names)
-        || !PyTuple_CheckExact(valid) || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
+             *names = item_of(fast, 3), *valid = item_of(fast, 4);
+    Py_ssize_t usage_at = place(fast, 2, n), output_at = place(fast, 5, n),
+               status_at = place(fast, 6, n);
+    if (status_at < -1 || output_at < -1 || usage_at < -1 || !PyFrozenSet_CheckExact(missing)
+        || !PyBool_Check(stamp_flag) || !PyTuple_CheckExact(names) || !PyTuple_CheckExact(valid)
+        || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
         goto done;
     /* The values that do not change turn to turn are those last seen valid. */
     if (PyTuple_GET_SIZE(names)) {
@@ -548,29 +576,22 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         }
     }
     for (i = 0; i < PyTuple_GET_SIZE(names); i++) {
-        value = PyDict_GetItemWithError(response, PyTuple_GET_ITEM(names, i));
-        if (value == NULL) {
-            result = PyErr_Occurred() ? -1 : 0;
+        Py_ssize_t at = place(names, i, n);
+        if (at < 0)
             goto done;
-        }
-        Py_INCREF(value); /* (its comparison may take it out of the dict) */
-        int same = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(valid, i), Py_EQ);
-        Py_DECREF(value);
+        int same = PyObject_RichCompareBool(values[at], PyTuple_GET_ITEM(valid, i), Py_EQ);
         if (same <= 0) {
             result = same;
             goto done;
         }
     }
-    if (usage_flag == Py_True) {
-        value = PyDict_GetItemWithError(response, s_usage);
-        if (value == NULL || !usage_usual(value)) {
-            result = PyErr_Occurred() ? -1 : 0;
-            goto done;
-        }
+    if (usage_at >= 0 && !usage_usual(values[usage_at])) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto done;
     }
     /* Its output items: all of them as the schema wants them already. */
-    value = PyDict_GetItemWithError(response, s_output);
-    if (value != NULL) {
+    if (output_at >= 0) {
+        value = values[output_at];
         if (!PyList_CheckExact(value))
             goto done;
         for (i = 0; i < PyList_GET_SIZE(value); i++)
@@ -578,9 +599,6 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
                 result = PyErr_Occurred() ? -1 : 0;
                 goto done;
             }
-    } else if (PyErr_Occurred()) {
-        result = -1;
-        goto done;
     }
     /* The members filled in: the turn's own (created_at, the echoed id), then the shared
      * ones, then completed_at. */
@@ -590,12 +608,15 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         result = -1;
         if ((fill = shared_fill(env, missing, served, args->last_fills, args->from_request))
                 == NULL
-            || (created_flag = GET(fill, s_created_at)) == NULL
-            || (previous_flag = GET(fill, s_previous)) == NULL
-            || (encoded = GET(fill, s_encoded)) == NULL || (filled = GET(fill, s_members)) == NULL)
+            || (fill_fast = GET(fill, s_fast)) == NULL)
             goto done;
         result = 0;
-        if (!PyBool_Check(created_flag) || !PyBool_Check(previous_flag)
+        /* _Fill.fast: (created_at, previous, encoded, members) */
+        created_flag = item_of(fill_fast, 0);
+        previous_flag = item_of(fill_fast, 1);
+        encoded = item_of(fill_fast, 2);
+        filled = item_of(fill_fast, 3);
+        if (filled == NULL || !PyBool_Check(created_flag) || !PyBool_Check(previous_flag)
             || !PyBytes_CheckExact(encoded))
             goto done;
         if (created_flag == Py_True) { /* Envelope._created */
@@ -673,12 +694,9 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         }
     }
     if (stamp_flag == Py_True) {
-        value = PyDict_GetItemWithError(response, s_status);
         int completed = 0;
-        if (value != NULL)
-            completed = PyObject_RichCompareBool(value, s_completed, Py_EQ);
-        else if (PyErr_Occurred())
-            completed = -1;
+        if (status_at >= 0)
+            completed = PyObject_RichCompareBool(values[status_at], s_completed, Py_EQ);
         if (completed < 0) {
             result = -1;
             goto done;
@@ -725,10 +743,9 @@ done:
     Py_XDECREF(served);
     Py_XDECREF(echo);
     Py_XDECREF(fill);
-    Py_XDECREF(created_flag);
-    Py_XDECREF(previous_flag);
-    Py_XDECREF(encoded);
-    Py_XDECREF(filled);
+    Py_XDECREF(fill_fast);
+    for (i = 0; i < held; i++)
+        Py_DECREF(values[i]);
     Py_XDECREF(created);
     Py_XDECREF(completed_at);
     Py_XDECREF(patch);
@@ -916,8 +933,13 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
             goto done;
         }
     }
-    if (stored != NULL)
-        result = Py_BuildValue("(N(OO))", Py_NewRef(a.patch), stored, Py_True);
+    if (stored != NULL) {
+        PyObject *in_bytes = PyTuple_Pack(2, stored, Py_True);
+        if (in_bytes != NULL) {
+            result = PyTuple_Pack(2, a.patch, in_bytes);
+            Py_DECREF(in_bytes);
+        }
+    }
     answer_clear(&a);
 done:
     Py_DECREF(response);

@@ -141,6 +141,7 @@ class _Plan:
         "given",
         "missing",
         "names",
+        "places",
         "present",
         "ruled",
         "usage",
@@ -162,18 +163,29 @@ class _Plan:
         self.ruled = operator.itemgetter(*same) if same else None
         self.valid: Any = _MISSING
         # What the compiled `answer` reads of it, once the values are known: (missing,
-        # completed_at, usage, the ruled names, their values seen valid); None: not yet.
+        # completed_at, then where in `keys` usage is (-1: not given), the ruled values,
+        # their values seen valid, where the output and the status are); None: not yet.
+        at = {name: index for index, name in enumerate(keys)}
+        self.places = (
+            at["usage"] if self.usage else -1,
+            tuple(at[name] for name in same),
+            at.get("output", -1),
+            at.get("status", -1),
+        )
         self.fast: tuple[Any, ...] | None = None
         if not self.given - {"usage"}:
-            self.fast = self.missing, self.completed_at, self.usage, (), ()
+            self.fast = self._fast(())
+
+    def _fast(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        usage, names, output, status = self.places
+        return self.missing, self.completed_at, usage, names, values, output, status
 
     def seen_valid(self, response: dict[str, Any]) -> None:
         """The ruled values of `response`, a valid answer: those of the next answers that
         are the same are valid too."""
         assert self.ruled is not None
         self.valid = valid = self.ruled(response)
-        values = valid if len(self.names) > 1 else (valid,)
-        self.fast = self.missing, self.completed_at, self.usage, self.names, values
+        self.fast = self._fast(valid if len(self.names) > 1 else (valid,))
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
@@ -191,7 +203,7 @@ class _Fill:
     differ from turn to turn, are each Envelope's own (`created_at`, `previous`: they
     are missing too)."""
 
-    __slots__ = ("created_at", "encoded", "members", "pending", "previous")
+    __slots__ = ("created_at", "encoded", "fast", "members", "pending", "previous")
 
     def __init__(self, envelope: Envelope, missing: frozenset[str]) -> None:
         defaults = envelope._request_defaults()
@@ -200,6 +212,7 @@ class _Fill:
         self.encoded = orjson.dumps(self.members)[1:-1]
         self.created_at = "created_at" in missing
         self.previous = "previous_response_id" in missing
+        self.fast = self.created_at, self.previous, self.encoded, self.members  # (_c.answer)
         # What a pending event of a seen shape gets of them (`Envelope._members_as_seen`):
         # whether it lacks completed_at too, and the bytes, built once for every such turn.
         self.pending: tuple[bool, bytes] | None = None

@@ -36,7 +36,8 @@ class Clears:
 
 def plan(keys, missing=(), names=(), values=()):
     made = _Plan(tuple(keys))
-    made.fast = (frozenset(missing), False, False, names, values)
+    places = tuple(list(keys).index(name) for name in names)
+    made.fast = (frozenset(missing), False, -1, places, values, -1, -1)
     return made
 """
 CASES = {
