@@ -1,0 +1,286 @@
+"""The compiled fast paths against the Python, on the cases they must see are not theirs:
+an answer of the shape last seen valid whose values are not those seen valid, or that
+needs more than its members filled in; a pending event of a seen shape for a request
+that its memo does not stand for. Each compiled call gives the Python's bytes, dict and
+patch, or declines (the generated differential tests rarely draw these)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from ocxproxy.continuation import envelope as envelope_module
+from ocxproxy.continuation.envelope import Envelope, Patch
+from ocxproxy.continuation.expand import forwarded_members
+from ocxproxy.upstream.sse import Event, encode_event, parse_event
+
+_c = envelope_module._c
+pytestmark = pytest.mark.skipif(_c is None, reason="not built here")
+
+_PATCH = ("plan", "filled", "encoded", "inserted", "ids", "rewrite", "items", "unmerged")
+_PATCH += ("fill", "fill_in", "fill_at")
+USAGE = {
+    "input_tokens": 5,
+    "input_tokens_details": {"cached_tokens": 0},
+    "output_tokens": 1,
+    "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 6,
+}
+MESSAGE = {
+    "type": "message",
+    "id": "msg_x",
+    "role": "assistant",
+    "status": "completed",
+    "content": [{"type": "output_text", "text": "ok", "annotations": []}],
+}
+# A backend's usual answer, with the members whose values are checked once per shape.
+USUAL: dict[str, Any] = {
+    "id": "resp_1",
+    "object": "response",
+    "status": "completed",
+    "model": "bench",
+    "output": [MESSAGE],
+    "tools": [],
+    "text": {"format": {"type": "text"}},
+    "reasoning": {"effort": None, "summary": None},
+    "usage": USAGE,
+}
+BODY = {"model": "m", "instructions": "Be brief."}
+PREVIOUS = ("previous_response_id", "resp_p")
+_FIXED = (envelope_module._FROM_REQUEST, Patch)
+
+
+def _changed(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    response = copy.deepcopy(USUAL)
+    at: Any = response
+    for name in path[:-1]:
+        at = at[name]
+    if value is KeyError:
+        del at[path[-1]]
+    else:
+        at[path[-1]] = value
+    return response
+
+
+# (the Response, the request's echo, its served models)
+ANSWERS = {
+    "the values seen valid": (USUAL, PREVIOUS, ()),
+    "another object": (_changed(("object",), "responses"), PREVIOUS, ()),
+    "no model": (_changed(("model",), ""), PREVIOUS, ()),
+    "another text": (_changed(("text",), {"verbosity": "low"}), PREVIOUS, ()),
+    "reasoning without a summary": (_changed(("reasoning",), {"effort": "low"}), PREVIOUS, ()),
+    "a tool to complete": (_changed(("tools",), [{"type": "function", "name": "f"}]), PREVIOUS, ()),
+    "usage without its details": (
+        _changed(("usage", "output_tokens_details"), KeyError),
+        PREVIOUS,
+        (),
+    ),
+    "usage of a float": (_changed(("usage", "input_tokens"), 5.0), PREVIOUS, ()),
+    "a reasoning item": (
+        _changed(
+            ("output",), [{"type": "reasoning", "id": "rs", "summary": [], "status": "completed"}]
+        ),
+        PREVIOUS,
+        (),
+    ),
+    "a part without annotations": (
+        _changed(("output", 0, "content", 0, "annotations"), KeyError),
+        PREVIOUS,
+        (),
+    ),
+    "an item without a status": (_changed(("output", 0, "status"), KeyError), PREVIOUS, ()),
+    "not completed": (_changed(("status",), "incomplete"), PREVIOUS, ()),
+    "served models": (USUAL, PREVIOUS, ("alias",)),
+    "served models naming the request's": (USUAL, PREVIOUS, ("bench", "m")),
+    "a conversation given null": (
+        _changed(("conversation",), None),
+        ("conversation", {"id": "conv_1"}),
+        (),
+    ),
+    "a conversation given": (
+        _changed(("conversation",), {"id": "conv_0"}),
+        ("conversation", {"id": "conv_1"}),
+        (),
+    ),
+    **{
+        f"a previous id {shown}": (USUAL, ("previous_response_id", rid), ())
+        for shown, rid in [
+            ("with a quote", 'resp_"p'),
+            ("with a backslash", "resp_\\p"),
+            ("not ASCII", "resp_é"),
+            ("with a control character", "resp_\x01"),
+            ("with DEL", "resp_\x7f"),
+            ("long", "resp_" + "p" * 600),
+            ("null", None),
+        ]
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("_PLANS", "_VALID", "_FILLS"):
+        monkeypatch.setattr(envelope_module, name, {})
+    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
+    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    envelope_module._PENDING.clear()
+    envelope_module._LAST.clear()
+
+
+def _python(run: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    with monkeypatch.context() as patched:
+        patched.setattr(envelope_module, "_c", None)
+        return run()
+
+
+def _envelope(echo: Any, served: tuple[str, ...] = ()) -> Envelope:
+    return Envelope(BODY, echo, served, forwarded_members(BODY), created_at=5)
+
+
+def _seen_valid(response: dict[str, Any], echo: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual answer of the Response's shape seen valid (its values kept), as by the
+    requests before."""
+    usual = {name: USUAL.get(name) for name in response}
+    data = orjson.dumps(usual)
+    for _ in range(2):
+        _python(lambda: _envelope(echo).answer(data, orjson.loads(data)), monkeypatch)
+    assert envelope_module._LAST_ANSWER[0] == tuple(response)
+    assert envelope_module._LAST_ANSWER[2].fast[3]  # (values to compare)
+
+
+def _both(run: Any) -> Any:
+    """`run()` within one second of the clock (completed_at is the time of day)."""
+    for _ in range(5):
+        now = int(time.time())
+        done = run()
+        if int(time.time()) == now:
+            return done
+    pytest.skip("the clock kept turning a second")
+
+
+def _state(patch: Any) -> tuple[Any, ...]:
+    return tuple(getattr(patch, name) for name in _PATCH)
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    response, echo, served = ANSWERS[case]
+    _seen_valid(response, echo, monkeypatch)
+    data = orjson.dumps(response)
+    compiled, python = orjson.loads(data), orjson.loads(data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+
+    def both() -> tuple[Any, Any]:
+        done = _c.answer(_envelope(echo, served), data, compiled, *last, *_FIXED)
+        reference = _python(lambda: _envelope(echo, served).answer(data, python), monkeypatch)
+        return done, reference
+
+    done, reference = _both(both)
+    if case == "the values seen valid":
+        assert done is not None  # (the usual answer: compiled)
+    if done is None:
+        assert compiled == orjson.loads(data)
+        return
+    assert done[0] == reference[0]
+    assert list(compiled.items()) == list(python.items())
+    assert _state(done[1]) == _state(reference[1])
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    response, echo, served = ANSWERS[case]
+    _seen_valid(response, echo, monkeypatch)
+    kind = "response.completed"
+    payload = {"type": kind, "response": response, "sequence_number": 7}
+    raw = encode_event(kind, orjson.dumps(payload))
+    compiled, python = parse_event(raw), parse_event(raw)
+    compiled_payload, python_payload = orjson.loads(compiled.data), orjson.loads(python.data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    layouts = envelope_module._TERMINAL_LAYOUTS
+
+    def both() -> tuple[Any, Any]:
+        envelope = _envelope(echo, served)
+        done = _c.terminal_event(envelope, compiled, compiled_payload, *last, *_FIXED, layouts)
+        reference = _python(
+            lambda: _envelope(echo, served).terminal_event(python, python_payload), monkeypatch
+        )
+        return done, reference
+
+    done, reference = _both(both)
+    if done is None:
+        assert compiled.raw == raw
+        return
+    assert done[1] == reference[1]
+    assert (compiled.raw, compiled.data) == (python.raw, python.data)
+    assert list(compiled_payload["response"].items()) == list(python_payload["response"].items())
+    assert _state(done[0]) == _state(reference[0])
+
+
+def _pending(rid: str, created_at: int) -> Event:
+    kind = "response.created"
+    response = {
+        "id": rid,
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "model": "bench",
+        "output": [],
+    }
+    return parse_event(encode_event(kind, orjson.dumps({"type": kind, "response": response})))
+
+
+def _copy(event: Event) -> Event:
+    return Event(event.raw, event.name, event.data, event.at)
+
+
+# What makes a request's pending event's members other than those of the request the
+# shape's memo was worked out for (that request: BODY, echoing `seen`, no served models).
+CONVERSATION = ("conversation", {"id": "conv_p"})
+PENDING = {
+    "the same request": lambda seen: _envelope(_another(seen)),
+    "pinned members": lambda seen: _pinned(_envelope(seen)),
+    "the other echo": lambda seen: _envelope(PREVIOUS if seen is CONVERSATION else CONVERSATION),
+    "no echo": lambda seen: _envelope(None),
+    "served models": lambda seen: _envelope(seen, ("alias",)),
+    "other members": lambda seen: Envelope({**BODY, "temperature": 0.5}, seen, (), b"{}"),
+    "an id to escape": lambda seen: _envelope((seen[0], _another(seen, 'resp_"\\')[1])),
+    "a conversation not the usual": lambda seen: _envelope(
+        ("conversation", {"id": "conv_q", "x": 1})
+    ),
+}
+
+
+def _another(echo: tuple[str, Any], rid: str = "resp_q") -> tuple[str, Any]:
+    return (echo[0], rid if echo[0] == "previous_response_id" else {"id": rid})
+
+
+def _pinned(envelope: Envelope) -> Envelope:
+    envelope.pin(background=True)
+    return envelope
+
+
+@pytest.mark.parametrize("seen", [PREVIOUS, CONVERSATION])
+@pytest.mark.parametrize("case", list(PENDING))
+def test_a_pending_event_of_a_seen_shape_is_the_pythons_or_declined(case: str, seen: Any) -> None:
+    seen_by = _envelope(seen)
+    for n in range(2):  # (the shape seen, then its members worked out: its memo)
+        seen_by._pending_event(_pending(f"resp_seen{n}", 1700000000))
+    event = _pending("resp_2", 1700000002)
+    compiled, python = PENDING[case](seen), PENDING[case](seen)
+    fast = _copy(event)
+    done = _c.pending_event(compiled, fast, envelope_module._LAST)
+    if case == "the same request":
+        assert done is fast  # (the usual event: compiled)
+    if done is None:
+        assert (fast.raw, fast.data) == (event.raw, event.data)
+        return
+    slow = python._pending_event(_copy(event))
+    assert (fast.raw, fast.data, fast.at) == (slow.raw, slow.data, slow.at)
