@@ -7,7 +7,6 @@ patch, or declines (the generated differential tests rarely draw these)."""
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import orjson
@@ -17,33 +16,18 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, Patch
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from tests.continuation.test_envelope_compiled import ITEM, USAGE, _python, _same_second, _state
 
 _c = envelope_module._c
 pytestmark = pytest.mark.skipif(_c is None, reason="not built here")
 
-_PATCH = ("plan", "filled", "encoded", "inserted", "ids", "rewrite", "items", "unmerged")
-_PATCH += ("fill", "fill_in", "fill_at")
-USAGE = {
-    "input_tokens": 5,
-    "input_tokens_details": {"cached_tokens": 0},
-    "output_tokens": 1,
-    "output_tokens_details": {"reasoning_tokens": 0},
-    "total_tokens": 6,
-}
-MESSAGE = {
-    "type": "message",
-    "id": "msg_x",
-    "role": "assistant",
-    "status": "completed",
-    "content": [{"type": "output_text", "text": "ok", "annotations": []}],
-}
 # A backend's usual answer, with the members whose values are checked once per shape.
 USUAL: dict[str, Any] = {
     "id": "resp_1",
     "object": "response",
     "status": "completed",
     "model": "bench",
-    "output": [MESSAGE],
+    "output": [ITEM],
     "tools": [],
     "text": {"format": {"type": "text"}},
     "reasoning": {"effort": None, "summary": None},
@@ -131,12 +115,6 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     envelope_module._LAST.clear()
 
 
-def _python(run: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    with monkeypatch.context() as patched:
-        patched.setattr(envelope_module, "_c", None)
-        return run()
-
-
 def _envelope(echo: Any, served: tuple[str, ...] = ()) -> Envelope:
     return Envelope(BODY, echo, served, forwarded_members(BODY), created_at=5)
 
@@ -150,20 +128,6 @@ def _seen_valid(response: dict[str, Any], echo: Any, monkeypatch: pytest.MonkeyP
         _python(lambda: _envelope(echo).answer(data, orjson.loads(data)), monkeypatch)
     assert envelope_module._LAST_ANSWER[0] == tuple(response)
     assert envelope_module._LAST_ANSWER[2].fast[3]  # (values to compare)
-
-
-def _both(run: Any) -> Any:
-    """`run()` within one second of the clock (completed_at is the time of day)."""
-    for _ in range(5):
-        now = int(time.time())
-        done = run()
-        if int(time.time()) == now:
-            return done
-    pytest.skip("the clock kept turning a second")
-
-
-def _state(patch: Any) -> tuple[Any, ...]:
-    return tuple(getattr(patch, name) for name in _PATCH)
 
 
 @pytest.mark.parametrize("case", list(ANSWERS))
@@ -181,7 +145,7 @@ def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
         reference = _python(lambda: _envelope(echo, served).answer(data, python), monkeypatch)
         return done, reference
 
-    done, reference = _both(both)
+    done, reference = _same_second(both)
     if case == "the values seen valid":
         assert done is not None  # (the usual answer: compiled)
     if done is None:
@@ -214,7 +178,7 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
         )
         return done, reference
 
-    done, reference = _both(both)
+    done, reference = _same_second(both)
     if done is None:
         assert compiled.raw == raw
         return
