@@ -234,22 +234,54 @@ static int int_member(PyObject *dict, PyObject *name) {
     return value != NULL && PyLong_CheckExact(value);
 }
 
+/* The checks below hold each dict and list they look into: a lookup compares a key of
+ * the same hash, whose __eq__ (an object's, not a str's) may run Python code that takes
+ * the dict out of what holds it. */
+
+/* `usage[name]`: a dict whose `member` is an exact int. */
+static int details_usual(PyObject *usage, PyObject *name, PyObject *member) {
+    PyObject *details = PyDict_GetItemWithError(usage, name);
+    if (details == NULL || !PyDict_CheckExact(details))
+        return 0;
+    Py_INCREF(details);
+    int usual = int_member(details, member);
+    Py_DECREF(details);
+    return usual;
+}
+
 /* `_usage_changed`'s quick check: the usual usage (1), or one the Python path must see (0). */
 static int usage_usual(PyObject *usage) {
     if (usage == Py_None)
         return 1;
     if (!PyDict_CheckExact(usage))
         return 0;
-    if (!int_member(usage, s_input_tokens) || !int_member(usage, s_output_tokens)
-        || !int_member(usage, s_total_tokens))
-        return 0;
-    PyObject *details = PyDict_GetItemWithError(usage, s_input_tokens_details);
-    if (details == NULL || !PyDict_CheckExact(details) || !int_member(details, s_cached_tokens))
-        return 0;
-    details = PyDict_GetItemWithError(usage, s_output_tokens_details);
-    if (details == NULL || !PyDict_CheckExact(details) || !int_member(details, s_reasoning_tokens))
-        return 0;
+    return int_member(usage, s_input_tokens) && int_member(usage, s_output_tokens)
+        && int_member(usage, s_total_tokens)
+        && details_usual(usage, s_input_tokens_details, s_cached_tokens)
+        && details_usual(usage, s_output_tokens_details, s_reasoning_tokens);
+}
+
+/* Whether `check` finds every item of the list usual (0 when one is not, or on error). */
+static int all_usual(PyObject *list, int (*check)(PyObject *)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(list, i));
+        int usual = check(item);
+        Py_DECREF(item);
+        if (!usual)
+            return 0;
+    }
     return 1;
+}
+
+/* An output text with its annotations. */
+static int part_usual(PyObject *part) {
+    if (!PyDict_CheckExact(part))
+        return 0;
+    PyObject *type = PyDict_GetItemWithError(part, s_type);
+    if (type == NULL || !is_str(type, s_output_text))
+        return 0;
+    PyObject *annotations = PyDict_GetItemWithError(part, s_annotations);
+    return annotations != NULL && PyList_CheckExact(annotations);
 }
 
 /* `_item_complete` for the usual items: 1 complete, 0 not or not the usual kind. */
@@ -266,18 +298,10 @@ static int item_usual(PyObject *item) {
     PyObject *content = PyDict_GetItemWithError(item, s_content);
     if (content == NULL || !PyList_CheckExact(content))
         return 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(content); i++) {
-        PyObject *part = PyList_GET_ITEM(content, i);
-        if (!PyDict_CheckExact(part))
-            return 0;
-        PyObject *type = PyDict_GetItemWithError(part, s_type);
-        if (type == NULL || !is_str(type, s_output_text))
-            return 0;
-        PyObject *annotations = PyDict_GetItemWithError(part, s_annotations);
-        if (annotations == NULL || !PyList_CheckExact(annotations))
-            return 0;
-    }
-    return 1;
+    Py_INCREF(content);
+    int usual = all_usual(content, part_usual);
+    Py_DECREF(content);
+    return usual;
 }
 
 #define MAX_MEMBERS 64 /* (a Response with more is left to the Python) */
@@ -594,11 +618,10 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         value = values[output_at];
         if (!PyList_CheckExact(value))
             goto done;
-        for (i = 0; i < PyList_GET_SIZE(value); i++)
-            if (!item_usual(PyList_GET_ITEM(value, i))) {
-                result = PyErr_Occurred() ? -1 : 0;
-                goto done;
-            }
+        if (!all_usual(value, item_usual)) {
+            result = PyErr_Occurred() ? -1 : 0;
+            goto done;
+        }
     }
     /* The members filled in: the turn's own (created_at, the echoed id), then the shared
      * ones, then completed_at. */

@@ -34,11 +34,30 @@ class Clears:
     def __hash__(self):
         return 0
 
-def plan(keys, missing=(), names=(), values=()):
+class Collides:
+    '''A key of a name's hash: a lookup of the name compares it, which runs `then`.'''
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+    def __hash__(self):
+        return hash(self.name)
+    def __eq__(self, other):
+        self.then()
+        return False
+
+def plan(keys, missing=(), names=(), values=(), usage=None, output=None):
     made = _Plan(tuple(keys))
     places = tuple(list(keys).index(name) for name in names)
-    made.fast = (frozenset(missing), False, -1, places, values, -1, -1)
+    usage_at, output_at = (-1 if n is None else list(keys).index(n) for n in (usage, output))
+    made.fast = (frozenset(missing), False, usage_at, places, values, output_at, -1)
     return made
+
+def answer(response):
+    last = (tuple(response), tuple(map(type, response.values())), plan(response, **ROLES))
+    done = E._c.answer(Envelope(), b'{"a":1}', response, last, ((), {}), E._FROM_REQUEST, Patch)
+    print(done if done is None else done[0].decode())
+
+ROLES = {"usage": "usage", "output": "output"}
+MANY = {f"x{i}": i for i in range(10)}  # (a dict this large is freed to the allocator)
 """
 CASES = {
     # A value the last valid answer's is compared with, freed by that comparison.
@@ -105,6 +124,41 @@ print(done[1][0].decode()[-16:])
 print(*sorted({type(key).__name__ for family in E._FILLS.values() for key in family}))
 """,
         ',"created_at":5} frozenset',
+    ),
+    # An output item, a message's part, usage's details: a lookup in them compares a key
+    # whose __eq__ takes them out of what holds them.
+    "an output item": (
+        """
+output = []
+output.append({Collides("status", output.clear): 1, "status": "completed", "type": "message",
+               "content": [], **MANY})
+answer({"usage": None, "output": output})
+""",
+        '{"a":1}',
+    ),
+    "a message's part": (
+        """
+content = []
+content.append({Collides("type", content.clear): 1, "type": "output_text", "annotations": [],
+                **MANY})
+answer({"usage": None, "output": [{"status": "completed", "type": "message", "content": content}]})
+""",
+        '{"a":1}',
+    ),
+    "usage's details": (
+        """
+usage = {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}
+kept = []
+def other():  # (the dict made next takes the memory of the details freed)
+    usage.clear()
+    kept.append({"cached_tokens": "x"})
+    usage.update(input_tokens=1, output_tokens=1, total_tokens=2)
+    usage["output_tokens_details"] = {"reasoning_tokens": 0}
+usage["input_tokens_details"] = {Collides("cached_tokens", other): 1, "cached_tokens": 0, **MANY}
+usage["output_tokens_details"] = {"reasoning_tokens": 0}
+answer({"usage": usage, "output": []})
+""",
+        '{"a":1}',
     ),
 }
 
