@@ -79,6 +79,7 @@ ANSWERS = {
     "an item without a status": (_changed(("output", 0, "status"), KeyError), PREVIOUS, ()),
     "not completed": (_changed(("status",), "incomplete"), PREVIOUS, ()),
     "served models": (USUAL, PREVIOUS, ("alias",)),
+    "pinned members": (USUAL, PREVIOUS, (), True),
     "served models naming the request's": (USUAL, PREVIOUS, ("bench", "m")),
     "a conversation given null": (
         _changed(("conversation",), None),
@@ -115,8 +116,11 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     envelope_module._LAST.clear()
 
 
-def _envelope(echo: Any, served: tuple[str, ...] = ()) -> Envelope:
-    return Envelope(BODY, echo, served, forwarded_members(BODY), created_at=5)
+def _envelope(echo: Any, served: tuple[str, ...] = (), pinned: Any = ()) -> Envelope:
+    envelope = Envelope(BODY, echo, served, forwarded_members(BODY), created_at=5)
+    if pinned:
+        envelope.pin(background=True)
+    return envelope
 
 
 def _seen_valid(response: dict[str, Any], echo: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,15 +138,17 @@ def _seen_valid(response: dict[str, Any], echo: Any, monkeypatch: pytest.MonkeyP
 def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    response, echo, served = ANSWERS[case]
+    response, echo, served, *pinned = ANSWERS[case]
     _seen_valid(response, echo, monkeypatch)
     data = orjson.dumps(response)
     compiled, python = orjson.loads(data), orjson.loads(data)
     last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
 
     def both() -> tuple[Any, Any]:
-        done = _c.answer(_envelope(echo, served), data, compiled, *last, *_FIXED)
-        reference = _python(lambda: _envelope(echo, served).answer(data, python), monkeypatch)
+        done = _c.answer(_envelope(echo, served, pinned), data, compiled, *last, *_FIXED)
+        reference = _python(
+            lambda: _envelope(echo, served, pinned).answer(data, python), monkeypatch
+        )
         return done, reference
 
     done, reference = _same_second(both)
@@ -160,7 +166,7 @@ def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
 def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    response, echo, served = ANSWERS[case]
+    response, echo, served, *pinned = ANSWERS[case]
     _seen_valid(response, echo, monkeypatch)
     kind = "response.completed"
     payload = {"type": kind, "response": response, "sequence_number": 7}
@@ -171,10 +177,11 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     layouts = envelope_module._TERMINAL_LAYOUTS
 
     def both() -> tuple[Any, Any]:
-        envelope = _envelope(echo, served)
+        envelope = _envelope(echo, served, pinned)
         done = _c.terminal_event(envelope, compiled, compiled_payload, *last, *_FIXED, layouts)
         reference = _python(
-            lambda: _envelope(echo, served).terminal_event(python, python_payload), monkeypatch
+            lambda: _envelope(echo, served, pinned).terminal_event(python, python_payload),
+            monkeypatch,
         )
         return done, reference
 
@@ -186,6 +193,22 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     assert (compiled.raw, compiled.data) == (python.raw, python.data)
     assert list(compiled_payload["response"].items()) == list(python_payload["response"].items())
     assert _state(done[0]) == _state(reference[0])
+
+
+def test_a_terminal_event_whose_at_is_past_its_raw_bytes_is_declined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """(Not an event parse_event makes: its raw bytes are not read past.)"""
+    _seen_valid(USUAL, PREVIOUS, monkeypatch)
+    kind = "response.completed"
+    data = orjson.dumps({"type": kind, "response": USUAL, "sequence_number": 7})
+    event = Event(b"data: {}\n\n", kind, data, 1000)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    layouts = envelope_module._TERMINAL_LAYOUTS
+    done = _c.terminal_event(
+        _envelope(PREVIOUS), event, orjson.loads(data), *last, *_FIXED, layouts
+    )
+    assert done is None and event.raw == b"data: {}\n\n"
 
 
 def _pending(rid: str, created_at: int) -> Event:
