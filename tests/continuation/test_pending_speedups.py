@@ -80,7 +80,20 @@ def test_turn_after_turn_the_compiled_path_completes_both_pending_events() -> No
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
 PLAIN = st.from_regex(r"resp_[A-Za-z0-9_]{1,24}", fullmatch=True)
-IDS = st.one_of(PLAIN, PLAIN, PLAIN, TEXT)
+# (what JSON must escape, or DEL, past the first eight characters and within them)
+TRICKY = st.sampled_from(
+    [
+        "resp_abcdefgh",
+        'resp_abcdefgh"x',
+        "resp_abcdefgh\\x",
+        "resp_abcdefgh\x7f",
+        "re\x1fsp",
+        "resp_abcdefghijklmno\x00",
+        "resp_\u00e9",
+        "resp_\x7f",
+    ]
+)
+IDS = st.one_of(PLAIN, PLAIN, PLAIN, TEXT, TRICKY)
 ECHOES = st.one_of(
     st.none(),
     st.tuples(st.just("previous_response_id"), st.one_of(IDS, st.none())),
