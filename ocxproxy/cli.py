@@ -53,6 +53,8 @@ TOOLING_ENV = (
     "OCXPROXY_BENCH_ABLATE",
     "OCXPROXY_CODEX",  # the Codex CLI binary of the Codex tests and benchmark
     "OCXPROXY_OPENAI_NODE",  # openai-node's node_modules, for the tests through it
+    "OCXPROXY_NO_SPEEDUPS",  # the compiled fast paths not loaded (ocxproxy/speedups.py)
+    "OCXPROXY_REQUIRE_SPEEDUPS",  # or required (CI)
 )
 UNITS = (
     "SIZE is bytes, or a number with a unit: 500kb, 64MiB, 1GiB (k, m, g: powers of 1000; "
