@@ -827,166 +827,6 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return result;
 }
 
-/* Where a terminal event's Response is in its data (`_response_span`), or 0. */
-static int response_span(const char *data, Py_ssize_t len, PyObject *layout, long long seq,
-                         Py_ssize_t *start, Py_ssize_t *end) {
-    PyObject *head = item_of(layout, 0), *sdk_tail = item_of(layout, 2);
-    if (sdk_tail == NULL || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(sdk_tail))
-        return 0;
-    char number[24];
-    int width = digits(number, seq);
-    /* The tail after the Response: `,"sequence_number":N}` or the SDK's order's. */
-    const char *before, *after;
-    Py_ssize_t before_len, after_len;
-    Py_ssize_t head_len = PyBytes_GET_SIZE(head);
-    if (len >= head_len && memcmp(data, PyBytes_AS_STRING(head), (size_t)head_len) == 0) {
-        *start = head_len;
-        before = ",\"sequence_number\":";
-        before_len = 19;
-        after = "}";
-        after_len = 1;
-    } else if (len >= 12 && memcmp(data, "{\"response\":", 12) == 0) {
-        *start = 12;
-        const char *tail = PyBytes_AS_STRING(sdk_tail);
-        Py_ssize_t tail_len = PyBytes_GET_SIZE(sdk_tail);
-        const char *mark = NULL;
-        for (Py_ssize_t i = 0; i + 1 < tail_len; i++)
-            if (tail[i] == '%' && tail[i + 1] == 'd') {
-                mark = tail + i;
-                break;
-            }
-        if (mark == NULL || memchr(tail, '%', (size_t)(mark - tail)) != NULL
-            || memchr(mark + 2, '%', (size_t)(tail + tail_len - mark - 2)) != NULL)
-            return 0;
-        before = tail;
-        before_len = mark - tail;
-        after = mark + 2;
-        after_len = tail + tail_len - after;
-    } else
-        return 0;
-    Py_ssize_t tail_len = before_len + width + after_len;
-    *end = len - tail_len;
-    if (*end - *start < 3)
-        return 0;
-    const char *tail = data + *end;
-    if (memcmp(tail, before, (size_t)before_len) != 0
-        || memcmp(tail + before_len, number, (size_t)width) != 0
-        || memcmp(tail + before_len + width, after, (size_t)after_len) != 0)
-        return 0;
-    return data[*start] == '{' && data[*end - 1] == '}';
-}
-
-/* terminal_event(envelope, event, payload, last_answer, last_fills, from_request, Patch,
- * layouts): Envelope.terminal_event for the usual event (its Response found at once, its
- * items complete, its bytes framed as usual): (the patch, (the stored bytes, True)), the
- * event's bytes changed in place; or None. */
-static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "terminal_event() takes 8 arguments");
-        return NULL;
-    }
-    PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
-    PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
-             *new_raw = NULL, *result = NULL;
-    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts))
-        Py_RETURN_NONE;
-    PyObject *response = PyDict_GetItemWithError(payload, s_response);
-    PyObject *kind = response == NULL ? NULL : PyDict_GetItemWithError(payload, s_type);
-    PyObject *seq = kind == NULL ? NULL : PyDict_GetItemWithError(payload, s_sequence_number);
-    if (seq == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
-    }
-    if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
-        Py_RETURN_NONE;
-    PyObject *layout = PyDict_GetItemWithError(layouts, kind);
-    if (layout == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
-    }
-    int overflow;
-    long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
-    if (overflow || (number == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    Py_INCREF(response); /* (the Envelope's methods, which run meanwhile, may take it out) */
-    if ((data = GET(event, s_data)) == NULL || (raw = GET(event, s_raw)) == NULL
-        || (at_obj = GET(event, s_at)) == NULL)
-        goto done;
-    Py_ssize_t at = PyLong_CheckExact(at_obj) ? PyLong_AsSsize_t(at_obj) : -1;
-    if (at == -1 && PyErr_Occurred())
-        PyErr_Clear();
-    Py_ssize_t start, end;
-    if (!PyBytes_CheckExact(data) || !PyBytes_CheckExact(raw) || at < 0
-        || at > PyBytes_GET_SIZE(raw)
-        || !response_span(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), layout, number,
-                          &start, &end)) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    AnswerArgs in = {env, response, args[3], args[4], args[5], args[6], end - start};
-    Answer a;
-    int answered = answer_members(&in, &a);
-    if (answered <= 0) {
-        if (answered == 0)
-            result = Py_NewRef(Py_None);
-        goto done;
-    }
-    const char *given = PyBytes_AS_STRING(data) + start;
-    Py_ssize_t given_len = end - start, len = PyBytes_GET_SIZE(data);
-    if (a.count == 0)
-        stored = PyBytes_FromStringAndSize(given, given_len);
-    else {
-        Py_ssize_t members = answer_len(&a), stored_len = given_len + 1 + members;
-        stored = PyBytes_FromStringAndSize(NULL, stored_len);
-        new_data = PyBytes_FromStringAndSize(NULL, len + 1 + members);
-        new_raw = PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
-        if (stored == NULL || new_data == NULL || new_raw == NULL) {
-            answer_clear(&a);
-            goto done;
-        }
-        char *to = PyBytes_AS_STRING(stored);
-        memcpy(to, given, (size_t)(given_len - 1));
-        to += given_len - 1;
-        *to++ = ',';
-        to = answer_write(&a, to);
-        *to = '}';
-        to = PyBytes_AS_STRING(new_data);
-        memcpy(to, PyBytes_AS_STRING(data), (size_t)start);
-        memcpy(to + start, PyBytes_AS_STRING(stored), (size_t)stored_len);
-        memcpy(to + start + stored_len, PyBytes_AS_STRING(data) + end, (size_t)(len - end));
-        to = PyBytes_AS_STRING(new_raw);
-        memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
-        memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
-        memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
-        if (PyObject_SetAttr(event, s_raw, new_raw) < 0
-            || PyObject_SetAttr(event, s_data, new_data) < 0) {
-            answer_clear(&a);
-            goto done;
-        }
-    }
-    if (stored != NULL) {
-        PyObject *in_bytes = PyTuple_Pack(2, stored, Py_True);
-        if (in_bytes != NULL) {
-            result = PyTuple_Pack(2, a.patch, in_bytes);
-            Py_DECREF(in_bytes);
-        }
-    }
-    answer_clear(&a);
-done:
-    Py_DECREF(response);
-    Py_XDECREF(data);
-    Py_XDECREF(raw);
-    Py_XDECREF(at_obj);
-    Py_XDECREF(stored);
-    Py_XDECREF(new_data);
-    Py_XDECREF(new_raw);
-    return result;
-}
-
 /* ---- Envelope.pending_event ------------------------------------------------------- */
 
 /* An attribute kept in a __slots__ slot, read and written at its offset: a generic
@@ -1384,6 +1224,169 @@ done:
     Py_XDECREF(id);
     Py_XDECREF(spliced);
     Py_XDECREF(data);
+    return result;
+}
+
+/* ---- Envelope.terminal_event ---------------------------------------------------- */
+
+/* Where a terminal event's Response is in its data (`_response_span`), or 0. */
+static int response_span(const char *data, Py_ssize_t len, PyObject *layout, long long seq,
+                         Py_ssize_t *start, Py_ssize_t *end) {
+    PyObject *head = item_of(layout, 0), *sdk_tail = item_of(layout, 2);
+    if (sdk_tail == NULL || !PyBytes_CheckExact(head) || !PyBytes_CheckExact(sdk_tail))
+        return 0;
+    char number[24];
+    int width = digits(number, seq);
+    /* The tail after the Response: `,"sequence_number":N}` or the SDK's order's. */
+    const char *before, *after;
+    Py_ssize_t before_len, after_len;
+    Py_ssize_t head_len = PyBytes_GET_SIZE(head);
+    if (len >= head_len && memcmp(data, PyBytes_AS_STRING(head), (size_t)head_len) == 0) {
+        *start = head_len;
+        before = ",\"sequence_number\":";
+        before_len = 19;
+        after = "}";
+        after_len = 1;
+    } else if (len >= 12 && memcmp(data, "{\"response\":", 12) == 0) {
+        *start = 12;
+        const char *tail = PyBytes_AS_STRING(sdk_tail);
+        Py_ssize_t tail_len = PyBytes_GET_SIZE(sdk_tail);
+        const char *mark = NULL;
+        for (Py_ssize_t i = 0; i + 1 < tail_len; i++)
+            if (tail[i] == '%' && tail[i + 1] == 'd') {
+                mark = tail + i;
+                break;
+            }
+        if (mark == NULL || memchr(tail, '%', (size_t)(mark - tail)) != NULL
+            || memchr(mark + 2, '%', (size_t)(tail + tail_len - mark - 2)) != NULL)
+            return 0;
+        before = tail;
+        before_len = mark - tail;
+        after = mark + 2;
+        after_len = tail + tail_len - after;
+    } else
+        return 0;
+    Py_ssize_t tail_len = before_len + width + after_len;
+    *end = len - tail_len;
+    if (*end - *start < 3)
+        return 0;
+    const char *tail = data + *end;
+    if (memcmp(tail, before, (size_t)before_len) != 0
+        || memcmp(tail + before_len, number, (size_t)width) != 0
+        || memcmp(tail + before_len + width, after, (size_t)after_len) != 0)
+        return 0;
+    return data[*start] == '{' && data[*end - 1] == '}';
+}
+
+/* terminal_event(envelope, event, payload, last_answer, last_fills, from_request, Patch,
+ * layouts): Envelope.terminal_event for the usual event (its Response found at once, its
+ * items complete, its bytes framed as usual): (the patch, (the stored bytes, True)), the
+ * event's bytes changed in place; or None. */
+static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "terminal_event() takes 8 arguments");
+        return NULL;
+    }
+    PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
+    PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
+             *new_raw = NULL, *result = NULL;
+    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts))
+        Py_RETURN_NONE;
+    PyObject *response = PyDict_GetItemWithError(payload, s_response);
+    PyObject *kind = response == NULL ? NULL : PyDict_GetItemWithError(payload, s_type);
+    PyObject *seq = kind == NULL ? NULL : PyDict_GetItemWithError(payload, s_sequence_number);
+    if (seq == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
+        Py_RETURN_NONE;
+    PyObject *layout = PyDict_GetItemWithError(layouts, kind);
+    if (layout == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
+    if (overflow || (number == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(response); /* (the Envelope's methods, which run meanwhile, may take it out) */
+    if ((data = slot_get(&event_data, event)) == NULL
+        || (raw = slot_get(&event_raw, event)) == NULL
+        || (at_obj = slot_get(&event_at, event)) == NULL)
+        goto done;
+    Py_ssize_t at = PyLong_CheckExact(at_obj) ? PyLong_AsSsize_t(at_obj) : -1;
+    if (at == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    Py_ssize_t start, end;
+    if (!PyBytes_CheckExact(data) || !PyBytes_CheckExact(raw) || at < 0
+        || at > PyBytes_GET_SIZE(raw)
+        || !response_span(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), layout, number,
+                          &start, &end)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    AnswerArgs in = {env, response, args[3], args[4], args[5], args[6], end - start};
+    Answer a;
+    int answered = answer_members(&in, &a);
+    if (answered <= 0) {
+        if (answered == 0)
+            result = Py_NewRef(Py_None);
+        goto done;
+    }
+    const char *given = PyBytes_AS_STRING(data) + start;
+    Py_ssize_t given_len = end - start, len = PyBytes_GET_SIZE(data);
+    if (a.count == 0)
+        stored = PyBytes_FromStringAndSize(given, given_len);
+    else {
+        Py_ssize_t members = answer_len(&a), stored_len = given_len + 1 + members;
+        stored = PyBytes_FromStringAndSize(NULL, stored_len);
+        new_data = PyBytes_FromStringAndSize(NULL, len + 1 + members);
+        new_raw = PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
+        if (stored == NULL || new_data == NULL || new_raw == NULL) {
+            answer_clear(&a);
+            goto done;
+        }
+        char *to = PyBytes_AS_STRING(stored);
+        memcpy(to, given, (size_t)(given_len - 1));
+        to += given_len - 1;
+        *to++ = ',';
+        to = answer_write(&a, to);
+        *to = '}';
+        to = PyBytes_AS_STRING(new_data);
+        memcpy(to, PyBytes_AS_STRING(data), (size_t)start);
+        memcpy(to + start, PyBytes_AS_STRING(stored), (size_t)stored_len);
+        memcpy(to + start + stored_len, PyBytes_AS_STRING(data) + end, (size_t)(len - end));
+        to = PyBytes_AS_STRING(new_raw);
+        memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
+        memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
+        memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
+        if (slot_set(&event_raw, event, new_raw) < 0
+            || slot_set(&event_data, event, new_data) < 0) {
+            answer_clear(&a);
+            goto done;
+        }
+    }
+    if (stored != NULL) {
+        PyObject *in_bytes = PyTuple_Pack(2, stored, Py_True);
+        if (in_bytes != NULL) {
+            result = PyTuple_Pack(2, a.patch, in_bytes);
+            Py_DECREF(in_bytes);
+        }
+    }
+    answer_clear(&a);
+done:
+    Py_DECREF(response);
+    Py_XDECREF(data);
+    Py_XDECREF(raw);
+    Py_XDECREF(at_obj);
+    Py_XDECREF(stored);
+    Py_XDECREF(new_data);
+    Py_XDECREF(new_raw);
     return result;
 }
 
