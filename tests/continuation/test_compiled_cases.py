@@ -145,6 +145,8 @@ def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
     last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
 
     def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = orjson.loads(data), orjson.loads(data)
         done = _c.answer(_envelope(echo, served, pinned), data, compiled, *last, *_FIXED)
         reference = _python(
             lambda: _envelope(echo, served, pinned).answer(data, python), monkeypatch
@@ -177,6 +179,9 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     layouts = envelope_module._TERMINAL_LAYOUTS
 
     def both() -> tuple[Any, Any]:
+        nonlocal compiled, python, compiled_payload, python_payload  # (anew, as above)
+        compiled, python = parse_event(raw), parse_event(raw)
+        compiled_payload, python_payload = orjson.loads(compiled.data), orjson.loads(python.data)
         envelope = _envelope(echo, served, pinned)
         done = _c.terminal_event(envelope, compiled, compiled_payload, *last, *_FIXED, layouts)
         reference = _python(
