@@ -598,8 +598,9 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
              *names = item_of(fast, 3), *valid = item_of(fast, 4);
     Py_ssize_t usage_at = place(fast, 2, n), output_at = place(fast, 5, n),
-               status_at = place(fast, 6, n);
-    if (status_at < -1 || output_at < -1 || usage_at < -1 || !PyFrozenSet_CheckExact(missing)
+               status_at = place(fast, 6, n), stamped_at = place(fast, 7, n);
+    if (stamped_at < -1 || status_at < -1 || output_at < -1 || usage_at < -1
+        || !PyFrozenSet_CheckExact(missing)
         || !PyBool_Check(stamp_flag) || !PyTuple_CheckExact(names) || !PyTuple_CheckExact(valid)
         || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
         goto done;
@@ -618,6 +619,14 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         int same = PyObject_RichCompareBool(values[at], PyTuple_GET_ITEM(valid, i), Py_EQ);
         if (same <= 0) {
             result = same;
+            goto done;
+        }
+    }
+    if (stamped_at >= 0 && values[stamped_at] == Py_None && status_at >= 0) {
+        /* (the backend's completed_at: null for a completed Response is replaced) */
+        int completed = PyObject_RichCompareBool(values[status_at], s_completed, Py_EQ);
+        if (completed != 0) {
+            result = completed;
             goto done;
         }
     }

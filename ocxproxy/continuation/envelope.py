@@ -144,6 +144,7 @@ class _Plan:
         "places",
         "present",
         "ruled",
+        "stamped",
         "usage",
         "valid",
     )
@@ -158,7 +159,10 @@ class _Plan:
         # A JSON answer's values of those that do not change turn to turn (but usage's),
         # and the last ones seen valid: the same again are valid again.
         self.usage = "usage" in self.given
-        same = () if "completed_at" in self.given else sorted(self.given - {"usage"})
+        # A completed_at the backend gives changes turn to turn: only a null one of a
+        # completed Response is replaced (Envelope._check_given).
+        self.stamped = "completed_at" in self.given
+        same = sorted(self.given - {"usage", "completed_at"})
         self.names = tuple(same)
         self.ruled = operator.itemgetter(*same) if same else None
         self.valid: Any = _MISSING
@@ -171,14 +175,15 @@ class _Plan:
             tuple(at[name] for name in same),
             at.get("output", -1),
             at.get("status", -1),
+            at["completed_at"] if self.stamped else -1,
         )
         self.fast: tuple[Any, ...] | None = None
-        if not self.given - {"usage"}:
+        if not same:
             self.fast = self._fast(())
 
     def _fast(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
-        usage, names, output, status = self.places
-        return self.missing, self.completed_at, usage, names, values, output, status
+        usage, names, output, status, stamped = self.places
+        return self.missing, self.completed_at, usage, names, values, output, status, stamped
 
     def seen_valid(self, response: dict[str, Any]) -> None:
         """The ruled values of `response`, a valid answer: those of the next answers that
@@ -453,7 +458,16 @@ class Envelope(_EnvelopeBase):
                     parts.append(b'"completed_at":null')
             if plan.given:
                 ruled = plan.ruled  # the values seen valid last time are valid again
-                if ruled is not None and ruled(response) == plan.valid and not self._served_models:
+                if (
+                    ruled is not None
+                    and ruled(response) == plan.valid
+                    and not self._served_models
+                    and not (
+                        plan.stamped
+                        and response["completed_at"] is None
+                        and response.get("status") == "completed"
+                    )
+                ):
                     if plan.usage and _usage_changed(response["usage"]):
                         patch.rewrite = True
                 else:

@@ -48,7 +48,7 @@ def plan(keys, missing=(), names=(), values=(), usage=None, output=None):
     made = _Plan(tuple(keys))
     places = tuple(list(keys).index(name) for name in names)
     usage_at, output_at = (-1 if n is None else list(keys).index(n) for n in (usage, output))
-    made.fast = (frozenset(missing), False, usage_at, places, values, output_at, -1)
+    made.fast = (frozenset(missing), False, usage_at, places, values, output_at, -1, -1)
     return made
 
 def answer(response):
