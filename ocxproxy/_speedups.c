@@ -626,7 +626,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         /* (the backend's completed_at: null for a completed Response is replaced) */
         int completed = PyObject_RichCompareBool(values[status_at], s_completed, Py_EQ);
         if (completed != 0) {
-            result = completed;
+            result = completed < 0 ? -1 : 0; /* (completed: the Python's to fill in) */
             goto done;
         }
     }

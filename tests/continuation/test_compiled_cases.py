@@ -200,6 +200,31 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     assert _state(done[0]) == _state(reference[0])
 
 
+@pytest.mark.parametrize("status", ["completed", "incomplete"])
+def test_an_answer_whose_completed_at_is_null_is_the_pythons_or_declined(
+    status: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape with the backend's completed_at seen valid null (an incomplete Response),
+    then with it null again: completed, it is filled in (as the Python does)."""
+    seen = {**USUAL, "completed_at": None, "status": "incomplete"}
+    data = orjson.dumps(seen)
+    for _ in range(2):
+        _python(lambda: _envelope(PREVIOUS).answer(data, orjson.loads(data)), monkeypatch)
+    data = orjson.dumps({**seen, "status": status})
+    compiled, python = orjson.loads(data), orjson.loads(data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
+    if status == "incomplete":
+        assert done is not None  # (the shape's usual answer: compiled)
+    reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
+    if done is None:
+        assert compiled == orjson.loads(data)
+        return
+    assert done[0] == reference[0]
+    assert list(compiled.items()) == list(python.items())
+    assert _state(done[1]) == _state(reference[1])
+
+
 def test_a_terminal_event_whose_at_is_past_its_raw_bytes_is_declined(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
