@@ -779,6 +779,8 @@ class Envelope(_EnvelopeBase):
         return self._pending_event(event)
 
     def _pending_event(self, event: Event) -> Event:
+        """`pending_event` in Python: every case, the compiled one's reference (its own
+        frame: the usual event's call does not set up this one's ~20 locals)."""
         data = event.data
         seen: _Seen | None = None
         last = _LAST.get(event.name)  # the shape its name came in last
