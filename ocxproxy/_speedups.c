@@ -853,7 +853,9 @@ typedef struct {
 static int slot_lookup(Slot *slot, PyTypeObject *type) {
     PyObject *descr = _PyType_Lookup(type, *slot->name); /* (borrowed) */
     Py_ssize_t offset = 0;
-    if (descr != NULL && Py_IS_TYPE(descr, &PyMemberDescr_Type)
+    /* (a type with its own __getattribute__ or __setattr__ sees every access) */
+    if (descr != NULL && type->tp_getattro == PyObject_GenericGetAttr
+        && type->tp_setattro == PyObject_GenericSetAttr && Py_IS_TYPE(descr, &PyMemberDescr_Type)
         && PyType_IsSubtype(type, PyDescr_TYPE(descr))) {
         PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
         if (member->type == T_OBJECT_EX && !(member->flags & READONLY)
@@ -978,6 +980,7 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     last = PyDict_GetItemWithError(lasts, name);
+    Py_XINCREF(last);
     Py_DECREF(name);
     if (last == NULL) {
         if (PyErr_Occurred()) {
@@ -985,7 +988,6 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         }
         Py_RETURN_NONE;
     }
-    Py_INCREF(last);
     /* (prefix, n, middle, digits, suffix, cut, at, seen): see envelope._remember_last */
     if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 8) {
         goto decline;

@@ -230,3 +230,37 @@ def test_the_compiled_pending_event_declines_what_it_is_not_given_right(args: An
     except (TypeError, AttributeError):
         return
     assert done is None
+
+
+def test_an_event_type_with_its_own_setattr_sees_what_the_compiled_path_sets() -> None:
+    """Attributes are read and written at their slot's offset only for a type with the
+    generic getattr and setattr: a subclass's own `__setattr__` sees the new bytes set."""
+    seen: list[str] = []
+
+    class Watched(Event):
+        __slots__ = ()
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            seen.append(name)
+            super().__setattr__(name, value)
+
+    body = {"model": "m", "instructions": "Be brief."}
+    extra = {"status": "in_progress", "model": "bench", "output": []}
+    for n in range(3):
+        echo = ("previous_response_id", f"resp_prev{n}")
+        made = Envelope(body, echo, (), forwarded_members(body), created_at=7)
+        for seq, kind in enumerate(KINDS):
+            event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
+            watched = Watched.__new__(Watched)
+            object.__setattr__(watched, "raw", event.raw)
+            object.__setattr__(watched, "name", event.name)
+            object.__setattr__(watched, "data", event.data)
+            object.__setattr__(watched, "at", event.at)
+            seen.clear()
+            done = _c.pending_event(made, watched, envelope_module._LAST)
+            if done is None:
+                done = made._pending_event(watched)
+            elif n >= 2:
+                assert "raw" in seen and "data" in seen
+            assert b'"previous_response_id":"resp_prev%d"' % n in done.raw
+        assert n < 2 or done is watched  # (the compiled path's, from the third turn on)
