@@ -16,6 +16,7 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, Patch
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from tests.continuation.envelope_state import forget_shapes
 from tests.continuation.test_envelope_compiled import ITEM, USAGE, _python, _same_second, _state
 
 _c = envelope_module._c
@@ -108,12 +109,7 @@ ANSWERS = {
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_PLANS", "_VALID", "_FILLS"):
-        monkeypatch.setattr(envelope_module, name, {})
-    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
-    envelope_module._PENDING.clear()
-    envelope_module._LAST.clear()
+    forget_shapes(monkeypatch)
 
 
 def _envelope(echo: Any, served: tuple[str, ...] = (), pinned: Any = ()) -> Envelope:

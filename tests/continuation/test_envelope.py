@@ -13,6 +13,7 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, complete_response, complete_stored
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import encode_event, parse_event
+from tests.continuation.envelope_state import forget_shapes
 from tests.openresponses import event_problems, response_problems
 
 # What llama.cpp answers a non-streamed create with (its model is the GGUF's path).
@@ -61,10 +62,7 @@ REQUEST = {
 def fast_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test on the compiled fast paths (ocxproxy/_speedups.c) and on the Python's,
     each from the shapes and fills no earlier test left."""
-    for name in ("_PLANS", "_VALID", "_FILLS", "_PENDING", "_LAST"):
-        monkeypatch.setattr(envelope_module, name, {})
-    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    forget_shapes(monkeypatch)
     if request.param == "python":
         monkeypatch.setattr(envelope_module, "_c", None)
     elif envelope_module._c is None:

@@ -17,6 +17,7 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, Patch
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from tests.continuation.envelope_state import forget_shapes
 
 pytestmark = pytest.mark.skipif(envelope_module._c is None, reason="not built here")
 
@@ -161,10 +162,7 @@ def _same_second(run: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_PLANS", "_VALID", "_FILLS"):
-        monkeypatch.setattr(envelope_module, name, {})
-    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    forget_shapes(monkeypatch)
 
 
 def _envelope(body: dict[str, Any], echo: Any, served: tuple[str, ...], members: bool) -> Envelope:
@@ -200,10 +198,7 @@ def test_a_json_answer_compiled_is_the_pythons_or_declined(
     seen: int,
     usual: bool,
 ) -> None:
-    for name in ("_PLANS", "_VALID", "_FILLS"):
-        monkeypatch.setattr(envelope_module, name, {})
-    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    forget_shapes(monkeypatch)
     if usual:  # an answer of a shape seen valid, the usual case
         second, seen, served = None, 3, ()
         echo = echo if echo in (None, ("previous_response_id", "resp_p")) else None
@@ -300,10 +295,7 @@ def test_a_terminal_event_compiled_is_the_pythons_or_declined(
     seq: int,
     crlf: bool,
 ) -> None:
-    for name in ("_PLANS", "_VALID", "_FILLS"):
-        monkeypatch.setattr(envelope_module, name, {})
-    monkeypatch.setattr(envelope_module, "_LAST_ANSWER", ((), (), None))
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}))
+    forget_shapes(monkeypatch)
     if usual:  # an answer of a shape seen valid, the usual case
         second, seen = None, 3
         echo = echo if echo in (None, ("previous_response_id", "resp_p")) else None

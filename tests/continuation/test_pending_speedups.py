@@ -15,6 +15,7 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from tests.continuation.envelope_state import forget_shapes
 
 _c = envelope_module._c
 pytestmark = pytest.mark.skipif(_c is None, reason="the compiled fast paths are not built here")
@@ -47,9 +48,8 @@ def envelope(
 
 
 @pytest.fixture(autouse=True)
-def fresh_shapes() -> None:
-    envelope_module._PENDING.clear()
-    envelope_module._LAST.clear()
+def fresh_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    forget_shapes(monkeypatch)
 
 
 def test_turn_after_turn_the_compiled_path_completes_both_pending_events() -> None:
