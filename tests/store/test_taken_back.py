@@ -33,13 +33,16 @@ def new_store(state: Path, large: bool) -> Store:
     return make_store(state, max_resident_bytes=1, offload=inline, **options)
 
 
-async def first_turn(store: Store, large: bool) -> Record:
+async def first_turn(state: Path, large: bool) -> tuple[Store, Record]:
+    """A store started in `state` and its first turn, on disk only."""
+    store = new_store(state, large)
+    await store.start()
     first = store.put(make_turn("r0", noise(40_000, 1) if large else "first"), None)
     await chains(store, "x", 30)  # (other live segments in the journal files)
     assert await store.flush()
     assert first.own is not None and first.own.data is None  # on disk only
     assert (first.own.pack == FILES) == large
-    return first
+    return store, first
 
 
 async def answer(store: Store, record_id: str) -> bytes | FailureReason:
@@ -83,9 +86,7 @@ async def test_taken_back_before_the_next_checkpoint(tmp_path: Path, large: bool
     """Dropped and taken back between two checkpoints: the chain reads back, after a
     crash and after the next checkpoint too."""
     state = tmp_path / "state"
-    store = new_store(state, large)
-    await store.start()
-    first = await first_turn(store, large)
+    store, first = await first_turn(state, large)
     assert first.own is not None
     pack = first.own.pack
     assert store.delete_nowait("scope-a", "r0")
@@ -107,9 +108,7 @@ async def test_not_taken_back_after_a_checkpoint_left_it_out(tmp_path: Path, lar
     """A checkpoint captured after the drop no longer names the segment, and its entry
     is in a journal file before it: a record naming it would not load after a crash."""
     state = tmp_path / "state"
-    store = new_store(state, large)
-    await store.start()
-    first = await first_turn(store, large)
+    store, first = await first_turn(state, large)
     assert store.delete_nowait("scope-a", "r0")
     await store.commit()
     assert await store.flush()
@@ -126,9 +125,7 @@ async def test_not_taken_back_while_a_checkpoint_removes_it(
     file (in a thread: the loop runs meanwhile): it does not take the segment back into
     a file on its way out."""
     state = tmp_path / "state"
-    store = new_store(state, large)
-    await store.start()
-    first = await first_turn(store, large)
+    store, first = await first_turn(state, large)
     assert store.delete_nowait("scope-a", "r0")
     await store.commit()
     if not large:  # (the first turn's journal file made removable: nothing else there)
@@ -166,9 +163,7 @@ async def test_not_taken_back_when_dropped_while_a_checkpoint_encodes(
     are encoded: the checkpoint leaves the segment out (no record it names holds it), so
     it is not taken back after that checkpoint either."""
     state = tmp_path / "state"
-    store = new_store(state, large)
-    await store.start()
-    first = await first_turn(store, large)
+    store, first = await first_turn(state, large)
     assert first.own is not None
     pack, encode = first.own.pack, codec.checkpoint_segment_rows
     dropped: list[bool] = []
