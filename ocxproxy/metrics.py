@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import (
 
 from ocxproxy import __version__
 from ocxproxy.errors import FailureReason
+from ocxproxy.speedups import SPEEDUPS
 
 _FAST_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -217,11 +218,14 @@ class _Collector:
         self.metrics = metrics
         self.build_info = GaugeMetricFamily(
             "ocxproxy_build_info",
-            "Always 1; the labels say which ocxproxy runs on which Python",
-            labels=["version", "python", "implementation"],
+            "Always 1; the labels say which ocxproxy runs on which Python, and whether its"
+            " compiled fast paths run (speedups: compiled, or python without the build)",
+            labels=["version", "python", "implementation", "speedups"],
         )
+        speedups = "python" if SPEEDUPS is None else "compiled"
         self.build_info.add_metric(
-            [__version__, platform.python_version(), platform.python_implementation()], 1
+            [__version__, platform.python_version(), platform.python_implementation(), speedups],
+            1,
         )
 
     def collect(self) -> Iterator[Metric]:

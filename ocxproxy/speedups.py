@@ -3,7 +3,8 @@
 Every caller has the same path in Python and takes it when this is None: a machine
 without a C compiler runs the pure-Python code. `OCXPROXY_NO_SPEEDUPS=1` takes the
 Python paths anyway (the tests run both); `OCXPROXY_REQUIRE_SPEEDUPS=1` (CI) makes a
-missing or stale build an error instead of a silent fallback.
+missing or stale build an error instead of a fallback. Which one runs is a label of
+`ocxproxy_build_info` (metrics.py).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ocxproxy import __version__
 from ocxproxy.metrics import Metrics
+from ocxproxy.speedups import SPEEDUPS
 from tests.conftest import ProxyHandle
 
 
@@ -104,7 +105,8 @@ async def test_metrics_carry_process_and_build_info(
     proxy: ProxyHandle, http: aiohttp.ClientSession
 ) -> None:
     """A real proxy's /metrics: prometheus_client's process collector (this process: the
-    test runs the proxy in it) and ocxproxy_build_info = 1 naming the version and Python."""
+    test runs the proxy in it) and ocxproxy_build_info = 1 naming the version, Python and
+    whether the compiled fast paths run (CI requires them: compiled there)."""
     async with http.get(proxy.url + "/metrics") as resp:
         assert resp.status == 200
         text = await resp.text()
@@ -115,6 +117,7 @@ async def test_metrics_carry_process_and_build_info(
     }
     build = {"version": __version__, "python": platform.python_version()}
     build["implementation"] = platform.python_implementation()
+    build["speedups"] = "python" if SPEEDUPS is None else "compiled"
     assert found["ocxproxy_build_info", tuple(sorted(build.items()))] == 1
     values = {name: value for (name, labels), value in found.items() if not labels}
     assert values["process_resident_memory_bytes"] > 10 * 1024**2
