@@ -152,10 +152,11 @@ async def _lookup(proxy: Proxy, request: web.Request) -> Record | None:
     """The caller's stored response, else NotFound: these routes are the proxy's, never the
     backend's. None only with --forward-unknown-ids, for an id the proxy does not know (the
     backend may): the caller forwards the request. A store:false turn kept in memory for
-    chaining is not retrievable (as on OpenAI)."""
+    chaining is not retrievable (as on OpenAI). A turn kept after its chain went while it
+    ran is (the store's `retrieve`): its Response is stored, its history is not."""
     response_id = request.match_info["response_id"]
     try:
-        record = await proxy.store.lookup(scope_of(request.headers), response_id)
+        record = await proxy.store.retrieve(scope_of(request.headers), response_id)
     except StoreFailure as failure:
         if proxy.config.forward_unknown_ids and failure.reason == FailureReason.UNKNOWN:
             return None
@@ -305,7 +306,12 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
         try:
             history = await proxy.store.history(record)
             stored = orjson.loads(await proxy.store.response_bytes(record))
-        except StoreFailure:
+        except StoreFailure as failure:
+            if failure.reason == FailureReason.EVICTED:
+                raise NotFound(
+                    f"The input items of response '{record.id}' are no longer stored: the "
+                    "stored history it continues was evicted."
+                ) from None
             raise _not_found(record.id) from None
         response_id, n_output = record.id, len(stored.get("output", []))
     views = await asyncio.to_thread(input_item_views, response_id, history, n_output, query.include)

@@ -9,8 +9,8 @@ scope's record is unknown, never found (CONTRACT.md C5).
 
 Sections, in the order a turn uses them:
 - lifecycle: start, close, available;
-- responses: lookup, history, response_bytes, find_item, item_bytes, put, commit,
-  delete, wait_for_room, sweep (expiry);
+- responses: lookup, retrieve, history, response_bytes, find_item, item_bytes, put,
+  commit, delete, wait_for_room, sweep (expiry);
 - conversations and their lock (a lease): `conversations`; Idempotency-Keys:
   `idempotency`;
 - background turns' status and event log: `backgrounds`.
@@ -163,6 +163,12 @@ class StoreInterface(Protocol):
     async def lookup(self, scope: str, response_id: str) -> Record:
         """The caller's stored response, every segment of its chain in hand or locatable:
         StoreFailure (UNKNOWN, EXPIRED, ...) when there is none to continue."""
+        ...
+
+    async def retrieve(self, scope: str, response_id: str) -> Record:
+        """The caller's stored response for its Response object (GET, cancel), found while
+        `response_bytes` can rebuild that: also a turn kept after its chain went while it
+        ran, whose `history` answers EVICTED (as `lookup` does on the shared store)."""
         ...
 
     async def history(self, record: Record) -> list[bytes]:

@@ -91,15 +91,11 @@ class Records:
         self.tombstones.pop(record.id, None)
         self.failed.pop(record.id, None)
 
-    def restore(
-        self, records: Iterable[Record], missing: Iterable[str], evicted: Iterable[str]
-    ) -> None:
-        """Start-up's records, oldest first, and the ids of those that could not be: a
-        segment gone (missing), or their chain evicted before it was written."""
+    def restore(self, records: Iterable[Record], missing: Iterable[str]) -> None:
+        """Start-up's records, oldest first, and the ids of those that could not be (a
+        segment gone: missing)."""
         for rid in missing:
             self.tombstone(rid, FailureReason.MISSING)
-        for rid in evicted:
-            self.tombstone(rid, FailureReason.EVICTED)
         records = list(records)
         by_id, tombstones, failed, place = self.by_id, self.tombstones, self.failed, self._place
         for record in records:  # add()'s work, in one loop (100,000s of records)

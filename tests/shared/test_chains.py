@@ -83,13 +83,20 @@ async def test_a_chain_gone_from_the_server_is_evicted_though_held_here(
         await a.lookup("scope-a", ids[-1])
     assert caught.value.reason == FailureReason.EVICTED
     # A turn in flight on it meanwhile is kept (as on one node), on no chain: its
-    # continuations answer evicted, on any replica; its bytes are counted.
+    # Response is retrieved whole (GET) and its continuations answer evicted, on any
+    # replica; its bytes are counted.
     before = a.shared_bytes
-    await a.commit(a.put(turn("r-late", "late"), record))
+    late = turn("r-late", "late")
+    await a.commit(a.put(late, record))
     assert a.shared_bytes > before
     for store in (a, await make_store()):
         with pytest.raises(StoreFailure) as caught:
             await store.lookup("scope-a", "r-late")
+        assert caught.value.reason == FailureReason.EVICTED
+        kept = await store.retrieve("scope-a", "r-late")
+        assert await store.response_bytes(kept) == late.response
+        with pytest.raises(StoreFailure) as caught:
+            await store.history(kept)
         assert caught.value.reason == FailureReason.EVICTED
 
 

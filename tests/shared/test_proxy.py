@@ -390,6 +390,12 @@ async def test_a_turn_whose_chain_is_evicted_while_it_runs_is_kept_as_on_one_nod
                 model="m", input="next", previous_response_id=response["id"]
             )
         assert gone.value.code == "previous_response_not_found"
+        # Its Response is stored, so GET answers it; its input items went with the chain.
+        kept = await proxy.client().responses.retrieve(response["id"])
+        assert kept.model_dump(exclude_unset=True) == response
+        with pytest.raises(openai.NotFoundError) as gone_input:
+            await proxy.client().responses.input_items.list(response["id"])
+        assert "input items" in gone_input.value.message
     assert a.metric("ocxproxy_shared_commits_total", outcome="missing") == 0
     assert a.metric("ocxproxy_shared_commits_total", outcome="ok") == 2
     assert a.metric("ocxproxy_turns_not_recorded_total", reason="storage_unavailable") == 0

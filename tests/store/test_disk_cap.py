@@ -280,3 +280,52 @@ async def test_a_turn_the_full_store_cannot_take_is_answered_507(
     assert status == 200 and first is not None, error
     status, error, rid = await create(http, proxy.url, {**body, "previous_response_id": first})
     assert status == 200 and rid is not None, error
+
+
+async def test_a_turn_kept_after_its_chain_was_evicted_is_retrieved_live_and_after_restarts(
+    tmp_path: Path,
+) -> None:
+    """A turn in flight on a chain the disk cap evicts meanwhile is acknowledged: its
+    Response is stored, so GET (`retrieve`, `response_bytes`) answers it byte for byte,
+    live, after a crash (journal replay) and from a checkpoint, and a DELETE finds it;
+    its history is gone (EVICTED) each time, and no segment is counted missing."""
+    rng = random.Random(11)
+    options = {"max_disk_bytes": CAP, "max_resident_bytes": 1, "offload": inline}
+    store = make_store(tmp_path, **options)
+    await store.start()
+    head = extend(store, rng, "s", 30, None)
+    await store.commit()
+    parent = store.lookup_nowait("scope-a", head.id)
+    assert not await store.expiry.for_disk(0, 0)  # the cap evicts the whole chain
+    turn = make_turn("s30", text(rng), filled=True)
+    await store.commit(store.put(turn, parent))
+
+    async def answers(store: Store) -> None:
+        record = await store.retrieve("scope-a", "s30")
+        assert await store.response_bytes(record) == turn.response
+        with pytest.raises(StoreFailure) as info:
+            await store.history(await store.lookup("scope-a", "s30"))
+        assert info.value.reason == FailureReason.EVICTED
+        assert sample(store.metrics.spill_failures, reason="missing") == 0
+        assert store.check() == []
+
+    await answers(store)
+    await store.abandon()  # a crash: the turn is in the journal only
+    for checkpointed in (False, True):
+        store = make_store(tmp_path, **options)
+        await store.start()
+        await answers(store)
+        if not checkpointed:
+            assert await store.flush()  # its row in a checkpoint from now on
+            await store.abandon()
+    assert await store.delete("scope-a", "s30")
+    await store.commit()
+    assert store.check() == []
+    await store.close()
+    store = make_store(tmp_path, **options)
+    await store.start()
+    with pytest.raises(StoreFailure) as info:
+        await store.retrieve("scope-a", "s30")
+    assert info.value.reason == FailureReason.UNKNOWN
+    assert store.check() == []
+    await store.close()

@@ -35,7 +35,7 @@ class StateReport:
     # (record id, place) of each live response kept in its record's entry
     responses: list[tuple[str, int]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # records needing an unknown segment
-    # records whose chain was evicted while their turn was in flight (codec.UNWRITTEN)
+    # records kept whose chain was evicted while their turn was in flight (codec.UNWRITTEN)
     evicted: list[str] = field(default_factory=list)
     bad_ids: list[str] = field(default_factory=list)  # conversations whose ids disagree
     temps: list[Path] = field(default_factory=list)
@@ -87,7 +87,7 @@ class StateReport:
         out.append(f"torn tails     {ld.cut}")
         out.append(f"unneeded files {len(self.unneeded)}")
         out.append(f"missing        {len(self.missing)}")
-        out.append(f"evicted        {len(self.evicted)} (in flight on a chain evicted)")
+        out.append(f"history lost   {len(self.evicted)} (in flight on a chain evicted)")
         out.append(f"temp files     {len(self.temps)}")
         return out
 
@@ -114,9 +114,10 @@ def inspect(root: Path) -> StateReport:
             needed.append(held)
         if len(row) > codec.FILL:  # its members filled in from the request, by sid
             needed.append(row[codec.FILL][0])
-        if codec.UNWRITTEN in needed:  # lost before it was written: start-up says EVICTED
+        if codec.UNWRITTEN in needed:  # lost before it was written: kept, its chain EVICTED
             report.evicted.append(row[0])
-            continue
+            needed = [sid for sid in needed if sid != codec.UNWRITTEN]
+            chain = []
         if any(sid not in segments or not _present(segments[sid], report.loaded)
                for sid in needed) or (type(held) is list and response is None):  # fmt: skip
             report.missing.append(row[0])

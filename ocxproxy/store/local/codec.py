@@ -112,8 +112,19 @@ IDS = 11  # a record row's field past the 11 every row has: a conversation's ite
 FILL = 12  # the next: [sid, bytes from the end] of the members the envelope filled in
 # The sid a record row's chain gives a segment whose bytes were lost before they were
 # written (never named: a turn in flight on a chain evicted or dropped meanwhile, which
-# answers EVICTED when continued): start-up answers its record EVICTED too.
+# answers EVICTED when continued). Start-up keeps its record, which GET still answers,
+# and puts `lost_segment()` in its place, so continuing it answers EVICTED too.
 UNWRITTEN = 0
+# The digest start-up gives that stand-in (no content hashes to 32 zero bytes).
+LOST_KEY = "00" * 32
+
+
+def lost_segment() -> Segment:
+    """The stand-in for the segments a restored record's row names UNWRITTEN: no bytes,
+    never written (sid 0), lost as EVICTED: a read of that record's chain answers so."""
+    segment = Segment.restore(LOST_KEY, 0, 0, NO_CALLS, durable=True)
+    segment.lost = str(FailureReason.EVICTED)
+    return segment
 
 
 def unwritten(segment: Segment) -> bool:

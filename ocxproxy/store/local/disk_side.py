@@ -37,8 +37,8 @@ class DiskSide:
         """Build records and segments from what start-up read (the caps are enforced
         once the journal takes entries: `Store.start`)."""
         store = self.store
-        records, missing, evicted = store.table.restore(loaded, store.clock())
-        store.index.restore(records, missing, evicted)
+        records, missing = store.table.restore(loaded, store.clock())
+        store.index.restore(records, missing)
         if missing:
             store.metrics.spill_failures.labels(reason=str(FailureReason.MISSING)).inc(len(missing))
             log.warning("journal: %d records need segments that are gone", len(missing))

@@ -10,21 +10,30 @@ from __future__ import annotations
 from typing import Any
 
 from ocxproxy.model import Chain, Record, Segment, place
-from ocxproxy.store.local.codec import FILL, IDS, UNWRITTEN, Loaded, conversation_ids
+from ocxproxy.store.local.codec import (
+    FILL,
+    IDS,
+    UNWRITTEN,
+    Loaded,
+    conversation_ids,
+    lost_segment,
+)
 from ocxproxy.store.local.keydir import Keydir
 from ocxproxy.store.local.segment_files import FILES
 
 
 def rebuild(
     loaded: Loaded, now: float, segments: dict[bytes, Segment], keydir: Keydir
-) -> tuple[list[Record], list[str], list[str]]:
-    """The live records of `loaded` (expired ones left out), oldest first; the ids of
-    those whose chain needs a segment that is gone (missing); and the ids of those whose
-    chain names a segment UNWRITTEN (lost before it was written: evicted, as it was
-    live). `loaded.records` is emptied. Their segments are added to `segments` (by
-    digest; their refcounts set) and located in `keydir`; segments no live record needs
-    are left out of both."""
-    by_sid: dict[int, Segment] = {}
+) -> tuple[list[Record], list[str]]:
+    """The live records of `loaded` (expired ones left out), oldest first, and the ids of
+    those whose chain needs a segment that is gone (missing). A chain that names a
+    segment UNWRITTEN (lost before it was written: evicted while its turn ran) holds
+    `codec.lost_segment()` there, one for all of them: the record is kept, and its chain
+    answers EVICTED, as it did live. `loaded.records` is emptied. Their segments are
+    added to `segments` (by digest; their refcounts set) and located in `keydir`;
+    segments no live record needs are left out of both."""
+    lost = lost_segment()
+    by_sid: dict[int, Segment] = {UNWRITTEN: lost}
     sizes, known = loaded.sizes, segments.get
     for sid, seg in loaded.segments.items():
         if seg.pack not in sizes and seg.pack != FILES:
@@ -52,8 +61,8 @@ def rebuild(
         return len(chains) - 1
 
     def build(row: list[Any]) -> int:
-        """The position of `row`'s built chain; KeyError (KeyError(UNWRITTEN): evicted)
-        or TypeError when a segment (or, None, a parent) is gone."""
+        """The position of `row`'s built chain; KeyError or TypeError when a segment
+        (or, None, a parent) is gone."""
         stack: list[list[Any]] = []
         while (pos := at.get(id(row))) is None:
             link = row[4]
@@ -73,7 +82,6 @@ def rebuild(
         return pos
 
     missing: list[str] = []
-    evicted: list[str] = []
     records: list[Record] = []
     placed: list[tuple[str, int]] = []  # (record id, its response's place)
     # Each row is let go of once its record is built (freed with the last of its
@@ -111,10 +119,9 @@ def rebuild(
                 fill = find(fill_sid)
                 if type(fill_at) is not int or fill_at < 0:
                     raise ValueError(f"{rid}: bad fill")
-        except KeyError as error:  # a segment is gone, or was never written (UNWRITTEN)
-            (evicted if error.args == (UNWRITTEN,) else missing).append(rid)
+        except (KeyError, TypeError, ValueError):  # gone: a segment, a parent (None),
+            missing.append(rid)  # or a response's file
             continue
-        except (TypeError, ValueError):  # a parent (None) or a response's file is gone
             missing.append(rid)
             continue
         under[pos] += 1
@@ -156,4 +163,7 @@ def rebuild(
         del segments[key]
     keydir.restored(segments.values())
     keydir.restored_responses(placed)
-    return records, missing, evicted
+    if lost.refs:  # (nowhere on disk: indexed, never located)
+        lost.durable_refs = lost.refs
+        segments[lost.digest] = lost
+    return records, missing

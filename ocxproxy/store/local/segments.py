@@ -53,16 +53,15 @@ class SegmentTable:
     def __len__(self) -> int:
         return len(self.by_key)
 
-    def restore(self, loaded: Loaded, now: float) -> tuple[list[Record], list[str], list[str]]:
+    def restore(self, loaded: Loaded, now: float) -> tuple[list[Record], list[str]]:
         """Start-up: the segments `loaded` describes, indexed and located; its live
-        records, the ids of those that need a segment that is gone and of those whose
-        chain was evicted before it was written (restore.py)."""
+        records, and the ids of those that need a segment that is gone (restore.py)."""
         self.sid = max(loaded.next_sid, 1) - 1
         found: dict[bytes, Segment] = {}
-        records, missing, evicted = rebuild(loaded, now, found, self.keydir)
+        records, missing = rebuild(loaded, now, found, self.keydir)
         self.by_key.absorb(found)
         self.keydir.sizes.update(loaded.sizes)
-        return records, missing, evicted
+        return records, missing
 
     # -- records take and let go of segments ---------------------------------------------
 
@@ -302,7 +301,7 @@ class SegmentTable:
         assert self.committer is not None
         data = segment.data if blob is None else None
         if blob is None and data is None:
-            return  # lost: a row names it UNWRITTEN; replay answers EVICTED, as it is now
+            return  # lost: a row names it UNWRITTEN; start-up's chain answers EVICTED too
         if not segment.sid:
             self.sid += 1
             segment.sid = self.sid

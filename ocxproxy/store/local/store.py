@@ -286,6 +286,10 @@ class Store:
     async def lookup(self, scope: str, response_id: str) -> Record:
         return self.lookup_nowait(scope, response_id)
 
+    async def retrieve(self, scope: str, response_id: str) -> Record:
+        # (a record whose chain was lost while its turn ran is kept whole but its chain)
+        return self.lookup_nowait(scope, response_id)
+
     async def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         return self.find_item_nowait(scope, item_id, unstored=unstored)
 

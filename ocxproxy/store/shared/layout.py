@@ -190,11 +190,14 @@ return {chain, total, evicted, expired}
 """
 
 LOST = "OCXLOST"  # the commit script's error when the parent's chain went meanwhile
+# The chain token of a record kept alone (KEEP_LOST): no chain is ever written under it.
+ALONE = bytes(8)
 
-# KEYS: the record, a chain never written (the record's value names its token), the
-#       budget's three keys. ARGV: the record's value, expiry (ms since epoch).
+# KEYS: the record, a chain never written (its budget's name), the budget's three keys.
+#       ARGV: the record's value, expiry (ms since epoch).
 # A turn whose parent's chain went while it ran (evicted, expired: COMMIT answered OCXLOST)
-# is kept all the same, as on one node: its record alone, on a chain that is gone, so its
+# is kept all the same, as on one node: its record alone, its chain token ALONE, with its
+# whole response object (no segment holds its output), so GET answers it and its
 # continuations answer `evicted`. Its bytes count as a chain of their own (they leave the
 # count when it expires, or is evicted). Returns the total bytes.
 KEEP_LOST = """
@@ -252,10 +255,11 @@ def commit_call(
 
 
 def keep_lost_call(keys: Keys, record: SharedRecord) -> tuple[list[bytes], list[Any]]:
-    """KEEP_LOST's keys and arguments: `record` (its whole length) on a chain never written."""
-    token = _tokens.randbytes(8)
-    value = b"%d:" % record.length + token + record_body(record)
-    script_keys = [keys.record(record.id), keys.chain(token), *budget_keys(keys.prefix)]
+    """KEEP_LOST's keys and arguments: `record` (its whole length, its whole response)
+    alone, on no chain (ALONE); counted in the budget as a chain never written."""
+    value = b"%d:" % record.length + ALONE + record_body(record, whole=True)
+    budget = keys.chain(_tokens.randbytes(8))
+    script_keys = [keys.record(record.id), budget, *budget_keys(keys.prefix)]
     return script_keys, [value, round(record.expires_at * 1000)]
 
 
@@ -284,11 +288,26 @@ def decode_segment(digest: str, value: bytes) -> Segment:
     )
 
 
-def record_body(record: Record) -> bytes:
-    """A record's value after `{length}:{chain token}`: its meta and the response object,
-    its id cut out (the key has it) and put back where the meta says."""
+def response_of(record: Record) -> bytes:
+    """A shared record's response object, its output items put back from its own segment
+    when they were cut."""
     assert isinstance(record.response, Segment)  # (the shared tier's records keep theirs so)
     skeleton = record.response.data
+    assert skeleton is not None  # in the record's value, as BEGIN returned it
+    if record.output_at is None:
+        return skeleton
+    own = record.segments[-1].data
+    assert own is not None
+    offset, length = record.output_at
+    return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+
+
+def record_body(record: Record, *, whole: bool = False) -> bytes:
+    """A record's value after `{length}:{chain token}`: its meta and the response object,
+    its id cut out (the key has it) and put back where the meta says; `whole`, with its
+    output (a record kept alone: no segment of it is written)."""
+    assert isinstance(record.response, Segment)  # (the shared tier's records keep theirs so)
+    skeleton = response_of(record) if whole else record.response.data
     assert skeleton is not None
     rid = record.id.encode()
     at = skeleton.find(b'"id":"' + rid + b'"')
@@ -299,7 +318,7 @@ def record_body(record: Record) -> bytes:
         round(record.created_at * 1000),
         record.expires_at,  # exactly: a replica's clock decides (the server's is in ms)
         record.n_items,
-        record.output_at,
+        None if whole else record.output_at,
         record.backend,
         record.affinity_key,
         record.stored,

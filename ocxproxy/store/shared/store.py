@@ -182,7 +182,7 @@ class SharedStore:
 
     async def _stored_response(self, scope: str, response_id: str) -> bytes | None:
         try:
-            return await self.response_bytes(await self.lookup(scope, response_id))
+            return await self.response_bytes(await self.retrieve(scope, response_id))
         except StoreFailure:
             return None
 
@@ -191,6 +191,14 @@ class SharedStore:
     async def lookup(self, scope: str, response_id: str) -> Record:
         """The caller's record (a turn kept in this process, else the server's), with
         every segment of its chain in hand."""
+        return await self._lookup(scope, response_id, alone=False)
+
+    async def retrieve(self, scope: str, response_id: str) -> Record:
+        """`lookup`, or a record kept alone (layout.KEEP_LOST: its chain went while its
+        turn ran), with no segments: its response object is whole in its value."""
+        return await self._lookup(scope, response_id, alone=True)
+
+    async def _lookup(self, scope: str, response_id: str, *, alone: bool) -> Record:
         with contextlib.suppress(StoreFailure):
             return self.local.lookup_nowait(scope, response_id)
         if response_id.startswith(KEPT_PREFIXES):
@@ -202,7 +210,7 @@ class SharedStore:
         if found is None:
             raise StoreFailure(FailureReason.UNKNOWN)
         value, window, tail = found
-        return await self._build(keys, response_id, value, window, tail)
+        return await self._build(keys, response_id, value, window, tail, alone=alone)
 
     async def find_item(self, scope: str, item_id: str, *, unstored: bool = False) -> Record:
         """The newest record whose own segment holds the item (kept here, else the
@@ -229,8 +237,10 @@ class SharedStore:
         tail: list[bytes | None],
         *,
         own: bool = False,
+        alone: bool = False,
     ) -> SharedRecord:
-        """The record from BEGIN's answer (ITEM's: `own`, its own segment alone)."""
+        """The record from BEGIN's answer (ITEM's: `own`, its own segment alone); with
+        `alone`, one kept alone too (layout.ALONE: its chain is gone), without segments."""
         try:
             head = layout.read_head(record_id, value)
         except ValueError as exc:
@@ -238,6 +248,10 @@ class SharedStore:
         if head.expires_at <= self.clock():
             self.metrics.store_evictions.labels(reason="expired").inc()
             raise StoreFailure(FailureReason.EXPIRED)
+        if head.chain == layout.ALONE:
+            if not alone:
+                raise StoreFailure(FailureReason.EVICTED, "chain")  # went while it ran
+            return layout.decode_record(keys, record_id, head, ())
         if len(window) != (1 if own else min(head.length, layout.WINDOW)):
             raise StoreFailure(FailureReason.EVICTED, "chain")  # its chain went (budget)
         names = [d.hex() for d in window]
@@ -312,20 +326,14 @@ class SharedStore:
     async def history(self, record: Record) -> list[bytes]:
         if not isinstance(record, SharedRecord):
             return await self.local.history(record)
+        if record.links is None:  # kept alone (`retrieve`): its chain went while it ran
+            raise StoreFailure(FailureReason.EVICTED, "chain")
         return [s.data for s in record.segments if s.data]
 
     async def response_bytes(self, record: Record) -> bytes:
         if not isinstance(record, SharedRecord):
             return await self.local.response_bytes(record)
-        assert isinstance(record.response, Segment)
-        skeleton = record.response.data
-        assert skeleton is not None  # in the record's value, as BEGIN returned it
-        if record.output_at is None:
-            return skeleton
-        own = record.segments[-1].data
-        assert own is not None
-        offset, length = record.output_at
-        return b"".join((skeleton[:offset], own[len(own) - length :], skeleton[offset:]))
+        return layout.response_of(record)
 
     async def item_bytes(self, found: Sequence[tuple[Record, str]]) -> list[bytes]:
         result = []
