@@ -14,14 +14,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     proxy = proxy_of(request)
-    # A store whose journal refuses writes (disk full) cannot acknowledge stored turns:
-    # not ready, until a write succeeds again (the store probes by itself).
-    available = proxy.store.available
-    ready = proxy.ready and available and proxy.pool.is_ready()
+    # A store whose journal refuses writes (an I/O error, a full disk) or whose shared
+    # server is unreachable cannot acknowledge stored turns: not ready, until a write
+    # succeeds again (the store probes by itself). A store full for --max-disk-bytes is
+    # ready: it serves reads, DELETEs (which make room) and store:false turns, and
+    # answers a turn to store 507 store_full; its body says so.
+    store = proxy.store
+    available, full = store.available, store.full
+    ready = proxy.ready and (available or full) and proxy.pool.is_ready()
     body = {
         "status": "ready" if ready else "not ready",
         "store_loaded": proxy.ready,
-        "store": "available" if available else "unavailable",
+        "store": "available" if available else "full" if full else "unavailable",
         "backends": {b.url: "up" if b.healthy else "down" for b in proxy.pool.backends},
     }
     return web.json_response(body, status=200 if ready else 503)

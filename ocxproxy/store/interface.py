@@ -141,8 +141,15 @@ class StoreInterface(Protocol):
 
     @property
     def available(self) -> bool:
-        """False while the store cannot take writes (the journal or the server is down):
-        a turn is refused with 503 before anything is forwarded."""
+        """False while the store cannot take writes: the journal or the server is down,
+        or it is `full`."""
+        ...
+
+    @property
+    def full(self) -> bool:
+        """The store takes writes but not what would add to it (a disk cap that nothing
+        left to evict can meet): stored turns are read and deleted, a turn to store is
+        refused (507 store_full)."""
         ...
 
     @property

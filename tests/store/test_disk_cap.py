@@ -151,7 +151,7 @@ async def test_nothing_to_evict_is_said_once_and_new_turns_are_refused(
 ) -> None:
     """Others' files (background responses') past what the cap leaves: evicting every
     response cannot help. The store says so once (a counter, one warning), is unavailable,
-    refuses new turns with a typed failure (answered 503 like a full disk), retries
+    refuses new turns with a typed failure (FULL: answered 507 store_full), retries
     rarely (no checkpoint per pass), and takes turns again once there is room."""
     rng = random.Random(9)
     store = make_store(tmp_path, max_disk_bytes=CAP, max_resident_bytes=1, offload=inline)
@@ -245,12 +245,20 @@ async def test_a_turn_the_full_store_cannot_take_is_answered_507(
 ) -> None:
     """Over HTTP: while nothing can be evicted to get under --max-disk-bytes, a store:true
     turn is answered 507 store_full, as a conversation write is (never a 200 for a turn
-    that is not kept, nor an answer blaming the disk), /readyz says the store is
-    unavailable, and turns are taken again once there is room."""
+    that is not kept, nor an answer blaming the disk), and turns are taken again once
+    there is room. Meanwhile the proxy stays ready (/readyz 200, saying the store is
+    full: a load balancer keeps sending the reads and DELETEs that make room), serves
+    stored turns, DELETEs and store:false turns, and the store_available gauge is 0."""
     proxy = await make_proxy(backend.url, max_disk_bytes=CAP)
     body = {"model": "fake-model", "input": "hello"}
     store = proxy.proxy.store
     assert isinstance(store, Store) and store.disk is not None
+    kept = []  # conversations: pinned, what is left when responses are all evicted
+    for _ in range(2):
+        item = {"type": "message", "role": "user", "content": "kept"}
+        async with http.post(f"{proxy.url}/v1/conversations", json={"items": [item]}) as r:
+            assert r.status == 200
+            kept.append((await r.json())["id"])
     others = [CAP]
     store.count_on_disk(lambda: others[0])  # background files past the cap
     store.disk._wanted.set()
@@ -270,7 +278,14 @@ async def test_a_turn_the_full_store_cannot_take_is_answered_507(
         assert error["code"] == "store_full" and "store is full" in error["message"], error
     assert proxy.metric("ocxproxy_store_disk_full_total") == 1
     async with http.get(proxy.url + "/readyz") as r:
-        assert r.status == 503
+        assert r.status == 200 and (await r.json())["store"] == "full"
+    assert proxy.metric("ocxproxy_store_available") == 0
+    async with http.get(f"{proxy.url}/v1/conversations/{kept[0]}/items") as r:
+        assert r.status == 200 and (await r.json())["data"][0]["content"][0]["text"] == "kept"
+    async with http.delete(f"{proxy.url}/v1/conversations/{kept[1]}") as r:
+        assert r.status == 200
+    status, error, rid = await create(http, proxy.url, {**body, "store": False})
+    assert status == 200 and rid is not None, error
     others[0] = 0
     for _ in range(200):
         await asyncio.sleep(0.01)
@@ -280,6 +295,8 @@ async def test_a_turn_the_full_store_cannot_take_is_answered_507(
     assert status == 200 and first is not None, error
     status, error, rid = await create(http, proxy.url, {**body, "previous_response_id": first})
     assert status == 200 and rid is not None, error
+    async with http.get(proxy.url + "/readyz") as r:
+        assert r.status == 200 and (await r.json())["store"] == "available"
 
 
 async def test_a_turn_kept_after_its_chain_was_evicted_is_retrieved_live_and_after_restarts(

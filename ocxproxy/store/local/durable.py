@@ -510,8 +510,8 @@ class Durable:
                 "store full: %.1f MiB of live data, checkpoint and background files, over "
                 "the %.1f MiB it may keep (%d%% of --max-disk-bytes %.1f MiB), and nothing "
                 "more can be evicted (what is left is pinned: conversations, or others' "
-                "files); new turns are refused (503) until there is room: delete "
-                "conversations or raise --max-disk-bytes",
+                "files); new turns to store are refused (507 store_full) until there is room: "
+                "delete conversations or raise --max-disk-bytes",
                 (self.table.keydir.live_bytes + self.checkpoint_size + self.others_bytes())
                 / mib, self.max_disk_bytes * DISK_KEEP / mib, round(DISK_KEEP * 100),
                 self.max_disk_bytes / mib,

@@ -184,6 +184,12 @@ class Store:
         """The disk takes writes, and the disk cap new turns (always, without one)."""
         return self.disk is None or (self.disk.available and not self.disk.full)
 
+    @property
+    def full(self) -> bool:
+        """The disk takes writes but --max-disk-bytes cannot be met (nothing left to
+        evict): only what adds to the store is refused (StoreFailure(FULL))."""
+        return self.disk is not None and self.disk.available and self.disk.full
+
     def count_on_disk(self, bytes_used: Callable[[], int]) -> None:
         """Files of the state dir kept by others (background responses'): counted in
         --max-disk-bytes with the store's own, so records make room for them."""

@@ -142,6 +142,12 @@ class SharedStore:
         """The server answers; False from a failed round trip until one succeeds."""
         return self.server.available
 
+    @property
+    def full(self) -> bool:
+        """Never: past its byte budget a commit evicts chains (a conversation write that
+        cannot be taken is refused on its own)."""
+        return False
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
