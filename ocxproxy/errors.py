@@ -241,11 +241,17 @@ class StoreFailure(Exception):
 
 
 _NOT_SAVED = " Nothing was saved; retry later, or send store=false."
+# What happened to the history a turn continues (found when the turn began) by the time
+# its commit was refused. UNKNOWN is a lookup's answer for an id the store does not hold
+# and keeps no reason for: deleted (a DELETE leaves none), gone for a reason the store
+# forgot (it keeps the last 10,000, none across a restart), a shared server's key gone
+# (deleted, expired, lost); all it says is that the store no longer holds it. (No store's
+# commit refuses a turn with it; one that did would be answered truly.)
 _GONE = {
-    FailureReason.EVICTED: "was evicted",
-    FailureReason.EXPIRED: "expired",
-    FailureReason.UNKNOWN: "was deleted",
-    FailureReason.MISSING: "was lost",
+    FailureReason.EVICTED: "was evicted while it ran",
+    FailureReason.EXPIRED: "expired while it ran",
+    FailureReason.UNKNOWN: "went while it ran (the store no longer holds it)",
+    FailureReason.MISSING: "was lost while it ran",
 }
 
 
@@ -260,7 +266,7 @@ def not_stored(failure: StoreFailure) -> OcxError:
         )
     if reason in _GONE:  # what it continues went while it ran: as a retry would find it
         return InvalidRequest(
-            lead + f"the stored history it continues {_GONE[reason]} while it ran. "
+            lead + f"the stored history it continues {_GONE[reason]}. "
             "Nothing was saved; send the whole conversation as input instead.",
             param="previous_response_id",
             code="previous_response_not_found",

@@ -244,7 +244,7 @@ async def test_backend_timeout_is_504(
             400,
             "invalid_request_error",
             "previous_response_not_found",
-            "deleted",
+            "it continues went while it ran (the store no longer holds it).",
         ),
         (FailureReason.CORRUPT, 503, "server_error", "storage_unavailable", "(corrupt)"),
         (FailureReason.READ_FAILED, 503, "server_error", "storage_unavailable", "(read_failed)"),
