@@ -5,6 +5,7 @@ the store falls back to a thread when it dies, and it never outlives the proxy."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from ocxproxy.errors import StoreFailure
 from ocxproxy.store import Store
-from ocxproxy.store.local import committer, files, journal
+from ocxproxy.store.local import committer, files, journal, syncer
 from ocxproxy.store.local.durable import StateDirUnusable
 from ocxproxy.store.local.journal import Journal
 from ocxproxy.store.local.syncer import ChildGone, FsyncChild
@@ -484,3 +485,50 @@ async def test_a_full_disk_while_the_rotated_to_file_gets_its_room_leaves_a_work
     assert durable_ids(tmp_path) == ["a0", "b0", "c0", "c1"]
     await store.close()
     assert store.check() == []
+
+
+def writes_by_thread(pid: int) -> dict[int, int]:
+    """The write system calls (pwrite among them) each thread of process `pid` made so far."""
+    counts = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # (a thread that just ended)
+            fields = Path(f"/proc/{pid}/task/{tid}/io").read_text().split()
+            counts[int(tid)] = int(fields[fields.index("syscw:") + 1])
+    return counts
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+async def test_commits_in_flight_go_down_lanes_of_their_own(
+    make_proxy: MakeProxy, backend: FakeBackend
+) -> None:
+    """Commits in flight at once are each written and synced by a lane of their own, so
+    their fdatasyncs run at once (a lane's thread syncs what it took before it reads the
+    next): seen from outside the proxy, as the helper's threads' own write calls. The
+    helper is stopped while four turns come one after another (each commit then waits in
+    flight), and let go: each of its four threads wrote once, not one of them four times."""
+    handle = await make_proxy(backend.url)
+    client = handle.client()
+    await client.responses.create(model="m", input="warm")  # the journal has its room
+    store = handle.proxy.store
+    assert isinstance(store, Store) and store.disk is not None
+    assert store.disk.committer is not None
+    helper = child_of(store).proc.pid
+    assert len(os.listdir(f"/proc/{helper}/task")) == syncer.LANES
+    before = writes_by_thread(helper)
+    flights = store.disk.committer._flights  # (only to know when each commit is sent)
+    turns = []
+    os.kill(helper, signal.SIGSTOP)
+    try:
+        for n in range(syncer.LANES):
+            turns.append(asyncio.ensure_future(client.responses.create(model="m", input=f"{n}")))
+            for _ in range(1000):
+                if len(flights) > n:
+                    break
+                await asyncio.sleep(0.005)
+            assert len(flights) == n + 1, "each turn's commit is in flight on its own"
+    finally:
+        os.kill(helper, signal.SIGCONT)
+    await asyncio.wait_for(asyncio.gather(*turns), 10)
+    after = writes_by_thread(helper)
+    wrote = sorted(after[tid] - before.get(tid, 0) for tid in after)
+    assert wrote == [1] * syncer.LANES, wrote
