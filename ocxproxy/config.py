@@ -86,6 +86,16 @@ def parse_int(text: str) -> int:
         raise ValueError(f"not a whole number: {text!r}") from None
 
 
+def parse_temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 2:  # the Responses API's range
+        raise ValueError(f"temperature out of range: {value:g} (0-2)")
+    return value
+
+
 def parse_port(text: str) -> int:
     try:
         port = int(text)
@@ -550,6 +560,15 @@ class Config:
     )
     local_model: Path | None = setting(
         None, "GGUF model for the embedded backend", group=BACKENDS, parse=Path, metavar="FILE"
+    )
+    local_temperature: float | None = setting(
+        None,
+        "the embedded backend's sampling temperature for a request that sets none (0: the "
+        "likeliest token every time, so a request gets the same answer each time it is sent; "
+        "default: llama.cpp's 0.8)",
+        group=BACKENDS,
+        parse=parse_temperature,
+        metavar="T",
     )
     kv_save: str = setting(
         "auto",

@@ -104,7 +104,11 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     if model is None or not local.is_available():
         raise local.LocalBackendError(local.MISSING_MESSAGE)
     saves = await _kv_saves(proxy)
-    backend = local.LocalBackend(model, slot_save_path=saves.directory if saves else None)
+    backend = local.LocalBackend(
+        model,
+        slot_save_path=saves.directory if saves else None,
+        temperature=proxy.config.local_temperature,
+    )
     url = await backend.start()
     served = proxy.pool.add(url)
 

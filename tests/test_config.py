@@ -20,6 +20,7 @@ from ocxproxy.config import (
     parse_duration,
     parse_kv_cache_types,
     parse_port,
+    parse_temperature,
     parse_upstreams,
 )
 
@@ -110,6 +111,17 @@ def test_kv_cache_types_come_from_the_environment_in_their_canonical_form() -> N
     assert raw.kv_cache_types == "q8_0/q8_0"
     with pytest.raises(ValueError, match="K/V in lower case"):
         Config(kv_cache_types="q8_0")
+
+
+@pytest.mark.parametrize(("text", "value"), [("0", 0.0), ("0.7", 0.7), ("2", 2.0)])
+def test_parse_temperature(text: str, value: float) -> None:
+    assert parse_temperature(text) == value
+
+
+@pytest.mark.parametrize("text", ["-0.1", "2.5", "warm", "", "nan"])
+def test_parse_temperature_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_temperature(text)
 
 
 @pytest.mark.parametrize(("text", "value"), [("0", 0), ("8080", 8080), ("65535", 65535)])

@@ -68,6 +68,8 @@ def _build_params(args: argparse.Namespace) -> Any:
     # reuse a prefix longer than the window. (No effect on SmolLM2, which has no SWA.)
     params.swa_full = True
     params.ctx_shift = False  # reject over-long prompts instead of silently dropping history
+    if args.temperature is not None:  # a request's own temperature still wins
+        params.sampling.temp = args.temperature  # 0: greedy, the likeliest token
     if args.slot_save_path is not None:  # POST /slots/{id}?action=save|restore (warm resume)
         params.slot_save_path = os.path.join(args.slot_save_path, "")  # llama.cpp appends names
         params.endpoint_slots = True
@@ -96,6 +98,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="directory for slot saves (POST /slots/{id}?action=save|restore); default: off",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature for a request that sets none (default: llama.cpp's)",
     )
     parser.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone"

@@ -162,13 +162,17 @@ class LocalBackend:
         cache_ram_mib: int = CACHE_RAM_MIB,
         on_restart: Callable[[], None] | None = None,
         slot_save_path: Path | None = None,
+        temperature: float | None = None,
     ) -> None:
         """`parallel` slots split `ctx` between them; `cache_ram_mib=0` turns off the host-RAM
         prompt cache (a GPU server without one keeps only what its slots hold).
         `on_restart` is called after each restart by the watchdog (its cache is gone).
-        `slot_save_path`: the directory slot saves go to (warm resume); None: off."""
+        `slot_save_path`: the directory slot saves go to (warm resume); None: off.
+        `temperature`: the sampling temperature for a request that sets none (None:
+        llama.cpp's default)."""
         self.on_restart = on_restart
         self.slot_save_path = slot_save_path
+        self.temperature = temperature
         self.boot = ""  # a new random identity each time the child starts
         self.model_path = Path(model_path)
         self.parallel = parallel
@@ -343,6 +347,8 @@ class LocalBackend:
             cmd += ["--cache-ram-mib", str(self.cache_ram_mib)]
         if self.slot_save_path is not None:
             cmd += ["--slot-save-path", str(self.slot_save_path)]
+        if self.temperature is not None:
+            cmd += ["--temperature", repr(self.temperature)]
         return cmd
 
     def _prepare_log(self) -> Any:

@@ -173,6 +173,28 @@ async def test_serve_without_upstream_runs_and_stops_the_embedded_backend() -> N
     assert all(_is_gone(child) for child in children)
 
 
+async def test_local_temperature_zero_answers_a_request_the_same_each_time() -> None:
+    # llama.cpp's default temperature (0.8) samples: 24 tokens of a story differ run to run.
+    proc = await _start_serve("--local-temperature", "0")
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        match = re.search(r"(http://\S+)/v1", line)
+        assert match, line
+        body = {"model": "local", "input": "Tell me a story.", "max_output_tokens": 24}
+        texts = []
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                async with http.post(match.group(1) + "/v1/responses", json=body) as answer:
+                    assert answer.status == 200
+                    output = orjson.loads(await answer.read())["output"]
+                    texts.append(output[-1]["content"][0]["text"])
+        assert len(set(texts)) == 1 and len(texts[0]) > 40, texts
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
 def _is_gone(pid: int) -> bool:
     try:
         return " Z " in Path(f"/proc/{pid}/stat").read_text()  # a zombie is gone too
