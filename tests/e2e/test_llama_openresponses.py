@@ -1,12 +1,13 @@
 """The official Open Responses compliance suite (tests/vendor/openresponses) against
-`ocxproxy serve` on the embedded llama.cpp with SmolLM2-135M, restricted (--filter) to the
-tests whose outcome does not hang on what the model says or how long it talks: the suite
-sets no output limit, and this model answers "Count from 1 to 5" or "Reply with OK" with
-300 tokens and more about one time in eight, past the suite's 30 s per WebSocket turn on
-a busy 2-core machine. Those that run: the output-phase schema, both refusals (a compact
-without a model, a WebSocket continuation of an unknown response), two short answers
-(JSON), and image input, which fails: the model has no vision projector, and llama.cpp
-answers 500."""
+`ocxproxy serve` on the embedded llama.cpp with SmolLM2-135M, decoding greedily
+(scripts/openresponses passes --local-temperature 0): the suite sets no temperature and no
+output limit, and sampled at llama.cpp's default this model runs on to the end of its
+context (8,192 tokens, minutes on a 2-core machine) about one answer in forty. Greedy, each
+answer is the same every run, and some of the suite's prompts ("Count from 1 to 3", a
+compaction's summary) run on every time, so it is restricted (--filter) to the tests that
+end quickly: the output-phase schema, both refusals (a compact without a model, a
+WebSocket continuation of an unknown response), two short answers (JSON), and image input,
+which fails: the model has no vision projector, and llama.cpp answers 500."""
 
 from __future__ import annotations
 
