@@ -606,3 +606,16 @@ async def test_a_turn_acknowledged_after_its_twin_was_deleted_uncommitted_surviv
     assert len(await reopened.history(record)) == 1
     assert reopened.check() == []
     await reopened.close()
+
+
+async def test_the_shared_fill_stays_resident_while_turns_use_it() -> None:
+    """A memory-only store loses what leaves memory: the members every turn's Response
+    shares (Turn.fill) are used again by each turn, so they are never the oldest there."""
+    store = make_store(None, max_resident_bytes=4_000)
+    first = store.put(make_turn("r0", "turn 0", filled=True), None)
+    for i in range(1, 40):
+        record = store.put(make_turn(f"r{i}", f"turn {i}", filled=True), None)
+        assert record.fill is first.fill and first.fill is not None
+        assert first.fill.data is not None, i
+    assert sample(store.metrics.store_evictions, reason="resident_bytes") > 0  # (a cap felt)
+    assert await store.response_bytes(record) == make_turn("r39", "turn 39", filled=True).response

@@ -396,7 +396,7 @@ class Store:
         if segment is None or segment.refs <= 0 or (last is not fill and last != fill):
             segment = self.table.intern(Segment(fill, 0, NO_CALLS, durable=False))
         elif segment.data is not None:
-            self.table.intern(segment)  # (still the table's: recently used)
+            self.resident.admit(segment)  # (still the table's: recently used)
         else:  # its bytes back, from this turn's (the same)
             again = Segment.restore(segment.key, len(fill), 0, NO_CALLS, durable=False, data=fill)
             segment = self.table.intern(again)
