@@ -122,8 +122,6 @@ def rebuild(
         except (KeyError, TypeError, ValueError):  # gone: a segment, a parent (None),
             missing.append(rid)  # or a response's file
             continue
-            missing.append(rid)
-            continue
         under[pos] += 1
         if isinstance(response, Segment):
             response.refs += 1
