@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(8k|128k) +(\d+\.\d) \( *(\d+\.\d)\) +(\d+\.\d) \( *(\d+\.\d)\)$", re.M)
 
@@ -28,6 +30,22 @@ async def test_bench_hotpath_prints_its_figures() -> None:
         assert 0 < json_min <= json_median and 0 < sse_min <= sse_median, out
 
 
+async def test_bench_hotpath_envelope_ab_prints_its_figures() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath.py")]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, "--n", "20", "--rounds", "2", "--envelope-ab", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out
+    cell = r"(-?\d+\.\d) \( *(-?\d+\.\d)\)"  # differences: noise can make them negative
+    rows = re.findall(rf"^(8k|128k) +{cell} +{cell}$", out, re.M)
+    assert [row[0] for row in rows] == ["8k", "128k"], out
+    for _, json_median, json_min, sse_median, sse_min in rows:
+        assert float(json_min) <= float(json_median) and float(sse_min) <= float(sse_median)
+
+
 async def test_bench_compaction_item_prints_its_figures() -> None:
     argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_compaction_item.py")]
     proc = await asyncio.create_subprocess_exec(
@@ -42,3 +60,22 @@ async def test_bench_compaction_item_prints_its_figures() -> None:
         re.M,
     )
     assert rows == ["8k", "128k"], out
+
+
+def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import bench_hotpath
+
+    from ocxproxy.continuation.envelope import Envelope
+    from ocxproxy.http import exchange
+
+    def current() -> list[object]:
+        return [Envelope.answer, Envelope.pending_event, Envelope.terminal_event,
+                Envelope.complete, exchange._envelope, exchange.spliced]  # fmt: skip
+
+    before = current()
+    switch = bench_hotpath.EnvelopeSwitch()
+    switch.off()
+    assert all(now is not then for now, then in zip(current(), before, strict=True))
+    switch.on()
+    assert all(now is then for now, then in zip(current(), before, strict=True))

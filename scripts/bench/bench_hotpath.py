@@ -22,6 +22,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --profile
     python scripts/bench/bench_hotpath.py --context-window 1000000   # with the window check
     python scripts/bench/bench_hotpath.py --envelope-off   # the Response envelope a no-op
+    python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, alternated
 """
 
 from __future__ import annotations
@@ -172,25 +173,48 @@ class Client:
         return answer
 
 
+_UNSET = object()
+
+
+class EnvelopeSwitch:
+    """Turns the Response envelope off (a no-op: one shared Envelope that changes nothing,
+    its bytes written as they came) and back on, in the same process: what the proxy
+    costs without it."""
+
+    def __init__(self) -> None:
+        from ocxproxy.continuation.envelope import Envelope, Patch
+        from ocxproxy.http import exchange
+
+        shared = Envelope()
+
+        def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
+            return data
+
+        self._off: list[tuple[Any, str, Any]] = [
+            (Envelope, "complete", lambda self, response, **_: Patch()),
+            (Envelope, "answer", lambda self, data, response: (data, Patch())),
+            (Envelope, "pending_event", lambda self, event: event),
+            # (no bytes: the store encodes the dict)
+            (Envelope, "terminal_event", lambda self, event, payload: (Patch(), None)),
+            (exchange, "_envelope", lambda *_: shared),
+            *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
+        ]
+        self._on = [(owner, name, vars(owner).get(name, _UNSET)) for owner, name, _ in self._off]
+
+    def off(self) -> None:
+        for owner, name, value in self._off:
+            setattr(owner, name, value)
+
+    def on(self) -> None:
+        for owner, name, value in self._on:
+            if value is _UNSET:  # inherited (a C base's method): uncover it
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
 def envelope_off() -> None:
-    """The Response envelope made a no-op (one shared Envelope that changes nothing, its
-    bytes written as they came): what the proxy costs without it."""
-    from ocxproxy.continuation.envelope import Envelope, Patch
-    from ocxproxy.http import exchange
-
-    Envelope.complete = lambda self, response, **_: Patch()  # type: ignore[method-assign]
-    Envelope.answer = lambda self, data, response: (data, Patch())  # type: ignore[method-assign]
-    Envelope.pending_event = lambda self, event: event  # type: ignore[method-assign]
-    # (no bytes: the store encodes the dict)
-    Envelope.terminal_event = lambda self, event, payload: (Patch(), None)  # type: ignore[method-assign]
-    shared = Envelope()
-
-    def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
-        return data
-
-    setattr(exchange, "_envelope", lambda *_: shared)  # noqa: B010 (not exported)
-    for name in ("spliced", "written", "written_event"):
-        setattr(exchange, name, as_it_came)
+    EnvelopeSwitch().off()
 
 
 async def measure(args: argparse.Namespace) -> None:
@@ -220,7 +244,10 @@ async def _connected(backend: Backend) -> http1._Connection:
 async def run_sizes(client: Client, args: argparse.Namespace) -> None:
     store = "durable store (state dir)" if args.durable else "memory-only store (--zdr)"
     print(f"µs per continuation turn, in-process, {store}")
-    print(f"(median of {args.rounds} rounds of {args.n} turns)")
+    if args.envelope_ab:
+        print(f"the envelope's cost: on - off, median (least) of {args.rounds} paired rounds")
+    else:
+        print(f"(median of {args.rounds} rounds of {args.n} turns)")
     print(f"{'history':<8} {'JSON median (min)':>16} {'SSE median (min)':>16}")
     for name, size in SIZES.items():
         first = orjson.dumps({"model": "m", "input": make_items(size)})
@@ -233,6 +260,9 @@ async def run_sizes(client: Client, args: argparse.Namespace) -> None:
             body = orjson.dumps(turn)
             for _ in range(args.n // 5):  # warm-up
                 await client.post(body)
+            if args.envelope_ab:
+                row.append(await envelope_ab(client, body, args))
+                continue
             rounds = []
             for _ in range(args.rounds):
                 start = time.perf_counter()
@@ -244,6 +274,29 @@ async def run_sizes(client: Client, args: argparse.Namespace) -> None:
                 await profile(client, body, args)
         cells = [f"{median:>6.1f} ({low:>5.1f})" for median, low in row]
         print(f"{name:<8} {cells[0]:>16} {cells[1]:>16}")
+
+
+async def envelope_ab(client: Client, body: bytes, args: argparse.Namespace) -> tuple[float, float]:
+    """The envelope's µs per turn: rounds with it on and off alternated (in turn first, so
+    a drift of the machine falls on both), the median and the least of their differences."""
+    switch = EnvelopeSwitch()
+    differences = []
+    for index in range(args.rounds):
+        took = {}
+        for on in (True, False) if index % 2 == 0 else (False, True):
+            if on:
+                switch.on()
+            else:
+                switch.off()
+            for _ in range(args.n // 10):  # the other mode's warm-up
+                await client.post(body)
+            start = time.perf_counter()
+            for _ in range(args.n):
+                await client.post(body)
+            took[on] = (time.perf_counter() - start) / args.n
+        differences.append(took[True] - took[False])
+    switch.on()
+    return statistics.median(differences) * 1e6, min(differences) * 1e6
 
 
 async def profile(client: Client, body: bytes, args: argparse.Namespace) -> None:
@@ -272,6 +325,12 @@ def main() -> None:
         "--envelope-off",
         action="store_true",
         help="the Response envelope a no-op: its cost is a run without this minus one with",
+    )
+    parser.add_argument(
+        "--envelope-ab",
+        action="store_true",
+        help="the envelope's cost in µs per turn: its rounds on and off alternated in one "
+        "process, each cell the median (least) of on - off",
     )
     parser.add_argument(
         "--context-window",
