@@ -234,31 +234,122 @@ static int int_member(PyObject *dict, PyObject *name) {
     return value != NULL && PyLong_CheckExact(value);
 }
 
+/* ---- dicts known by their keys ----------------------------------------------------
+ * A backend writes each kind of object (usage, its details, a message, an output text)
+ * with the same members in the same order turn after turn, and orjson gives a key the
+ * same str object each time (its key cache): such a dict is known by one pass that
+ * compares its keys' addresses with those of the last one found usual, instead of a
+ * lookup (a hash probe and a string compare) per member. */
+
+#define KEYS_MAX 8
+#define NAMES_MAX 5
+
+typedef struct {
+    Py_ssize_t n; /* 0: none learnt yet */
+    PyObject *keys[KEYS_MAX]; /* (strong references, kept for the process) */
+    int count;
+    PyObject **names[NAMES_MAX]; /* the members read, and where they are among `keys` */
+    Py_ssize_t at[NAMES_MAX];
+} Keys;
+
+static Keys usage_keys = {.count = 5, .names = {&s_input_tokens, &s_output_tokens,
+    &s_total_tokens, &s_input_tokens_details, &s_output_tokens_details}};
+static Keys cached_keys = {.count = 1, .names = {&s_cached_tokens}};
+static Keys reasoning_keys = {.count = 1, .names = {&s_reasoning_tokens}};
+static Keys message_keys = {.count = 3, .names = {&s_status, &s_type, &s_content}};
+static Keys part_keys = {.count = 2, .names = {&s_type, &s_annotations}};
+
+/* `dict`'s values of `known`'s names (borrowed) when its keys are the very objects
+ * learnt, in their order: 1; else 0. (No Python code runs.) */
+static int known_values(PyObject *dict, const Keys *known, PyObject **values) {
+    Py_ssize_t n = known->n;
+    if (n == 0 || PyDict_GET_SIZE(dict) != n)
+        return 0;
+    PyObject *all[KEYS_MAX], *key, *value;
+    Py_ssize_t pos = 0, i = 0;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        if (i >= n || key != known->keys[i])
+            return 0;
+        all[i++] = value;
+    }
+    if (i != n)
+        return 0;
+    for (int j = 0; j < known->count; j++)
+        values[j] = all[known->at[j]];
+    return 1;
+}
+
+/* `dict`'s keys learnt (it was found usual by lookups), when they are few exact strs
+ * among which are `known`'s names. */
+static void learn(PyObject *dict, Keys *known) {
+    Py_ssize_t n = PyDict_GET_SIZE(dict), pos = 0, i = 0, at[NAMES_MAX];
+    PyObject *keys[KEYS_MAX], *key, *value;
+    if (n == 0 || n > KEYS_MAX)
+        return;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        if (i >= n || !PyUnicode_CheckExact(key))
+            return;
+        keys[i++] = key;
+    }
+    if (i != n)
+        return;
+    for (int j = 0; j < known->count; j++) {
+        for (at[j] = 0; at[j] < n && !is_str(keys[at[j]], *known->names[j]); at[j]++)
+            ;
+        if (at[j] == n)
+            return;
+    }
+    for (i = 0; i < n; i++) /* (a str's release runs no Python code) */
+        Py_INCREF(keys[i]);
+    for (i = 0; i < known->n; i++)
+        Py_DECREF(known->keys[i]);
+    memcpy(known->keys, keys, sizeof(PyObject *) * (size_t)n);
+    memcpy(known->at, at, sizeof(Py_ssize_t) * (size_t)known->count);
+    known->n = n;
+}
+
 /* The checks below hold each dict and list they look into: a lookup compares a key of
  * the same hash, whose __eq__ (an object's, not a str's) may run Python code that takes
  * the dict out of what holds it. */
 
-/* `usage[name]`: a dict whose `member` is an exact int. */
-static int details_usual(PyObject *usage, PyObject *name, PyObject *member) {
-    PyObject *details = PyDict_GetItemWithError(usage, name);
-    if (details == NULL || !PyDict_CheckExact(details))
+/* A usage's details: a dict whose `known` member is an exact int. */
+static int details_known(PyObject *details, Keys *known) {
+    PyObject *value;
+    if (!PyDict_CheckExact(details))
         return 0;
+    if (known_values(details, known, &value))
+        return PyLong_CheckExact(value);
     Py_INCREF(details);
-    int usual = int_member(details, member);
+    int usual = int_member(details, *known->names[0]);
+    if (usual)
+        learn(details, known);
     Py_DECREF(details);
     return usual;
 }
 
+/* `usage[name]`: details whose `known` member is an exact int. */
+static int details_usual(PyObject *usage, PyObject *name, Keys *known) {
+    PyObject *details = PyDict_GetItemWithError(usage, name);
+    return details != NULL && details_known(details, known);
+}
+
 /* `_usage_changed`'s quick check: the usual usage (1), or one the Python path must see (0). */
 static int usage_usual(PyObject *usage) {
+    PyObject *v[5];
     if (usage == Py_None)
         return 1;
     if (!PyDict_CheckExact(usage))
         return 0;
-    return int_member(usage, s_input_tokens) && int_member(usage, s_output_tokens)
+    if (known_values(usage, &usage_keys, v))
+        return PyLong_CheckExact(v[0]) && PyLong_CheckExact(v[1]) && PyLong_CheckExact(v[2])
+            && details_known(v[3], &cached_keys) && details_known(v[4], &reasoning_keys);
+    int usual = int_member(usage, s_input_tokens) && int_member(usage, s_output_tokens)
         && int_member(usage, s_total_tokens)
-        && details_usual(usage, s_input_tokens_details, s_cached_tokens)
-        && details_usual(usage, s_output_tokens_details, s_reasoning_tokens);
+        && details_usual(usage, s_input_tokens_details, &cached_keys)
+        && details_usual(usage, s_output_tokens_details, &reasoning_keys);
+    if (usual)
+        learn(usage, &usage_keys);
+    return usual;
 }
 
 /* Whether `check` finds every item of the list usual (0 when one is not, or on error). */
@@ -275,32 +366,45 @@ static int all_usual(PyObject *list, int (*check)(PyObject *)) {
 
 /* An output text with its annotations. */
 static int part_usual(PyObject *part) {
+    PyObject *v[2];
     if (!PyDict_CheckExact(part))
         return 0;
+    if (known_values(part, &part_keys, v))
+        return is_str(v[0], s_output_text) && PyList_CheckExact(v[1]);
     PyObject *type = PyDict_GetItemWithError(part, s_type);
     if (type == NULL || !is_str(type, s_output_text))
         return 0;
     PyObject *annotations = PyDict_GetItemWithError(part, s_annotations);
-    return annotations != NULL && PyList_CheckExact(annotations);
+    if (annotations == NULL || !PyList_CheckExact(annotations))
+        return 0;
+    learn(part, &part_keys);
+    return 1;
 }
 
-/* `_item_complete` for the usual items: 1 complete, 0 not or not the usual kind. */
+/* `_item_complete` for the usual items: 1 complete, 0 not or not the usual kind. (The
+ * keys learnt are a message's: another kind is checked by lookups.) */
 static int item_usual(PyObject *item) {
+    PyObject *v[3], *kind, *content;
     if (!PyDict_CheckExact(item))
         return 0;
-    if (PyDict_GetItemWithError(item, s_status) == NULL)
+    int known = known_values(item, &message_keys, v);
+    if (known)
+        kind = v[1];
+    else if (PyDict_GetItemWithError(item, s_status) == NULL
+             || (kind = PyDict_GetItemWithError(item, s_type)) == NULL)
         return 0;
-    PyObject *kind = PyDict_GetItemWithError(item, s_type);
-    if (kind == NULL || !PyUnicode_CheckExact(kind))
+    if (!PyUnicode_CheckExact(kind))
         return 0;
     if (!is_str(kind, s_message))
         return !is_str(kind, s_reasoning);
-    PyObject *content = PyDict_GetItemWithError(item, s_content);
+    content = known ? v[2] : PyDict_GetItemWithError(item, s_content);
     if (content == NULL || !PyList_CheckExact(content))
         return 0;
     Py_INCREF(content);
     int usual = all_usual(content, part_usual);
     Py_DECREF(content);
+    if (usual && !known)
+        learn(item, &message_keys);
     return usual;
 }
 
@@ -359,6 +463,10 @@ static int now_seconds(long long *out) {
 
 /* An attribute read, as a new reference (NULL with an exception set on failure). */
 #define GET(obj, name) PyObject_GetAttr((obj), (name))
+
+/* `_Plan.fast` and `_Fill.fast`, read at their slots' offsets (below: `Slot`). */
+static PyObject *fast_of_plan(PyObject *plan);
+static PyObject *fast_of_fill(PyObject *fill);
 
 
 /* `a == b` as Python's tuple compare decides it (identity first). */
@@ -587,7 +695,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     for (i = 0; i < n; i++)
         Py_INCREF(values[i]);
     held = n;
-    if ((fast = GET(plan, s_fast)) == NULL) {
+    if ((fast = fast_of_plan(plan)) == NULL) {
         result = -1;
         goto done;
     }
@@ -652,7 +760,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         result = -1;
         if ((fill = shared_fill(env, missing, served, args->last_fills, args->from_request))
                 == NULL
-            || (fill_fast = GET(fill, s_fast)) == NULL)
+            || (fill_fast = fast_of_fill(fill)) == NULL)
             goto done;
         result = 0;
         /* _Fill.fast: (created_at, previous, encoded, members) */
@@ -1239,6 +1347,16 @@ done:
 }
 
 /* ---- Envelope.terminal_event ---------------------------------------------------- */
+
+static Slot plan_fast_slot = {&s_fast}, fill_fast_slot = {&s_fast};
+
+static PyObject *fast_of_plan(PyObject *plan) {
+    return slot_get(&plan_fast_slot, plan);
+}
+
+static PyObject *fast_of_fill(PyObject *fill) {
+    return slot_get(&fill_fast_slot, fill);
+}
 
 /* Where a terminal event's Response is in its data (`_response_span`), or 0. */
 static int response_span(const char *data, Py_ssize_t len, PyObject *layout, long long seq,

@@ -7,6 +7,7 @@ patch, or declines (the generated differential tests rarely draw these)."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import orjson
@@ -78,6 +79,44 @@ ANSWERS = {
         (),
     ),
     "an item without a status": (_changed(("output", 0, "status"), KeyError), PREVIOUS, ()),
+    # (The compiled checks know a usage, an item, a part by the keys of the last one found
+    # usual: the same keys, other values or another order.)
+    "usage in another order": (_changed(("usage",), dict(reversed(USAGE.items()))), PREVIOUS, ()),
+    "usage in another order, its values too": (
+        _changed(
+            ("usage",),
+            {"input_tokens_details": 5, "input_tokens": {"cached_tokens": 0}}
+            | {name: USAGE[name] for name in list(USAGE)[2:]},
+        ),
+        PREVIOUS,
+        (),
+    ),
+    "details of a float": (
+        _changed(("usage", "input_tokens_details", "cached_tokens"), 0.0),
+        PREVIOUS,
+        (),
+    ),
+    "details of more members": (
+        _changed(("usage", "output_tokens_details", "audio_tokens"), 0),
+        PREVIOUS,
+        (),
+    ),
+    "a reasoning item of a message's members": (
+        _changed(("output", 0, "type"), "reasoning"),
+        PREVIOUS,
+        (),
+    ),
+    "a function call of a message's members": (
+        _changed(("output", 0, "type"), "function_call"),
+        PREVIOUS,
+        (),
+    ),
+    "a refusal part": (_changed(("output", 0, "content", 0, "type"), "refusal"), PREVIOUS, ()),
+    "annotations of a dict": (
+        _changed(("output", 0, "content", 0, "annotations"), {}),
+        PREVIOUS,
+        (),
+    ),
     "not completed": (_changed(("status",), "incomplete"), PREVIOUS, ()),
     "served models": (USUAL, PREVIOUS, ("alias",)),
     "pinned members": (USUAL, PREVIOUS, (), True),
@@ -297,3 +336,28 @@ def test_a_pending_event_of_a_seen_shape_is_the_pythons_or_declined(case: str, s
         return
     slow = python._pending_event(_copy(event))
     assert (fast.raw, fast.data, fast.at) == (slow.raw, slow.data, slow.at)
+
+
+def test_an_answer_whose_keys_are_not_the_parsers_usual_ones_is_the_pythons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled checks find a usage, an item, a part by the very key objects of the
+    last one found usual (orjson gives the same ones each time): the same members as
+    other objects (another parser's) are found by lookups, with the same result."""
+    _seen_valid(USUAL, PREVIOUS, monkeypatch)
+    data = orjson.dumps(USUAL)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    assert _c.answer(_envelope(PREVIOUS), data, orjson.loads(data), *last, *_FIXED) is not None
+    compiled, python = json.loads(data), json.loads(data)
+
+    def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = json.loads(data), json.loads(data)
+        done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
+        reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
+        return done, reference
+
+    done, reference = _same_second(both)
+    assert done is not None and done[0] == reference[0]
+    assert list(compiled.items()) == list(python.items())
+    assert _state(done[1]) == _state(reference[1])
