@@ -340,9 +340,16 @@ static int usage_usual(PyObject *usage) {
         return 1;
     if (!PyDict_CheckExact(usage))
         return 0;
-    if (known_values(usage, &usage_keys, v))
-        return PyLong_CheckExact(v[0]) && PyLong_CheckExact(v[1]) && PyLong_CheckExact(v[2])
-            && details_known(v[3], &cached_keys) && details_known(v[4], &reasoning_keys);
+    if (known_values(usage, &usage_keys, v)) {
+        if (!PyLong_CheckExact(v[0]) || !PyLong_CheckExact(v[1]) || !PyLong_CheckExact(v[2]))
+            return 0;
+        /* (held: a lookup in the first details may run Python code that frees the second) */
+        PyObject *output_details = Py_NewRef(v[4]);
+        int usual = details_known(v[3], &cached_keys)
+            && details_known(output_details, &reasoning_keys);
+        Py_DECREF(output_details);
+        return usual;
+    }
     int usual = int_member(usage, s_input_tokens) && int_member(usage, s_output_tokens)
         && int_member(usage, s_total_tokens)
         && details_usual(usage, s_input_tokens_details, &cached_keys)

@@ -160,6 +160,27 @@ answer({"usage": usage, "output": []})
 """,
         '{"a":1}',
     ),
+    # Usage known by its keys (learnt from an earlier one): its details are read at their
+    # places, and a lookup in the first compares a key whose __eq__ empties the usage,
+    # which held the second.
+    "usage's details, known by their keys": (
+        """
+def usual():
+    return {"input_tokens": 1, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 1,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2}
+answer({"usage": usual(), "output": []})  # (its keys learnt)
+usage = usual()
+kept = []
+def other():  # (the dict made next takes the memory of the details freed)
+    if kept:  # (not while the details are built)
+        usage.clear()
+        kept.append({"reasoning_tokens": "x"})
+usage["input_tokens_details"] = {Collides("cached_tokens", other): 1, "cached_tokens": 0, **MANY}
+kept.append(None)
+answer({"usage": usage, "output": []})
+""",
+        '{"a":1} {"a":1}',
+    ),
 }
 
 
