@@ -13,8 +13,7 @@
 #endif
 
 /* Names interned once at import (the only other object kept here: `no_members`). */
-static PyObject *s__body, *s__created_at, *s__echo, *s__family, *s__inserts, *s__members,
-    *s__pinned, *s__served_models, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
+static PyObject *s__shared_family, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
     *s_completed, *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast,
     *s_id, *s_input_tokens, *s_input_tokens_details, *s_members, *s_memo, *s_message, *s_model,
     *s_name, *s_output, *s_output_text, *s_output_tokens, *s_output_tokens_details, *s_previous,
@@ -1018,10 +1017,7 @@ static Py_ALWAYS_INLINE inline int slot_set(Slot *slot, PyObject *object, PyObje
 }
 
 static Slot event_name = {&s_name}, event_raw = {&s_raw}, event_data = {&s_data},
-            event_at = {&s_at}, envelope_inserts = {&s__inserts}, envelope_pinned = {&s__pinned},
-            envelope_members = {&s__members}, envelope_served = {&s__served_models},
-            envelope_echo = {&s__echo}, envelope_created_at = {&s__created_at},
-            seen_members = {&s_members}, seen_memo = {&s_memo};
+            event_at = {&s_at}, seen_members = {&s_members}, seen_memo = {&s_memo};
 
 /* The pieces spliced into a pending event, in order. */
 typedef struct {
@@ -1065,26 +1061,28 @@ static int add_created_at(Pieces *pieces, PyObject *value) {
     return 1;
 }
 
-/* pending_event(envelope, event, lasts): a pending event of the shape its name was last
- * seen in (`lasts`: envelope._LAST) completed in place, its members spliced into its raw
- * bytes: the event, or None when the case is not this one's (the Python path runs).
- * The members are the envelope's for the shape (`_inserts`), else the shape's memo
- * (`_Seen.memo`) when it was worked out for a request with the same forwarded members,
- * served models and echo. Relies on Event's invariant: `at` >= 0 means `raw` is a head,
- * then `data`, then a blank line. */
+/* pending_event(envelope, event, lasts, last_fills, from_request): a pending event of the
+ * shape its name was last seen in (`lasts`: envelope._LAST) completed in place, its
+ * members spliced into its raw bytes: the event, or None when the case is not this one's
+ * (the Python path runs). The members are the envelope's for the shape (`_inserts`), else
+ * the shape's memo (`_Seen.memo`) when it was worked out for a request with the same
+ * fills (`_family`, else found as `quick_family` finds it: `last_fills`, `from_request`:
+ * envelope._LAST_FILLS, _FROM_REQUEST) and echo. Relies on Event's invariant: `at` >= 0
+ * means `raw` is a head, then `data`, then a blank line. */
 static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "pending_event() takes 3 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "pending_event() takes 5 arguments");
         return NULL;
     }
-    PyObject *envelope = args[0], *event = args[1], *lasts = args[2];
-    if (!PyDict_CheckExact(lasts)) {
+    PyObject *event = args[1], *lasts = args[2], *last_fills = args[3], *from_request = args[4];
+    if (!PyDict_CheckExact(lasts) || !PyObject_TypeCheck(args[0], &EnvelopeState_Type)) {
         Py_RETURN_NONE;
     }
+    EnvelopeState *env = (EnvelopeState *)args[0]; /* (its members read in place) */
     PyObject *result = NULL, *last = NULL, *raw = NULL, *at_object = NULL, *inserts = NULL;
-    PyObject *key = NULL, *members = NULL, *memo = NULL, *pinned = NULL, *forwarded = NULL;
-    PyObject *served = NULL, *echo = NULL, *created_at = NULL, *id = NULL, *spliced = NULL;
-    PyObject *data = NULL;
+    PyObject *key = NULL, *members = NULL, *memo = NULL, *family = NULL, *served = NULL;
+    PyObject *echo = NULL, *created_at = NULL, *id = NULL, *spliced = NULL, *data = NULL;
+    int family_found = 0; /* (the request's fills found here: kept once the event is done) */
     Pieces pieces;
     pieces.count = 0;
     const char *chars;
@@ -1160,10 +1158,11 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     }
 
     /* The members: the envelope's for this shape, else the shape's memo. */
-    if ((inserts = slot_get(&envelope_inserts, envelope)) == NULL) {
-        goto error;
+    if (env->inserts == NULL) {
+        goto decline; /* (deleted: the Python's) */
     }
-    if (PyDict_CheckExact(inserts)) {
+    if (PyDict_CheckExact(env->inserts)) {
+        inserts = Py_NewRef(env->inserts);
         if ((key = slot_get(&seen_members, seen)) == NULL) {
             goto error;
         }
@@ -1185,57 +1184,41 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
             add(&pieces, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
         }
     } else {
-        /* (served_models, forwarded members, echo's name, created_at?, previous id?,
-         * shared bytes, conversation?) */
+        /* (the request's fills, echo's name, created_at?, previous id?, shared bytes,
+         * conversation?) */
         if ((memo = slot_get(&seen_memo, seen)) == NULL) {
             goto error;
         }
-        if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 7) {
+        if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 6) {
             goto decline;
         }
-        PyObject *shared = PyTuple_GET_ITEM(memo, 5);
-        if (!PyBytes_CheckExact(shared)) {
-            goto decline;
+        PyObject *shared = PyTuple_GET_ITEM(memo, 4);
+        if (!PyBytes_CheckExact(shared) || env->pinned != Py_None || env->served_models == NULL
+            || env->echo == NULL || env->created_at == NULL || env->family == NULL) {
+            goto decline; /* (pinned members, or one deleted: the Python's) */
         }
-        if ((pinned = slot_get(&envelope_pinned, envelope)) == NULL) {
-            goto error;
-        }
-        if (pinned != Py_None) {
-            goto decline;
-        }
-        if ((forwarded = slot_get(&envelope_members, envelope)) == NULL) {
-            goto error;
-        }
-        PyObject *memo_forwarded = PyTuple_GET_ITEM(memo, 1);
-        if (!PyBytes_CheckExact(forwarded) || !PyBytes_CheckExact(memo_forwarded)) {
-            goto decline;
-        }
-        if (forwarded != memo_forwarded
-            && (PyBytes_GET_SIZE(forwarded) != PyBytes_GET_SIZE(memo_forwarded)
-                || memcmp(PyBytes_AS_STRING(forwarded), PyBytes_AS_STRING(memo_forwarded),
-                          PyBytes_GET_SIZE(forwarded))
-                       != 0)) {
-            goto decline;
-        }
-        if ((served = slot_get(&envelope_served, envelope)) == NULL) {
-            goto error;
-        }
-        PyObject *memo_served = PyTuple_GET_ITEM(memo, 0);
-        if (served != memo_served) {
-            if (!PyTuple_CheckExact(served) || !PyTuple_CheckExact(memo_served)) {
-                goto decline;
-            }
-            int same = PyObject_RichCompareBool(served, memo_served, Py_EQ);
-            if (same < 0) {
+        /* The fills this request's members decide (`Envelope._shared_fill`'s family): the
+         * memo's are the same object only for the same values of them. */
+        served = Py_NewRef(env->served_models);
+        family = Py_NewRef(env->family);
+        if (family == Py_None) {
+            Py_SETREF(family, quick_family(env, served, last_fills, from_request));
+            if (family == NULL) {
                 goto error;
             }
-            if (!same) {
-                goto decline;
+            family_found = 1;
+            if (family == Py_None) { /* (not the last request's: found the Python's way) */
+                family_found = 0; /* (kept by it) */
+                Py_SETREF(family, PyObject_CallMethodNoArgs((PyObject *)env, s__shared_family));
+                if (family == NULL) {
+                    goto error;
+                }
             }
         }
-        if ((echo = slot_get(&envelope_echo, envelope)) == NULL) {
-            goto error;
+        if (family != PyTuple_GET_ITEM(memo, 0) || !PyDict_CheckExact(family)) {
+            goto decline;
         }
+        echo = Py_NewRef(env->echo);
         PyObject *echo_name = Py_None, *echo_value = Py_None;
         if (echo != Py_None) {
             if (!PyTuple_CheckExact(echo) || PyTuple_GET_SIZE(echo) != 2) {
@@ -1244,7 +1227,7 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
             echo_name = PyTuple_GET_ITEM(echo, 0);
             echo_value = PyTuple_GET_ITEM(echo, 1);
         }
-        PyObject *memo_echo = PyTuple_GET_ITEM(memo, 2);
+        PyObject *memo_echo = PyTuple_GET_ITEM(memo, 1);
         if (echo_name != memo_echo) {
             if (!PyUnicode_CheckExact(echo_name) || !PyUnicode_CheckExact(memo_echo)
                 || PyUnicode_Compare(echo_name, memo_echo) != 0) {
@@ -1257,15 +1240,13 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         int previous = echo_name == s_previous_response_id
                        || (PyUnicode_CheckExact(echo_name)
                            && PyUnicode_Compare(echo_name, s_previous_response_id) == 0);
-        if (PyTuple_GET_ITEM(memo, 3) == Py_True) {
-            if ((created_at = slot_get(&envelope_created_at, envelope)) == NULL) {
-                goto error;
-            }
+        if (PyTuple_GET_ITEM(memo, 2) == Py_True) {
+            created_at = Py_NewRef(env->created_at);
             if (!add_created_at(&pieces, created_at)) {
                 goto decline; /* (not known yet: the Python path takes the time) */
             }
         }
-        if (PyTuple_GET_ITEM(memo, 4) == Py_True) {
+        if (PyTuple_GET_ITEM(memo, 3) == Py_True) {
             if (!previous) {
                 add(&pieces, "\"previous_response_id\":null,", 28);
             } else if (plain_ascii(echo_value, &chars, &length)) {
@@ -1277,7 +1258,7 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
             }
         }
         add(&pieces, PyBytes_AS_STRING(shared), PyBytes_GET_SIZE(shared));
-        if (PyTuple_GET_ITEM(memo, 6) == Py_True) {
+        if (PyTuple_GET_ITEM(memo, 5) == Py_True) {
             /* `"conversation":{"id":"…"},` for the usual echo; else the Python path */
             if (previous || !PyDict_CheckExact(echo_value) || PyDict_GET_SIZE(echo_value) != 1
                 || (id = PyDict_GetItemWithError(echo_value, s_id)) == NULL) {
@@ -1325,6 +1306,9 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         || slot_set(&event_data, event, data) < 0) {
         goto error;
     }
+    if (family_found) { /* (as `Envelope._shared_fill` keeps it) */
+        Py_XSETREF(env->family, Py_NewRef(family));
+    }
     Py_INCREF(event);
     result = event;
     goto done;
@@ -1342,8 +1326,7 @@ done:
     Py_XDECREF(key);
     Py_XDECREF(members);
     Py_XDECREF(memo);
-    Py_XDECREF(pinned);
-    Py_XDECREF(forwarded);
+    Py_XDECREF(family);
     Py_XDECREF(served);
     Py_XDECREF(echo);
     Py_XDECREF(created_at);
@@ -1547,11 +1530,7 @@ static int intern(PyObject **slot, const char *name) {
 }
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    if (intern(&s__body, "_body") || intern(&s__created_at, "_created_at")
-        || intern(&s__echo, "_echo") || intern(&s__family, "_family")
-        || intern(&s__inserts, "_inserts")
-        || intern(&s__members, "_members") || intern(&s__pinned, "_pinned")
-        || intern(&s__served_models, "_served_models") || intern(&s__shared_fill, "_shared_fill")
+    if (intern(&s__shared_family, "_shared_family") || intern(&s__shared_fill, "_shared_fill")
         || intern(&s_annotations, "annotations") || intern(&s_at, "at")
         || intern(&s_cached_tokens, "cached_tokens") || intern(&s_completed, "completed")
         || intern(&s_completed_at, "completed_at") || intern(&s_content, "content")

@@ -23,8 +23,8 @@ the object. What a Response lacks is worked out once per shape of its members
 the same values for them (`_Fill`; a continuation's are known by the bytes its members
 were forwarded as, so a coding agent's instructions and tools are not encoded again), a
 pending event whose shape was seen is not decoded (`pending_event`; compiled, it is
-matched and spliced in one call, with the members a request forwarded with the same bytes
-got, kept with the shape: `_Seen.memo`), a JSON answer of
+matched and spliced in one call, with the members a request with the same fills got,
+kept with the shape: `_Seen.memo`), a JSON answer of
 the shape and values last seen valid is completed in one call (`answer`, a terminal
 event's Response too: `terminal_event`), and its spliced bytes are what the store keeps.
 With the compiled fast paths built (ocxproxy/_speedups.c), that usual answer and event
@@ -601,60 +601,66 @@ class Envelope(_EnvelopeBase):
 
     def _shared_fill(self, missing: frozenset[str]) -> _Fill:
         """The _Fill of `missing` for this request: one built for an earlier request with
-        the same values for what it fills in, else a new one. The request's fills (one
-        per set of missing members) are found once per request, by a key compared with
-        the last request's before it is hashed; a store:false request's are its own, not
-        kept past it."""
-        global _LAST_FILLS
+        the same values for what it fills in, else a new one."""
         family = self._family
         if family is None:
-            body = self._body
-            key: tuple[Any, ...] | None = None
-            if _FROM_REQUEST.isdisjoint(body):
-                model = body.get("model")  # (the model shown depends on it, and served_models)
-                key = (self._served_models, model if type(model) is str else None)
-            elif body.get("store") is False:  # (its instructions, tools: not kept past it)
-                key = None
-            elif self._members is not None:
-                # A coding agent sends tens of KB of instructions and tools on every turn:
-                # the bytes they were forwarded as are compared (a memcmp), not encoded
-                # again. (The model is in them; a key of the request's values ends in an
-                # array's bytes.)
-                key = (self._served_models, None, None, self._members)
-            else:
-                # (a str `instructions` is compared as it is instead of encoded)
-                model = body.get("model")
-                instructions = body.get("instructions")
-                names = _FROM_REQUEST.intersection(body)
-                if type(instructions) is str:
-                    names = names - _INSTRUCTIONS
-                else:
-                    instructions = None
-                try:
-                    encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
-                except orjson.JSONEncodeError:  # (not from JSON): its own
-                    key = None
-                else:
-                    shown = model if type(model) is str else None
-                    key = (self._served_models, shown, instructions, encoded)
-            if key is None:
-                family = {}
-            elif key == _LAST_FILLS[0]:
-                family = _LAST_FILLS[1]
-            else:
-                family = _FILLS.get(key)
-                if family is None:
-                    if len(_FILLS) >= _FILLS_KEPT:
-                        _FILLS.clear()
-                    family = _FILLS[key] = {}
-                _LAST_FILLS = key, family
-            self._family = family
+            family = self._shared_family()
         fill = family.get(missing)
         if fill is None:
             if len(family) >= _FILLS_KEPT:
                 family.clear()
             fill = family[missing] = _Fill(self, missing)
         return fill
+
+    def _shared_family(self) -> dict[frozenset[str], _Fill]:
+        """The request's fills (one per set of missing members), shared by every request
+        with the same values for what they fill in: found once per request, by a key
+        compared with the last request's before it is hashed; a store:false request's are
+        its own, not kept past it."""
+        global _LAST_FILLS
+        body = self._body
+        key: tuple[Any, ...] | None = None
+        if _FROM_REQUEST.isdisjoint(body):
+            model = body.get("model")  # (the model shown depends on it, and served_models)
+            key = (self._served_models, model if type(model) is str else None)
+        elif body.get("store") is False:  # (its instructions, tools: not kept past it)
+            key = None
+        elif self._members is not None:
+            # A coding agent sends tens of KB of instructions and tools on every turn:
+            # the bytes they were forwarded as are compared (a memcmp), not encoded
+            # again. (The model is in them; a key of the request's values ends in an
+            # array's bytes.)
+            key = (self._served_models, None, None, self._members)
+        else:
+            # (a str `instructions` is compared as it is instead of encoded)
+            model = body.get("model")
+            instructions = body.get("instructions")
+            names = _FROM_REQUEST.intersection(body)
+            if type(instructions) is str:
+                names = names - _INSTRUCTIONS
+            else:
+                instructions = None
+            try:
+                encoded = orjson.dumps([[name, body[name]] for name in sorted(names)])
+            except orjson.JSONEncodeError:  # (not from JSON): its own
+                key = None
+            else:
+                shown = model if type(model) is str else None
+                key = (self._served_models, shown, instructions, encoded)
+        family: dict[frozenset[str], _Fill] | None
+        if key is None:
+            family = {}
+        elif key == _LAST_FILLS[0]:
+            family = _LAST_FILLS[1]
+        else:
+            family = _FILLS.get(key)
+            if family is None:
+                if len(_FILLS) >= _FILLS_KEPT:
+                    _FILLS.clear()
+                family = _FILLS[key] = {}
+            _LAST_FILLS = key, family
+        self._family = family
+        return family
 
     def _previous(self) -> str | None:
         echo = self._echo
@@ -774,7 +780,7 @@ class Envelope(_EnvelopeBase):
         without decoding it when one of the same shape was completed before: the same
         bytes but for the Response's `id` and `created_at` need the same members. The
         event is changed in place when its members are spliced into its bytes."""
-        if _c is not None and _c.pending_event(self, event, _LAST) is not None:
+        if _c is not None and _c.pending_event(self, event, _LAST, _LAST_FILLS, _FROM_REQUEST):
             return event  # (the usual event, completed as `_pending_event` does, in one call)
         return self._pending_event(event)
 
@@ -902,20 +908,14 @@ class Envelope(_EnvelopeBase):
             if own or shared or last:
                 members = own, shared, last
                 # What decides them but the turn's own values, kept for the next request
-                # of the same (`_c.pending_event` reads it): the forwarded members decide
-                # the fill; not a store:false request's, not kept past it.
-                if self._members is not None and self._body.get("store") is not False:
+                # with the same (`_c.pending_event` reads it): the request's fills, the
+                # very family every request with the same values for them shares (a kept
+                # one: not a store:false request's, not kept past it).
+                family = self._family
+                if family is not None and family is _LAST_FILLS[1]:
                     name = echo[0] if echo is not None else None
                     conversation = bool(last)
-                    seen.memo = (
-                        self._served_models,
-                        self._members,
-                        name,
-                        created,
-                        previous,
-                        shared,
-                        conversation,
-                    )
+                    seen.memo = (family, name, created, previous, shared, conversation)
         self._inserts[seen.members] = members
         return members
 
@@ -970,8 +970,8 @@ class _Seen:
         self.no_conversation = no_conversation
         self.at = at
         self.members = (plan, nulls, no_conversation, model)
-        # The members the last request whose members were forwarded as these bytes gave
-        # such an event (`Envelope._members_as_seen`): every such request gives the same.
+        # The members the last request with these fills (`Envelope._family`) gave such an
+        # event (`Envelope._members_as_seen`): every such request gives the same.
         self.memo: tuple[Any, ...] | None = None
 
 

@@ -40,7 +40,7 @@ from ocxproxy.server import build_app
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
-def child(mode: str, size: str, n: int, codex: bool, durable: bool) -> None:
+def child(mode: str, size: str, n: int, codex: bool, durable: bool, first_turns: bool) -> None:
     """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
@@ -70,6 +70,9 @@ def child(mode: str, size: str, n: int, codex: bool, durable: bool) -> None:
         assert found is not None
         turn = {"model": "m", **members, "previous_response_id": found.group(1).decode()}
         turn |= {"input": [user_message("next")], "stream": mode == "sse"}
+        if first_turns:  # a new conversation each time: the whole history is the request's own
+            turn = {"model": "m", **members, "stream": mode == "sse"}
+            turn["input"] = make_items(rig.SIZES[size])  # (after stream: the backend reads it)
         body = orjson.dumps(turn)
         for _ in range(100):  # warm-up: caches, the shapes a backend answers in
             await client.post(body)
@@ -86,7 +89,14 @@ def child(mode: str, size: str, n: int, codex: bool, durable: bool) -> None:
 
 
 def count(
-    mode: str, size: str, n: int, *, off: bool = False, codex: bool = False, durable: bool = False
+    mode: str,
+    size: str,
+    n: int,
+    *,
+    off: bool = False,
+    codex: bool = False,
+    durable: bool = False,
+    first: bool = False,
 ) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
@@ -94,6 +104,7 @@ def count(
     command += ["--envelope-off"] if off else []
     command += ["--codex"] if codex else []
     command += ["--durable"] if durable else []
+    command += ["--first"] if first else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
@@ -120,19 +131,25 @@ def main() -> None:
         action="store_true",
         help="the default durable store (a scratch state dir) instead of --zdr",
     )
+    parser.add_argument(
+        "--first",
+        action="store_true",
+        help="count first turns (no previous_response_id: the history is the request's input)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
             rig.envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n), args.codex, args.durable)
+        child(mode, size, int(n), args.codex, args.durable, args.first)
         return
     members = " (Codex-sized instructions and tools)" if args.codex else ""
     store = "durable store" if args.durable else "memory-only store"
-    print(f"instructions per continuation turn (callgrind, {store}){members}")
+    turn = "first turn" if args.first else "continuation turn"
+    print(f"instructions per {turn} (callgrind, {store}){members}")
     print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
-    case = {"codex": args.codex, "durable": args.durable}
+    case = {"codex": args.codex, "durable": args.durable, "first": args.first}
     for size in args.sizes.split(","):
         on = [count(mode, size, args.n, **case) for mode in ("json", "sse")]
         print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)

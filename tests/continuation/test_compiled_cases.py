@@ -328,7 +328,8 @@ def test_a_pending_event_of_a_seen_shape_is_the_pythons_or_declined(case: str, s
     event = _pending("resp_2", 1700000002)
     compiled, python = PENDING[case](seen), PENDING[case](seen)
     fast = _copy(event)
-    done = _c.pending_event(compiled, fast, envelope_module._LAST)
+    lasts = envelope_module._LAST, envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST
+    done = _c.pending_event(compiled, fast, *lasts)
     if case == "the same request":
         assert done is fast  # (the usual event: compiled)
     if done is None:

@@ -125,6 +125,32 @@ print(*sorted({type(key).__name__ for family in E._FILLS.values() for key in fam
 """,
         ',"created_at":5} frozenset',
     ),
+    # A pending event's shape and bytes, forgotten and replaced by the Envelope's method
+    # that finds the request's fills.
+    "a pending event's shape": (
+        """
+body = {"model": "m", "instructions": "Be brief."}
+def pending(rid):
+    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
+    data = orjson.dumps({"type": "response.created", "response": response})
+    return parse_event(encode_event("response.created", data))
+seen_by = Envelope(body)
+for n in range(2):
+    seen_by._pending_event(pending(f"resp_{n}"))
+event = pending("resp_2")
+class Forgets(Envelope):
+    __slots__ = ()
+    def _shared_family(self):
+        E._LAST["response.created"][7].memo = None
+        E._LAST.clear()
+        event.raw = event.data = b"x" * 300
+        return super()._shared_family()
+done = E._c.pending_event(Forgets(body), event, E._LAST, E._LAST_FILLS, E._FROM_REQUEST)
+response = orjson.loads(event.raw[event.at : -2])["response"]
+print(done is event, event.data == event.raw[event.at : -2], response["instructions"])
+""",
+        "True True Be brief.",
+    ),
     # An output item, a message's part, usage's details: a lookup in them compares a key
     # whose __eq__ takes them out of what holds them.
     "an output item": (
@@ -200,7 +226,8 @@ for n in range(2):
 last = E._LAST["response.created"]
 lasts = {"response.created": (*last[:6], 1000, last[7])}
 event = pending("resp_2")
-print(E._c.pending_event(Envelope({"model": "m"}, None, (), b'{"model":"m"}'), event, lasts))
+envelope = Envelope({"model": "m"}, None, (), b'{"model":"m"}')
+print(E._c.pending_event(envelope, event, lasts, E._LAST_FILLS, E._FROM_REQUEST))
 """,
         "None",
     ),

@@ -28,6 +28,11 @@ def pending(kind: str, rid: str, created_at: Any, extra: dict[str, Any], seq: in
     return parse_event(encode_event(kind, orjson.dumps(payload)))
 
 
+def lasts() -> tuple[Any, ...]:
+    """What the Python passes `_c.pending_event` after the envelope and the event."""
+    return envelope_module._LAST, envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST
+
+
 def copy(event: Event) -> Event:
     return Event(event.raw, event.name, event.data, event.at)
 
@@ -65,7 +70,7 @@ def test_turn_after_turn_the_compiled_path_completes_both_pending_events() -> No
             extra = {"status": "in_progress", "model": "bench", "output": []}
             event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
             fast = copy(event)
-            done = _c.pending_event(compiled, fast, envelope_module._LAST)
+            done = _c.pending_event(compiled, fast, *lasts())
             if n >= 2:  # (the first turn sees the shapes, the second works out the members)
                 assert done is fast
             if done is None:
@@ -76,6 +81,39 @@ def test_turn_after_turn_the_compiled_path_completes_both_pending_events() -> No
             response = orjson.loads(fast.data)["response"]
             assert response["previous_response_id"] == f"resp_prev{n}"
             assert response["instructions"] == "Be brief." and response["temperature"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "stream": True},  # (nothing the Responses are filled from)
+        {"model": "m", "instructions": "Be brief.", "tools": [{"type": "web_search"}]},
+    ],
+)
+def test_first_turn_after_first_turn_the_compiled_path_completes_both_pending_events(
+    body: dict[str, Any],
+) -> None:
+    """A new conversation's pending events (no previous response: the request's members
+    were not encoded by the proxy), from the third on, are completed in one compiled call
+    each, with the members worked out for an earlier request with the same fills."""
+    for n in range(4):
+        compiled = Envelope(body, None, (), None, created_at=7 + n)
+        python = Envelope(body, None, (), None, created_at=7 + n)
+        for seq, kind in enumerate(KINDS):
+            extra = {"status": "in_progress", "model": "bench", "output": []}
+            event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
+            fast = copy(event)
+            done = _c.pending_event(compiled, fast, *lasts())
+            if n >= 2:
+                assert done is fast
+            if done is None:
+                fast = compiled._pending_event(fast)
+            slow = python._pending_event(copy(event))
+            assert (fast.raw, fast.data, fast.at) == (slow.raw, slow.data, slow.at)
+            response = orjson.loads(fast.data)["response"]
+            assert response["previous_response_id"] is None
+            assert response["created_at"] == 1700000000 + n
+            assert response["instructions"] == body.get("instructions")
 
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
@@ -202,7 +240,7 @@ def test_the_compiled_pending_event_gives_the_python_paths_bytes_or_declines(
         for made in (compiled, python):
             made._pending_event(pending(kind, "resp_earlier", 1700000000, extra))
     fast = copy(event)
-    done = _c.pending_event(compiled, fast, envelope_module._LAST)
+    done = _c.pending_event(compiled, fast, *lasts())
     if done is None:
         assert (fast.raw, fast.data, fast.at) == (event.raw, event.data, event.at)
         return
@@ -257,7 +295,7 @@ def test_an_event_type_with_its_own_setattr_sees_what_the_compiled_path_sets() -
             object.__setattr__(watched, "data", event.data)
             object.__setattr__(watched, "at", event.at)
             seen.clear()
-            done = _c.pending_event(made, watched, envelope_module._LAST)
+            done = _c.pending_event(made, watched, *lasts())
             if done is None:
                 done = made._pending_event(watched)
             elif n >= 2:
