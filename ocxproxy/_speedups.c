@@ -124,12 +124,12 @@ static PyTypeObject EnvelopeState_Type = {
 typedef struct {
     PyObject_HEAD
     PyObject *plan, *filled, *encoded, *inserted, *ids, *rewrite, *items, *unmerged, *fill,
-        *fill_in, *fill_at;
+        *fill_in, *fill_at, *own;
 } PatchState;
 
 #define PATCH_FIELDS(X) \
     X(plan) X(filled) X(encoded) X(inserted) X(ids) X(rewrite) X(items) X(unmerged) X(fill) \
-    X(fill_in) X(fill_at)
+    X(fill_in) X(fill_at) X(own)
 
 static int patch_traverse(PatchState *self, visitproc visit, void *arg) {
     PATCH_FIELDS(VISIT)
@@ -155,10 +155,11 @@ static PatchState *patch_make(PyTypeObject *type) {
     self->encoded = PyBytes_FromStringAndSize(NULL, 0);
     self->fill = PyBytes_FromStringAndSize(NULL, 0);
     self->ids = PyTuple_New(0);
+    self->own = PyTuple_New(0);
     self->fill_in = PyLong_FromLong(0);
     self->fill_at = PyLong_FromLong(-1);
     if (self->encoded == NULL || self->fill == NULL || self->ids == NULL || self->fill_in == NULL
-        || self->fill_at == NULL) {
+        || self->fill_at == NULL || self->own == NULL) {
         Py_DECREF(self);
         return NULL;
     }
@@ -185,7 +186,7 @@ static PyMemberDef patch_state_members[] = {
     MEMBER(PatchState, ids, "ids") MEMBER(PatchState, rewrite, "rewrite")
     MEMBER(PatchState, items, "items") MEMBER(PatchState, unmerged, "unmerged")
     MEMBER(PatchState, fill, "fill") MEMBER(PatchState, fill_in, "fill_in")
-    MEMBER(PatchState, fill_at, "fill_at")
+    MEMBER(PatchState, fill_at, "fill_at") MEMBER(PatchState, own, "own")
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -874,15 +875,43 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             out->pieces[out->count++] = (Piece){out->stamp, 19};
         }
     }
-    /* Everything is decided: the dict's members set (as the Python sets them), the patch. */
+    /* Everything is decided: the patch, and the turn's own members (as the Python decides
+     * them): in the patch, for Patch.merge to put in the dict, or in the dict at once when
+     * an echo was checked there after them. */
     result = -1;
     if ((patch = patch_make((PyTypeObject *)args->patch_type)) == NULL)
         goto done;
     Py_XSETREF(patch->plan, Py_NewRef(plan));
-    if (created != NULL && PyDict_SetItem(response, s_created_at, created) < 0)
-        goto done;
-    if (previous != NULL && PyDict_SetItem(response, s_previous_response_id, previous) < 0)
-        goto done;
+    PyObject *turns[6]; /* (name, value) pairs */
+    int owns = 0;
+    if (created != NULL) {
+        turns[owns++] = s_created_at;
+        turns[owns++] = created;
+    }
+    if (previous != NULL) {
+        turns[owns++] = s_previous_response_id;
+        turns[owns++] = previous;
+    }
+    if (completed_at != NULL) {
+        turns[owns++] = s_completed_at;
+        turns[owns++] = completed_at;
+    }
+    if (!echoed) {
+        for (int k = 0; k < owns; k += 2)
+            if (PyDict_SetItem(response, turns[k], turns[k + 1]) < 0)
+                goto done;
+    } else if (owns) {
+        PyObject *pairs = PyTuple_New(owns / 2);
+        if (set_field(&patch->own, pairs) < 0)
+            goto done;
+        for (int k = 0; k < owns; k += 2) {
+            PyObject *pair = PyTuple_Pack(2, turns[k], turns[k + 1]);
+            if (pair == NULL)
+                goto done;
+            PyTuple_SET_ITEM(pairs, k / 2, pair);
+        }
+        Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
+    }
     if (encoded != NULL && PyBytes_GET_SIZE(encoded)) {
         if (set_field(&patch->fill_in, PyLong_FromSsize_t(fill_in)) < 0
             || set_field(&patch->fill_at, PyLong_FromSsize_t(args->data_len + fill_in)) < 0)
@@ -891,8 +920,6 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         Py_XSETREF(patch->filled, Py_NewRef(filled));
         Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
     }
-    if (completed_at != NULL && PyDict_SetItem(response, s_completed_at, completed_at) < 0)
-        goto done;
     out->patch = Py_NewRef((PyObject *)patch);
     out->fill = Py_XNewRef(fill);
     result = 1;

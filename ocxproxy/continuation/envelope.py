@@ -265,6 +265,9 @@ class _PatchState:
     fill = b""
     fill_in = 0
     fill_at = -1
+    # The Response's own members `answer` decided (created_at, previous_response_id,
+    # completed_at) that its dict gets at `merge`, before `filled`: (name, value) pairs.
+    own: tuple[tuple[str, Any], ...] = ()
 
 
 class _EnvelopeState:
@@ -341,6 +344,8 @@ class Patch(_PatchBase):
         with merge=False (a no-op after the first time)."""
         if self.unmerged:
             self.unmerged = False
+            if self.own:
+                response.update(self.own)
             response.update(self.filled)
 
 
@@ -405,7 +410,8 @@ class Envelope(_EnvelopeBase):
         """A JSON answer's Response completed (`response`: `data` parsed): the bytes the
         store keeps, its output items as the backend gave them, and the patch (`items`:
         they need `written` once the turn is recorded). The members filled from the
-        request or the defaults go into the dict only at `Patch.merge`. The usual answer,
+        request or the defaults go into the dict only at `Patch.merge`, and so do its own
+        (`Patch.own`) when nothing else is left to do with it. The usual answer,
         of the shape the last one was seen valid in, costs one comparison and one
         splice: its members go in before the closing brace, where no later search for
         its output passes over them (and, when nothing is left to do with them, the
@@ -432,14 +438,16 @@ class Envelope(_EnvelopeBase):
             patch.plan = plan
             echo = self._echo
             parts = []
+            own: list[tuple[str, Any]] = []  # (in the dict when more is done with it)
             if plan.missing:
                 fill = self._shared_fill(plan.missing)
                 if fill.created_at:
-                    response["created_at"] = created_at = self._created()
+                    created_at = self._created()
+                    own.append(("created_at", created_at))
                     parts.append(b'"created_at":%d' % created_at)
                 if fill.previous:  # the echoed id, which the backend never saw
                     previous = echo[1] if echo is not None and echo[0] == _PREVIOUS else None
-                    response[_PREVIOUS] = previous
+                    own.append((_PREVIOUS, previous))
                     parts.append(b'"previous_response_id":' + orjson.dumps(previous))
                     if previous is not None:
                         echo = None  # (echoed)
@@ -451,10 +459,11 @@ class Envelope(_EnvelopeBase):
                     patch.unmerged = True
             if plan.completed_at:
                 if response.get("status") == "completed":
-                    now = response["completed_at"] = int(time.time())
+                    now = int(time.time())
+                    own.append(("completed_at", now))
                     parts.append(_STAMP[1] if _STAMP[0] == now else _stamp(now))
                 else:
-                    response["completed_at"] = None
+                    own.append(("completed_at", None))
                     parts.append(b'"completed_at":null')
             if plan.given:
                 ruled = plan.ruled  # the values seen valid last time are valid again
@@ -479,15 +488,21 @@ class Envelope(_EnvelopeBase):
                         and self._body.get("store") is not False
                     ):
                         plan.seen_valid(response)
-            if echo is not None:
+            if echo is not None:  # (checked in the dict, after them)
+                response.update(own)
+                own = []
                 self._check_echo(response, patch)
         output = response.get("output")
         if output:
             patch.items = not all(map(_item_complete, output))
         if parts is not None:
             if patch.rewrite or patch.inserted or patch.ids or patch.items or data[-1:] != b"}":
+                response.update(own)
                 patch.encoded = b",".join(parts)  # (`spliced`, `written_event` read them)
             elif parts:  # the usual answer
+                if own:
+                    patch.own = tuple(own)
+                    patch.unmerged = True
                 if patch.fill:
                     patch.fill_at = len(data) + patch.fill_in
                 closing = parts.pop() + b"}"

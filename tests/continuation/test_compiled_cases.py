@@ -362,3 +362,25 @@ def test_an_answer_whose_keys_are_not_the_parsers_usual_ones_is_the_pythons(
     assert done is not None and done[0] == reference[0]
     assert list(compiled.items()) == list(python.items())
     assert _state(done[1]) == _state(reference[1])
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_the_usual_answers_own_members_reach_its_dict_at_merge(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual answer's own members (its created_at, the echoed previous_response_id,
+    its completed_at) are in its bytes at once, and in its dict at Patch.merge, with the
+    members filled from the request: a dict nobody reads for them is left as parsed."""
+    _seen_valid(USUAL, PREVIOUS, monkeypatch)
+    data = orjson.dumps(USUAL)
+    response = orjson.loads(data)
+    envelope = _envelope(PREVIOUS)
+    if compiled:
+        stored, patch = envelope.answer(data, response)
+    else:
+        stored, patch = _python(lambda: envelope.answer(data, response), monkeypatch)
+    assert response == orjson.loads(data)
+    patch.merge(response)
+    assert response == orjson.loads(stored)
+    assert response["previous_response_id"] == "resp_p" and type(response["completed_at"]) is int
+    assert response["created_at"] == 5 and response["instructions"] == "Be brief."

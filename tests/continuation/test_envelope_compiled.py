@@ -33,6 +33,7 @@ _PATCH = (
     "fill",
     "fill_in",
     "fill_at",
+    "own",
 )
 # What a backend answers with, the usual way (instant_backend's, llama.cpp's), to mutate.
 ITEM = {
