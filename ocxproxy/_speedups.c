@@ -1245,6 +1245,9 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         if (family != PyTuple_GET_ITEM(memo, 0) || !PyDict_CheckExact(family)) {
             goto decline;
         }
+        if (env->pinned != Py_None || env->echo == NULL || env->created_at == NULL) {
+            goto decline; /* (again: the Python code that found the fills may change them) */
+        }
         echo = Py_NewRef(env->echo);
         PyObject *echo_name = Py_None, *echo_value = Py_None;
         if (echo != Py_None) {

@@ -151,6 +151,29 @@ print(done is event, event.data == event.raw[event.at : -2], response["instructi
 """,
         "True True Be brief.",
     ),
+    # The Envelope's members, deleted by its method that finds the request's fills: the
+    # compiled path declines (read as they were, they would be NULL).
+    "an Envelope's members deleted": (
+        """
+body = {"model": "m", "instructions": "Be brief."}
+def pending(rid):
+    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
+    data = orjson.dumps({"type": "response.created", "response": response})
+    return parse_event(encode_event("response.created", data))
+seen_by = Envelope(body)
+for n in range(2):
+    seen_by._pending_event(pending(f"resp_{n}"))
+for name in ("_echo", "_created_at"):
+    class Deletes(Envelope):
+        __slots__ = ()
+        def _shared_family(self):
+            delattr(self, name)
+            return super()._shared_family()
+    event = pending("resp_2")
+    print(E._c.pending_event(Deletes(body), event, E._LAST, E._LAST_FILLS, E._FROM_REQUEST))
+""",
+        "None None",
+    ),
     # An output item, a message's part, usage's details: a lookup in them compares a key
     # whose __eq__ takes them out of what holds them.
     "an output item": (
