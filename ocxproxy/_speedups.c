@@ -1539,10 +1539,45 @@ done:
     return result;
 }
 
+/* ---- the store's cut of a turn's filled members ----------------------------------- */
+
+/* cut(data, at, part): `data` without `part`, which it holds at `at`, or None when it
+ * does not there (store/local/store.py's _cut_bytes, one allocation). */
+static PyObject *cut(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "cut() takes 3 arguments");
+        return NULL;
+    }
+    PyObject *data = args[0], *part = args[2];
+    if (!PyBytes_Check(data) || !PyBytes_Check(part) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "cut() takes bytes, an int and bytes");
+        return NULL;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(args[1]);
+    if (at == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t len = PyBytes_GET_SIZE(data), n = PyBytes_GET_SIZE(part);
+    const char *from = PyBytes_AS_STRING(data);
+    if (at < 0 || at > len - n || memcmp(from + at, PyBytes_AS_STRING(part), (size_t)n) != 0)
+        Py_RETURN_NONE;
+    PyObject *bare = PyBytes_FromStringAndSize(NULL, len - n);
+    if (bare != NULL) {
+        memcpy(PyBytes_AS_STRING(bare), from, (size_t)at);
+        memcpy(PyBytes_AS_STRING(bare) + at, from + at + n, (size_t)(len - at - n));
+    }
+    return bare;
+}
+
 /* (sorted by name) */
 static PyMethodDef speedups_methods[] = {
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL,
      "Envelope.answer's usual answer, or None."},
+    {"cut", (PyCFunction)(void (*)(void))cut, METH_FASTCALL,
+     "`data` without `part`, which it holds at `at`, or None."},
     {"pending_event", (PyCFunction)(void (*)(void))pending_event, METH_FASTCALL,
      "Envelope.pending_event's usual event (completed in place), or None."},
     {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,

@@ -27,6 +27,7 @@ from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
 from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
+from ocxproxy.speedups import SPEEDUPS
 from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
 from ocxproxy.store.local.background import LocalBackgrounds
@@ -390,7 +391,8 @@ class Store:
         ~28 KB of instructions and tools are hashed once for every turn that shares
         their bytes object (or equal bytes), not in each turn's response."""
         fill, at, data = turn.fill, turn.fill_at, turn.response
-        if not fill or at < 1 or not data.startswith(fill, at):
+        bare = _cut(data, at, fill) if fill and at >= 1 else None
+        if bare is None:
             return data, None
         last, segment = self._last_fill
         if segment is None or segment.refs <= 0 or (last is not fill and last != fill):
@@ -401,7 +403,7 @@ class Store:
             again = Segment.restore(segment.key, len(fill), 0, NO_CALLS, durable=False, data=fill)
             segment = self.table.intern(again)
         self._last_fill = fill, segment
-        return b"".join((data[:at], data[at + len(fill) :])), segment
+        return bare, segment
 
     def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
         """Forget a record (one `keep` wrote when `kept`; journaled: `await commit()`
@@ -477,3 +479,14 @@ class Store:
     def packs(self) -> dict[int, tuple[dict[str, Segment], int, int]]:
         """Journal file -> (segments located there, their bytes as counted, its size)."""
         return self.table.keydir.packs(self.table.by_key.values())
+
+
+def _cut_bytes(data: bytes, at: int, part: bytes) -> bytes | None:
+    """`data` without `part`, which it holds at `at`; None when it does not there.
+    (Compiled: _speedups.cut, one allocation and no argument parsing of a method.)"""
+    if at < 0 or not data.startswith(part, at):
+        return None
+    return b"".join((data[:at], data[at + len(part) :]))
+
+
+_cut: Callable[[bytes, int, bytes], bytes | None] = _cut_bytes if SPEEDUPS is None else SPEEDUPS.cut
