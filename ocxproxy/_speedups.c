@@ -1464,6 +1464,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         Py_RETURN_NONE;
     }
     Py_INCREF(response); /* (the Envelope's methods, which run meanwhile, may take it out) */
+    Py_INCREF(layout); /* (and an event's attribute read may run Python code) */
     if ((data = slot_get(&event_data, event)) == NULL
         || (raw = slot_get(&event_raw, event)) == NULL
         || (at_obj = slot_get(&event_at, event)) == NULL)
@@ -1530,6 +1531,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
     answer_clear(&a);
 done:
     Py_DECREF(response);
+    Py_DECREF(layout);
     Py_XDECREF(data);
     Py_XDECREF(raw);
     Py_XDECREF(at_obj);
