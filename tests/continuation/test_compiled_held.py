@@ -56,6 +56,12 @@ def answer(response):
     done = E._c.answer(Envelope(), b'{"a":1}', response, last, ((), {}), E._FROM_REQUEST, Patch)
     print(done if done is None else done[0].decode())
 
+def pending(rid):
+    '''A response.created event whose Response is `rid`, in the usual bytes.'''
+    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
+    data = orjson.dumps({"type": "response.created", "response": response})
+    return parse_event(encode_event("response.created", data))
+
 ROLES = {"usage": "usage", "output": "output"}
 MANY = {f"x{i}": i for i in range(10)}  # (a dict this large is freed to the allocator)
 """
@@ -154,10 +160,6 @@ print(done[1][0].decode()[-16:])
     "a pending event's shape": (
         """
 body = {"model": "m", "instructions": "Be brief."}
-def pending(rid):
-    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
-    data = orjson.dumps({"type": "response.created", "response": response})
-    return parse_event(encode_event("response.created", data))
 seen_by = Envelope(body)
 for n in range(2):
     seen_by._pending_event(pending(f"resp_{n}"))
@@ -180,10 +182,6 @@ print(done is event, event.data == event.raw[event.at : -2], response["instructi
     "an Envelope's members deleted": (
         """
 body = {"model": "m", "instructions": "Be brief."}
-def pending(rid):
-    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
-    data = orjson.dumps({"type": "response.created", "response": response})
-    return parse_event(encode_event("response.created", data))
 seen_by = Envelope(body)
 for n in range(2):
     seen_by._pending_event(pending(f"resp_{n}"))
@@ -263,10 +261,6 @@ BOUNDS = {
     # envelope._remember_last keeps): past the event's bytes.
     "an insertion point past the bytes": (
         """
-def pending(rid):
-    response = {"id": rid, "object": "response", "created_at": 1700000000, "output": []}
-    data = orjson.dumps({"type": "response.created", "response": response})
-    return parse_event(encode_event("response.created", data))
 seen_by = Envelope({"model": "m"}, None, (), b'{"model":"m"}')
 for n in range(2):
     seen_by._pending_event(pending(f"resp_{n}"))
