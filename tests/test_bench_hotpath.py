@@ -76,6 +76,8 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
     before = current()
     switch = bench_hotpath.EnvelopeSwitch()
     switch.off()
-    assert all(now is not then for now, then in zip(current(), before, strict=True))
-    switch.on()
+    try:
+        assert all(now is not then for now, then in zip(current(), before, strict=True))
+    finally:  # (the envelope on again for the tests after this one, whatever happens)
+        switch.on()
     assert all(now is then for now, then in zip(current(), before, strict=True))
