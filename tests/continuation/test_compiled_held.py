@@ -62,6 +62,12 @@ def pending(rid):
     data = orjson.dumps({"type": "response.created", "response": response})
     return parse_event(encode_event("response.created", data))
 
+def seen_pending(body):
+    '''A response.created shape seen (twice, so it is the usual one) for a request `body`.'''
+    seen_by = Envelope(body)
+    for n in range(2):
+        seen_by._pending_event(pending(f"resp_{n}"))
+
 ROLES = {"usage": "usage", "output": "output"}
 MANY = {f"x{i}": i for i in range(10)}  # (a dict this large is freed to the allocator)
 """
@@ -160,9 +166,7 @@ print(done[1][0].decode()[-16:])
     "a pending event's shape": (
         """
 body = {"model": "m", "instructions": "Be brief."}
-seen_by = Envelope(body)
-for n in range(2):
-    seen_by._pending_event(pending(f"resp_{n}"))
+seen_pending(body)
 event = pending("resp_2")
 class Forgets(Envelope):
     __slots__ = ()
@@ -182,9 +186,7 @@ print(done is event, event.data == event.raw[event.at : -2], response["instructi
     "an Envelope's members deleted": (
         """
 body = {"model": "m", "instructions": "Be brief."}
-seen_by = Envelope(body)
-for n in range(2):
-    seen_by._pending_event(pending(f"resp_{n}"))
+seen_pending(body)
 for name in ("_echo", "_created_at"):
     class Deletes(Envelope):
         __slots__ = ()
