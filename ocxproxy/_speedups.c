@@ -468,6 +468,31 @@ static int now_seconds(long long *out) {
     return 0;
 }
 
+/* The second last read from the clock for a Response (created_at, completed_at), as an
+ * int object and as its digits: the next Response in the same second reuses both. */
+static struct {
+    long long seconds;
+    PyObject *value; /* (a strong reference, kept until the next second's) */
+    char digits[24];
+    int len;
+} stamp;
+
+/* `seconds` as an int object (a new reference, NULL on error) with its digits, from the
+ * last second's when it is the same. */
+static PyObject *stamp_of(long long seconds, const char **chars, int *len) {
+    if (stamp.value == NULL || stamp.seconds != seconds) {
+        PyObject *value = PyLong_FromLongLong(seconds);
+        if (value == NULL)
+            return NULL;
+        Py_XSETREF(stamp.value, value); /* (an int's release runs no Python code) */
+        stamp.seconds = seconds;
+        stamp.len = digits(stamp.digits, seconds);
+    }
+    *chars = stamp.digits;
+    *len = stamp.len;
+    return Py_NewRef(stamp.value);
+}
+
 /* An attribute read, as a new reference (NULL with an exception set on failure). */
 #define GET(obj, name) PyObject_GetAttr((obj), (name))
 
@@ -781,26 +806,36 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         if (created_flag == Py_True) { /* Envelope._created */
             if (env->created_at == NULL) /* (deleted: the Python's) */
                 goto done;
+            const char *chars;
+            int len;
             if (env->created_at == Py_None) {
                 long long now;
                 PyObject *value = NULL;
-                if (now_seconds(&now) < 0 || (value = PyLong_FromLongLong(now)) == NULL) {
+                if (now_seconds(&now) < 0 || (value = stamp_of(now, &chars, &len)) == NULL) {
                     result = -1;
                     goto done;
                 }
                 Py_XSETREF(env->created_at, value);
             }
             created = Py_NewRef(env->created_at);
-            if (!PyLong_CheckExact(created))
-                goto done;
-            int overflow;
-            long long value = PyLong_AsLongLongAndOverflow(created, &overflow);
-            if (overflow || (value == -1 && PyErr_Occurred())) {
-                PyErr_Clear();
-                goto done;
+            if (created == stamp.value) { /* (its digits at hand) */
+                chars = stamp.digits;
+                len = stamp.len;
+            } else {
+                if (!PyLong_CheckExact(created))
+                    goto done;
+                int overflow;
+                long long value = PyLong_AsLongLongAndOverflow(created, &overflow);
+                if (overflow || (value == -1 && PyErr_Occurred())) {
+                    PyErr_Clear();
+                    goto done;
+                }
+                len = digits(out->own + 13, value);
+                chars = out->own + 13;
             }
             memcpy(out->own, "\"created_at\":", 13);
-            own = 13 + digits(out->own + 13, value);
+            memmove(out->own + 13, chars, (size_t)len);
+            own = 13 + len;
             out->pieces[out->count++] = (Piece){out->own, own};
         }
         if (previous_flag == Py_True) { /* the echoed id, which the backend never saw */
@@ -862,13 +897,15 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         }
         if (completed) {
             long long now;
-            if (now_seconds(&now) < 0 || (completed_at = PyLong_FromLongLong(now)) == NULL) {
+            const char *chars;
+            int len;
+            if (now_seconds(&now) < 0 || (completed_at = stamp_of(now, &chars, &len)) == NULL) {
                 result = -1;
                 goto done;
             }
             memcpy(out->stamp, "\"completed_at\":", 15);
-            Py_ssize_t len = 15 + digits(out->stamp + 15, now);
-            out->pieces[out->count++] = (Piece){out->stamp, len};
+            memcpy(out->stamp + 15, chars, (size_t)len);
+            out->pieces[out->count++] = (Piece){out->stamp, 15 + len};
         } else {
             completed_at = Py_NewRef(Py_None);
             memcpy(out->stamp, "\"completed_at\":null", 19);
