@@ -938,15 +938,10 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             if (PyDict_SetItem(response, turns[k], turns[k + 1]) < 0)
                 goto done;
     } else if (owns) {
-        PyObject *pairs = PyTuple_New(owns / 2);
-        if (set_field(&patch->own, pairs) < 0)
+        if (set_field(&patch->own, PyTuple_New(owns)) < 0)
             goto done;
-        for (int k = 0; k < owns; k += 2) {
-            PyObject *pair = PyTuple_Pack(2, turns[k], turns[k + 1]);
-            if (pair == NULL)
-                goto done;
-            PyTuple_SET_ITEM(pairs, k / 2, pair);
-        }
+        for (int k = 0; k < owns; k++)
+            PyTuple_SET_ITEM(patch->own, k, Py_NewRef(turns[k]));
         Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
     }
     if (encoded != NULL && PyBytes_GET_SIZE(encoded)) {

@@ -38,6 +38,7 @@ import operator
 import re
 import time
 from collections.abc import Callable
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -266,8 +267,9 @@ class _PatchState:
     fill_in = 0
     fill_at = -1
     # The Response's own members `answer` decided (created_at, previous_response_id,
-    # completed_at) that its dict gets at `merge`, before `filled`: (name, value) pairs.
-    own: tuple[tuple[str, Any], ...] = ()
+    # completed_at) that its dict gets at `merge`, before `filled`: name, value, name, …
+    # (one tuple, not one per member: made for every usual answer).
+    own: tuple[Any, ...] = ()
 
 
 class _EnvelopeState:
@@ -344,8 +346,9 @@ class Patch(_PatchBase):
         with merge=False (a no-op after the first time)."""
         if self.unmerged:
             self.unmerged = False
-            if self.own:
-                response.update(self.own)
+            own = self.own
+            if own:
+                response.update(zip(own[::2], own[1::2], strict=True))
             response.update(self.filled)
 
 
@@ -501,7 +504,7 @@ class Envelope(_EnvelopeBase):
                 patch.encoded = b",".join(parts)  # (`spliced`, `written_event` read them)
             elif parts:  # the usual answer
                 if own:
-                    patch.own = tuple(own)
+                    patch.own = tuple(chain.from_iterable(own))
                     patch.unmerged = True
                 if patch.fill:
                     patch.fill_at = len(data) + patch.fill_in
