@@ -19,6 +19,7 @@ from ocxproxy import heap
 from ocxproxy.aio import cancel_and_wait, spawn
 from ocxproxy.config import Config, connections_for_fds, fd_limit
 from ocxproxy.continuation.compaction import Sealer
+from ocxproxy.continuation.envelope import ServedModels
 from ocxproxy.http import (
     conversations,
     health,
@@ -119,8 +120,18 @@ async def _local_backend(app: web.Application) -> AsyncIterator[None]:
     if saves is not None:
         await saves.attach(url, lambda: backend.boot, model)
         proxy.kv_saves = saves
-    if not proxy.served_models:  # a short name, never the model file's path
-        proxy.served_models = (local.served_name(model),)
+    # A short name, never the model file's path; with the values llama.cpp samples a
+    # request that sets none with, which its Responses show (not OpenAI's 1.0).
+    names = proxy.served_models or (local.served_name(model),)
+    try:
+        proxy.served_models = ServedModels(names, await backend.sampling())
+    except local.LocalBackendError as exc:
+        proxy.served_models = names
+        log.warning(
+            "the embedded backend's sampling values are unknown (%s): Responses show "
+            "OpenAI's defaults for temperature and top_p, not llama.cpp's",
+            exc,
+        )
     log.info("embedded llama.cpp backend at %s (model %s)", url, proxy.served_models[0])
     watchdog = spawn(backend.watch(), name="local-backend-watchdog")
     try:

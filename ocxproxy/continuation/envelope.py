@@ -5,9 +5,10 @@ the Responses schema requires (`tools`, `temperature`, `text`, `store`, …), an
 nothing of `previous_response_id` or `conversation`. `Envelope` fills each member in, in
 this order of preference: the backend's own value when it is a valid one; else the
 request's (`tools`, `instructions`, `temperature`, …, and `previous_response_id` or
-`conversation`, which the backend never saw); else OpenAI's documented default. Output
-items get what the schema requires of them too (a message's `status`, an output text's
-`annotations`).
+`conversation`, which the backend never saw); else OpenAI's documented default, but for
+the embedded backend's sampling values (`ServedModels`: a Response says the `temperature`
+and `top_p` it was sampled with). Output items get what the schema requires of them too
+(a message's `status`, an output text's `annotations`).
 
 It is applied where a Response leaves the proxy: a create's JSON answer and the Response
 of each `response.*` lifecycle event (http/exchange.py), over WebSocket too; what the
@@ -222,6 +223,36 @@ class _Fill:
         # What a pending event of a seen shape gets of them (`Envelope._members_as_seen`):
         # whether it lacks completed_at too, and the bytes, built once for every such turn.
         self.pending: tuple[bool, bytes] | None = None
+
+
+class ServedModels(tuple[str, ...]):
+    """The names the proxy serves its models under (what `served_models` is), with the
+    values its backend samples a request that sets none of them with, when they are not
+    OpenAI's defaults (`sampling`: the embedded llama.cpp's `temperature` and `top_p`),
+    which a Response then shows. Equal only to one with the same names and values: it is
+    a part of the key of the fills they decide (`Envelope._shared_family`)."""
+
+    sampling: dict[str, float]
+    _hash: int
+
+    def __new__(cls, names: tuple[str, ...], sampling: dict[str, float]) -> ServedModels:
+        served = super().__new__(cls, names)
+        served.sampling = dict(sampling)
+        served._hash = hash((tuple(names), tuple(sorted(served.sampling.items()))))
+        return served
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or (
+            type(other) is ServedModels
+            and tuple.__eq__(self, other) is True
+            and self.sampling == other.sampling
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 _PREVIOUS = "previous_response_id"
@@ -768,10 +799,13 @@ class Envelope(_EnvelopeBase):
         return self._defaults[name]
 
     def _request_defaults(self) -> dict[str, Any]:
-        """Every member's value from the request, else the documented default."""
+        """Every member's value from the request, else the backend's default where the
+        proxy knows it (`ServedModels.sampling`), else OpenAI's documented one."""
         body = self._body
+        served = self._served_models
         defaults = {
             **_STATIC_DEFAULTS,
+            **(served.sampling if type(served) is ServedModels else _NO_MEMBERS),
             "output": [],
             "metadata": {},
             "created_at": self._created(),

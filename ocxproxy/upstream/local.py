@@ -23,6 +23,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -99,6 +100,34 @@ def served_name(model: Path) -> str:
     """The name clients see for an embedded model: its file's name without the directory
     or the `.gguf` suffix (a path would tell every client where the proxy is installed)."""
     return model.name.removesuffix(".gguf") or "local"
+
+
+def sampling_of(props: Any) -> dict[str, float]:
+    """The sampling values in a llama-server's `GET /props` answer (its
+    `default_generation_settings`, whose `params` hold them), by their Responses names,
+    each the shortest decimal of the server's float32 (0.8, not 0.800000011920929);
+    LocalBackendError when it has neither (valid)."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    params = settings.get("params", settings) if isinstance(settings, dict) else None
+    found: dict[str, float] = {}
+    for name, most in (("temperature", 2), ("top_p", 1)):
+        value = params.get(name) if isinstance(params, dict) else None
+        # (a bool is no number here; out of what a Response allows: not taken)
+        if isinstance(value, int | float) and type(value) is not bool and 0 <= value <= most:
+            found[name] = _float32_text(value)
+    if not found:
+        raise LocalBackendError(f"no sampling values in its /props: {str(props)[:200]!r}")
+    return found
+
+
+def _float32_text(value: float) -> float:
+    """The float of the fewest digits that is `value` as a float32."""
+    single = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == single:
+            return short
+    return float(value)
 
 
 def _free_port(host: str) -> int:
@@ -224,6 +253,22 @@ class LocalBackend:
             f"<LocalBackend {self.model_path.name} state={self._state} pid={self.pid} "
             f"url={self.url} restarts={self.restarts}>"
         )
+
+    async def sampling(self) -> dict[str, float]:
+        """The values the running server samples a request that sets none of them with
+        (`temperature`, `top_p`: llama.cpp's defaults, or --local-temperature), by their
+        Responses names, as its `GET /props` reports them; LocalBackendError when it
+        reports none."""
+        import aiohttp
+
+        url = f"{self.url}/props"
+        timeout = aiohttp.ClientTimeout(total=10.0)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as http, http.get(url) as resp:
+                props = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise LocalBackendError(f"{url}: {exc or type(exc).__name__}") from None
+        return sampling_of(props)
 
     # -- lifecycle
 

@@ -10,7 +10,12 @@ import orjson
 import pytest
 
 from ocxproxy.continuation import envelope as envelope_module
-from ocxproxy.continuation.envelope import Envelope, complete_response, complete_stored
+from ocxproxy.continuation.envelope import (
+    Envelope,
+    ServedModels,
+    complete_response,
+    complete_stored,
+)
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import encode_event, parse_event
 from tests.continuation.envelope_state import forget_shapes
@@ -135,6 +140,45 @@ def test_invalid_values_are_replaced() -> None:
 def test_a_served_model_name_replaces_the_backends(requested: str, shown: str) -> None:
     response = completed(LLAMA, {"model": requested}, served_models=("smollm2", "alias"))
     assert response["model"] == shown
+
+
+@pytest.mark.parametrize("forwarded", [False, True])
+def test_the_backends_own_sampling_values_fill_a_request_that_sets_none(forwarded: bool) -> None:
+    """With the backend's sampling values known (the embedded llama.cpp's: `ServedModels`), a
+    Response whose request sets none says them, the request's own where it sets them; a
+    proxy whose backend's are not known says OpenAI's, for the same request just after,
+    JSON answer, pending and terminal event alike (the fills are not shared between
+    them). Each Envelope twice: the second answer the compiled usual one."""
+    embedded = ServedModels(("smollm2",), {"temperature": 0.8, "top_p": 0.95})
+    assert embedded == ServedModels(("smollm2",), {"top_p": 0.95, "temperature": 0.8})
+    assert embedded != ("smollm2",) and ("smollm2",) != embedded  # noqa: SIM300 (both ways)
+    assert embedded != ServedModels(("smollm2",), {"temperature": 0.0, "top_p": 0.95})
+    plain = {"model": "smollm2", "input": "hi"}
+    cooler = {**plain, "temperature": 0.25}
+    cases = [
+        (plain, embedded, (0.8, 0.95)),
+        (plain, ("smollm2",), (1.0, 1.0)),
+        (plain, embedded, (0.8, 0.95)),
+        (cooler, embedded, (0.25, 0.95)),
+        (cooler, ("smollm2",), (0.25, 1.0)),
+        (cooler, embedded, (0.25, 0.95)),
+    ]
+    for body, served, (temperature, top_p) in cases:
+        members = forwarded_members(body) if forwarded else None
+        for _ in range(2):
+            envelope = Envelope(body, None, served, members)
+            shown = [completed(LLAMA, body, served_models=served)]
+            event = envelope.pending_event(pending("resp_s", 1700000000))
+            shown.append(orjson.loads(event.data)["response"])
+            event = terminal({**LLAMA, "usage": VLLM_USAGE}, ("type", "response"))
+            payload = orjson.loads(event.data)
+            patch, spliced = envelope.terminal_event(event, payload)
+            if spliced is None or not spliced[1]:  # (its items completed: not in place)
+                event = envelope_module.written_event(event, payload, patch)
+            shown.append(orjson.loads(event.data)["response"])
+            for response in shown:
+                assert (response["temperature"], response["top_p"]) == (temperature, top_p)
+                assert response_problems(response) == []
 
 
 def test_output_items_and_parts_are_completed() -> None:

@@ -158,7 +158,10 @@ async def test_serve_without_upstream_runs_and_stops_the_embedded_backend() -> N
             async with http.post(match.group(1) + "/v1/responses", json=body) as answer:
                 assert answer.status == 200
                 raw = await answer.read()
-                assert orjson.loads(raw)["status"] == "completed"
+                response = orjson.loads(raw)
+                assert response["status"] == "completed"
+                # What llama.cpp sampled with (its defaults), not OpenAI's 1.0.
+                assert (response["temperature"], response["top_p"]) == (0.8, 0.95)
             async with http.get(match.group(1) + "/v1/models") as models:
                 assert models.status == 200
                 listing = await models.read()
@@ -187,7 +190,9 @@ async def test_local_temperature_zero_answers_a_request_the_same_each_time() -> 
             for _ in range(3):
                 async with http.post(match.group(1) + "/v1/responses", json=body) as answer:
                     assert answer.status == 200
-                    output = orjson.loads(await answer.read())["output"]
+                    response = orjson.loads(await answer.read())
+                    assert (response["temperature"], response["top_p"]) == (0.0, 0.95)
+                    output = response["output"]
                     texts.append(output[-1]["content"][0]["text"])
         assert len(set(texts)) == 1 and len(texts[0]) > 40, texts
     finally:
