@@ -34,6 +34,7 @@ from ocxproxy.config import (
     flag_name,
     group_of,
     help_for,
+    idle_settings,
     is_hidden,
     kind_of,
     metavar_for,
@@ -206,6 +207,8 @@ def main(argv: Sequence[str] | None = None, environ: dict[str, str] | None = Non
     except ConfigError as exc:
         print(f"ocxproxy: error: {exc}", file=sys.stderr)
         return 2
+    for line in idle_settings(config, sources):
+        print(f"ocxproxy: warning: {line}", file=sys.stderr)
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

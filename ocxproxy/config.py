@@ -857,6 +857,20 @@ def _from_toml(name: str, value: Any, source: str) -> Any:
     raise ConfigError(f"{source}: expected {wanted}, got {value!r}")
 
 
+def idle_settings(config: Config, sources: Mapping[str, str]) -> list[str]:
+    """One line for each setting of the embedded backend (`--local-*`) set while
+    --upstream is too: it then does nothing, as the embedded backend runs only without
+    one. Each names where it came from (`sources`, as build_config takes them)."""
+    if not config.upstream:
+        return []
+    return [
+        f"{sources.get(name, flag_name(name))}: ignored: it sets the embedded backend, "
+        "which runs only when no --upstream is given"
+        for name in SETTINGS
+        if name.startswith("local_") and getattr(config, name) != _default(name)
+    ]
+
+
 def unknown_env_names(environ: Mapping[str, str], known: Sequence[str] = ()) -> list[str]:
     """One line for each OCXPROXY_* variable that is no setting's (nor in `known`), naming
     the setting's variable closest to it, if one is close: most likely a typo."""

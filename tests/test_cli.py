@@ -310,6 +310,33 @@ def test_known_env_vars_give_no_warning(
     assert served[0].zdr is True
 
 
+IDLE = "ignored: it sets the embedded backend, which runs only when no --upstream is given"
+
+
+def test_embedded_backend_settings_beside_an_upstream_warn_where_they_came_from(
+    served: list[Config], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--local-* settings do nothing with --upstream: the start goes on (one may be left
+    in the environment or a shared config file), each named in a warning line."""
+    upstream = ["--upstream", "http://gpu:8000/v1"]
+    config_file = _toml(tmp_path, 'local-model = "/models/a.gguf"')
+    environ = {"OCXPROXY_LOCAL_TEMPERATURE": "0"}
+    assert main(["serve", "--config", config_file, *upstream], environ=environ) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"ocxproxy: warning: {config_file}: local-model: {IDLE}",
+        f"ocxproxy: warning: OCXPROXY_LOCAL_TEMPERATURE: {IDLE}",
+    ]
+    assert main(["serve", "--local-temperature", "0.5", *upstream], environ={}) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"ocxproxy: warning: --local-temperature: {IDLE}"
+    ]
+    # Without --upstream they are the embedded backend's; none set: nothing to say.
+    assert main(["serve", "--local-temperature", "0.5"], environ={}) == 0
+    assert main(["serve", *upstream], environ={}) == 0
+    assert capsys.readouterr().err == ""
+    assert [config.local_temperature for config in served] == [0.0, 0.5, 0.5, None]
+
+
 async def _run(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
