@@ -71,7 +71,7 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
 
     def current() -> list[object]:
         return [Envelope.answer, Envelope.pending_event, Envelope.terminal_event,
-                Envelope.complete, exchange._envelope, exchange.spliced]  # fmt: skip
+                Envelope.complete, exchange.Envelope, exchange.spliced]  # fmt: skip
 
     before = current()
     switch = bench_hotpath.EnvelopeSwitch()

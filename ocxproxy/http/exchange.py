@@ -358,7 +358,7 @@ async def prepare_exchange(
             if proxy.config.forward_unknown_ids and unknown and not (sealed or trigger):
                 body = raw if raw is not None else orjson.dumps(request.body)  # as it came
                 reason = str(failure.reason)
-                envelope = _envelope(proxy, request, echo)
+                envelope = Envelope(request.body, echo, proxy.served_models)
                 return Exchange(
                     proxy, scope, request, body, None, expansion=reason, envelope=envelope
                 )
@@ -433,19 +433,12 @@ async def prepare_exchange(
         expansion=expansion,
         history_bytes=sum(map(len, history)),
         conversation=held,
-        envelope=_envelope(proxy, request, echo, members),
+        envelope=Envelope(request.body, echo, proxy.served_models, members),  # (positional)
         compaction=trigger,
         pending=pending,
         cut=cut,
         book_key=keys.put,
     )
-
-
-def _envelope(
-    proxy: Proxy, request: Request, echo: tuple[str, Any] | None, members: bytes | None = None
-) -> Envelope:
-    # (positional arguments: a keyword call costs more)
-    return Envelope(request.body, echo, proxy.served_models, members)
 
 
 def open_upstream(

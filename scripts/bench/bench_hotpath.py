@@ -196,7 +196,7 @@ class EnvelopeSwitch:
             (Envelope, "pending_event", lambda self, event: event),
             # (no bytes: the store encodes the dict)
             (Envelope, "terminal_event", lambda self, event, payload: (Patch(), None)),
-            (exchange, "_envelope", lambda *_: shared),
+            (exchange, "Envelope", lambda *_: shared),  # (the per-request one)
             *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
         ]
         self._on = [(owner, name, vars(owner).get(name, _UNSET)) for owner, name, _ in self._off]
