@@ -57,24 +57,9 @@ static void envelope_dealloc(EnvelopeState *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Envelope(body=None, echo=None, served_models=(), members=None, *, created_at=None) */
-static PyObject *envelope_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"body", "echo", "served_models", "members", "created_at", NULL};
-    PyObject *body = Py_None, *echo = Py_None, *served = NULL, *members = Py_None,
-             *created_at = Py_None;
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    if (kwds == NULL && n <= 4) { /* (the hot path's call: positional) */
-        if (n > 0)
-            body = PyTuple_GET_ITEM(args, 0);
-        if (n > 1)
-            echo = PyTuple_GET_ITEM(args, 1);
-        if (n > 2)
-            served = PyTuple_GET_ITEM(args, 2);
-        if (n > 3)
-            members = PyTuple_GET_ITEM(args, 3);
-    } else if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OOOO$O:Envelope", names, &body, &echo,
-                                            &served, &members, &created_at))
-        return NULL;
+/* An Envelope of `type` with these members (borrowed; `served` NULL: none). */
+static PyObject *envelope_make(PyTypeObject *type, PyObject *body, PyObject *echo,
+                               PyObject *served, PyObject *members, PyObject *created_at) {
     EnvelopeState *self = (EnvelopeState *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
@@ -95,6 +80,48 @@ static PyObject *envelope_new(PyTypeObject *type, PyObject *args, PyObject *kwds
         return NULL;
     }
     return (PyObject *)self;
+}
+
+/* Envelope(body=None, echo=None, served_models=(), members=None, *, created_at=None) */
+static PyObject *envelope_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"body", "echo", "served_models", "members", "created_at", NULL};
+    PyObject *body = Py_None, *echo = Py_None, *served = NULL, *members = Py_None,
+             *created_at = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OOOO$O:Envelope", names, &body, &echo, &served,
+                                     &members, &created_at))
+        return NULL;
+    return envelope_make(type, body, echo, served, members, created_at);
+}
+
+/* The call of an Envelope type with positional arguments (the hot path's: one per create
+ * request), made without the argument tuple `type(...)` builds, nor its __init__ call
+ * (object's, which does nothing); any other call is type(...)'s. A heap type does not
+ * inherit this (`vectorcall` below sets it on envelope.py's Envelope). */
+static PyObject *envelope_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames) {
+    PyTypeObject *type = (PyTypeObject *)callable;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames == NULL && n <= 4 && type->tp_new == envelope_new
+        && type->tp_init == PyBaseObject_Type.tp_init)
+        return envelope_make(type, n > 0 ? args[0] : Py_None, n > 1 ? args[1] : Py_None,
+                             n > 2 ? args[2] : NULL, n > 3 ? args[3] : Py_None, Py_None);
+    PyObject *tuple = PyTuple_New(n), *kwds = NULL, *result = NULL;
+    if (tuple == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        if ((kwds = PyDict_New()) == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); i++)
+            if (PyDict_SetItem(kwds, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0)
+                goto done;
+    }
+    result = PyType_Type.tp_call(callable, tuple, kwds);
+done:
+    Py_DECREF(tuple);
+    Py_XDECREF(kwds);
+    return result;
 }
 
 /* (T_OBJECT_EX: an attribute deleted is unset, as a slot's; the C here checks for NULL) */
@@ -119,6 +146,7 @@ static PyTypeObject EnvelopeState_Type = {
     .tp_dealloc = (destructor)envelope_dealloc,
     .tp_members = envelope_state_members,
     .tp_new = envelope_new,
+    .tp_vectorcall = envelope_vectorcall,
 };
 
 typedef struct {
@@ -1607,6 +1635,16 @@ static PyObject *cut(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 /* (sorted by name) */
+/* vectorcall(type): `type`, a subclass of EnvelopeState, called as EnvelopeState is. */
+static PyObject *vectorcall(PyObject *module, PyObject *type) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &EnvelopeState_Type)) {
+        PyErr_SetString(PyExc_TypeError, "vectorcall() takes a subclass of EnvelopeState");
+        return NULL;
+    }
+    ((PyTypeObject *)type)->tp_vectorcall = envelope_vectorcall;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef speedups_methods[] = {
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL,
      "Envelope.answer's usual answer, or None."},
@@ -1616,6 +1654,8 @@ static PyMethodDef speedups_methods[] = {
      "Envelope.pending_event's usual event (completed in place), or None."},
     {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,
      "Envelope.terminal_event's usual event, or None."},
+    {"vectorcall", vectorcall, METH_O,
+     "A subclass of EnvelopeState called as EnvelopeState is (without an argument tuple)."},
     {NULL, NULL, 0, NULL},
 };
 

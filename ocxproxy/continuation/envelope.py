@@ -999,6 +999,10 @@ class Envelope(_EnvelopeBase):
         return written_event(event, payload, self.complete(response, final=final))
 
 
+if SPEEDUPS is not None:  # (a create request's Envelope, made without an argument tuple)
+    SPEEDUPS.vectorcall(Envelope)
+
+
 class _Seen:
     """What completing a pending event of one shape took: its plan, the backend's model
     (None: it gave none), the echoed members it gave as null, whether it had no

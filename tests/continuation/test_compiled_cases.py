@@ -387,3 +387,65 @@ def test_the_usual_answers_own_members_reach_its_dict_at_merge(
     assert response == orjson.loads(stored)
     assert response["previous_response_id"] == "resp_p" and type(response["completed_at"]) is int
     assert response["created_at"] == 5 and response["instructions"] == "Be brief."
+
+
+_STATE = ("_body", "_members", "_echo", "_served_models", "_created_at", "_pinned")
+_STATE += ("_defaults", "_fills", "_inserts", "_family")
+BODIES = [{"model": "m"}, None]
+CALLS = [  # (positional arguments, keyword arguments)
+    ((), {}),
+    ((BODIES[0],), {}),
+    ((BODIES[0], PREVIOUS), {}),
+    ((BODIES[0], PREVIOUS, ("alias",)), {}),
+    ((BODIES[0], PREVIOUS, ("alias",), b'"model":"m"'), {}),
+    ((BODIES[1], None, (), None), {}),
+    ((BODIES[0],), {"echo": PREVIOUS, "created_at": 5}),
+    ((), {"served_models": ("alias",), "members": b"{}"}),
+]
+
+
+@pytest.mark.parametrize("args, kwargs", CALLS)
+def test_an_envelope_called_any_way_has_the_members_of_the_python_one(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Envelope(...) made by the compiled call without an argument tuple (positional
+    arguments), or by type(...) (keywords), holds what the Python _EnvelopeState does."""
+    compiled = Envelope(*args, **kwargs)
+    python = envelope_module._EnvelopeState(*args, **kwargs)
+    assert [getattr(compiled, name) for name in _STATE] == [
+        getattr(python, name) for name in _STATE
+    ]
+
+
+def test_an_envelope_called_wrong_or_overridden_is_called_as_a_type_is() -> None:
+    """A call the compiled one does not make (too many arguments, an unknown keyword, a
+    subclass's own __init__ or __new__ after `vectorcall`) is type(...)'s, and a type not
+    of the envelope's state is refused."""
+    with pytest.raises(TypeError):
+        Envelope({}, None, (), None, 5)
+    with pytest.raises(TypeError):
+        Envelope(body={}, colour="red")
+
+    class Initialised(Envelope):
+        __slots__ = ()
+
+        def __init__(self, *args: Any) -> None:
+            self._pinned = {"args": len(args)}
+
+    class Made(Envelope):
+        __slots__ = ()
+
+        def __new__(cls, *args: Any) -> Made:
+            made = super().__new__(cls, *args)
+            made._pinned = {"made": True}
+            return made
+
+    for kind in (Initialised, Made):
+        _c.vectorcall(kind)
+    assert Initialised(BODY, PREVIOUS)._pinned == {"args": 2}
+    assert Initialised(BODY, PREVIOUS)._body is BODY
+    assert Made(BODY)._pinned == {"made": True}
+    with pytest.raises(TypeError):
+        _c.vectorcall(Patch)
+    with pytest.raises(TypeError):
+        _c.vectorcall(object())
