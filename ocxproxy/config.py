@@ -858,16 +858,28 @@ def _from_toml(name: str, value: Any, source: str) -> Any:
 
 
 def idle_settings(config: Config, sources: Mapping[str, str]) -> list[str]:
-    """One line for each setting of the embedded backend (`--local-*`) set while
-    --upstream is too: it then does nothing, as the embedded backend runs only without
-    one. Each names where it came from (`sources`, as build_config takes them)."""
-    if not config.upstream:
-        return []
-    return [
-        f"{sources.get(name, flag_name(name))}: ignored: it sets the embedded backend, "
-        "which runs only when no --upstream is given"
+    """One line for each setting that does nothing beside the others: the embedded
+    backend's (`--local-*`) with --upstream; --kv-save-dir without one (the embedded
+    backend keeps its saves in the state dir); --kv-cache-types without --kv-save-dir
+    upstream (the embedded backend's types are its own). Each names where it came from
+    (`sources`, as build_config takes them)."""
+    external_saves = bool(config.upstream) and config.kv_save_dir is not None
+    idle = {
+        name: "it sets the embedded backend, which runs only when no --upstream is given"
         for name in SETTINGS
-        if name.startswith("local_") and getattr(config, name) != _default(name)
+        if name.startswith("local_") and config.upstream
+    }
+    if not config.upstream:
+        idle["kv_save_dir"] = (
+            "it is an --upstream llama-server's slot directory; the embedded backend "
+            "keeps its KV saves in the state dir"
+        )
+    if not external_saves:
+        idle["kv_cache_types"] = "it describes the llama-servers of --kv-save-dir with --upstream"
+    return [
+        f"{sources.get(name, flag_name(name))}: ignored: {why}"
+        for name, why in idle.items()
+        if getattr(config, name) != _default(name)
     ]
 
 

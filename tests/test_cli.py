@@ -337,6 +337,32 @@ def test_embedded_backend_settings_beside_an_upstream_warn_where_they_came_from(
     assert [config.local_temperature for config in served] == [0.0, 0.5, 0.5, None]
 
 
+def test_warm_resume_settings_that_do_nothing_warn(
+    served: list[Config], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--kv-save-dir is an --upstream llama-server's; --kv-cache-types describes those:
+    each alone does nothing, and says so at start."""
+    upstream = ["--upstream", "http://gpu:8000/v1"]
+    slots = str(tmp_path)
+    assert main(["serve", "--kv-save-dir", slots, "--kv-cache-types", "q8_0/q8_0"], environ={}) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "ocxproxy: warning: --kv-save-dir: ignored: it is an --upstream llama-server's "
+        "slot directory; the embedded backend keeps its KV saves in the state dir",
+        "ocxproxy: warning: --kv-cache-types: ignored: it describes the llama-servers of "
+        "--kv-save-dir with --upstream",
+    ]
+    environ = {"OCXPROXY_KV_CACHE_TYPES": "q8_0/q8_0"}
+    assert main(["serve", *upstream], environ=environ) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "ocxproxy: warning: OCXPROXY_KV_CACHE_TYPES: ignored: it describes the "
+        "llama-servers of --kv-save-dir with --upstream"
+    ]
+    # Both beside an upstream: warm resume on it, nothing to say.
+    assert main(["serve", *upstream, "--kv-save-dir", slots], environ=environ) == 0
+    assert capsys.readouterr().err == ""
+    assert [config.kv_cache_types for config in served] == ["q8_0/q8_0"] * 3
+
+
 async def _run(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
