@@ -1043,7 +1043,8 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
  * getattr costs ~100 instructions, ten times this. The offset is the one the type's member
  * descriptor for the name gives, found again when the object's type or that type's
  * version (which changes when the type is) is not the one last seen; any other attribute
- * (no slot, a subclass's property, …) goes through the generic getattr and setattr. */
+ * (no slot, a subclass's property, …) is read through the generic getattr (and an event
+ * whose bytes are not such slots is not written here: `event_slots`). */
 typedef struct {
     PyObject **name;
     PyTypeObject *type; /* (a strong reference: its address is not reused meanwhile) */
@@ -1091,20 +1092,33 @@ static Py_ALWAYS_INLINE inline PyObject *slot_get(Slot *slot, PyObject *object) 
     return PyObject_GetAttr(object, *slot->name); /* (raises when unset) */
 }
 
-static Py_ALWAYS_INLINE inline int slot_set(Slot *slot, PyObject *object, PyObject *value) {
-    if (slot_offset(slot, Py_TYPE(object))) {
-        PyObject **at = (PyObject **)((char *)object + slot->offset);
-        PyObject *old = *at;
-        Py_INCREF(value);
-        *at = value;
-        Py_XDECREF(old);
-        return 0;
-    }
-    return PyObject_SetAttr(object, *slot->name, value);
-}
-
 static Slot event_name = {&s_name}, event_raw = {&s_raw}, event_data = {&s_data},
             event_at = {&s_at}, seen_members = {&s_members}, seen_memo = {&s_memo};
+
+/* Whether an Event's `raw` and `data` are slots read and written at their offsets (else
+ * the Python path completes it): then `set_event` changes both or neither. */
+static int event_slots(PyObject *event) {
+    PyTypeObject *type = Py_TYPE(event);
+    return slot_offset(&event_raw, type) && slot_offset(&event_data, type);
+}
+
+/* An Event's `raw` and `data` set together (-1 with an exception when its type changed
+ * since `event_slots` found them slots). The old values are released once both are set:
+ * their release may run Python code, which then sees the event whole. */
+static int set_event(PyObject *event, PyObject *raw, PyObject *data) {
+    if (!event_slots(event)) {
+        PyErr_SetString(PyExc_RuntimeError, "an event's type changed while it was completed");
+        return -1;
+    }
+    PyObject **raw_at = (PyObject **)((char *)event + event_raw.offset);
+    PyObject **data_at = (PyObject **)((char *)event + event_data.offset);
+    PyObject *old_raw = *raw_at, *old_data = *data_at;
+    *raw_at = Py_NewRef(raw);
+    *data_at = Py_NewRef(data);
+    Py_XDECREF(old_raw);
+    Py_XDECREF(old_data);
+    return 0;
+}
 
 /* The pieces spliced into a pending event, in order. */
 typedef struct {
@@ -1162,7 +1176,8 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     PyObject *event = args[1], *lasts = args[2], *last_fills = args[3], *from_request = args[4];
-    if (!PyDict_CheckExact(lasts) || !PyObject_TypeCheck(args[0], &EnvelopeState_Type)) {
+    if (!PyDict_CheckExact(lasts) || !PyObject_TypeCheck(args[0], &EnvelopeState_Type)
+        || !event_slots(event)) {
         Py_RETURN_NONE;
     }
     EnvelopeState *env = (EnvelopeState *)args[0]; /* (its members read in place) */
@@ -1392,8 +1407,7 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     }
     memcpy(out, PyBytes_AS_STRING(raw) + head, raw_size - head);
     data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(spliced) + at, total - 2 - at);
-    if (data == NULL || slot_set(&event_raw, event, spliced) < 0
-        || slot_set(&event_data, event, data) < 0) {
+    if (data == NULL || set_event(event, spliced, data) < 0) {
         goto error;
     }
     if (family_found) { /* (as `Envelope._shared_fill` keeps it) */
@@ -1498,33 +1512,42 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
     }
     PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
     PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
-             *new_raw = NULL, *result = NULL;
-    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts))
+             *new_raw = NULL, *result = NULL, *v[3];
+    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts)
+        || !event_slots(event))
         Py_RETURN_NONE;
-    PyObject *response = PyDict_GetItemWithError(payload, s_response);
-    PyObject *kind = response == NULL ? NULL : PyDict_GetItemWithError(payload, s_type);
-    PyObject *seq = kind == NULL ? NULL : PyDict_GetItemWithError(payload, s_sequence_number);
-    if (seq == NULL) {
+    /* (response, type, sequence_number), each held: a lookup may run a key's __eq__ */
+    PyObject *names[3] = {s_response, s_type, s_sequence_number};
+    int found = 0;
+    Py_INCREF(payload);
+    for (; found < 3; found++) {
+        v[found] = Py_XNewRef(PyDict_GetItemWithError(payload, names[found]));
+        if (v[found] == NULL)
+            break;
+    }
+    Py_DECREF(payload);
+    if (found < 3) {
+        for (int i = 0; i < found; i++)
+            Py_DECREF(v[i]);
         if (PyErr_Occurred())
             return NULL;
         Py_RETURN_NONE;
     }
+    PyObject *response = v[0], *kind = v[1], *seq = v[2], *layout = NULL;
     if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
-        Py_RETURN_NONE;
-    PyObject *layout = PyDict_GetItemWithError(layouts, kind);
-    if (layout == NULL) {
+        goto decline;
+    if ((layout = PyDict_GetItemWithError(layouts, kind)) == NULL) {
         if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
+            goto done;
+        goto decline;
     }
+    Py_INCREF(layout); /* (an event's attribute read may run Python code) */
     int overflow;
     long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
     if (overflow || (number == -1 && PyErr_Occurred())) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        goto decline;
     }
-    Py_INCREF(response); /* (the Envelope's methods, which run meanwhile, may take it out) */
-    Py_INCREF(layout); /* (and an event's attribute read may run Python code) */
     if ((data = slot_get(&event_data, event)) == NULL
         || (raw = slot_get(&event_raw, event)) == NULL
         || (at_obj = slot_get(&event_at, event)) == NULL)
@@ -1575,8 +1598,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
         memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
         memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
-        if (slot_set(&event_raw, event, new_raw) < 0
-            || slot_set(&event_data, event, new_data) < 0) {
+        if (set_event(event, new_raw, new_data) < 0) {
             answer_clear(&a);
             goto done;
         }
@@ -1589,9 +1611,14 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         }
     }
     answer_clear(&a);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
 done:
     Py_DECREF(response);
-    Py_DECREF(layout);
+    Py_DECREF(kind);
+    Py_DECREF(seq);
+    Py_XDECREF(layout);
     Py_XDECREF(data);
     Py_XDECREF(raw);
     Py_XDECREF(at_obj);

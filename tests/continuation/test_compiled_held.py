@@ -138,18 +138,21 @@ print(*sorted({type(key).__name__ for family in E._FILLS.values() for key in fam
         ',"created_at":5} frozenset',
     ),
     # A terminal event's layout (its bytes around the Response), freed by a read of the
-    # event's attributes (an Event whose reads run Python code).
+    # event's attributes (an Event whose `at` is a property: its bytes are still slots).
     "a terminal event's layout": (
         """
 from ocxproxy.upstream.sse import Event
 layouts = {kind: tuple(bytes(bytearray(part)) if type(part) is bytes else part for part in layout)
            for kind, layout in E._TERMINAL_LAYOUTS.items()}  # (only these dicts hold them)
 class Clearing(Event):
-    __slots__ = ()
-    def __getattribute__(self, name):
-        if name == "raw":
-            layouts.clear()
-        return super().__getattribute__(name)
+    __slots__ = ("_at",)
+    @property
+    def at(self):
+        layouts.clear()
+        return self._at
+    @at.setter
+    def at(self, value):
+        self._at = value
 members = {"id": "r1", "status": "in_progress", **{f"m{i}": i for i in range(10)}}
 data = orjson.dumps({"type": "response.completed", "response": members, "sequence_number": 1})
 plain = parse_event(encode_event("response.completed", data))
@@ -160,6 +163,25 @@ done = E._c.terminal_event(Envelope({}, created_at=5), event, orjson.loads(data)
 print(done[1][0].decode()[-16:])
 """,
         ',"created_at":5}',
+    ),
+    # A terminal event's Response, type and number, freed by the comparison a lookup of
+    # its layout makes (layouts with another key of the type's hash).
+    "a terminal event's payload": (
+        """
+members = {"id": "r1", "status": "in_progress", **{f"m{i}": i for i in range(10)}}
+data = orjson.dumps({"type": "response.completed", "response": members, "sequence_number": 1})
+event = parse_event(encode_event("response.completed", data))
+payload = orjson.loads(data)
+armed = []  # (not while the dict is built: its keys are compared then)
+clear = lambda: armed and payload.clear()
+layouts = {Collides("response.completed", clear): None, **E._TERMINAL_LAYOUTS}
+armed.append(True)
+last = (tuple(members), tuple(map(type, members.values())), plan(members, ["created_at"]))
+done = E._c.terminal_event(Envelope({}, created_at=5), event, payload, last,
+                           ((), {}), E._FROM_REQUEST, Patch, layouts)
+print(done[1][0].decode()[-16:], payload)
+""",
+        ',"created_at":5} {}',
     ),
     # A pending event's shape and bytes, forgotten and replaced by the Envelope's method
     # that finds the request's fills.

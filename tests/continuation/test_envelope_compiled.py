@@ -357,3 +357,31 @@ def test_a_terminal_event_compiled_is_the_pythons_or_declined(
     assert (compiled_event.raw, compiled_event.data) == (python_event.raw, python_event.data)
     assert list(compiled_payload["response"].items()) == list(python_payload["response"].items())
     assert _state(patch) == _state(reference[0])
+
+
+def test_a_terminal_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
+    """The compiled path sets an event's raw bytes and its data both or neither: an event
+    whose data is not a slot is declined before anything is changed (the Python path
+    completes it)."""
+    from tests.continuation.test_pending_speedups import unsettable
+
+    envelope = _envelope({"model": "m"}, ("previous_response_id", "resp_p"), (), True)
+    for _ in range(3):  # (the shape seen valid)
+        primer = _terminal(BASE, 0, 9, False)
+        envelope.terminal_event(primer, orjson.loads(primer.data))
+    event = _terminal(BASE, 0, 9, False)
+    fixed = unsettable(event)
+    payload = orjson.loads(event.data)
+    done = envelope_module._c.terminal_event(
+        envelope,
+        fixed,
+        payload,
+        envelope_module._LAST_ANSWER,
+        envelope_module._LAST_FILLS,
+        envelope_module._FROM_REQUEST,
+        Patch,
+        envelope_module._TERMINAL_LAYOUTS,
+    )
+    assert done is None
+    assert (fixed.raw, fixed.data) == (event.raw, event.data)
+    assert payload == orjson.loads(event.data)

@@ -270,9 +270,10 @@ def test_the_compiled_pending_event_declines_what_it_is_not_given_right(args: An
     assert done is None
 
 
-def test_an_event_type_with_its_own_setattr_sees_what_the_compiled_path_sets() -> None:
-    """Attributes are read and written at their slot's offset only for a type with the
-    generic getattr and setattr: a subclass's own `__setattr__` sees the new bytes set."""
+def test_an_event_type_with_its_own_setattr_is_left_to_the_python_path() -> None:
+    """An event's bytes are written at their slots' offsets only for a type with the
+    generic getattr and setattr: the compiled path declines a subclass with its own
+    `__setattr__`, which sees what the Python path sets."""
     seen: list[str] = []
 
     class Watched(Event):
@@ -295,10 +296,48 @@ def test_an_event_type_with_its_own_setattr_sees_what_the_compiled_path_sets() -
             object.__setattr__(watched, "data", event.data)
             object.__setattr__(watched, "at", event.at)
             seen.clear()
-            done = _c.pending_event(made, watched, *lasts())
-            if done is None:
-                done = made._pending_event(watched)
-            elif n >= 2:
-                assert "raw" in seen and "data" in seen
+            assert _c.pending_event(made, watched, *lasts()) is None
+            assert watched.raw is event.raw and not seen
+            done = made.pending_event(watched)
+            if n >= 2:  # (the usual event, changed in place)
+                assert done is watched and "raw" in seen and "data" in seen
             assert b'"previous_response_id":"resp_prev%d"' % n in done.raw
-        assert n < 2 or done is watched  # (the compiled path's, from the third turn on)
+
+
+class Unsettable(Event):
+    """An event whose data cannot be set (its raw bytes can)."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def data(self) -> bytes:
+        return Event.data.__get__(self)  # type: ignore[attr-defined,no-any-return]
+
+    @data.setter
+    def data(self, value: bytes) -> None:
+        raise AttributeError("data is read-only")
+
+
+def unsettable(event: Event) -> Unsettable:
+    made = Unsettable.__new__(Unsettable)
+    for name in ("raw", "name", "data", "at"):
+        getattr(Event, name).__set__(made, getattr(event, name))
+    return made
+
+
+def test_an_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
+    """The compiled path sets an event's raw bytes and its data both or neither: an event
+    whose data is not a slot is declined before its raw bytes are changed."""
+    body = {"model": "m", "instructions": "Be brief."}
+    extra = {"status": "in_progress", "model": "bench", "output": []}
+    for n in range(3):
+        echo = ("previous_response_id", f"resp_prev{n}")
+        made = Envelope(body, echo, (), forwarded_members(body), created_at=7)
+        for seq, kind in enumerate(KINDS):
+            event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
+            if n < 2:  # (the shapes seen, the members worked out)
+                made.pending_event(event)
+                continue
+            fixed = unsettable(event)
+            assert _c.pending_event(made, fixed, *lasts()) is None
+            assert (fixed.raw, fixed.data) == (event.raw, event.data)
