@@ -248,12 +248,23 @@ typedef struct {
 
 #define MAX_PIECES 4
 
+/* Whether two exact strs are equal: the same characters in the same (canonical) kind. */
+static int same_str(PyObject *a, PyObject *b) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (!PyUnicode_IS_READY(a) || !PyUnicode_IS_READY(b)) /* (a legacy str, never orjson's) */
+        return PyUnicode_Compare(a, b) == 0;
+#endif
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    int kind = PyUnicode_KIND(a);
+    return n == PyUnicode_GET_LENGTH(b) && kind == (int)PyUnicode_KIND(b)
+        && memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * (size_t)kind) == 0;
+}
+
 /* Whether `value` is an exact str equal to the ASCII `name` (a compare, no allocation). */
 static int is_str(PyObject *value, PyObject *name) {
     if (value == name)
         return 1;
-    return PyUnicode_CheckExact(value) && PyUnicode_GET_LENGTH(value) == PyUnicode_GET_LENGTH(name)
-        && PyUnicode_Compare(value, name) == 0;
+    return PyUnicode_CheckExact(value) && same_str(value, name);
 }
 
 /* A dict's exact-int member, as `type(d[name]) is int` checks it: 1 yes, 0 no. */
@@ -529,12 +540,25 @@ static PyObject *fast_of_plan(PyObject *plan);
 static PyObject *fast_of_fill(PyObject *fill);
 
 
-/* `a == b` as Python's tuple compare decides it (identity first). */
+/* `a == b` as Python's tuple compare decides it (identity first; two strs, or two empty
+ * lists, compared here at once). */
 static int equal(PyObject *a, PyObject *b) {
-    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+    if (a == b)
+        return 1;
+    if (PyUnicode_CheckExact(a) && PyUnicode_CheckExact(b))
+        return same_str(a, b);
+    if (PyList_CheckExact(a) && PyList_CheckExact(b) && !PyList_GET_SIZE(a) && !PyList_GET_SIZE(b))
+        return 1;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
 /* ---- Envelope.answer and Envelope.terminal_event: their common case ------------------ */
+
+/* The keys of the last request body found to have none of `disjoint_from`'s (the names
+ * of the members filled from the request), learnt as `Keys` are: a client sends the same
+ * members turn after turn, and orjson gives them the same key objects. */
+static Keys disjoint_keys = {.count = 0};
+static PyObject *disjoint_from; /* (a strong reference) */
 
 /* The request's fills found at once (`Envelope._shared_fill`'s key, compared with the
  * last request's): a new reference to the family, None when not found so (the Python
@@ -547,17 +571,25 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
         || !PyFrozenSet_CheckExact(from_request) || body == NULL || !PyDict_CheckExact(body))
         goto done;
     int disjoint = 1;
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(body, &pos, &key, &value)) {
-        if (!PyUnicode_CheckExact(key)) /* (hashed and compared: Python code) */
-            goto done;
-        int in = PySet_Contains(from_request, key);
-        if (in < 0)
-            goto fail;
-        if (in) {
-            disjoint = 0;
-            break;
+    PyObject *none[1];
+    if (from_request != disjoint_from || !known_values(body, &disjoint_keys, none)) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(body, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) /* (hashed and compared: Python code) */
+                goto done;
+            int in = PySet_Contains(from_request, key);
+            if (in < 0)
+                goto fail;
+            if (in) {
+                disjoint = 0;
+                break;
+            }
+        }
+        if (disjoint) { /* (the next request's, the same keys, known by their addresses) */
+            learn(body, &disjoint_keys);
+            if (known_values(body, &disjoint_keys, none))
+                Py_XSETREF(disjoint_from, Py_NewRef(from_request)); /* (a set of strs) */
         }
     }
     int same;
@@ -658,6 +690,42 @@ static int plain_ascii(PyObject *value, const char **chars, Py_ssize_t *len) {
             return 0;
     *chars = p;
     *len = n;
+    return 1;
+}
+
+/* Where an answer's members are, by its plan (`_Plan.fast`'s places, each checked against
+ * the answer's count of members `n`), read once for the plan last seen: a backend answers
+ * in one shape turn after turn. */
+static struct {
+    PyObject *fast; /* (a strong reference: the tuple they were read from, unchanged) */
+    Py_ssize_t n, at[4], count, names[MAX_MEMBERS];
+} places;
+
+/* `fast`'s places of usage, the output, the status and completed_at (-1: absent) in `at`,
+ * and of its ruled values in `names` (their count in `count`): 1; 0 when one is not a
+ * place in `n` members. */
+static int places_of(PyObject *fast, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *names,
+                     Py_ssize_t *count) {
+    if (places.fast != fast || places.n != n) {
+        PyObject *ruled = item_of(fast, 3);
+        Py_ssize_t found[4] = {place(fast, 2, n), place(fast, 5, n), place(fast, 6, n),
+                               place(fast, 7, n)};
+        if (found[0] < -1 || found[1] < -1 || found[2] < -1 || found[3] < -1 || ruled == NULL
+            || !PyTuple_CheckExact(ruled) || PyTuple_GET_SIZE(ruled) > MAX_MEMBERS)
+            return 0;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ruled); i++)
+            if ((places.names[i] = place(ruled, i, n)) < 0) {
+                Py_CLEAR(places.fast); /* (its names are not all known now) */
+                return 0;
+            }
+        memcpy(places.at, found, sizeof(found));
+        places.count = PyTuple_GET_SIZE(ruled);
+        places.n = n;
+        Py_XSETREF(places.fast, Py_NewRef(fast)); /* (a tuple of builtins: no Python runs) */
+    }
+    memcpy(at, places.at, sizeof(places.at));
+    memcpy(names, places.names, sizeof(Py_ssize_t) * (size_t)places.count);
+    *count = places.count;
     return 1;
 }
 
@@ -764,27 +832,23 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     /* _Plan.fast: (missing, completed_at, where usage is, where the ruled values are,
      * those values seen valid, where the output and the status are), None until known */
     PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
-             *names = item_of(fast, 3), *valid = item_of(fast, 4);
-    Py_ssize_t usage_at = place(fast, 2, n), output_at = place(fast, 5, n),
-               status_at = place(fast, 6, n), stamped_at = place(fast, 7, n);
-    if (stamped_at < -1 || status_at < -1 || output_at < -1 || usage_at < -1
-        || !PyFrozenSet_CheckExact(missing)
-        || !PyBool_Check(stamp_flag) || !PyTuple_CheckExact(names) || !PyTuple_CheckExact(valid)
-        || PyTuple_GET_SIZE(names) != PyTuple_GET_SIZE(valid))
+             *valid = item_of(fast, 4);
+    Py_ssize_t at[4], names[MAX_MEMBERS], count;
+    if (!places_of(fast, n, at, names, &count) || !PyFrozenSet_CheckExact(missing)
+        || !PyBool_Check(stamp_flag) || valid == NULL || !PyTuple_CheckExact(valid)
+        || PyTuple_GET_SIZE(valid) != count)
         goto done;
+    Py_ssize_t usage_at = at[0], output_at = at[1], status_at = at[2], stamped_at = at[3];
     /* The values that do not change turn to turn are those last seen valid. */
-    if (PyTuple_GET_SIZE(names)) {
-        int none = PyObject_Not(served);
+    if (count) {
+        int none = PyTuple_CheckExact(served) ? !PyTuple_GET_SIZE(served) : PyObject_Not(served);
         if (none <= 0) {
             result = none;
             goto done;
         }
     }
-    for (i = 0; i < PyTuple_GET_SIZE(names); i++) {
-        Py_ssize_t at = place(names, i, n);
-        if (at < 0)
-            goto done;
-        int same = PyObject_RichCompareBool(values[at], PyTuple_GET_ITEM(valid, i), Py_EQ);
+    for (i = 0; i < count; i++) {
+        int same = equal(values[names[i]], PyTuple_GET_ITEM(valid, i));
         if (same <= 0) {
             result = same;
             goto done;
@@ -792,7 +856,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     }
     if (stamped_at >= 0 && values[stamped_at] == Py_None && status_at >= 0) {
         /* (the backend's completed_at: null for a completed Response is replaced) */
-        int completed = PyObject_RichCompareBool(values[status_at], s_completed, Py_EQ);
+        int completed = equal(values[status_at], s_completed);
         if (completed != 0) {
             result = completed < 0 ? -1 : 0; /* (completed: the Python's to fill in) */
             goto done;
@@ -918,7 +982,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     if (stamp_flag == Py_True) {
         int completed = 0;
         if (status_at >= 0)
-            completed = PyObject_RichCompareBool(values[status_at], s_completed, Py_EQ);
+            completed = equal(values[status_at], s_completed);
         if (completed < 0) {
             result = -1;
             goto done;

@@ -449,3 +449,93 @@ def test_an_envelope_called_wrong_or_overridden_is_called_as_a_type_is() -> None
         _c.vectorcall(Patch)
     with pytest.raises(TypeError):
         _c.vectorcall(object())
+
+
+def test_answers_of_two_shapes_in_turn_are_the_pythons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The members' places the compiled answer read for one shape's plan (kept for the
+    next answer of it) are not another shape's: one of the same members in another order
+    has its own."""
+    reordered = dict(reversed(list(USUAL.items())))
+    for response in (USUAL, reordered, USUAL, reordered):
+        _seen_valid(response, PREVIOUS, monkeypatch)
+        _compiled_as_usual(orjson.dumps(response), monkeypatch)
+
+
+def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer `data` compiled (the usual answer) as the Python completes it."""
+    compiled, python = orjson.loads(data), orjson.loads(data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+
+    def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = orjson.loads(data), orjson.loads(data)
+        done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
+        reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
+        return done, reference
+
+    done, reference = _same_second(both)
+    assert done is not None
+    _assert_the_pythons_or_declined(done, reference, data, compiled, python)
+
+
+def test_a_request_with_the_members_of_one_without_fills_may_have_fills(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled answer knows a request whose members fill nothing by its members' names
+    (the same objects as the last such request's), for the names filled from the request
+    it was found with: for others, the request's members are looked up again."""
+    _seen_valid(USUAL, None, monkeypatch)
+    data = orjson.dumps(USUAL)
+    names = envelope_module._FROM_REQUEST
+    monkeypatch.setattr(envelope_module, "_FROM_REQUEST", names - {"temperature"})
+    first = Envelope({"model": "m", "temperature": 0.5}, None, (), None, created_at=5)
+    done = _c.answer(
+        first, data, orjson.loads(data), envelope_module._LAST_ANSWER,
+        envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST, Patch,
+    )  # fmt: skip
+    assert done is not None and b'"temperature":0.5' in done[0]  # (filled as a default)
+    monkeypatch.setattr(envelope_module, "_FROM_REQUEST", names)
+    body = {"model": "m", "temperature": 0.7}
+    compiled, python = orjson.loads(data), orjson.loads(data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+
+    def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = orjson.loads(data), orjson.loads(data)
+        envelope = Envelope(body, None, (), None, created_at=5)
+        done = _c.answer(envelope, data, compiled, *last, *_FIXED)
+        python_envelope = Envelope(body, None, (), None, created_at=5)
+        return done, _python(lambda: python_envelope.answer(data, python), monkeypatch)
+
+    done, reference = _same_second(both)
+    assert done is not None and b'"temperature":0.7' in done[0]
+    _assert_the_pythons_or_declined(done, reference, data, compiled, python)
+
+
+@pytest.mark.parametrize("model", ["ü", "модель", "🙂 m", "m\x00"])
+@pytest.mark.parametrize("then", ["the same", "another"])
+def test_an_answer_naming_a_model_of_any_characters_is_the_pythons(
+    model: str, then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model a backend names (one of the values compared with those last seen valid)
+    compares as the Python compares it, in any of a str's widths: the same again is the
+    usual answer, one that differs in its last character is not."""
+    seen = {**USUAL, "model": model}
+    data = orjson.dumps(seen)
+    for _ in range(2):
+        _python(lambda: _envelope(PREVIOUS).answer(data, orjson.loads(data)), monkeypatch)
+    if then == "another":
+        data = orjson.dumps({**USUAL, "model": model[:-1] + chr(ord(model[-1]) + 1)})
+    compiled, python = orjson.loads(data), orjson.loads(data)
+    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+
+    def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = orjson.loads(data), orjson.loads(data)
+        done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
+        reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
+        return done, reference
+
+    done, reference = _same_second(both)
+    assert (done is not None) is (then == "the same")
+    _assert_the_pythons_or_declined(done, reference, data, compiled, python)
