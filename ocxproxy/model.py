@@ -150,7 +150,8 @@ class Segment:
 
     Immutable content, named by its SHA-256 (`digest`, 32 bytes: the maps of 100,000s of
     segments are keyed by it; `key` is its hex, the name on disk and in the journal);
-    shared by every later record of the chain.
+    shared by every later record of the chain (a response object kept in memory only is
+    named by a number instead: `private`).
     `data` is None while the bytes live only in the journal (or were lost: `lost` then
     holds the FailureReason value that chains needing it answer with). Where the journal
     holds them: file `pack`, `length` compressed bytes at `offset` (pack -1: nowhere).
@@ -199,6 +200,18 @@ class Segment:
         segment = cls.__new__(cls)
         segment._init(bytes.fromhex(key), size, n_items, call_ids, durable)
         segment.item_ids = item_ids
+        segment.data = data
+        return segment
+
+    @classmethod
+    def private(cls, name: bytes, data: bytes) -> Segment:
+        """A segment of no items that one record alone holds and that never reaches disk
+        (a response object kept in memory only), named `name` rather than by its bytes'
+        digest: nothing to share, so nothing to hash. `name` is unique among its table's
+        and shorter than a digest, so it is no segment's content address."""
+        segment = cls.__new__(cls)
+        segment._init(name, len(data), 0, NO_CALLS, False)
+        segment.ids = NO_ITEMS
         segment.data = data
         return segment
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import os
 import weakref
 from pathlib import Path
@@ -606,6 +607,32 @@ async def test_a_turn_acknowledged_after_its_twin_was_deleted_uncommitted_surviv
     assert len(await reopened.history(record)) == 1
     assert reopened.check() == []
     await reopened.close()
+
+
+@pytest.mark.parametrize("kind", ["memory-only", "store-false"])
+async def test_a_response_kept_in_memory_only_is_not_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Content addressing pays for what records share (a turn's items, the filled-in
+    members); a response object carries its own id, so one that never reaches disk is
+    named without hashing its bytes, and GET still answers it byte for byte."""
+    store = make_store(None if kind == "memory-only" else tmp_path, offload=inline)
+    await store.start()
+    durable = kind == "memory-only"
+    parent = store.put(make_turn("r1", "first", filled=True, durable=durable), None)
+    hashed: list[bytes] = []
+    sha256 = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda data: hashed.append(data) or sha256(data))
+    turn = make_turn("r2", "second", filled=True, durable=durable)
+    record = store.put(turn, parent)
+    assert hashed == [turn.items]  # its own segment's: the fill's are known already
+    assert await store.response_bytes(record) == turn.response
+    again = make_turn("r3", "second", filled=True, durable=durable)
+    assert store.put(again, parent).response is not record.response
+    assert store.delete_nowait("scope-a", "r3")
+    assert await store.response_bytes(record) == turn.response
+    assert store.check() == []
+    await store.close()
 
 
 async def test_the_shared_fill_stays_resident_while_turns_use_it() -> None:

@@ -115,6 +115,7 @@ class Store:
         self._started = False
         # The members the envelope filled in last (Turn.fill) and their segment.
         self._last_fill: tuple[bytes, Segment | None] = (b"", None)
+        self._responses = 0  # the number the last private response segment is named by
         # The disk side, with a state dir; its committer once the journal is open.
         self.ledger: Ledger | None = None
         self.disk: Durable | None = None
@@ -352,7 +353,14 @@ class Store:
         # own), unless it is large: then it is a segment, which gets a file of its own that
         # compaction never copies.
         inline = journaled and len(skeleton) < self.large_response_bytes
-        held = None if inline else self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
+        held: Segment | None
+        if inline:
+            held = None
+        elif durable and self.disk is not None:  # it may reach disk: named by its content
+            held = self.table.intern(Segment(skeleton, 0, NO_CALLS, durable=False))
+        else:  # its record's alone, never on disk: named by a number (no SHA-256 of it)
+            self._responses = number = self._responses + 1
+            held = self.table.intern(Segment.private(number.to_bytes(8), skeleton))
         if parent is None:
             segments: tuple[Segment, ...] = (own,)
             chain = Chain(None, own)
