@@ -35,6 +35,10 @@ class ResidentTier:
         self.entry_bytes = ENTRY_BYTES + (0 if by_digest else HEX_KEY_BYTES)
         self._name = attrgetter("digest" if by_digest else "key")
         self._lru: OrderedDict[object, Segment] = OrderedDict()
+        # A segment every turn of a client uses (the members the last turn's Response was
+        # filled in with): it counts as the most recently used, whatever was used since,
+        # so a turn that uses it again has nothing to touch.
+        self.hot: Segment | None = None
 
     def __repr__(self) -> str:
         return f"<ResidentTier {len(self._lru)} segments {self.bytes}/{self.max_bytes}B>"
@@ -83,16 +87,23 @@ class ResidentTier:
             self.bytes -= self.held(segment)
 
     def evict_over_budget(self) -> list[Segment]:
-        """Take the oldest segments out until the tier fits its budget; those taken."""
+        """Take the oldest segments out until the tier fits its budget (the `hot` one
+        last); those taken."""
         excess = self.bytes - self.max_bytes
         victims: list[Segment] = []
         if excess <= 0:
             return victims
+        hot = self.hot
         for segment in self._lru.values():
+            if segment is hot:
+                continue
             victims.append(segment)
             excess -= self.held(segment)
             if excess <= 0:
                 break
+        else:
+            if hot is not None and self._lru.get(self._name(hot)) is hot:
+                victims.append(hot)
         for segment in victims:
             self.remove(segment)
         return victims

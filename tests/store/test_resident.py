@@ -68,3 +68,21 @@ def test_the_default_budget_is_smaller_in_front_of_the_journal(tmp_path: Path) -
     for zero_retention in (False, True):
         config = Config(state_dir=tmp_path / "state", zdr=zero_retention, max_resident_bytes=5000)
         assert Store.from_config(config).resident.max_bytes == 5000
+
+
+def test_the_hot_segment_goes_last() -> None:
+    """The hot segment (the members every turn's Response is filled in with) counts as
+    the most recently used however long ago it was admitted: the others go first, and it
+    goes only when the budget cannot be met without it."""
+    a, b, c, d = segments(4, 1000)
+    each = 1000 + ResidentTier(CAP, by_digest=True).entry_bytes
+    tier = ResidentTier(3 * each, by_digest=True)
+    for segment in (a, b, c):
+        tier.admit(segment)
+    tier.hot = a
+    tier.admit(d)
+    assert tier.evict_over_budget() == [b]
+    assert list(tier) == [a, c, d]
+    tier.max_bytes = each // 2
+    assert tier.evict_over_budget() == [c, d, a]
+    assert tier.bytes == 0

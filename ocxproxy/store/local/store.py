@@ -406,11 +406,12 @@ class Store:
         if segment is None or segment.refs <= 0 or (last is not fill and last != fill):
             segment = self.table.intern(Segment(fill, 0, NO_CALLS, durable=False))
         elif segment.data is not None:
-            self.resident.admit(segment)  # (still the table's: recently used)
+            return bare, segment  # (still the table's, and the tier's hot segment)
         else:  # its bytes back, from this turn's (the same)
             again = Segment.restore(segment.key, len(fill), 0, NO_CALLS, durable=False, data=fill)
             segment = self.table.intern(again)
         self._last_fill = fill, segment
+        self.resident.hot = segment  # recently used for as long as turns use it
         return bare, segment
 
     def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
