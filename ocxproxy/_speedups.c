@@ -175,22 +175,21 @@ static void patch_dealloc(PatchState *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* A Patch's default values that are not singletons of their own: b"", (), 0 and -1 (made
+ * once, at import: a Patch is made for every Response). */
+static PyObject *no_bytes, *no_items, *zero, *minus_one;
+
 /* A Patch with its defaults (those of envelope.py's _PatchState). */
 static PatchState *patch_make(PyTypeObject *type) {
     PatchState *self = (PatchState *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
-    self->encoded = PyBytes_FromStringAndSize(NULL, 0);
-    self->fill = PyBytes_FromStringAndSize(NULL, 0);
-    self->ids = PyTuple_New(0);
-    self->own = PyTuple_New(0);
-    self->fill_in = PyLong_FromLong(0);
-    self->fill_at = PyLong_FromLong(-1);
-    if (self->encoded == NULL || self->fill == NULL || self->ids == NULL || self->fill_in == NULL
-        || self->fill_at == NULL || self->own == NULL) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    self->encoded = Py_NewRef(no_bytes);
+    self->fill = Py_NewRef(no_bytes);
+    self->ids = Py_NewRef(no_items);
+    self->own = Py_NewRef(no_items);
+    self->fill_in = Py_NewRef(zero);
+    self->fill_at = Py_NewRef(minus_one);
     self->plan = Py_NewRef(Py_None);
     self->filled = Py_NewRef(no_members);
     self->inserted = Py_NewRef(no_members);
@@ -1784,6 +1783,11 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         || intern(&s_usage, "usage"))
         return NULL;
     if (no_members == NULL && (no_members = PyDict_New()) == NULL)
+        return NULL;
+    if ((no_bytes == NULL && (no_bytes = PyBytes_FromStringAndSize(NULL, 0)) == NULL)
+        || (no_items == NULL && (no_items = PyTuple_New(0)) == NULL)
+        || (zero == NULL && (zero = PyLong_FromLong(0)) == NULL)
+        || (minus_one == NULL && (minus_one = PyLong_FromLong(-1)) == NULL))
         return NULL;
     if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0)
         return NULL;
