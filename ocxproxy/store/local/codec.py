@@ -167,12 +167,14 @@ def record_row(record: Record, parent: str | None = None) -> list[Any]:
         record.n_items,
         record.stored,
     ]
-    if record.ids is not None:
-        row.append(record.ids[-1] if named else record.ids)
-    if record.fill is not None:
-        if record.ids is None:
-            row.append(None)
-        row.append([record.fill.sid, record.fill_at])
+    ids, fill = record.ids, record.fill
+    if fill is not None:  # (a response's ids are None: the usual turn's row, in one step)
+        row += (
+            None if ids is None else ids[-1] if named else ids,
+            [fill.at >> SID_SHIFT, record.fill_at],
+        )
+    elif ids is not None:
+        row.append(ids[-1] if named else ids)
     return row
 
 

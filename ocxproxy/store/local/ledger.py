@@ -68,8 +68,9 @@ class Ledger:
             needed: tuple[Any, ...] = (link.segment,)
         else:
             needed = record.segments
-        if record.fill is not None:  # (its members filled in from the request)
-            needed = (*needed, record.fill)
+        fill = record.fill  # (its members filled in from the request)
+        if fill is not None and fill.pack < 0:  # (the usual turn's are in the journal)
+            needed = (*needed, fill)
         if type(response) is bytes:
             self.table.queue_missing(needed)  # (first: a segment's sid is given there)
             row = orjson.dumps(codec.record_row(record, parent))
