@@ -1564,6 +1564,9 @@ static int response_span(const char *data, Py_ssize_t len, PyObject *layout, lon
     return data[*start] == '{' && data[*end - 1] == '}';
 }
 
+/* A terminal event's payload as a backend writes it: its Response, type and number. */
+static Keys payload_keys = {.count = 3, .names = {&s_response, &s_type, &s_sequence_number}};
+
 /* terminal_event(envelope, event, payload, last_answer, last_fills, from_request, Patch,
  * layouts): Envelope.terminal_event for the usual event (its Response found at once, its
  * items complete, its bytes framed as usual): (the patch, (the stored bytes, True)), the
@@ -1575,31 +1578,47 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
     }
     PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
     PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
-             *new_raw = NULL, *result = NULL, *v[3];
+             *new_raw = NULL, *name = NULL, *result = NULL, *v[3];
     if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts)
         || !event_slots(event))
         Py_RETURN_NONE;
     /* (response, type, sequence_number), each held: a lookup may run a key's __eq__ */
-    PyObject *names[3] = {s_response, s_type, s_sequence_number};
-    int found = 0;
-    Py_INCREF(payload);
-    for (; found < 3; found++) {
-        v[found] = Py_XNewRef(PyDict_GetItemWithError(payload, names[found]));
-        if (v[found] == NULL)
-            break;
-    }
-    Py_DECREF(payload);
-    if (found < 3) {
-        for (int i = 0; i < found; i++)
-            Py_DECREF(v[i]);
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
+    if (known_values(payload, &payload_keys, v)) { /* (no Python code runs) */
+        for (int i = 0; i < 3; i++)
+            Py_INCREF(v[i]);
+    } else {
+        int found = 0;
+        Py_INCREF(payload);
+        for (; found < 3; found++) {
+            v[found] = Py_XNewRef(PyDict_GetItemWithError(payload, *payload_keys.names[found]));
+            if (v[found] == NULL)
+                break;
+        }
+        if (found == 3)
+            learn(payload, &payload_keys);
+        Py_DECREF(payload);
+        if (found < 3) {
+            for (int i = 0; i < found; i++)
+                Py_DECREF(v[i]);
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
     }
     PyObject *response = v[0], *kind = v[1], *seq = v[2], *layout = NULL;
     if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
         goto decline;
-    if ((layout = PyDict_GetItemWithError(layouts, kind)) == NULL) {
+    /* Looked up by the event's name when it is the same str: the stream has hashed that
+     * one already (the payload's is new, its hash not worked out yet). */
+    if ((name = slot_get(&event_name, event)) == NULL)
+        goto done;
+    PyObject *key = kind;
+    if (PyUnicode_CheckExact(name) && PyUnicode_GET_LENGTH(name) == PyUnicode_GET_LENGTH(kind)
+        && PyUnicode_KIND(name) == PyUnicode_KIND(kind)
+        && memcmp(PyUnicode_DATA(name), PyUnicode_DATA(kind),
+                  (size_t)(PyUnicode_GET_LENGTH(kind) * PyUnicode_KIND(kind))) == 0)
+        key = name;
+    if ((layout = PyDict_GetItemWithError(layouts, key)) == NULL) {
         if (PyErr_Occurred())
             goto done;
         goto decline;
@@ -1681,6 +1700,7 @@ done:
     Py_DECREF(response);
     Py_DECREF(kind);
     Py_DECREF(seq);
+    Py_XDECREF(name);
     Py_XDECREF(layout);
     Py_XDECREF(data);
     Py_XDECREF(raw);

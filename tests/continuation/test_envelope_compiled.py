@@ -385,3 +385,39 @@ def test_a_terminal_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
     assert done is None
     assert (fixed.raw, fixed.data) == (event.raw, event.data)
     assert payload == orjson.loads(event.data)
+
+
+@pytest.mark.parametrize("name", ["response.completed", "response.incomplete", None, "x" * 18])
+def test_a_terminal_event_is_completed_by_its_payloads_type_whatever_its_name(
+    monkeypatch: pytest.MonkeyPatch, name: str | None
+) -> None:
+    """The compiled path looks the layout up by the event's name when it is the payload's
+    type (a str hashed already), else by the type, as the Python does."""
+    envelope = _envelope({"model": "m"}, ("previous_response_id", "resp_p"), (), True)
+    for _ in range(3):  # (the shape seen valid)
+        primer = _terminal(BASE, 0, 9, False)
+        envelope.terminal_event(primer, orjson.loads(primer.data))
+    payload = {"type": "response.incomplete", "response": BASE, "sequence_number": 9}
+    event = parse_event(encode_event(name, orjson.dumps(payload)))
+    compiled, python = copy.copy(event), copy.copy(event)
+    done = envelope_module._c.terminal_event(
+        envelope,
+        compiled,
+        orjson.loads(event.data),
+        envelope_module._LAST_ANSWER,
+        envelope_module._LAST_FILLS,
+        envelope_module._FROM_REQUEST,
+        Patch,
+        envelope_module._TERMINAL_LAYOUTS,
+    )
+    reference = _python(
+        lambda: _envelope(
+            {"model": "m"}, ("previous_response_id", "resp_p"), (), True
+        ).terminal_event(python, orjson.loads(event.data)),
+        monkeypatch,
+    )
+    assert done is not None and done[1][1] and reference[1] is not None
+    ours, theirs = orjson.loads(compiled.data), orjson.loads(python.data)
+    for made in (ours, theirs):  # (the time of day)
+        made["response"].pop("completed_at")
+    assert ours == theirs and ours["type"] == "response.incomplete"
