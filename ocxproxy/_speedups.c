@@ -13,7 +13,8 @@
 #endif
 
 /* Names interned once at import (the only other object kept here: `no_members`). */
-static PyObject *s__shared_family, *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
+static PyObject *s__answer, *s__pending_event, *s__terminal_event, *s__shared_family,
+    *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
     *s_completed, *s_completed_at, *s_content, *s_created_at, *s_data, *s_encoded, *s_fast,
     *s_id, *s_input_tokens, *s_input_tokens_details, *s_members, *s_memo, *s_message, *s_model,
     *s_name, *s_output, *s_output_text, *s_output_tokens, *s_output_tokens_details, *s_previous,
@@ -1744,6 +1745,131 @@ static PyObject *cut(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     return bare;
 }
 
+/* ---- Envelope's methods, without a Python frame --------------------------------------
+ * What envelope.py keeps past a request (`_KEPT`: the last valid answer's shape and plan,
+ * the last request's fills, the pending shapes by name) and the constants the calls above
+ * take with it, in one object this module makes and holds: read here at their offsets,
+ * as the methods of EnvelopeState below are called, where a module's globals would each
+ * be a dict lookup. Each member is unset until envelope.py sets it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *last_answer, *last_fills, *lasts, *from_request, *patch, *layouts;
+} Kept;
+
+#define KEPT_FIELDS(X) X(last_answer) X(last_fills) X(lasts) X(from_request) X(patch) X(layouts)
+
+static int kept_traverse(Kept *self, visitproc visit, void *arg) {
+    KEPT_FIELDS(VISIT)
+    return 0;
+}
+
+static int kept_clear(Kept *self) {
+    KEPT_FIELDS(CLEAR)
+    return 0;
+}
+
+static void kept_dealloc(Kept *self) {
+    PyObject_GC_UnTrack(self);
+    kept_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef kept_members[] = {
+    MEMBER(Kept, last_answer, "last_answer") MEMBER(Kept, last_fills, "last_fills")
+    MEMBER(Kept, lasts, "lasts") MEMBER(Kept, from_request, "from_request")
+    MEMBER(Kept, patch, "patch") MEMBER(Kept, layouts, "layouts")
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject Kept_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "ocxproxy._speedups.Kept",
+    .tp_basicsize = sizeof(Kept),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "What continuation/envelope.py keeps past a request, as a C struct.",
+    .tp_traverse = (traverseproc)kept_traverse,
+    .tp_clear = (inquiry)kept_clear,
+    .tp_dealloc = (destructor)kept_dealloc,
+    .tp_members = kept_members,
+};
+
+static Kept *kept; /* (the module's `kept`: one for the process) */
+
+/* The Python method `name` of `self` called with `args`: what a method below falls back
+ * to when its case is not the usual one (the Python stays the reference). */
+static PyObject *python_method(PyObject *name, PyObject *self, PyObject *const *args,
+                               Py_ssize_t nargs) {
+    PyObject *stack[4];
+    if (nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "too many arguments");
+        return NULL;
+    }
+    stack[0] = self;
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        stack[i + 1] = args[i];
+    return PyObject_VectorcallMethod(name, stack, (size_t)nargs + 1, NULL);
+}
+
+/* `call` on `in` (the method's own arguments, then the kept members named by `which`,
+ * each held meanwhile: Python code a comparison runs may set others in their place),
+ * else, when it declines (None) or a member is unset, the Python method `name`. */
+static PyObject *kept_call(PyObject *(*call)(PyObject *, PyObject *const *, Py_ssize_t),
+                           PyObject *name, PyObject *self, PyObject *const *args,
+                           Py_ssize_t nargs, Py_ssize_t own, PyObject *const *which,
+                           Py_ssize_t count) {
+    PyObject *in[8];
+    if (nargs == own) {
+        Py_ssize_t n = 0;
+        in[n++] = self;
+        for (Py_ssize_t i = 0; i < own; i++)
+            in[n++] = args[i];
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (which[i] == NULL)
+                return python_method(name, self, args, nargs);
+            in[n++] = which[i];
+        }
+        for (Py_ssize_t i = own + 1; i < n; i++)
+            Py_INCREF(in[i]);
+        PyObject *done = call(NULL, in, n);
+        for (Py_ssize_t i = own + 1; i < n; i++)
+            Py_DECREF(in[i]);
+        if (done != Py_None)
+            return done; /* (or NULL: an error) */
+        Py_DECREF(done);
+    }
+    return python_method(name, self, args, nargs);
+}
+
+/* Envelope.answer(data, response): `answer` above on what is kept, else `_answer`. */
+static PyObject *envelope_answer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *which[] = {kept->last_answer, kept->last_fills, kept->from_request, kept->patch};
+    return kept_call(answer, s__answer, self, args, nargs, 2, which, 4);
+}
+
+/* Envelope.terminal_event(event, payload): `terminal_event` above, else `_terminal_event`. */
+static PyObject *envelope_terminal_event(PyObject *self, PyObject *const *args,
+                                         Py_ssize_t nargs) {
+    PyObject *which[] = {kept->last_answer, kept->last_fills, kept->from_request, kept->patch,
+                         kept->layouts};
+    return kept_call(terminal_event, s__terminal_event, self, args, nargs, 2, which, 5);
+}
+
+/* Envelope.pending_event(event): `pending_event` above, else `_pending_event`. */
+static PyObject *envelope_pending_event(PyObject *self, PyObject *const *args,
+                                        Py_ssize_t nargs) {
+    PyObject *which[] = {kept->lasts, kept->last_fills, kept->from_request};
+    return kept_call(pending_event, s__pending_event, self, args, nargs, 1, which, 3);
+}
+
+static PyMethodDef envelope_methods[] = {
+    {"answer", (PyCFunction)(void (*)(void))envelope_answer, METH_FASTCALL,
+     "A JSON answer's Response completed: (the stored bytes, the patch)."},
+    {"pending_event", (PyCFunction)(void (*)(void))envelope_pending_event, METH_FASTCALL,
+     "A lifecycle event before the terminal one, completed."},
+    {"terminal_event", (PyCFunction)(void (*)(void))envelope_terminal_event, METH_FASTCALL,
+     "A terminal event's Response completed: (its patch, (its stored bytes, written) or None)."},
+    {NULL, NULL, 0, NULL},
+};
+
 /* (sorted by name) */
 /* vectorcall(type): `type`, a subclass of EnvelopeState, called as EnvelopeState is. */
 static PyObject *vectorcall(PyObject *module, PyObject *type) {
@@ -1779,7 +1905,9 @@ static int intern(PyObject **slot, const char *name) {
 }
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    if (intern(&s__shared_family, "_shared_family") || intern(&s__shared_fill, "_shared_fill")
+    if (intern(&s__answer, "_answer") || intern(&s__pending_event, "_pending_event")
+        || intern(&s__terminal_event, "_terminal_event")
+        || intern(&s__shared_family, "_shared_family") || intern(&s__shared_fill, "_shared_fill")
         || intern(&s_annotations, "annotations") || intern(&s_at, "at")
         || intern(&s_cached_tokens, "cached_tokens") || intern(&s_completed, "completed")
         || intern(&s_completed_at, "completed_at") || intern(&s_content, "content")
@@ -1809,14 +1937,19 @@ PyMODINIT_FUNC PyInit__speedups(void) {
         || (zero == NULL && (zero = PyLong_FromLong(0)) == NULL)
         || (minus_one == NULL && (minus_one = PyLong_FromLong(-1)) == NULL))
         return NULL;
-    if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0)
+    EnvelopeState_Type.tp_methods = envelope_methods; /* (defined after the calls they make) */
+    if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0
+        || PyType_Ready(&Kept_Type) < 0)
         return NULL;
+    if (kept == NULL && (kept = (Kept *)PyType_GenericAlloc(&Kept_Type, 0)) == NULL)
+        return NULL; /* (its members unset) */
     PyObject *module = PyModule_Create(&speedups_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddStringConstant(module, "SOURCE_DIGEST", SOURCE_DIGEST) < 0
         || PyModule_AddObjectRef(module, "EnvelopeState", (PyObject *)&EnvelopeState_Type) < 0
-        || PyModule_AddObjectRef(module, "PatchState", (PyObject *)&PatchState_Type) < 0) {
+        || PyModule_AddObjectRef(module, "PatchState", (PyObject *)&PatchState_Type) < 0
+        || PyModule_AddObjectRef(module, "kept", (PyObject *)kept) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -29,8 +29,10 @@ kept with the shape: `_Seen.memo`), a JSON answer of
 the shape and values last seen valid is completed in one call (`answer`, a terminal
 event's Response too: `terminal_event`), and its spliced bytes are what the store keeps.
 With the compiled fast paths built (ocxproxy/_speedups.c), that usual answer and event
-are one C call each, from what the Python keeps here (`_LAST_ANSWER`, `_Plan.fast`,
-`_LAST_FILLS`); any other case declines to the Python below, which stays the reference.
+are one C call each, from what the Python keeps here (`_KEPT`, `_Plan.fast`), read there
+at fixed offsets: Envelope's `answer`, `terminal_event` and `pending_event` are then
+methods of its C base, without a Python frame; any other case declines to the Python
+below (`_answer`, …), which stays the reference.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ import orjson
 from ocxproxy.speedups import SPEEDUPS
 from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event, loads_or_none, with_data
 
-# The compiled fast paths, or None (the Python ones run): tests set it to None too.
+# The compiled fast paths, or None (the Python ones run). Tests set it to None with the
+# Python methods in place of the compiled ones (tests/continuation/envelope_state.py).
 _c = SPEEDUPS
 _MISSING: Any = object()
 _NONE = type(None)
@@ -196,8 +199,30 @@ class _Plan:
 
 
 _PLANS: dict[tuple[str, ...], _Plan] = {}
-# The members and their types of the last JSON answer of a shape seen valid, and its plan.
-_LAST_ANSWER: tuple[tuple[str, ...], tuple[type, ...], _Plan | None] = ((), (), None)
+
+
+class _Kept:
+    """What the Envelope's methods read, kept past a request: the last valid answer's
+    shape and plan, the last request's fills, the pending shapes by name, and the
+    constants they are read with. Compiled, it is `_speedups.kept`, a C struct the
+    methods of EnvelopeState read at fixed offsets (a module's globals: a dict lookup
+    each), and those methods are the Envelope's (without a Python frame)."""
+
+    __slots__ = ("from_request", "last_answer", "last_fills", "lasts", "layouts", "patch")
+
+    # The members and their types of the last JSON answer of a shape seen valid, its plan.
+    last_answer: tuple[tuple[str, ...], tuple[type, ...], _Plan | None]
+    # The last request's fills: their key, and the dict of them (`_shared_family`).
+    last_fills: tuple[tuple[Any, ...], dict[frozenset[str], _Fill]]
+    # The shape each event name was last seen in (`_remember_last`).
+    lasts: dict[str | None, tuple[bytes, int, bytes, int, bytes, int, int, _Seen]]
+    from_request: frozenset[str]  # _FROM_REQUEST
+    patch: type[Patch]
+    layouts: dict[str, tuple[bytes, int, bytes]]  # _TERMINAL_LAYOUTS
+
+
+_KEPT: _Kept = _Kept() if SPEEDUPS is None else SPEEDUPS.kept
+_KEPT.last_answer = ((), (), None)
 # The plan of each shape seen valid (its members, in order, and their values' types): a
 # backend answers in one shape turn after turn, so one lookup finds it.
 _VALID: dict[tuple[tuple[str, ...], tuple[type, ...]], _Plan] = {}
@@ -262,7 +287,8 @@ _FROM_REQUEST = frozenset((*_ECHOED, "tools", "text", "reasoning"))
 # The _Fill of each set of missing members (a stream's pending events and its terminal
 # one lack different sets), by what the request gives for them: one dict per such key.
 _FILLS: dict[tuple[Any, ...], dict[frozenset[str], _Fill]] = {}
-_LAST_FILLS: tuple[tuple[Any, ...], dict[frozenset[str], _Fill]] = ((), {})
+_KEPT.from_request = _FROM_REQUEST
+_KEPT.last_fills = ((), {})
 _FILLS_KEPT = 64
 _INSTRUCTIONS = frozenset(("instructions",))
 
@@ -440,7 +466,7 @@ class Envelope(_EnvelopeBase):
             self._check_echo(response, patch)
         return patch
 
-    def answer(self, data: bytes, response: dict[str, Any]) -> tuple[bytes, Patch]:
+    def _answer(self, data: bytes, response: dict[str, Any]) -> tuple[bytes, Patch]:
         """A JSON answer's Response completed (`response`: `data` parsed): the bytes the
         store keeps, its output items as the backend gave them, and the patch (`items`:
         they need `written` once the turn is recorded). The members filled from the
@@ -450,20 +476,15 @@ class Envelope(_EnvelopeBase):
         splice: its members go in before the closing brace, where no later search for
         its output passes over them (and, when nothing is left to do with them, the
         patch's `encoded` stays empty: they are copied once, into the answer's bytes)."""
-        global _LAST_ANSWER
-        if _c is not None:  # the usual answer, in one call
-            done = _c.answer(self, data, response, _LAST_ANSWER, _LAST_FILLS, _FROM_REQUEST, Patch)
-            if done is not None:
-                return done  # type: ignore[no-any-return]
         keys = tuple(response)
         types = tuple(map(type, response.values()))
-        last = _LAST_ANSWER
+        last = _KEPT.last_answer
         if keys == last[0] and types == last[1]:
             plan: _Plan | None = last[2]
         else:
             plan = _VALID.get((keys, types))
             if plan is not None:
-                _LAST_ANSWER = keys, types, plan
+                _KEPT.last_answer = keys, types, plan
         parts: list[bytes] | None = None  # the members' bytes, but from `complete`
         if plan is None or self._pinned is not None or not keys:
             patch = self.complete(response, final=True, merge=False)
@@ -551,7 +572,7 @@ class Envelope(_EnvelopeBase):
             patch.fill_at = len(data) + patch.fill_in
         return b"".join((data[:-1], b",", patch.encoded, b"}")), patch
 
-    def terminal_event(
+    def _terminal_event(
         self, event: Event, payload: dict[str, Any]
     ) -> tuple[Patch, tuple[bytes, bool] | None]:
         """A terminal event's Response completed as a JSON answer is (`answer`), in the
@@ -560,19 +581,6 @@ class Envelope(_EnvelopeBase):
         (changed in place: its items need nothing more, else `written_event` completes
         them once the turn is recorded). None for the bytes when the Response is not found
         at once in the event's: then the patch is merged, and the store encodes the dict."""
-        if _c is not None:  # the usual event, in one call
-            done = _c.terminal_event(
-                self,
-                event,
-                payload,
-                _LAST_ANSWER,
-                _LAST_FILLS,
-                _FROM_REQUEST,
-                Patch,
-                _TERMINAL_LAYOUTS,
-            )
-            if done is not None:
-                return done  # type: ignore[no-any-return]
         data = event.data
         response = payload["response"]
         span = _response_span(data, payload)
@@ -666,7 +674,6 @@ class Envelope(_EnvelopeBase):
         with the same values for what they fill in: found once per request, by a key
         compared with the last request's before it is hashed; a store:false request's are
         its own, not kept past it."""
-        global _LAST_FILLS
         body = self._body
         key: tuple[Any, ...] | None = None
         if _FROM_REQUEST.isdisjoint(body):
@@ -699,15 +706,15 @@ class Envelope(_EnvelopeBase):
         family: dict[frozenset[str], _Fill] | None
         if key is None:
             family = {}
-        elif key == _LAST_FILLS[0]:
-            family = _LAST_FILLS[1]
+        elif key == _KEPT.last_fills[0]:
+            family = _KEPT.last_fills[1]
         else:
             family = _FILLS.get(key)
             if family is None:
                 if len(_FILLS) >= _FILLS_KEPT:
                     _FILLS.clear()
                 family = _FILLS[key] = {}
-            _LAST_FILLS = key, family
+            _KEPT.last_fills = key, family
         self._family = family
         return family
 
@@ -827,21 +834,14 @@ class Envelope(_EnvelopeBase):
         stored, patch = self.answer(data, response)
         return written(stored, response, merged=patch) if patch.items else stored
 
-    def pending_event(self, event: Event) -> Event:
+    def _pending_event(self, event: Event) -> Event:
         """A lifecycle event before the terminal one (`response.created`, …), completed
         without decoding it when one of the same shape was completed before: the same
         bytes but for the Response's `id` and `created_at` need the same members. The
         event is changed in place when its members are spliced into its bytes."""
-        if _c is not None and _c.pending_event(self, event, _LAST, _LAST_FILLS, _FROM_REQUEST):
-            return event  # (the usual event, completed as `_pending_event` does, in one call)
-        return self._pending_event(event)
-
-    def _pending_event(self, event: Event) -> Event:
-        """`pending_event` in Python: every case, the compiled one's reference (its own
-        frame: the usual event's call does not set up this one's ~20 locals)."""
         data = event.data
         seen: _Seen | None = None
-        last = _LAST.get(event.name)  # the shape its name came in last
+        last = _KEPT.lasts.get(event.name)  # the shape its name came in last
         if last is not None:
             # Its shape, checked inline (a call costs as much as the check): the bytes
             # around the id's value and created_at's digits are those it came in last.
@@ -964,7 +964,7 @@ class Envelope(_EnvelopeBase):
                 # very family every request with the same values for them shares (a kept
                 # one: not a store:false request's, not kept past it).
                 family = self._family
-                if family is not None and family is _LAST_FILLS[1]:
+                if family is not None and family is _KEPT.last_fills[1]:
                     name = echo[0] if echo is not None else None
                     conversation = bool(last)
                     seen.memo = (family, name, created, previous, shared, conversation)
@@ -998,7 +998,13 @@ class Envelope(_EnvelopeBase):
             return event
         return written_event(event, payload, self.complete(response, final=final))
 
+    if TYPE_CHECKING or SPEEDUPS is None:  # (else EnvelopeState's, which fall back to these)
+        answer = _answer
+        terminal_event = _terminal_event
+        pending_event = _pending_event
 
+
+_KEPT.patch = Patch
 if SPEEDUPS is not None:  # (a create request's Envelope, made without an argument tuple)
     SPEEDUPS.vectorcall(Envelope)
 
@@ -1072,7 +1078,7 @@ def _shape_key(data: bytes) -> bytes | None:
 # length), those between it and created_at's digits (and their length), those after the
 # digits (and where they start, from the end), where members go in, and its _Seen. An
 # event is matched against it without building its shape key.
-_LAST: dict[str | None, tuple[bytes, int, bytes, int, bytes, int, int, _Seen]] = {}
+_KEPT.lasts = {}
 
 
 def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
@@ -1083,10 +1089,11 @@ def _remember_last(data: bytes, name: str | None, seen: _Seen) -> None:
     at = data.find(_CREATED_AT, end) + len(_CREATED_AT)
     digits = _DIGITS.match(data, at) if at >= len(_CREATED_AT) else None
     if digits is not None and digits.end() < len(data):
-        if len(_LAST) >= _PENDING_KEPT:
-            _LAST.clear()
+        lasts = _KEPT.lasts
+        if len(lasts) >= _PENDING_KEPT:
+            lasts.clear()
         suffix = data[digits.end() :]
-        _LAST[name] = (
+        lasts[name] = (
             data[:start],
             start,
             data[end:at],
@@ -1166,6 +1173,7 @@ _TERMINAL_LAYOUTS = {
     )
     for kind in TERMINAL_EVENTS
 }
+_KEPT.layouts = _TERMINAL_LAYOUTS
 
 
 def written_event(event: Event, payload: dict[str, Any], patch: Patch) -> Event:

@@ -208,7 +208,8 @@ class EnvelopeSwitch:
     def on(self) -> None:
         for owner, name, value in self._on:
             if value is _UNSET:  # inherited (a C base's method): uncover it
-                delattr(owner, name)
+                if name in vars(owner):  # (not when it is on already)
+                    delattr(owner, name)
             else:
                 setattr(owner, name, value)
 

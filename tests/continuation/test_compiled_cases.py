@@ -165,8 +165,8 @@ def _seen_valid(response: dict[str, Any], echo: Any, monkeypatch: pytest.MonkeyP
     data = orjson.dumps(usual)
     for _ in range(2):
         _python(lambda: _envelope(echo).answer(data, orjson.loads(data)), monkeypatch)
-    assert envelope_module._LAST_ANSWER[0] == tuple(response)
-    assert envelope_module._LAST_ANSWER[2].fast[3]  # (values to compare)
+    assert envelope_module._KEPT.last_answer[0] == tuple(response)
+    assert envelope_module._KEPT.last_answer[2].fast[3]  # (values to compare)
 
 
 @pytest.mark.parametrize("case", list(ANSWERS))
@@ -177,7 +177,7 @@ def test_an_answer_of_a_seen_shape_is_the_pythons_or_declined(
     _seen_valid(response, echo, monkeypatch)
     data = orjson.dumps(response)
     compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled, python  # (anew: _same_second may run it again)
@@ -205,7 +205,7 @@ def test_a_terminal_event_of_a_seen_shape_is_the_pythons_or_declined(
     raw = encode_event(kind, orjson.dumps(payload))
     compiled, python = parse_event(raw), parse_event(raw)
     compiled_payload, python_payload = orjson.loads(compiled.data), orjson.loads(python.data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
     layouts = envelope_module._TERMINAL_LAYOUTS
 
     def both() -> tuple[Any, Any]:
@@ -242,7 +242,7 @@ def test_an_answer_whose_completed_at_is_null_is_the_pythons_or_declined(
         _python(lambda: _envelope(PREVIOUS).answer(data, orjson.loads(data)), monkeypatch)
     data = orjson.dumps({**seen, "status": status})
     compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
     done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
     if status == "incomplete":
         assert done is not None  # (the shape's usual answer: compiled)
@@ -271,7 +271,7 @@ def test_a_terminal_event_whose_at_is_past_its_raw_bytes_is_declined(
     kind = "response.completed"
     data = orjson.dumps({"type": kind, "response": USUAL, "sequence_number": 7})
     event = Event(b"data: {}\n\n", kind, data, 1000)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
     layouts = envelope_module._TERMINAL_LAYOUTS
     done = _c.terminal_event(
         _envelope(PREVIOUS), event, orjson.loads(data), *last, *_FIXED, layouts
@@ -331,7 +331,11 @@ def test_a_pending_event_of_a_seen_shape_is_the_pythons_or_declined(case: str, s
     event = _pending("resp_2", 1700000002)
     compiled, python = PENDING[case](seen), PENDING[case](seen)
     fast = _copy(event)
-    lasts = envelope_module._LAST, envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST
+    lasts = (
+        envelope_module._KEPT.lasts,
+        envelope_module._KEPT.last_fills,
+        envelope_module._FROM_REQUEST,
+    )
     done = _c.pending_event(compiled, fast, *lasts)
     if case == "the same request":
         assert done is fast  # (the usual event: compiled)
@@ -350,7 +354,7 @@ def test_an_answer_whose_keys_are_not_the_parsers_usual_ones_is_the_pythons(
     other objects (another parser's) are found by lookups, with the same result."""
     _seen_valid(USUAL, PREVIOUS, monkeypatch)
     data = orjson.dumps(USUAL)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
     assert _c.answer(_envelope(PREVIOUS), data, orjson.loads(data), *last, *_FIXED) is not None
     compiled, python = json.loads(data), json.loads(data)
 
@@ -464,7 +468,7 @@ def test_answers_of_two_shapes_in_turn_are_the_pythons(monkeypatch: pytest.Monke
 def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     """The answer `data` compiled (the usual answer) as the Python completes it."""
     compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled, python  # (anew: _same_second may run it again)
@@ -490,14 +494,14 @@ def test_a_request_with_the_members_of_one_without_fills_may_have_fills(
     monkeypatch.setattr(envelope_module, "_FROM_REQUEST", names - {"temperature"})
     first = Envelope({"model": "m", "temperature": 0.5}, None, (), None, created_at=5)
     done = _c.answer(
-        first, data, orjson.loads(data), envelope_module._LAST_ANSWER,
-        envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST, Patch,
+        first, data, orjson.loads(data), envelope_module._KEPT.last_answer,
+        envelope_module._KEPT.last_fills, envelope_module._FROM_REQUEST, Patch,
     )  # fmt: skip
     assert done is not None and b'"temperature":0.5' in done[0]  # (filled as a default)
     monkeypatch.setattr(envelope_module, "_FROM_REQUEST", names)
     body = {"model": "m", "temperature": 0.7}
     compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled, python  # (anew: _same_second may run it again)
@@ -527,7 +531,7 @@ def test_an_answer_naming_a_model_of_any_characters_is_the_pythons(
     if then == "another":
         data = orjson.dumps({**USUAL, "model": model[:-1] + chr(ord(model[-1]) + 1)})
     compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._LAST_ANSWER, envelope_module._LAST_FILLS
+    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled, python  # (anew: _same_second may run it again)

@@ -193,11 +193,11 @@ event = pending("resp_2")
 class Forgets(Envelope):
     __slots__ = ()
     def _shared_family(self):
-        E._LAST["response.created"][7].memo = None
-        E._LAST.clear()
+        E._KEPT.lasts["response.created"][7].memo = None
+        E._KEPT.lasts.clear()
         event.raw = event.data = b"x" * 300
         return super()._shared_family()
-done = E._c.pending_event(Forgets(body), event, E._LAST, E._LAST_FILLS, E._FROM_REQUEST)
+done = E._c.pending_event(Forgets(body), event, E._KEPT.lasts, E._KEPT.last_fills, E._FROM_REQUEST)
 response = orjson.loads(event.raw[event.at : -2])["response"]
 print(done is event, event.data == event.raw[event.at : -2], response["instructions"])
 """,
@@ -216,7 +216,8 @@ for name in ("_echo", "_created_at"):
             delattr(self, name)
             return super()._shared_family()
     event = pending("resp_2")
-    print(E._c.pending_event(Deletes(body), event, E._LAST, E._LAST_FILLS, E._FROM_REQUEST))
+    kept = E._KEPT
+    print(E._c.pending_event(Deletes(body), event, kept.lasts, kept.last_fills, E._FROM_REQUEST))
 """,
         "None None",
     ),
@@ -276,6 +277,45 @@ answer({"usage": usage, "output": []})
 """,
         '{"a":1} {"a":1}',
     ),
+    # What the module keeps, which an Envelope's compiled methods read in place of
+    # arguments (envelope._KEPT): the last valid answer's shape and plan and the last
+    # request's fills, set anew (the old ones freed) by the comparison of the served
+    # models with the last request's.
+    "the kept last answer and fills": (
+        """
+class Forgets:
+    def __eq__(self, other):
+        E._KEPT.last_answer = ((), (), None)
+        E._KEPT.last_fills = ((), {})
+        return True
+    def __hash__(self):
+        return 0
+envelope = Envelope({"model": "model"}, None, (Forgets(),))
+E._KEPT.last_answer = (("id",), (str,), plan(["id"], missing=["tools"]))
+E._KEPT.last_fills = ((("served",), "".join(["mo", "del"])), {**MANY})
+print(envelope.answer(b'{"id":"r"}', {"id": "r"})[0].decode(), E._KEPT.last_answer[2])
+""",
+        '{"id":"r","tools":[]} None',
+    ),
+    "the kept pending shapes and fills": (
+        """
+body = {"model": "m", "instructions": "Be brief."}
+seen_pending(body)
+class Forgets:
+    def __eq__(self, other):
+        E._KEPT.lasts = {}
+        E._KEPT.last_fills = ((), {})
+        return True
+    def __hash__(self):
+        return 0
+members = b'{"model":"m","instructions":"Be brief."}'
+E._KEPT.lasts = {**E._KEPT.lasts, **MANY}  # (only _KEPT holds them)
+E._KEPT.last_fills = (((), Forgets(), None, bytes(bytearray(members))), E._KEPT.last_fills[1])
+event = Envelope(body, None, (), members).pending_event(pending("resp_2"))
+print(orjson.loads(event.data)["response"]["instructions"], E._KEPT.lasts)
+""",
+        "Be brief. {}",
+    ),
 }
 
 
@@ -288,11 +328,11 @@ BOUNDS = {
 seen_by = Envelope({"model": "m"}, None, (), b'{"model":"m"}')
 for n in range(2):
     seen_by._pending_event(pending(f"resp_{n}"))
-last = E._LAST["response.created"]
+last = E._KEPT.lasts["response.created"]
 lasts = {"response.created": (*last[:6], 1000, last[7])}
 event = pending("resp_2")
 envelope = Envelope({"model": "m"}, None, (), b'{"model":"m"}')
-print(E._c.pending_event(envelope, event, lasts, E._LAST_FILLS, E._FROM_REQUEST))
+print(E._c.pending_event(envelope, event, lasts, E._KEPT.last_fills, E._FROM_REQUEST))
 """,
         "None",
     ),

@@ -18,7 +18,7 @@ from ocxproxy.continuation.envelope import (
 )
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import encode_event, parse_event
-from tests.continuation.envelope_state import forget_shapes
+from tests.continuation.envelope_state import forget_shapes, python_paths
 from tests.openresponses import event_problems, response_problems
 
 # What llama.cpp answers a non-streamed create with (its model is the GGUF's path).
@@ -69,7 +69,7 @@ def fast_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     each from the shapes and fills no earlier test left."""
     forget_shapes(monkeypatch)
     if request.param == "python":
-        monkeypatch.setattr(envelope_module, "_c", None)
+        python_paths(monkeypatch)
     elif envelope_module._c is None:
         pytest.skip("the compiled fast paths are not built here")
 
@@ -552,7 +552,7 @@ def test_a_store_false_requests_pending_event_is_not_kept_past_it() -> None:
     secret = "Answer as the hidden persona"
     for store in (False, True):
         envelope_module._PENDING.clear()
-        envelope_module._LAST.clear()
+        envelope_module._KEPT.lasts.clear()
         event = pending("resp_s", 1700000000)
         payload = orjson.loads(event.data)
         payload["response"]["instructions"] = secret
@@ -560,7 +560,9 @@ def test_a_store_false_requests_pending_event_is_not_kept_past_it() -> None:
         done = Envelope({"model": "m", "store": store, "instructions": secret}).pending_event(event)
         assert orjson.loads(done.data)["response"]["instructions"] == secret
         kept = [*envelope_module._PENDING]
-        kept += [v for last in envelope_module._LAST.values() for v in last if type(v) is bytes]
+        kept += [
+            v for last in envelope_module._KEPT.lasts.values() for v in last if type(v) is bytes
+        ]
         assert any(secret.encode() in v for v in kept) is store
 
 
@@ -616,7 +618,7 @@ def test_a_coding_agents_instructions_and_tools_fill_each_request_with_its_own(
     response = dict(LLAMA)
     envelope(secret, store=False).complete(response, final=True)
     assert response["instructions"] == secret
-    kept = [*envelope_module._FILLS, envelope_module._LAST_FILLS[0]]
+    kept = [*envelope_module._FILLS, envelope_module._KEPT.last_fills[0]]
     assert not any(holds(key, secret) for key in kept)
     assert any(holds(key, other) for key in kept)
 
@@ -753,7 +755,7 @@ def test_a_streams_responses_find_their_fills_without_a_lookup_per_response(
     again, turn after turn, for both sets (and are the same fills)."""
     counted = _CountedGets()
     monkeypatch.setattr(envelope_module, "_FILLS", counted)
-    monkeypatch.setattr(envelope_module, "_LAST_FILLS", ((), {}), raising=False)
+    monkeypatch.setattr(envelope_module._KEPT, "last_fills", ((), {}))
     filled = []
     for n in range(4):
         envelope = Envelope(dict(body), None, (), None, created_at=5)

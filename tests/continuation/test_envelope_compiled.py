@@ -17,7 +17,7 @@ from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope, Patch
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
-from tests.continuation.envelope_state import forget_shapes
+from tests.continuation.envelope_state import forget_shapes, python_paths
 
 pytestmark = pytest.mark.skipif(envelope_module._c is None, reason="not built here")
 
@@ -173,7 +173,7 @@ def _envelope(body: dict[str, Any], echo: Any, served: tuple[str, ...], members:
 
 def _python(run: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as patched:
-        patched.setattr(envelope_module, "_c", None)
+        python_paths(patched)
         return run()
 
 
@@ -219,19 +219,19 @@ def test_a_json_answer_compiled_is_the_pythons_or_declined(
     data = orjson.dumps(second)
     compiled_dict = orjson.loads(data)
     python_dict = orjson.loads(data)
-    last = envelope_module._LAST_ANSWER
+    last = envelope_module._KEPT.last_answer
     envelope = _envelope(body, echo, served, members)
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled_dict, python_dict, last  # (anew: a second run's are not the first's)
         compiled_dict, python_dict = orjson.loads(data), orjson.loads(data)
-        last = envelope_module._LAST_ANSWER
+        last = envelope_module._KEPT.last_answer
         done = envelope_module._c.answer(
             envelope,
             data,
             compiled_dict,
-            envelope_module._LAST_ANSWER,
-            envelope_module._LAST_FILLS,
+            envelope_module._KEPT.last_answer,
+            envelope_module._KEPT.last_fills,
             envelope_module._FROM_REQUEST,
             Patch,
         )
@@ -253,7 +253,7 @@ def test_a_json_answer_compiled_is_the_pythons_or_declined(
     assert stored == reference[0]
     assert list(compiled_dict.items()) == list(python_dict.items())
     assert _state(patch) == _state(reference[1])
-    assert last is envelope_module._LAST_ANSWER  # (kept as it was: nothing new to learn)
+    assert last is envelope_module._KEPT.last_answer  # (kept as it was: nothing new to learn)
 
 
 def _terminal(response: dict[str, Any], order: int, seq: int, crlf: bool) -> Event:
@@ -331,8 +331,8 @@ def test_a_terminal_event_compiled_is_the_pythons_or_declined(
             envelope,
             compiled_event,
             compiled_payload,
-            envelope_module._LAST_ANSWER,
-            envelope_module._LAST_FILLS,
+            envelope_module._KEPT.last_answer,
+            envelope_module._KEPT.last_fills,
             envelope_module._FROM_REQUEST,
             Patch,
             envelope_module._TERMINAL_LAYOUTS,
@@ -376,8 +376,8 @@ def test_a_terminal_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
         envelope,
         fixed,
         payload,
-        envelope_module._LAST_ANSWER,
-        envelope_module._LAST_FILLS,
+        envelope_module._KEPT.last_answer,
+        envelope_module._KEPT.last_fills,
         envelope_module._FROM_REQUEST,
         Patch,
         envelope_module._TERMINAL_LAYOUTS,
@@ -404,8 +404,8 @@ def test_a_terminal_event_is_completed_by_its_payloads_type_whatever_its_name(
         envelope,
         compiled,
         orjson.loads(event.data),
-        envelope_module._LAST_ANSWER,
-        envelope_module._LAST_FILLS,
+        envelope_module._KEPT.last_answer,
+        envelope_module._KEPT.last_fills,
         envelope_module._FROM_REQUEST,
         Patch,
         envelope_module._TERMINAL_LAYOUTS,

@@ -30,7 +30,11 @@ def pending(kind: str, rid: str, created_at: Any, extra: dict[str, Any], seq: in
 
 def lasts() -> tuple[Any, ...]:
     """What the Python passes `_c.pending_event` after the envelope and the event."""
-    return envelope_module._LAST, envelope_module._LAST_FILLS, envelope_module._FROM_REQUEST
+    return (
+        envelope_module._KEPT.lasts,
+        envelope_module._KEPT.last_fills,
+        envelope_module._FROM_REQUEST,
+    )
 
 
 def copy(event: Event) -> Event:
@@ -223,7 +227,7 @@ def test_the_compiled_pending_event_gives_the_python_paths_bytes_or_declines(
     mutation: Any,
 ) -> None:
     envelope_module._PENDING.clear()
-    envelope_module._LAST.clear()
+    envelope_module._KEPT.lasts.clear()
     # The shape seen twice (the second time its members are worked out), by one request
     first = envelope(*seen_by)
     for n in range(2):

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from ocxproxy.continuation import envelope
 from tests.conftest import MakeProxy, ProxyHandle
+from tests.continuation.envelope_state import python_paths
 from tests.fakes.backend import FakeBackend
 from tests.fakes.chat_backend import ChatBackend
 from tests.http.helpers import assert_append_only, sse_payloads
@@ -40,7 +41,7 @@ def fast_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Every test on the envelope's compiled fast paths (ocxproxy/_speedups.c) and on
     the Python's."""
     if request.param == "python":
-        monkeypatch.setattr(envelope, "_c", None)
+        python_paths(monkeypatch)
     elif envelope._c is None:
         pytest.skip("the compiled fast paths are not built here")
 
