@@ -1227,12 +1227,12 @@ static int add_created_at(Pieces *pieces, PyObject *value) {
 }
 
 /* pending_event(envelope, event, lasts, last_fills, from_request): a pending event of the
- * shape its name was last seen in (`lasts`: envelope._LAST) completed in place, its
+ * shape its name was last seen in (`lasts`: envelope._KEPT.lasts) completed in place, its
  * members spliced into its raw bytes: the event, or None when the case is not this one's
  * (the Python path runs). The members are the envelope's for the shape (`_inserts`), else
  * the shape's memo (`_Seen.memo`) when it was worked out for a request with the same
  * fills (`_family`, else found as `quick_family` finds it: `last_fills`, `from_request`:
- * envelope._LAST_FILLS, _FROM_REQUEST) and echo. Relies on Event's invariant: `at` >= 0
+ * envelope._KEPT.last_fills, _FROM_REQUEST) and echo. Relies on Event's invariant: `at` >= 0
  * means `raw` is a head, then `data`, then a blank line. */
 static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
@@ -1614,10 +1614,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
     if ((name = slot_get(&event_name, event)) == NULL)
         goto done;
     PyObject *key = kind;
-    if (PyUnicode_CheckExact(name) && PyUnicode_GET_LENGTH(name) == PyUnicode_GET_LENGTH(kind)
-        && PyUnicode_KIND(name) == PyUnicode_KIND(kind)
-        && memcmp(PyUnicode_DATA(name), PyUnicode_DATA(kind),
-                  (size_t)(PyUnicode_GET_LENGTH(kind) * PyUnicode_KIND(kind))) == 0)
+    if (PyUnicode_CheckExact(name) && same_str(name, kind))
         key = name;
     if ((layout = PyDict_GetItemWithError(layouts, key)) == NULL) {
         if (PyErr_Occurred())
