@@ -465,8 +465,9 @@ def test_answers_of_two_shapes_in_turn_are_the_pythons(monkeypatch: pytest.Monke
         _compiled_as_usual(orjson.dumps(response), monkeypatch)
 
 
-def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The answer `data` compiled (the usual answer) as the Python completes it."""
+def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch, usual: bool = True) -> None:
+    """The answer `data` compiled as the Python completes it: the usual answer, or (not
+    `usual`) declined."""
     compiled, python = orjson.loads(data), orjson.loads(data)
     last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
@@ -478,7 +479,7 @@ def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
         return done, reference
 
     done, reference = _same_second(both)
-    assert done is not None
+    assert (done is not None) is usual
     _assert_the_pythons_or_declined(done, reference, data, compiled, python)
 
 
@@ -530,16 +531,4 @@ def test_an_answer_naming_a_model_of_any_characters_is_the_pythons(
         _python(lambda: _envelope(PREVIOUS).answer(data, orjson.loads(data)), monkeypatch)
     if then == "another":
         data = orjson.dumps({**USUAL, "model": model[:-1] + chr(ord(model[-1]) + 1)})
-    compiled, python = orjson.loads(data), orjson.loads(data)
-    last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
-
-    def both() -> tuple[Any, Any]:
-        nonlocal compiled, python  # (anew: _same_second may run it again)
-        compiled, python = orjson.loads(data), orjson.loads(data)
-        done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
-        reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
-        return done, reference
-
-    done, reference = _same_second(both)
-    assert (done is not None) is (then == "the same")
-    _assert_the_pythons_or_declined(done, reference, data, compiled, python)
+    _compiled_as_usual(data, monkeypatch, usual=then == "the same")

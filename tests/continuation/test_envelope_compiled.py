@@ -177,6 +177,15 @@ def _python(run: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         return run()
 
 
+def _compiled_terminal(envelope: Envelope, event: Event, payload: dict[str, Any]) -> Any:
+    """The compiled terminal event, on what the envelope keeps past a request."""
+    kept = envelope_module._KEPT
+    return envelope_module._c.terminal_event(
+        envelope, event, payload, kept.last_answer, kept.last_fills,
+        envelope_module._FROM_REQUEST, Patch, envelope_module._TERMINAL_LAYOUTS,
+    )  # fmt: skip
+
+
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     first=responses(),
@@ -327,16 +336,7 @@ def test_a_terminal_event_compiled_is_the_pythons_or_declined(
         compiled_payload = orjson.loads(compiled_event.data)
         python_payload = orjson.loads(python_event.data)
         raw = compiled_event.raw
-        done = envelope_module._c.terminal_event(
-            envelope,
-            compiled_event,
-            compiled_payload,
-            envelope_module._KEPT.last_answer,
-            envelope_module._KEPT.last_fills,
-            envelope_module._FROM_REQUEST,
-            Patch,
-            envelope_module._TERMINAL_LAYOUTS,
-        )
+        done = _compiled_terminal(envelope, compiled_event, compiled_payload)
         reference = _python(
             lambda: _envelope(body, echo, (), members).terminal_event(python_event, python_payload),
             monkeypatch,
@@ -372,16 +372,7 @@ def test_a_terminal_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
     event = _terminal(BASE, 0, 9, False)
     fixed = unsettable(event)
     payload = orjson.loads(event.data)
-    done = envelope_module._c.terminal_event(
-        envelope,
-        fixed,
-        payload,
-        envelope_module._KEPT.last_answer,
-        envelope_module._KEPT.last_fills,
-        envelope_module._FROM_REQUEST,
-        Patch,
-        envelope_module._TERMINAL_LAYOUTS,
-    )
+    done = _compiled_terminal(envelope, fixed, payload)
     assert done is None
     assert (fixed.raw, fixed.data) == (event.raw, event.data)
     assert payload == orjson.loads(event.data)
@@ -400,16 +391,7 @@ def test_a_terminal_event_is_completed_by_its_payloads_type_whatever_its_name(
     payload = {"type": "response.incomplete", "response": BASE, "sequence_number": 9}
     event = parse_event(encode_event(name, orjson.dumps(payload)))
     compiled, python = copy.copy(event), copy.copy(event)
-    done = envelope_module._c.terminal_event(
-        envelope,
-        compiled,
-        orjson.loads(event.data),
-        envelope_module._KEPT.last_answer,
-        envelope_module._KEPT.last_fills,
-        envelope_module._FROM_REQUEST,
-        Patch,
-        envelope_module._TERMINAL_LAYOUTS,
-    )
+    done = _compiled_terminal(envelope, compiled, orjson.loads(event.data))
     reference = _python(
         lambda: _envelope(
             {"model": "m"}, ("previous_response_id", "resp_p"), (), True
