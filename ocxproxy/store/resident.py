@@ -6,8 +6,9 @@ map (`ENTRY_BYTES`; with hex keys, the key string too). With ~1 KB segments that
 fifth more than their payload, which a payload-only count would let grow past the cap.
 
 Pure bookkeeping: no I/O, no asyncio. `admit`/`touch` never drop anything themselves;
-`evict_over_budget()` takes the oldest out and returns them; the caller decides whether
-their bytes just go (the journal holds them) or the segment is lost.
+`evict_over_budget()` takes the oldest out (the `hot` one, a fill every turn uses, last)
+and returns them; the caller decides whether their bytes just go (the journal holds them)
+or the segment is lost.
 """
 
 from __future__ import annotations
