@@ -363,14 +363,14 @@ def test_a_terminal_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
     """The compiled path sets an event's raw bytes and its data both or neither: an event
     whose data is not a slot is declined before anything is changed (the Python path
     completes it)."""
-    from tests.continuation.test_pending_speedups import unsettable
+    from tests.continuation.test_pending_speedups import Unsettable, copied
 
     envelope = _envelope({"model": "m"}, ("previous_response_id", "resp_p"), (), True)
     for _ in range(3):  # (the shape seen valid)
         primer = _terminal(BASE, 0, 9, False)
         envelope.terminal_event(primer, orjson.loads(primer.data))
     event = _terminal(BASE, 0, 9, False)
-    fixed = unsettable(event)
+    fixed = copied(Unsettable, event)
     payload = orjson.loads(event.data)
     done = _compiled_terminal(envelope, fixed, payload)
     assert done is None

@@ -4,7 +4,8 @@ it declines and leaves the event as it was."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import orjson
 import pytest
@@ -274,6 +275,29 @@ def test_the_compiled_pending_event_declines_what_it_is_not_given_right(args: An
     assert done is None
 
 
+def three_turns() -> Iterator[tuple[int, Envelope, Event]]:
+    """Three continuation turns of one request family: each turn's number, its Envelope
+    and each of its pending events (the third turn's are the usual ones)."""
+    body = {"model": "m", "instructions": "Be brief."}
+    extra = {"status": "in_progress", "model": "bench", "output": []}
+    for n in range(3):
+        echo = ("previous_response_id", f"resp_prev{n}")
+        made = Envelope(body, echo, (), forwarded_members(body), created_at=7)
+        for seq, kind in enumerate(KINDS):
+            yield n, made, pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
+
+
+E = TypeVar("E", bound=Event)
+
+
+def copied(kind: type[E], event: Event) -> E:
+    """`event` as an instance of the subclass `kind`, its slots set past any setter of it."""
+    made = kind.__new__(kind)
+    for name in ("raw", "name", "data", "at"):
+        getattr(Event, name).__set__(made, getattr(event, name))
+    return made
+
+
 def test_an_event_type_with_its_own_setattr_is_left_to_the_python_path() -> None:
     """An event's bytes are written at their slots' offsets only for a type with the
     generic getattr and setattr: the compiled path declines a subclass with its own
@@ -287,25 +311,15 @@ def test_an_event_type_with_its_own_setattr_is_left_to_the_python_path() -> None
             seen.append(name)
             super().__setattr__(name, value)
 
-    body = {"model": "m", "instructions": "Be brief."}
-    extra = {"status": "in_progress", "model": "bench", "output": []}
-    for n in range(3):
-        echo = ("previous_response_id", f"resp_prev{n}")
-        made = Envelope(body, echo, (), forwarded_members(body), created_at=7)
-        for seq, kind in enumerate(KINDS):
-            event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
-            watched = Watched.__new__(Watched)
-            object.__setattr__(watched, "raw", event.raw)
-            object.__setattr__(watched, "name", event.name)
-            object.__setattr__(watched, "data", event.data)
-            object.__setattr__(watched, "at", event.at)
-            seen.clear()
-            assert _c.pending_event(made, watched, *lasts()) is None
-            assert watched.raw is event.raw and not seen
-            done = made.pending_event(watched)
-            if n >= 2:  # (the usual event, changed in place)
-                assert done is watched and "raw" in seen and "data" in seen
-            assert b'"previous_response_id":"resp_prev%d"' % n in done.raw
+    for n, made, event in three_turns():
+        watched = copied(Watched, event)
+        seen.clear()
+        assert _c.pending_event(made, watched, *lasts()) is None
+        assert watched.raw is event.raw and not seen
+        done = made.pending_event(watched)
+        if n >= 2:  # (the usual event, changed in place)
+            assert done is watched and "raw" in seen and "data" in seen
+        assert b'"previous_response_id":"resp_prev%d"' % n in done.raw
 
 
 class Unsettable(Event):
@@ -322,26 +336,13 @@ class Unsettable(Event):
         raise AttributeError("data is read-only")
 
 
-def unsettable(event: Event) -> Unsettable:
-    made = Unsettable.__new__(Unsettable)
-    for name in ("raw", "name", "data", "at"):
-        getattr(Event, name).__set__(made, getattr(event, name))
-    return made
-
-
 def test_an_event_whose_data_cannot_be_set_is_left_as_it_was() -> None:
     """The compiled path sets an event's raw bytes and its data both or neither: an event
     whose data is not a slot is declined before its raw bytes are changed."""
-    body = {"model": "m", "instructions": "Be brief."}
-    extra = {"status": "in_progress", "model": "bench", "output": []}
-    for n in range(3):
-        echo = ("previous_response_id", f"resp_prev{n}")
-        made = Envelope(body, echo, (), forwarded_members(body), created_at=7)
-        for seq, kind in enumerate(KINDS):
-            event = pending(kind, f"resp_t{n}", 1700000000 + n, extra, seq)
-            if n < 2:  # (the shapes seen, the members worked out)
-                made.pending_event(event)
-                continue
-            fixed = unsettable(event)
-            assert _c.pending_event(made, fixed, *lasts()) is None
-            assert (fixed.raw, fixed.data) == (event.raw, event.data)
+    for n, made, event in three_turns():
+        if n < 2:  # (the shapes seen, the members worked out)
+            made.pending_event(event)
+            continue
+        fixed = copied(Unsettable, event)
+        assert _c.pending_event(made, fixed, *lasts()) is None
+        assert (fixed.raw, fixed.data) == (event.raw, event.data)
