@@ -30,20 +30,25 @@ async def test_bench_hotpath_prints_its_figures() -> None:
         assert 0 < json_min <= json_median and 0 < sse_min <= sse_median, out
 
 
-async def test_bench_hotpath_envelope_ab_prints_its_figures() -> None:
+@pytest.mark.parametrize("mode", ["--envelope-ab", "--null"])
+async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: str) -> None:
     argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath.py")]
     proc = await asyncio.create_subprocess_exec(
-        *argv, "--n", "20", "--rounds", "2", "--envelope-ab", cwd=ROOT,
+        *argv, "--n", "20", "--rounds", "3", mode, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     async with asyncio.timeout(60):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out
-    cell = r"(-?\d+\.\d) \( *(-?\d+\.\d)\)"  # differences: noise can make them negative
-    rows = re.findall(rf"^(8k|128k) +{cell} +{cell}$", out, re.M)
-    assert [row[0] for row in rows] == ["8k", "128k"], out
-    for _, json_median, json_min, sse_median, sse_min in rows:
-        assert float(json_min) <= float(json_median) and float(sse_min) <= float(sse_median)
+    x = r"-?\d+\.\d\d"  # differences: noise can make them negative
+    cells = rf"({x}) ± +(\d+\.\d\d) +({x}) +({x}) ± +(\d+\.\d\d) +(\d+\.\d) +(\d+)"
+    rows = re.findall(rf"^(8k|128k) (JSON|SSE) +{cells}$", out, re.M)
+    assert [row[:2] for row in rows] == [
+        ("8k", "JSON"), ("8k", "SSE"), ("128k", "JSON"), ("128k", "SSE")
+    ], out  # fmt: skip
+    for row in rows:
+        se, trimmed_se, on = float(row[3]), float(row[6]), float(row[7])
+        assert on > 0 and se >= 0 and trimmed_se >= 0, out
 
 
 async def test_bench_compaction_item_prints_its_figures() -> None:

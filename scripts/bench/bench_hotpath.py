@@ -22,21 +22,49 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --profile
     python scripts/bench/bench_hotpath.py --context-window 1000000   # with the window check
     python scripts/bench/bench_hotpath.py --envelope-off   # the Response envelope a no-op
-    python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, alternated
+    python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, ~2 min
+    python scripts/bench/bench_hotpath.py --null           # the same A/B's own zero
+
+`--envelope-ab` gives the envelope's cost in µs per turn, on - off in one process. Each
+case (a history size and JSON or SSE) runs in a store of its own, so none nears
+`--max-entries` (a case is ~60,000 turns). Its --rounds (1,000) are pairs of short rounds
+of --n (25) turns, one round with the envelope on and one off, the order alternated from
+pair to pair and 5 untimed turns after each switch: a slow drift of the machine falls on
+both modes alike, and a short spell of it (a neighbour's burst slows every turn for tens of
+ms) more often on both rounds of a pair. Each round is timed in the thread's CPU time
+(`time.thread_time()`; one thread, no I/O: ≈ wall, less what other processes take of the
+core). The heap is settled as `serve` settles it (`heap.settle()`: a collection of what
+is young, then `gc.freeze()`), untimed, before the first pair and every 50 pairs (about a
+second of turns, as often as `serve`): `serve` runs `heap.keep_settled`, and without it
+CPython's full collections traverse the growing store (tens of ms each) and land on random
+rounds, a difference of hundreds of µs in one pair.
+
+Per case it prints the pairs' differences' mean ± its standard error, their median, their
+20 % trimmed mean ± its standard error (from the winsorized variance), the median µs of
+an "on" turn, and how many full collections still fell in a timed round (0 expected). The
+differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
+pairs), so the trimmed mean is the steadier figure (its standard error 0.3 to 0.7 µs on
+the 2-core VM, the mean's 1 to 2); when the three disagree, the tails are lopsided. Runs
+differ by more than their standard errors say (up to ~1 µs), so compare several.
+`--null` runs the same A/B with the envelope on in both modes (the switch still flips,
+changing nothing): its figures are the instrument's own zero, within about two standard
+errors of 0 when the A/B has no bias.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
+import gc
 import pstats
 import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +73,7 @@ from benchkit import make_items, user_message
 from instant_backend import InstantBackend
 from loopback import CONTENT_LENGTH, message_length
 
+from ocxproxy import heap
 from ocxproxy.config import Config
 from ocxproxy.h1 import LAST_CHUNK
 from ocxproxy.http.context import PROXY
@@ -179,9 +208,9 @@ _UNSET = object()
 class EnvelopeSwitch:
     """Turns the Response envelope off (a no-op: one shared Envelope that changes nothing,
     its bytes written as they came) and back on, in the same process: what the proxy
-    costs without it."""
+    costs without it. `null`: "off" leaves it on too."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, null: bool = False) -> None:
         from ocxproxy.continuation.envelope import Envelope, Patch
         from ocxproxy.http import exchange
 
@@ -200,8 +229,12 @@ class EnvelopeSwitch:
             *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
         ]
         self._on = [(owner, name, vars(owner).get(name, _UNSET)) for owner, name, _ in self._off]
+        self.null = null
 
     def off(self) -> None:
+        if self.null:  # (the A/B's zero: "off" does what "on" does)
+            self.on()
+            return
         for owner, name, value in self._off:
             setattr(owner, name, value)
 
@@ -218,7 +251,9 @@ def envelope_off() -> None:
     EnvelopeSwitch().off()
 
 
-async def measure(args: argparse.Namespace) -> None:
+@contextlib.asynccontextmanager
+async def in_memory_proxy(args: argparse.Namespace) -> AsyncIterator[Client]:
+    """A proxy with a fresh store, its backend the in-memory one: its client."""
     with tempfile.TemporaryDirectory() as state_dir:
         config = Config(
             upstream=("http://backend.invalid:80",),
@@ -231,39 +266,52 @@ async def measure(args: argparse.Namespace) -> None:
         await proxy.store.start()
         backend = Backend()
         proxy.pool.http._connect = lambda origin: _connected(backend)  # type: ignore[method-assign]
-        client = Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
         try:
-            await run_sizes(client, args)
+            yield Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
         finally:
             await proxy.store.close()
+
+
+async def measure(args: argparse.Namespace) -> None:
+    if args.envelope_ab:
+        await run_ab(args)
+        return
+    async with in_memory_proxy(args) as client:
+        await run_sizes(client, args)
 
 
 async def _connected(backend: Backend) -> http1._Connection:
     return backend.connection()
 
 
+async def conversation(client: Client, size: int) -> str:
+    """A new conversation of `size` bytes of history: its response's id."""
+    first = orjson.dumps({"model": "m", "input": make_items(size)})
+    rid = _RID.search(await client.post(first))
+    assert rid is not None
+    return rid.group(1).decode()
+
+
+def continuation(rid: str, stream: bool) -> bytes:
+    turn = {"model": "m", "previous_response_id": rid, "input": [user_message("next")]}
+    return orjson.dumps(turn | {"stream": stream})
+
+
+def store_name(args: argparse.Namespace) -> str:
+    return "durable store (state dir)" if args.durable else "memory-only store (--zdr)"
+
+
 async def run_sizes(client: Client, args: argparse.Namespace) -> None:
-    store = "durable store (state dir)" if args.durable else "memory-only store (--zdr)"
-    print(f"µs per continuation turn, in-process, {store}")
-    if args.envelope_ab:
-        print(f"the envelope's cost: on - off, median (least) of {args.rounds} paired rounds")
-    else:
-        print(f"(median of {args.rounds} rounds of {args.n} turns)")
+    print(f"µs per continuation turn, in-process, {store_name(args)}")
+    print(f"(median of {args.rounds} rounds of {args.n} turns)")
     print(f"{'history':<8} {'JSON median (min)':>16} {'SSE median (min)':>16}")
     for name, size in SIZES.items():
-        first = orjson.dumps({"model": "m", "input": make_items(size)})
-        rid = _RID.search(await client.post(first))
-        assert rid is not None
+        rid = await conversation(client, size)
         row: list[tuple[float, float]] = []
         for stream in (False, True):
-            turn = {"model": "m", "previous_response_id": rid.group(1).decode()}
-            turn |= {"input": [user_message("next")], "stream": stream}
-            body = orjson.dumps(turn)
+            body = continuation(rid, stream)
             for _ in range(args.n // 5):  # warm-up
                 await client.post(body)
-            if args.envelope_ab:
-                row.append(await envelope_ab(client, body, args))
-                continue
             rounds = []
             for _ in range(args.rounds):
                 start = time.perf_counter()
@@ -277,27 +325,82 @@ async def run_sizes(client: Client, args: argparse.Namespace) -> None:
         print(f"{name:<8} {cells[0]:>16} {cells[1]:>16}")
 
 
-async def envelope_ab(client: Client, body: bytes, args: argparse.Namespace) -> tuple[float, float]:
-    """The envelope's µs per turn: rounds with it on and off alternated (in turn first, so
-    a drift of the machine falls on both), the median and the least of their differences."""
-    switch = EnvelopeSwitch()
-    differences = []
-    for index in range(args.rounds):
-        took = {}
-        for on in (True, False) if index % 2 == 0 else (False, True):
-            if on:
-                switch.on()
-            else:
-                switch.off()
-            for _ in range(args.n // 10):  # the other mode's warm-up
-                await client.post(body)
-            start = time.perf_counter()
-            for _ in range(args.n):
-                await client.post(body)
-            took[on] = (time.perf_counter() - start) / args.n
-        differences.append(took[True] - took[False])
-    switch.on()
-    return statistics.median(differences) * 1e6, min(differences) * 1e6
+SETTLE_PAIRS = 50  # pairs of rounds between the A/B's heap settles
+SWITCH_WARMUP = 5  # untimed turns after each switch
+AB_WARMUP = 200  # untimed turns before the first pair
+
+
+async def run_ab(args: argparse.Namespace) -> None:
+    what = "null A/B: the envelope on in both modes" if args.null else "the envelope on - off"
+    print(f"{what}, µs of thread CPU per continuation turn, {store_name(args)}")
+    print(f"({args.rounds} pairs of alternated rounds of {args.n} turns; the heap settled")
+    print(f"before the first pair and every {SETTLE_PAIRS} pairs, untimed)")
+    print(f"{'case':<10} {'mean ± se':>15} {'median':>7} {'trim20 ± se':>15} {'on':>6} full GCs")
+    for name, size in SIZES.items():
+        for stream in (False, True):
+            async with in_memory_proxy(args) as client:
+                body = continuation(await conversation(client, size), stream)
+                for _ in range(AB_WARMUP):
+                    await client.post(body)
+                differences, on, full = await envelope_ab(client, body, args)
+            n = len(differences)
+            mean, se = statistics.mean(differences), statistics.stdev(differences) / n**0.5
+            median, (trim, trim_se) = statistics.median(differences), trimmed(differences)
+            case = f"{name} {'SSE' if stream else 'JSON'}"
+            cells = f"{mean:>7.2f} ± {se:>5.2f} {median:>7.2f} {trim:>7.2f} ± {trim_se:>5.2f}"
+            print(f"{case:<10} {cells} {statistics.median(on):>6.1f} {full:>8}")
+
+
+def trimmed(values: list[float], cut: float = 0.2) -> tuple[float, float]:
+    """The mean of `values` without the lowest and highest `cut` of them, and its standard
+    error (from the variance of `values` winsorized: each cut value replaced by the
+    nearest one kept)."""
+    ordered = sorted(values)
+    n, k = len(ordered), int(len(ordered) * cut)
+    kept = ordered[k : n - k]
+    winsorized = [kept[0]] * k + kept + [kept[-1]] * k
+    return statistics.mean(kept), statistics.stdev(winsorized) / (len(kept) / n * n**0.5)
+
+
+async def envelope_ab(
+    client: Client, body: bytes, args: argparse.Namespace
+) -> tuple[list[float], list[float], int]:
+    """The pairs' differences, on - off (µs of thread CPU per turn), the "on" rounds' µs
+    per turn, and how many full collections fell in a timed round (see the docstring)."""
+    switch = EnvelopeSwitch(null=args.null)
+    timing = False
+    full = 0
+
+    def count_full(phase: str, info: dict[str, int]) -> None:
+        nonlocal full
+        full += timing and phase == "start" and info["generation"] == 2
+
+    differences, on_rounds = [], []
+    gc.callbacks.append(count_full)
+    try:
+        for index in range(args.rounds):
+            if index % SETTLE_PAIRS == 0:
+                heap.settle()
+            took = {}
+            for on in (True, False) if index % 2 == 0 else (False, True):
+                if on:
+                    switch.on()
+                else:
+                    switch.off()
+                for _ in range(SWITCH_WARMUP):
+                    await client.post(body)
+                timing = True
+                start = time.thread_time()
+                for _ in range(args.n):
+                    await client.post(body)
+                took[on] = (time.thread_time() - start) / args.n * 1e6
+                timing = False
+            differences.append(took[True] - took[False])
+            on_rounds.append(took[True])
+    finally:
+        gc.callbacks.remove(count_full)
+        switch.on()
+    return differences, on_rounds, full
 
 
 async def profile(client: Client, body: bytes, args: argparse.Namespace) -> None:
@@ -311,9 +414,19 @@ async def profile(client: Client, body: bytes, args: argparse.Namespace) -> None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=2000, help="turns per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n\n", 3)[3],  # what --envelope-ab's figures mean
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--n", type=int, help="turns per round (2,000; 25 with --envelope-ab or --null)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds (5); pairs of rounds with --envelope-ab or --null (1,000)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run")
     parser.add_argument("--profile", action="store_true", help="cProfile the 8k JSON turns")
     parser.add_argument("--top", type=int, default=30)
@@ -330,8 +443,13 @@ def main() -> None:
     parser.add_argument(
         "--envelope-ab",
         action="store_true",
-        help="the envelope's cost in µs per turn: its rounds on and off alternated in one "
-        "process, each cell the median (least) of on - off",
+        help="the envelope's cost in µs per turn: on - off, its rounds alternated in one "
+        "process (see below)",
+    )
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="--envelope-ab with the envelope on in both modes: the A/B's own zero",
     )
     parser.add_argument(
         "--context-window",
@@ -340,8 +458,16 @@ def main() -> None:
         help="a context window in tokens: every turn is then checked against it (estimated)",
     )
     args = parser.parse_args()
-    if args.quick:
-        args.n, args.rounds = 300, 3
+    args.envelope_ab = args.envelope_ab or args.null
+    n, rounds = (
+        ((10, 20) if args.quick else (25, 1000))
+        if args.envelope_ab
+        else ((300, 3) if args.quick else (2000, 5))
+    )
+    args.n = n if args.n is None else args.n
+    args.rounds = rounds if args.rounds is None else args.rounds
+    if args.envelope_ab and (args.envelope_off or args.rounds < 2):
+        parser.error("--envelope-ab switches the envelope itself, over 2 pairs or more")
     if args.envelope_off:
         envelope_off()
     try:
