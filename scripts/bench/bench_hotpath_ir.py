@@ -33,6 +33,7 @@ import orjson
 from benchkit import codex_members, make_items, user_message
 
 from ocxproxy.config import Config
+from ocxproxy.continuation.envelope import ServedModels
 from ocxproxy.http.context import PROXY
 from ocxproxy.http.front import FrontEnd
 from ocxproxy.server import build_app
@@ -40,7 +41,9 @@ from ocxproxy.server import build_app
 _COLLECTED = re.compile(r"Collected : (\d+)")
 
 
-def child(mode: str, size: str, n: int, codex: bool, durable: bool, first_turns: bool) -> None:
+def child(
+    mode: str, size: str, n: int, codex: bool, durable: bool, first_turns: bool, served: bool
+) -> None:
     """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
@@ -59,6 +62,8 @@ def child(mode: str, size: str, n: int, codex: bool, durable: bool, first_turns:
             health_interval=0,
         )
         proxy = build_app(config)[PROXY]
+        if served:  # as the embedded backend's: the name the backend answers, its sampling
+            proxy.served_models = ServedModels(("bench",), {"temperature": 0.8, "top_p": 0.95})
         await proxy.store.start()
         backend = rig.Backend()
         backend.head = 40_000 if codex else backend.head
@@ -97,6 +102,7 @@ def count(
     codex: bool = False,
     durable: bool = False,
     first: bool = False,
+    served: bool = False,
 ) -> int:
     command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
@@ -105,6 +111,7 @@ def count(
     command += ["--codex"] if codex else []
     command += ["--durable"] if durable else []
     command += ["--first"] if first else []
+    command += ["--served"] if served else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
@@ -136,20 +143,27 @@ def main() -> None:
         action="store_true",
         help="count first turns (no previous_response_id: the history is the request's input)",
     )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="served model names with sampling values, as the embedded llama.cpp backend has",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
             rig.envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n), args.codex, args.durable, args.first)
+        child(mode, size, int(n), args.codex, args.durable, args.first, args.served)
         return
     members = " (Codex-sized instructions and tools)" if args.codex else ""
     store = "durable store" if args.durable else "memory-only store"
     turn = "first turn" if args.first else "continuation turn"
+    members += ", served model names" if args.served else ""
     print(f"instructions per {turn} (callgrind, {store}){members}")
     print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
     case = {"codex": args.codex, "durable": args.durable, "first": args.first}
+    case["served"] = args.served
     for size in args.sizes.split(","):
         on = [count(mode, size, args.n, **case) for mode in ("json", "sse")]
         print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)
