@@ -731,6 +731,55 @@ static int places_of(PyObject *fast, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *n
 
 #define OWN_SIZE 512
 
+/* Whether `served` is a tuple that truth, `in` and `[0]` read as a tuple (a subclass that
+ * overrides none of them, as ServedModels): 1, else 0. */
+static int as_tuple(PyObject *served) {
+    if (PyTuple_CheckExact(served))
+        return 1;
+    PyTypeObject *type = Py_TYPE(served);
+    PySequenceMethods *sequence = type->tp_as_sequence, *tuple = PyTuple_Type.tp_as_sequence;
+    return PyTuple_Check(served) && sequence != NULL && type->tp_as_mapping != NULL
+        && sequence->sq_length == tuple->sq_length && sequence->sq_contains == tuple->sq_contains
+        && type->tp_as_mapping->mp_subscript == PyTuple_Type.tp_as_mapping->mp_subscript
+        && (type->tp_as_number == NULL || type->tp_as_number->nb_bool == NULL);
+}
+
+/* Whether `model` is the one `Envelope._shown_model` shows with the served model names
+ * `served` (a tuple, `as_tuple`, not empty): the request's when it is one of them, else
+ * the first. 1 yes; 0 no, or not a case of its own (a name or the request's model not a
+ * str: the Python's); -1 an error. */
+static int shows_model(EnvelopeState *env, PyObject *served, PyObject *model) {
+    if (!PyUnicode_CheckExact(model))
+        return 0;
+    PyObject *body = Py_XNewRef(env->body); /* (held: a lookup may run a key's __eq__) */
+    if (body == NULL || !PyDict_CheckExact(body)) {
+        Py_XDECREF(body);
+        return 0;
+    }
+    PyObject *requested = PyDict_GetItemWithError(body, s_model); /* (no Python code after) */
+    int result = 0;
+    if (requested == NULL && PyErr_Occurred())
+        result = -1;
+    else if (requested == NULL || requested == Py_None || PyUnicode_CheckExact(requested)) {
+        PyObject *shown = PyTuple_GET_ITEM(served, 0);
+        int named = requested == NULL || requested == Py_None; /* (none: the first) */
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(served); k++) {
+            PyObject *name = PyTuple_GET_ITEM(served, k);
+            if (!PyUnicode_CheckExact(name)) {
+                shown = NULL;
+                break;
+            }
+            if (!named && same_str(requested, name)) {
+                shown = name;
+                named = 1;
+            }
+        }
+        result = shown != NULL && same_str(model, shown);
+    }
+    Py_DECREF(body);
+    return result;
+}
+
 /* The members a Response of the shape last seen valid gets, as the Python's `answer`
  * decides them for the usual answer (`args`: the Envelope, the Response's dict, the
  * length of its bytes, and what the Python keeps: the last valid answer's members,
@@ -839,11 +888,19 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
         || PyTuple_GET_SIZE(valid) != count)
         goto done;
     Py_ssize_t usage_at = at[0], output_at = at[1], status_at = at[2], stamped_at = at[3];
-    /* The values that do not change turn to turn are those last seen valid. */
-    if (count) {
-        int none = PyTuple_CheckExact(served) ? !PyTuple_GET_SIZE(served) : PyObject_Not(served);
-        if (none <= 0) {
-            result = none;
+    /* The values that do not change turn to turn are those last seen valid; with served
+     * model names, the model is the one shown too (else the Python's to replace). */
+    if (count && !(PyTuple_CheckExact(served) && !PyTuple_GET_SIZE(served))) {
+        int shown = as_tuple(served);
+        if (shown && PyTuple_GET_SIZE(served)) {
+            for (i = 0; i < count; i++)
+                if (is_str(PyTuple_GET_ITEM(keys, names[i]), s_model))
+                    break;
+            if (i < count)
+                shown = shows_model(env, served, values[names[i]]);
+        }
+        if (shown <= 0) {
+            result = shown;
             goto done;
         }
     }

@@ -525,7 +525,11 @@ class Envelope(_EnvelopeBase):
                 if (
                     ruled is not None
                     and ruled(response) == plan.valid
-                    and not self._served_models
+                    and (
+                        not self._served_models  # (else the model shown may be another)
+                        or "model" not in plan.given
+                        or response["model"] == self._shown_model()
+                    )
                     and not (
                         plan.stamped
                         and response["completed_at"] is None

@@ -95,6 +95,19 @@ print(done[0].decode())
 """,
         '{"id":"r","tools":[]}',
     ),
+    # The request's body, read for the model shown with served model names, freed by
+    # the comparison a lookup of its model makes.
+    "the request's body, for the model shown": (
+        """
+replace = lambda: setattr(envelope, "_body", {})
+envelope = Envelope({Collides("model", replace): 1, **MANY}, None, ("bench",))
+last = (("model",), (str,), plan(["model"], names=("model",), values=("bench",)))
+done = E._c.answer(envelope, b'{"model":"bench"}', {"model": "bench"}, last, ((), {}),
+                   E._FROM_REQUEST, Patch)
+print(done[0].decode(), envelope._body)
+""",
+        '{"model":"bench"} {}',
+    ),
     # A key of the request's body that takes itself out of it when hashed: the Python
     # path (`_FROM_REQUEST.isdisjoint`) sees the dict change size.
     "a key of the request": (

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ocxproxy.continuation import envelope as envelope_module
-from ocxproxy.continuation.envelope import Envelope, Patch
+from ocxproxy.continuation.envelope import Envelope, Patch, ServedModels
 from ocxproxy.continuation.expand import forwarded_members
 from ocxproxy.upstream.sse import Event, encode_event, parse_event
 from tests.continuation.envelope_state import forget_shapes, python_paths
@@ -192,7 +192,9 @@ def _compiled_terminal(envelope: Envelope, event: Event, payload: dict[str, Any]
     second=st.one_of(st.none(), responses()),
     body=bodies,
     echo=echoes,
-    served=st.sampled_from([(), (), (), ("alias",)]),
+    served=st.sampled_from(
+        [(), (), (), ("alias",), ("bench", "m"), ServedModels(("bench",), {"temperature": 0.8})]
+    ),
     members=st.booleans(),
     seen=st.sampled_from([0, 1, 2, 3, 3, 3, 3]),
     usual=st.booleans(),
