@@ -540,11 +540,13 @@ class Envelope(_EnvelopeBase):
                         patch.rewrite = True
                 else:
                     self._check_given(response, patch, True, plan.given)
-                    # (kept past the request: not a store:false one's tools or text)
+                    # (kept past the request: not a store:false one's tools or text; not
+                    # a model of none, as the model shown for it is each request's)
                     if (
                         ruled is not None
                         and not (patch.rewrite or patch.inserted)
                         and self._body.get("store") is not False
+                        and ("model" not in plan.given or response["model"])
                     ):
                         plan.seen_valid(response)
             if echo is not None:  # (checked in the dict, after them)

@@ -2,7 +2,8 @@
 and the embedded backend's `ServedModels`, which it always has): a Response that names
 the model shown (the request's when it is one of the names, else the first) is the usual
 one, compiled; one that names another is declined, and the Python replaces its model.
-Each turn's bytes are the Python paths'."""
+Each turn's bytes are the Python paths'. (And without served names, the model shown for
+a backend's empty one is each request's.)"""
 
 from __future__ import annotations
 
@@ -168,3 +169,17 @@ def test_served_models_with_other_sampling_values_get_their_own_fill(
             served.sampling["top_p"],
         )
     assert compiled == [False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("python", [False, True], ids=["compiled", "python"])
+def test_a_response_naming_no_model_shows_each_requests(
+    python: bool, sse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without served names, a backend that names no model (an empty one) shows the
+    request's: the same answer is not a usual one for the next request, which names
+    another."""
+    turns = [("", "", "", False)] * 3 + [("m", "", "m", False)] * 2
+    done = _turns(turns, (), sse, monkeypatch, python=python)
+    shown = [orjson.loads(data.rsplit(b"|", 1)[-1])["model"] for data, _ in done]
+    assert shown == [turn[2] for turn in turns]
