@@ -43,9 +43,9 @@ Per case it prints the pairs' differences' mean ± its standard error, their med
 20 % trimmed mean ± its standard error (from the winsorized variance), the median µs of
 an "on" turn, and how many full collections still fell in a timed round (0 expected). The
 differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
-pairs), so the trimmed mean is the steadier figure (its standard error 0.3 to 0.7 µs on
-the 2-core VM, the mean's 1 to 2); when the three disagree, the tails are lopsided. Runs
-differ by more than their standard errors say (up to ~1 µs), so compare several.
+pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to 0.8 µs on
+the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lopsided. Runs
+differ by more than their standard errors say (up to ~2 µs), so take several.
 `--null` runs the same A/B with the envelope on in both modes (the switch still flips,
 changing nothing): its figures are the instrument's own zero, within about two standard
 errors of 0 when the A/B has no bias.
