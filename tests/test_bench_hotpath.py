@@ -86,3 +86,20 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
     finally:  # (the envelope on again for the tests after this one, whatever happens)
         switch.on()
     assert all(now is then for now, then in zip(current(), before, strict=True))
+
+
+async def test_bench_envelope_calls_prints_its_figures() -> None:
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_envelope_calls.py")]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, "--turns", "60", "--repeat", "20", cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    async with asyncio.timeout(60):
+        out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0, out
+    rows = re.findall(r"^  (\S+(?: \S+)?) +(-?\d+\.\d\d) +(-?\d+\.\d\d) +(-?\d+\.\d)x$", out, re.M)
+    labels = {row[0] for row in rows}
+    assert labels >= {
+        "Envelope()", "answer", "pending_event response.created",
+        "pending_event response.in_progress", "terminal_event response.completed",
+    }, out  # fmt: skip
+    assert all(float(warm) > 0 for _, _, warm, _ in rows), out
