@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import bench_hotpath as rig
@@ -36,12 +34,8 @@ import orjson
 from benchkit import make_items, user_message
 
 from ocxproxy import heap
-from ocxproxy.config import Config
 from ocxproxy.continuation import envelope
 from ocxproxy.http import exchange
-from ocxproxy.http.context import PROXY
-from ocxproxy.http.front import FrontEnd
-from ocxproxy.server import build_app
 from ocxproxy.speedups import SPEEDUPS
 from ocxproxy.upstream.sse import Event
 
@@ -119,22 +113,9 @@ def _nothing() -> None:
 
 
 async def run(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as state_dir:
-        config = Config(
-            upstream=("http://backend.invalid:80",),
-            state_dir=Path(state_dir),
-            zdr=True,
-            health_interval=0,
-        )
-        proxy = build_app(config)[PROXY]
-        await proxy.store.start()
-        backend = rig.Backend()
-        proxy.pool.http._connect = lambda origin: rig._connected(backend)  # type: ignore[method-assign]
-        client = rig.Client(FrontEnd(proxy, web_server=lambda: None))  # type: ignore[arg-type,return-value]
-        try:
-            await measure(client, args)
-        finally:
-            await proxy.store.close()
+    rig_args = argparse.Namespace(durable=False, context_window=0)  # (--zdr, no window)
+    async with rig.in_memory_proxy(rig_args) as client:
+        await measure(client, args)
 
 
 async def measure(client: rig.Client, args: argparse.Namespace) -> None:
