@@ -15,14 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(8k|128k) +(\d+\.\d) \( *(\d+\.\d)\) +(\d+\.\d) \( *(\d+\.\d)\)$", re.M)
 
 
-async def test_bench_hotpath_prints_its_figures() -> None:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath.py")]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, "--n", "20", "--rounds", "2", cwd=ROOT, stdout=asyncio.subprocess.PIPE
-    )
-    async with asyncio.timeout(60):
+async def run_bench(script: str, *args: str, seconds: float = 60) -> str:
+    """What scripts/bench/`script` prints with `args`, once it exited 0."""
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / script), *args]
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(seconds):
         out = (await proc.communicate())[0].decode()
     assert proc.returncode == 0, out
+    return out
+
+
+async def test_bench_hotpath_prints_its_figures() -> None:
+    out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "2")
     rows = {m.group(1): [float(x) for x in m.groups()[1:]] for m in ROW.finditer(out)}
     assert set(rows) == {"8k", "128k"}, out
     for figures in rows.values():
@@ -32,14 +36,7 @@ async def test_bench_hotpath_prints_its_figures() -> None:
 
 @pytest.mark.parametrize("mode", ["--envelope-ab", "--null"])
 async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: str) -> None:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath.py")]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, "--n", "20", "--rounds", "3", mode, cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    async with asyncio.timeout(60):
-        out = (await proc.communicate())[0].decode()
-    assert proc.returncode == 0, out
+    out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "3", mode)
     x = r"-?\d+\.\d\d"  # differences: noise can make them negative
     cells = rf"({x}) ± +(\d+\.\d\d) +({x}) +({x}) ± +(\d+\.\d\d) +(\d+\.\d) +(\d+)"
     rows = re.findall(rf"^(8k|128k) (JSON|SSE) +{cells}$", out, re.M)
@@ -52,13 +49,7 @@ async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: str) -> None:
 
 
 async def test_bench_compaction_item_prints_its_figures() -> None:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_compaction_item.py")]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, "--n", "10", "--rounds", "2", cwd=ROOT, stdout=asyncio.subprocess.PIPE
-    )
-    async with asyncio.timeout(120):
-        out = (await proc.communicate())[0].decode()
-    assert proc.returncode == 0, out
+    out = await run_bench("bench_compaction_item.py", "--n", "10", "--rounds", "2", seconds=120)
     rows = re.findall(
         r"^(8k|128k) +\d+\.\d / +\d+\.\d +\d+\.\d / +\d+\.\d +[+-]\d+\.\d / +[+-]\d+\.\d$",
         out,
@@ -89,13 +80,7 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
 
 
 async def test_bench_envelope_calls_prints_its_figures() -> None:
-    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_envelope_calls.py")]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, "--turns", "60", "--repeat", "20", cwd=ROOT, stdout=asyncio.subprocess.PIPE
-    )
-    async with asyncio.timeout(60):
-        out = (await proc.communicate())[0].decode()
-    assert proc.returncode == 0, out
+    out = await run_bench("bench_envelope_calls.py", "--turns", "60", "--repeat", "20")
     rows = re.findall(r"^  (\S+(?: \S+)?) +(-?\d+\.\d\d) +(-?\d+\.\d\d) +(-?\d+\.\d)x$", out, re.M)
     labels = {row[0] for row in rows}
     assert labels >= {

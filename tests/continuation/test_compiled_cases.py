@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -356,19 +357,7 @@ def test_an_answer_whose_keys_are_not_the_parsers_usual_ones_is_the_pythons(
     data = orjson.dumps(USUAL)
     last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
     assert _c.answer(_envelope(PREVIOUS), data, orjson.loads(data), *last, *_FIXED) is not None
-    compiled, python = json.loads(data), json.loads(data)
-
-    def both() -> tuple[Any, Any]:
-        nonlocal compiled, python  # (anew: _same_second may run it again)
-        compiled, python = json.loads(data), json.loads(data)
-        done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
-        reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
-        return done, reference
-
-    done, reference = _same_second(both)
-    assert done is not None and done[0] == reference[0]
-    assert list(compiled.items()) == list(python.items())
-    assert _state(done[1]) == _state(reference[1])
+    _compiled_as_usual(data, monkeypatch, loads=json.loads)
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
@@ -465,15 +454,20 @@ def test_answers_of_two_shapes_in_turn_are_the_pythons(monkeypatch: pytest.Monke
         _compiled_as_usual(orjson.dumps(response), monkeypatch)
 
 
-def _compiled_as_usual(data: bytes, monkeypatch: pytest.MonkeyPatch, usual: bool = True) -> None:
-    """The answer `data` compiled as the Python completes it: the usual answer, or (not
-    `usual`) declined."""
-    compiled, python = orjson.loads(data), orjson.loads(data)
+def _compiled_as_usual(
+    data: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+    usual: bool = True,
+    loads: Callable[[bytes], Any] = orjson.loads,
+) -> None:
+    """The answer `data`, parsed by `loads`, compiled as the Python completes it: the usual
+    answer, or (not `usual`) declined."""
+    compiled, python = loads(data), loads(data)
     last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
 
     def both() -> tuple[Any, Any]:
         nonlocal compiled, python  # (anew: _same_second may run it again)
-        compiled, python = orjson.loads(data), orjson.loads(data)
+        compiled, python = loads(data), loads(data)
         done = _c.answer(_envelope(PREVIOUS), data, compiled, *last, *_FIXED)
         reference = _python(lambda: _envelope(PREVIOUS).answer(data, python), monkeypatch)
         return done, reference
