@@ -150,15 +150,15 @@ static PyTypeObject EnvelopeState_Type = {
     .tp_vectorcall = envelope_vectorcall,
 };
 
+/* (its flags and numbers are C values: no object to hold or release for them) */
 typedef struct {
     PyObject_HEAD
-    PyObject *plan, *filled, *encoded, *inserted, *ids, *rewrite, *items, *unmerged, *fill,
-        *fill_in, *fill_at, *own;
+    PyObject *plan, *filled, *encoded, *inserted, *ids, *fill, *own;
+    Py_ssize_t fill_in, fill_at;
+    char rewrite, items, unmerged;
 } PatchState;
 
-#define PATCH_FIELDS(X) \
-    X(plan) X(filled) X(encoded) X(inserted) X(ids) X(rewrite) X(items) X(unmerged) X(fill) \
-    X(fill_in) X(fill_at) X(own)
+#define PATCH_FIELDS(X) X(plan) X(filled) X(encoded) X(inserted) X(ids) X(fill) X(own)
 
 static int patch_traverse(PatchState *self, visitproc visit, void *arg) {
     PATCH_FIELDS(VISIT)
@@ -176,11 +176,12 @@ static void patch_dealloc(PatchState *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* A Patch's default values that are not singletons of their own: b"", (), 0 and -1 (made
- * once, at import: a Patch is made for every Response). */
-static PyObject *no_bytes, *no_items, *zero, *minus_one;
+/* A Patch's default values that are not singletons of their own: b"" and () (made once,
+ * at import: a Patch is made for every Response). */
+static PyObject *no_bytes, *no_items;
 
-/* A Patch with its defaults (those of envelope.py's _PatchState). */
+/* A Patch with its defaults (those of envelope.py's _PatchState; its flags false, from
+ * the allocation's zeros). */
 static PatchState *patch_make(PyTypeObject *type) {
     PatchState *self = (PatchState *)type->tp_alloc(type, 0);
     if (self == NULL)
@@ -189,14 +190,10 @@ static PatchState *patch_make(PyTypeObject *type) {
     self->fill = Py_NewRef(no_bytes);
     self->ids = Py_NewRef(no_items);
     self->own = Py_NewRef(no_items);
-    self->fill_in = Py_NewRef(zero);
-    self->fill_at = Py_NewRef(minus_one);
+    self->fill_at = -1;
     self->plan = Py_NewRef(Py_None);
     self->filled = Py_NewRef(no_members);
     self->inserted = Py_NewRef(no_members);
-    self->rewrite = Py_NewRef(Py_False);
-    self->items = Py_NewRef(Py_False);
-    self->unmerged = Py_NewRef(Py_False);
     return self;
 }
 
@@ -211,10 +208,13 @@ static PyObject *patch_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 static PyMemberDef patch_state_members[] = {
     MEMBER(PatchState, plan, "plan") MEMBER(PatchState, filled, "filled")
     MEMBER(PatchState, encoded, "encoded") MEMBER(PatchState, inserted, "inserted")
-    MEMBER(PatchState, ids, "ids") MEMBER(PatchState, rewrite, "rewrite")
-    MEMBER(PatchState, items, "items") MEMBER(PatchState, unmerged, "unmerged")
-    MEMBER(PatchState, fill, "fill") MEMBER(PatchState, fill_in, "fill_in")
-    MEMBER(PatchState, fill_at, "fill_at") MEMBER(PatchState, own, "own")
+    MEMBER(PatchState, ids, "ids") MEMBER(PatchState, fill, "fill")
+    MEMBER(PatchState, own, "own")
+    {"rewrite", T_BOOL, offsetof(PatchState, rewrite), 0, NULL},
+    {"items", T_BOOL, offsetof(PatchState, items), 0, NULL},
+    {"unmerged", T_BOOL, offsetof(PatchState, unmerged), 0, NULL},
+    {"fill_in", T_PYSSIZET, offsetof(PatchState, fill_in), 0, NULL},
+    {"fill_at", T_PYSSIZET, offsetof(PatchState, fill_at), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -283,12 +283,14 @@ static int int_member(PyObject *dict, PyObject *name) {
 #define KEYS_MAX 8
 #define NAMES_MAX 5
 
+/* (What `known_values` reads first, on one cache line for up to 5 keys: a turn finds it
+ * evicted.) */
 typedef struct {
-    Py_ssize_t n; /* 0: none learnt yet */
-    PyObject *keys[KEYS_MAX]; /* (strong references, kept for the process) */
+    _Alignas(64) Py_ssize_t n; /* 0: none learnt yet */
     int count;
-    PyObject **names[NAMES_MAX]; /* the members read, and where they are among `keys` */
-    Py_ssize_t at[NAMES_MAX];
+    unsigned char at[NAMES_MAX]; /* where the members read are among `keys` */
+    PyObject *keys[KEYS_MAX]; /* (strong references, kept for the process) */
+    PyObject **names[NAMES_MAX]; /* the members read */
 } Keys;
 
 static Keys usage_keys = {.count = 5, .names = {&s_input_tokens, &s_output_tokens,
@@ -343,7 +345,8 @@ static void learn(PyObject *dict, Keys *known) {
     for (i = 0; i < known->n; i++)
         Py_DECREF(known->keys[i]);
     memcpy(known->keys, keys, sizeof(PyObject *) * (size_t)n);
-    memcpy(known->at, at, sizeof(Py_ssize_t) * (size_t)known->count);
+    for (int j = 0; j < known->count; j++)
+        known->at[j] = (unsigned char)at[j];
     known->n = n;
 }
 
@@ -455,6 +458,17 @@ static int item_usual(PyObject *item) {
 }
 
 #define MAX_MEMBERS 64 /* (a Response with more is left to the Python) */
+
+/* `(a, b)`, a new reference (NULL on error): PyTuple_Pack's without its variable
+ * arguments. */
+static PyObject *pair(PyObject *a, PyObject *b) {
+    PyObject *tuple = PyTuple_New(2);
+    if (tuple != NULL) {
+        PyTuple_SET_ITEM(tuple, 0, Py_NewRef(a));
+        PyTuple_SET_ITEM(tuple, 1, Py_NewRef(b));
+    }
+    return tuple;
+}
 
 /* An exact tuple's item, or NULL (no exception) when it has too few. */
 static PyObject *item_of(PyObject *tuple, Py_ssize_t i) {
@@ -693,39 +707,86 @@ static int plain_ascii(PyObject *value, const char **chars, Py_ssize_t *len) {
     return 1;
 }
 
-/* Where an answer's members are, by its plan (`_Plan.fast`'s places, each checked against
- * the answer's count of members `n`), read once for the plan last seen: a backend answers
- * in one shape turn after turn. */
-static struct {
-    PyObject *fast; /* (a strong reference: the tuple they were read from, unchanged) */
+/* What an answer's plan says (`_Plan.fast`), checked once for the plan last seen: a
+ * backend answers in one shape turn after turn. Its places (each checked against the
+ * answer's count of members `n`): of usage, the output, the status and completed_at (-1:
+ * absent), and of its ruled values; the members it lacks, whether it stamps completed_at,
+ * the ruled values seen valid. */
+typedef struct {
+    _Alignas(64) PyObject *fast; /* (a strong reference: the tuple the rest was read from) */
+    PyObject *missing, *valid; /* (borrowed from `fast`) */
+    int stamp, lacks; /* completed_at stamped; `missing` not empty */
     Py_ssize_t n, at[4], count, names[MAX_MEMBERS];
-} places;
+} Places;
 
-/* `fast`'s places of usage, the output, the status and completed_at (-1: absent) in `at`,
- * and of its ruled values in `names` (their count in `count`): 1; 0 when one is not a
- * place in `n` members. */
-static int places_of(PyObject *fast, Py_ssize_t n, Py_ssize_t *at, Py_ssize_t *names,
-                     Py_ssize_t *count) {
+static Places places;
+
+/* `fast`'s places in `n` members, copied to `out` (its members borrowed from `fast`): 1;
+ * 0 when one is not a place in `n` members, or a member of `fast` is not of its type. */
+static int places_of(PyObject *fast, Py_ssize_t n, Places *out) {
+    PyObject *old = NULL;
     if (places.fast != fast || places.n != n) {
-        PyObject *ruled = item_of(fast, 3);
+        PyObject *missing = item_of(fast, 0), *stamp = item_of(fast, 1),
+                 *ruled = item_of(fast, 3), *valid = item_of(fast, 4);
         Py_ssize_t found[4] = {place(fast, 2, n), place(fast, 5, n), place(fast, 6, n),
                                place(fast, 7, n)};
         if (found[0] < -1 || found[1] < -1 || found[2] < -1 || found[3] < -1 || ruled == NULL
-            || !PyTuple_CheckExact(ruled) || PyTuple_GET_SIZE(ruled) > MAX_MEMBERS)
+            || !PyTuple_CheckExact(ruled) || PyTuple_GET_SIZE(ruled) > MAX_MEMBERS
+            || !PyFrozenSet_CheckExact(missing) || !PyBool_Check(stamp)
+            || !PyTuple_CheckExact(valid) || PyTuple_GET_SIZE(valid) != PyTuple_GET_SIZE(ruled))
             return 0;
+        Py_ssize_t names[MAX_MEMBERS];
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ruled); i++)
-            if ((places.names[i] = place(ruled, i, n)) < 0) {
-                Py_CLEAR(places.fast); /* (its names are not all known now) */
+            if ((names[i] = place(ruled, i, n)) < 0)
                 return 0;
-            }
+        old = places.fast; /* (released once `out` is copied: its release may run Python) */
+        places.fast = Py_NewRef(fast);
+        places.missing = missing;
+        places.valid = valid;
+        places.stamp = stamp == Py_True;
+        places.lacks = PySet_GET_SIZE(missing) != 0;
+        places.n = n;
         memcpy(places.at, found, sizeof(found));
         places.count = PyTuple_GET_SIZE(ruled);
-        places.n = n;
-        Py_XSETREF(places.fast, Py_NewRef(fast)); /* (a tuple of builtins: no Python runs) */
+        memcpy(places.names, names, sizeof(Py_ssize_t) * (size_t)places.count);
     }
-    memcpy(at, places.at, sizeof(places.at));
-    memcpy(names, places.names, sizeof(Py_ssize_t) * (size_t)places.count);
-    *count = places.count;
+    out->missing = places.missing;
+    out->valid = places.valid;
+    out->stamp = places.stamp;
+    out->lacks = places.lacks;
+    memcpy(out->at, places.at, sizeof(places.at));
+    out->count = places.count;
+    memcpy(out->names, places.names, sizeof(Py_ssize_t) * (size_t)places.count);
+    Py_XDECREF(old);
+    return 1;
+}
+
+/* What a fill says (`_Fill.fast`: created_at, previous, encoded, members), checked once
+ * for the fill last seen: a request's fills are those of the last one. */
+typedef struct {
+    _Alignas(64) PyObject *fast; /* (a strong reference: the tuple the rest was read from) */
+    PyObject *encoded, *filled; /* (borrowed from `fast`) */
+    int created, previous;
+} Fills;
+
+static Fills fills;
+
+/* `fast`'s members, copied to `out` (borrowed from `fast`): 1; 0 when one is not of its
+ * type. */
+static int fill_of(PyObject *fast, Fills *out) {
+    PyObject *old = NULL;
+    if (fills.fast != fast) {
+        PyObject *created = item_of(fast, 0), *previous = item_of(fast, 1),
+                 *encoded = item_of(fast, 2), *filled = item_of(fast, 3);
+        if (filled == NULL || !PyBool_Check(created) || !PyBool_Check(previous)
+            || !PyBytes_CheckExact(encoded))
+            return 0;
+        old = fills.fast; /* (released once `out` is copied: its release may run Python) */
+        fills = (Fills){Py_NewRef(fast), encoded, filled, created == Py_True,
+                        previous == Py_True};
+    }
+    *out = fills;
+    Py_XDECREF(old);
     return 1;
 }
 
@@ -820,6 +881,22 @@ static void answer_clear(Answer *a) {
     Py_CLEAR(a->fill);
 }
 
+/* The subtypes of EnvelopeState and PatchState last seen (strong references: their
+ * addresses are not reused meanwhile): an Envelope and a Patch are of the same ones
+ * request after request. */
+static PyTypeObject *envelope_type, *patch_type;
+
+/* Whether `type` is a subtype of `base` (found so once, and kept in `*seen`). */
+static int subtype_of(PyObject *type, PyTypeObject *base, PyTypeObject **seen) {
+    if ((PyTypeObject *)type == *seen)
+        return 1;
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, base))
+        return 0;
+    Py_INCREF(type);
+    Py_XSETREF(*seen, (PyTypeObject *)type); /* (a type's release runs no Python code) */
+    return 1;
+}
+
 /* 1: `out` holds the members and a new Patch, the dict's members are set; 0: not the
  * usual case, nothing changed (but the Envelope's fills and created_at, which the
  * Python finds the same way); -1: an error. */
@@ -829,7 +906,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
              *plan = item_of(args->last, 2);
     PyObject *fast = NULL, *served = NULL, *echo = NULL, *fill = NULL, *fill_fast = NULL,
              *created = NULL, *completed_at = NULL;
-    PyObject *created_flag = NULL, *previous_flag = NULL, *encoded = NULL, *filled = NULL;
+    PyObject *encoded = NULL, *filled = NULL; /* (borrowed from fill_fast) */
     PyObject *values[MAX_MEMBERS]; /* (the dict's, held once the shape is its own) */
     Py_ssize_t held = 0;
     PatchState *patch = NULL;
@@ -839,9 +916,8 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     out->patch = out->fill = NULL;
     if (plan == NULL || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(types)
         || plan == Py_None || !PyDict_CheckExact(response)
-        || !PyObject_TypeCheck(args->env, &EnvelopeState_Type)
-        || !PyType_Check(args->patch_type)
-        || !PyType_IsSubtype((PyTypeObject *)args->patch_type, &PatchState_Type))
+        || !subtype_of((PyObject *)Py_TYPE(args->env), &EnvelopeState_Type, &envelope_type)
+        || !subtype_of(args->patch_type, &PatchState_Type, &patch_type))
         return 0;
     EnvelopeState *env = (EnvelopeState *)args->env;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
@@ -880,14 +956,13 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
     echo = Py_NewRef(env->echo);
     /* _Plan.fast: (missing, completed_at, where usage is, where the ruled values are,
      * those values seen valid, where the output and the status are), None until known */
-    PyObject *missing = item_of(fast, 0), *stamp_flag = item_of(fast, 1),
-             *valid = item_of(fast, 4);
-    Py_ssize_t at[4], names[MAX_MEMBERS], count;
-    if (!places_of(fast, n, at, names, &count) || !PyFrozenSet_CheckExact(missing)
-        || !PyBool_Check(stamp_flag) || valid == NULL || !PyTuple_CheckExact(valid)
-        || PyTuple_GET_SIZE(valid) != count)
+    Places plan_says; /* (a copy: Python code a comparison runs may change `places`) */
+    if (!places_of(fast, n, &plan_says))
         goto done;
-    Py_ssize_t usage_at = at[0], output_at = at[1], status_at = at[2], stamped_at = at[3];
+    PyObject *missing = plan_says.missing, *valid = plan_says.valid; /* (held in `fast`) */
+    const Py_ssize_t *names = plan_says.names, count = plan_says.count;
+    Py_ssize_t usage_at = plan_says.at[0], output_at = plan_says.at[1],
+               status_at = plan_says.at[2], stamped_at = plan_says.at[3];
     /* The values that do not change turn to turn are those last seen valid; with served
      * model names, the model is the one shown too (else the Python's to replace). */
     if (count && !(PyTuple_CheckExact(served) && !PyTuple_GET_SIZE(served))) {
@@ -937,22 +1012,19 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
      * ones, then completed_at. */
     Py_ssize_t own = 0, fill_in = 0;
     int echoed = echo == Py_None;
-    if (PySet_GET_SIZE(missing)) {
+    if (plan_says.lacks) {
         result = -1;
         if ((fill = shared_fill(env, missing, served, args->last_fills, args->from_request))
                 == NULL
             || (fill_fast = fast_of_fill(fill)) == NULL)
             goto done;
         result = 0;
-        /* _Fill.fast: (created_at, previous, encoded, members) */
-        created_flag = item_of(fill_fast, 0);
-        previous_flag = item_of(fill_fast, 1);
-        encoded = item_of(fill_fast, 2);
-        filled = item_of(fill_fast, 3);
-        if (filled == NULL || !PyBool_Check(created_flag) || !PyBool_Check(previous_flag)
-            || !PyBytes_CheckExact(encoded))
+        Fills fill_says; /* (a copy: Python code a comparison runs may change `fills`) */
+        if (!fill_of(fill_fast, &fill_says))
             goto done;
-        if (created_flag == Py_True) { /* Envelope._created */
+        encoded = fill_says.encoded; /* (held in `fill_fast`) */
+        filled = fill_says.filled;
+        if (fill_says.created) { /* Envelope._created */
             if (env->created_at == NULL) /* (deleted: the Python's) */
                 goto done;
             const char *chars;
@@ -987,7 +1059,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             own = 13 + len;
             out->pieces[out->count++] = (Piece){out->own, own};
         }
-        if (previous_flag == Py_True) { /* the echoed id, which the backend never saw */
+        if (fill_says.previous) { /* the echoed id, which the backend never saw */
             previous = Py_None;
             PyObject *name = item_of(echo, 0), *id = item_of(echo, 1);
             if (id != NULL && PyTuple_GET_SIZE(echo) == 2) {
@@ -1036,7 +1108,7 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             goto done;
         }
     }
-    if (stamp_flag == Py_True) {
+    if (plan_says.stamp) {
         int completed = 0;
         if (status_at >= 0)
             completed = equal(values[status_at], s_completed);
@@ -1091,15 +1163,14 @@ static int answer_members(const AnswerArgs *args, Answer *out) {
             goto done;
         for (int k = 0; k < owns; k++)
             PyTuple_SET_ITEM(patch->own, k, Py_NewRef(turns[k]));
-        Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
+        patch->unmerged = 1;
     }
     if (encoded != NULL && PyBytes_GET_SIZE(encoded)) {
-        if (set_field(&patch->fill_in, PyLong_FromSsize_t(fill_in)) < 0
-            || set_field(&patch->fill_at, PyLong_FromSsize_t(args->data_len + fill_in)) < 0)
-            goto done;
+        patch->fill_in = fill_in;
+        patch->fill_at = args->data_len + fill_in;
         Py_XSETREF(patch->fill, Py_NewRef(encoded));
         Py_XSETREF(patch->filled, Py_NewRef(filled));
-        Py_XSETREF(patch->unmerged, Py_NewRef(Py_True));
+        patch->unmerged = 1;
     }
     out->patch = Py_NewRef((PyObject *)patch);
     out->fill = Py_XNewRef(fill);
@@ -1152,7 +1223,7 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
             *at = '}';
         }
     }
-    PyObject *result = stored == NULL ? NULL : PyTuple_Pack(2, stored, a.patch);
+    PyObject *result = stored == NULL ? NULL : pair(stored, a.patch);
     Py_XDECREF(stored);
     answer_clear(&a);
     return result;
@@ -1741,9 +1812,9 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         }
     }
     if (stored != NULL) {
-        PyObject *in_bytes = PyTuple_Pack(2, stored, Py_True);
+        PyObject *in_bytes = pair(stored, Py_True);
         if (in_bytes != NULL) {
-            result = PyTuple_Pack(2, a.patch, in_bytes);
+            result = pair(a.patch, in_bytes);
             Py_DECREF(in_bytes);
         }
     }
@@ -1987,9 +2058,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (no_members == NULL && (no_members = PyDict_New()) == NULL)
         return NULL;
     if ((no_bytes == NULL && (no_bytes = PyBytes_FromStringAndSize(NULL, 0)) == NULL)
-        || (no_items == NULL && (no_items = PyTuple_New(0)) == NULL)
-        || (zero == NULL && (zero = PyLong_FromLong(0)) == NULL)
-        || (minus_one == NULL && (minus_one = PyLong_FromLong(-1)) == NULL))
+        || (no_items == NULL && (no_items = PyTuple_New(0)) == NULL))
         return NULL;
     EnvelopeState_Type.tp_methods = envelope_methods; /* (defined after the calls they make) */
     if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0

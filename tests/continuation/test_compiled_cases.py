@@ -454,6 +454,37 @@ def test_answers_of_two_shapes_in_turn_are_the_pythons(monkeypatch: pytest.Monke
         _compiled_as_usual(orjson.dumps(response), monkeypatch)
 
 
+def test_answers_for_requests_of_two_fills_in_turn_are_the_pythons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a request's fills say (read once for the fill last seen, kept for the next
+    answer with it) is not another request's: one with other instructions has its own."""
+    _seen_valid(USUAL, PREVIOUS, monkeypatch)
+    data = orjson.dumps(USUAL)
+    for instructions in ("Be brief.", "Be long.", "Be brief.", "Be long."):
+        done = _answered({**BODY, "instructions": instructions}, data, monkeypatch)
+        assert instructions.encode() in done[0]
+
+
+def _answered(body: dict[str, Any], data: bytes, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The answer `data` to a request of `body` compiled (not declined), as the Python's."""
+    compiled, python = orjson.loads(data), orjson.loads(data)
+
+    def both() -> tuple[Any, Any]:
+        nonlocal compiled, python  # (anew: _same_second may run it again)
+        compiled, python = orjson.loads(data), orjson.loads(data)
+        last = envelope_module._KEPT.last_answer, envelope_module._KEPT.last_fills
+        envelope = Envelope(body, PREVIOUS, (), forwarded_members(body), created_at=5)
+        done = _c.answer(envelope, data, compiled, *last, *_FIXED)
+        reference = Envelope(body, PREVIOUS, (), forwarded_members(body), created_at=5)
+        return done, _python(lambda: reference.answer(data, python), monkeypatch)
+
+    done, reference = _same_second(both)
+    assert done is not None
+    _assert_the_pythons_or_declined(done, reference, data, compiled, python)
+    return done
+
+
 def _compiled_as_usual(
     data: bytes,
     monkeypatch: pytest.MonkeyPatch,
