@@ -11,6 +11,14 @@ Needs `valgrind` (Debian's package). Prints instructions per continuation turn f
 SSE at each history size; a turn takes ~2,000 instructions per µs on the 2-core VM of
 docs/BENCHMARKS.md, so 10,000 instructions are ~5 µs.
 
+`--cache` also simulates the caches (callgrind's `--cache-sim`: this VM's 32 KB L1s and
+the 512 KB L2 of one core as the last level) and prints the last-level misses per turn
+(instruction fetches, data reads and writes). A turn of the 8k rig touches more distinct
+lines than that L2 holds, so whatever a turn runs once starts cold: its cost natively
+follows its misses as much as its instructions. Fitted to `bench_hotpath.py
+--envelope-ab` on this VM, the envelope's native µs are ~0.3 per 1,000 instructions plus
+~5 ns per miss. `--keep DIR` keeps callgrind's files, for callgrind_annotate.
+
     python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
     python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
 """
@@ -38,13 +46,24 @@ from ocxproxy.http.context import PROXY
 from ocxproxy.http.front import FrontEnd
 from ocxproxy.server import build_app
 
-_COLLECTED = re.compile(r"Collected : (\d+)")
+_COLLECTED = re.compile(r"Collected : ([\d ]+)")
+# --cache: L1 instruction and data caches, and one core's L2 as the last level (lscpu)
+_CACHES = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=524288,8,64"]
 
 
 def child(
-    mode: str, size: str, n: int, codex: bool, durable: bool, first_turns: bool, served: bool
+    mode: str,
+    size: str,
+    n: int,
+    codex: bool,
+    durable: bool,
+    first_turns: bool,
+    served: bool,
+    pad: int = 0,
 ) -> None:
-    """Warm up, then run `n` turns inside functools.reduce (what callgrind counts)."""
+    """Warm up, then run `n` turns inside functools.reduce (what callgrind counts). `pad`
+    shifts where the heap's objects land (see --layouts)."""
+    padding = [bytes(24 + 8 * (i % 61)) for i in range(pad * 211)]
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
         import uvloop
@@ -91,6 +110,7 @@ def child(
     gc.collect()
     functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
     shutil.rmtree(state_dir, ignore_errors=True)
+    del padding
 
 
 def count(
@@ -103,8 +123,15 @@ def count(
     durable: bool = False,
     first: bool = False,
     served: bool = False,
-) -> int:
-    command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
+    cache: bool = False,
+    keep: Path | None = None,
+    pad: int = 0,
+) -> tuple[int, int]:
+    """Instructions and (with `cache`) last-level cache misses per turn."""
+    name = f"{mode}-{size}{'-off' if off else ''}-{pad}.callgrind"
+    out = "/dev/null" if keep is None else str(keep / name)
+    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    command += _CACHES if cache else []
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
     command += [sys.executable, __file__, "--child", mode, size, str(n)]
     command += ["--envelope-off"] if off else []
@@ -112,11 +139,14 @@ def count(
     command += ["--durable"] if durable else []
     command += ["--first"] if first else []
     command += ["--served"] if served else []
+    command += ["--pad", str(pad)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
     if found is None:
         raise RuntimeError(result.stderr[-2000:])
-    return int(found.group(1)) // n
+    # Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw (with the caches simulated)
+    events = [int(value) for value in found.group(1).split()]
+    return events[0] // n, sum(events[6:9]) // n if cache else 0
 
 
 def main() -> None:
@@ -148,29 +178,68 @@ def main() -> None:
         action="store_true",
         help="served model names with sampling values, as the embedded llama.cpp backend has",
     )
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="also simulate the caches: last-level misses per turn (several times slower)",
+    )
+    parser.add_argument("--keep", type=Path, help="keep callgrind's files in this directory")
+    parser.add_argument(
+        "--layouts",
+        type=int,
+        default=1,
+        help="each case over this many heap layouts: their mean, and the cost's range (the "
+        "counts move by ~1 %% with where objects land, the envelope's cost by ~±15 %%)",
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--pad", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         if args.envelope_off:
             rig.envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n), args.codex, args.durable, args.first, args.served)
+        child(mode, size, int(n), args.codex, args.durable, args.first, args.served, args.pad)
         return
     members = " (Codex-sized instructions and tools)" if args.codex else ""
     store = "durable store" if args.durable else "memory-only store"
     turn = "first turn" if args.first else "continuation turn"
     members += ", served model names" if args.served else ""
-    print(f"instructions per {turn} (callgrind, {store}){members}")
-    print(f"{'history':<8} {'JSON':>12} {'SSE':>12}")
+    what = "instructions" + (" and last-level cache misses" if args.cache else "")
+    print(f"{what} per {turn} (callgrind, {store}){members}")
+    width = 20 if args.cache else 12
+    print(f"{'history':<8} {'JSON':>{width}} {'SSE':>{width}}")
     case = {"codex": args.codex, "durable": args.durable, "first": args.first}
-    case["served"] = args.served
+    case |= {"served": args.served, "cache": args.cache, "keep": args.keep}
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+
+    def row(label: str, figures: list[list[tuple[int, int]]]) -> None:
+        """Each case's mean over the layouts, and with several its range."""
+        cells = []
+        for runs in figures:
+            irs, misses = [r[0] for r in runs], [r[1] for r in runs]
+            cell = f"{sum(irs) // len(irs):,}"
+            cell += f" / {sum(misses) // len(misses):,}" if args.cache else ""
+            if len(runs) > 1 and label.strip() == "cost":
+                cell += f" ({min(irs):,}..{max(irs):,}"
+                cell += f" / {min(misses):,}..{max(misses):,})" if args.cache else ")"
+            cells.append(cell)
+        print(f"{label:<8} {cells[0]:>{width}} {cells[1]:>{width}}", flush=True)
+
+    def runs(mode: str, size: str, off: bool = False) -> list[tuple[int, int]]:
+        return [count(mode, size, args.n, off=off, pad=pad, **case) for pad in range(args.layouts)]
+
     for size in args.sizes.split(","):
-        on = [count(mode, size, args.n, **case) for mode in ("json", "sse")]
-        print(f"{size:<8} {on[0]:>12,} {on[1]:>12,}", flush=True)
+        on = [runs(mode, size) for mode in ("json", "sse")]
+        row(size, on)
         if args.envelope_off:
-            off = [count(mode, size, args.n, off=True, **case) for mode in ("json", "sse")]
-            print(f"{'  off':<8} {off[0]:>12,} {off[1]:>12,}")
-            print(f"{'  cost':<8} {on[0] - off[0]:>12,} {on[1] - off[1]:>12,}", flush=True)
+            off = [runs(mode, size, off=True) for mode in ("json", "sse")]
+            row("  off", off)
+            cost = [
+                [(a[0] - b[0], a[1] - b[1]) for a, b in zip(on_runs, off_runs, strict=True)]
+                for on_runs, off_runs in zip(on, off, strict=True)
+            ]
+            row("  cost", cost)
 
 
 if __name__ == "__main__":
