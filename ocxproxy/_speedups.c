@@ -240,6 +240,15 @@ static int set_field(PyObject **field, PyObject *value) {
 
 /* ---- small helpers ---------------------------------------------------------------- */
 
+/* Code off the usual paths, kept out of their lines (a function of its own, placed apart):
+ * a usual call runs once per turn, after the rest of the turn has evicted its code, so
+ * each line of code it spans is a miss. */
+#if defined(__GNUC__) || defined(__clang__)
+#define RARE __attribute__((noinline, cold))
+#else
+#define RARE Py_NO_INLINE
+#endif
+
 /* A run of bytes a spliced Response is built from. */
 typedef struct {
     const char *ptr;
@@ -570,8 +579,9 @@ static int equal(PyObject *a, PyObject *b) {
 
 /* The keys of the last request body found to have none of `disjoint_from`'s (the names
  * of the members filled from the request), learnt as `Keys` are: a client sends the same
- * members turn after turn, and orjson gives them the same key objects. */
-static Keys disjoint_keys = {.count = 0};
+ * members turn after turn, and orjson gives them the same key objects. Its model is read
+ * at its place (a body without one is not learnt). */
+static Keys disjoint_keys = {.count = 1, .names = {&s_model}};
 static PyObject *disjoint_from; /* (a strong reference) */
 
 /* The request's fills found at once (`Envelope._shared_fill`'s key, compared with the
@@ -585,8 +595,8 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
         || !PyFrozenSet_CheckExact(from_request) || body == NULL || !PyDict_CheckExact(body))
         goto done;
     int disjoint = 1;
-    PyObject *none[1];
-    if (from_request != disjoint_from || !known_values(body, &disjoint_keys, none)) {
+    PyObject *model = NULL; /* (the body's, when known by its keys) */
+    if (from_request != disjoint_from || !known_values(body, &disjoint_keys, &model)) {
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(body, &pos, &key, &value)) {
@@ -602,14 +612,14 @@ static PyObject *quick_family(EnvelopeState *env, PyObject *served, PyObject *la
         }
         if (disjoint) { /* (the next request's, the same keys, known by their addresses) */
             learn(body, &disjoint_keys);
-            if (known_values(body, &disjoint_keys, none))
+            if (known_values(body, &disjoint_keys, &model))
                 Py_XSETREF(disjoint_from, Py_NewRef(from_request)); /* (a set of strs) */
         }
     }
     int same;
     if (disjoint) { /* (served_models, the model if a str) */
-        PyObject *model = PyDict_GetItemWithError(body, s_model);
-        if (model == NULL && PyErr_Occurred())
+        if (model == NULL && (model = PyDict_GetItemWithError(body, s_model)) == NULL
+            && PyErr_Occurred())
             goto fail;
         /* (held: comparing the served models may change the body) */
         shown = Py_NewRef(model != NULL && PyUnicode_CheckExact(model) ? model : Py_None);
@@ -1244,7 +1254,7 @@ typedef struct {
     Py_ssize_t offset; /* 0: the generic way */
 } Slot;
 
-static int slot_lookup(Slot *slot, PyTypeObject *type) {
+static RARE int slot_lookup(Slot *slot, PyTypeObject *type) {
     PyObject *descr = _PyType_Lookup(type, *slot->name); /* (borrowed) */
     Py_ssize_t offset = 0;
     /* (a type with its own __getattribute__ or __setattr__ sees every access) */
@@ -1354,6 +1364,82 @@ static int add_created_at(Pieces *pieces, PyObject *value) {
     return 1;
 }
 
+/* The members a pending event of the shape `seen` gets from the Envelope's own for it
+ * (`_inserts`, which the Python path keeps): 1 with them added to `pieces` (their tuple
+ * held in `*held`), 0 when it keeps none for the shape, 2 when they are not all inserted
+ * at one place (the Python path decides), -1 with an exception set. */
+static RARE int inserted_members(EnvelopeState *env, PyObject *seen, Pieces *pieces,
+                                 PyObject **held) {
+    PyObject *inserts = Py_NewRef(env->inserts), *members;
+    PyObject *key = slot_get(&seen_members, seen);
+    int done = -1;
+    if (key != NULL) {
+        members = PyDict_GetItemWithError(inserts, key);
+        if (members == NULL)
+            done = PyErr_Occurred() ? -1 : 0;
+        else if (!PyTuple_CheckExact(members) || PyTuple_GET_SIZE(members) != 3)
+            done = 2;
+        else {
+            done = 1;
+            for (int i = 0; i < 3; i++)
+                if (!PyBytes_CheckExact(PyTuple_GET_ITEM(members, i)))
+                    done = 2;
+            if (done == 1) {
+                *held = Py_NewRef(members);
+                for (int i = 0; i < 3; i++) {
+                    PyObject *part = PyTuple_GET_ITEM(members, i);
+                    add(pieces, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+                }
+            }
+        }
+        Py_DECREF(key);
+    }
+    Py_DECREF(inserts);
+    return done;
+}
+
+/* The request's fills (`Envelope._shared_fill`'s family) when the Envelope has not found
+ * them yet: as `quick_family` finds them (`*found` set: kept once the event is done), else
+ * the Python way (`_shared_family`, which keeps them). A new reference, NULL on error. */
+static Py_NO_INLINE PyObject *pending_family(EnvelopeState *env, PyObject *last_fills,
+                                             PyObject *from_request, int *found) {
+    PyObject *served = Py_NewRef(env->served_models); /* (set: checked by the caller) */
+    PyObject *family = quick_family(env, served, last_fills, from_request);
+    Py_DECREF(served);
+    if (family != Py_None) {
+        *found = family != NULL;
+        return family;
+    }
+    Py_DECREF(family); /* (not the last request's) */
+    return PyObject_CallMethodNoArgs((PyObject *)env, s__shared_family);
+}
+
+/* `"conversation":{"id":"…"},` for the usual echo `{"id": …}` (its id held in `*held`): 1,
+ * else 0 (the Python path), -1 with an exception set. */
+static RARE int add_conversation(Pieces *pieces, PyObject *echo_value, PyObject **held) {
+    PyObject *id;
+    const char *chars;
+    Py_ssize_t length;
+    if (!PyDict_CheckExact(echo_value) || PyDict_GET_SIZE(echo_value) != 1
+        || (id = PyDict_GetItemWithError(echo_value, s_id)) == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    *held = Py_NewRef(id);
+    if (!plain_ascii(id, &chars, &length))
+        return 0;
+    add(pieces, "\"conversation\":{\"id\":\"", 22);
+    add(pieces, chars, length);
+    add(pieces, "\"},", 3);
+    return 1;
+}
+
+/* Whether `size` bytes are all ASCII digits. */
+static int all_digits(const char *bytes, Py_ssize_t size) {
+    for (Py_ssize_t i = 0; i < size; i++)
+        if (bytes[i] < '0' || bytes[i] > '9')
+            return 0;
+    return 1;
+}
+
 /* pending_event(envelope, event, lasts, last_fills, from_request): a pending event of the
  * shape its name was last seen in (`lasts`: envelope._KEPT.lasts) completed in place, its
  * members spliced into its raw bytes: the event, or None when the case is not this one's
@@ -1361,22 +1447,26 @@ static int add_created_at(Pieces *pieces, PyObject *value) {
  * the shape's memo (`_Seen.memo`) when it was worked out for a request with the same
  * fills (`_family`, else found as `quick_family` finds it: `last_fills`, `from_request`:
  * envelope._KEPT.last_fills, _FROM_REQUEST) and echo. Relies on Event's invariant: `at` >= 0
- * means `raw` is a head, then `data`, then a blank line. */
+ * means `raw` is a head, then `data`, then a blank line. Its usual path (a memo, the fills
+ * found) holds only what Python code may free meanwhile (a lookup's comparison, finding the
+ * fills): the rest is read where it is, each reference a line of code a call misses. */
 static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "pending_event() takes 5 arguments");
         return NULL;
     }
-    PyObject *event = args[1], *lasts = args[2], *last_fills = args[3], *from_request = args[4];
-    if (!PyDict_CheckExact(lasts) || !PyObject_TypeCheck(args[0], &EnvelopeState_Type)
+    PyObject *event = args[1], *lasts = args[2];
+    if (!PyDict_CheckExact(lasts)
+        || !subtype_of((PyObject *)Py_TYPE(args[0]), &EnvelopeState_Type, &envelope_type)
         || !event_slots(event)) {
         Py_RETURN_NONE;
     }
     EnvelopeState *env = (EnvelopeState *)args[0]; /* (its members read in place) */
-    PyObject *result = NULL, *last = NULL, *raw = NULL, *at_object = NULL, *inserts = NULL;
-    PyObject *key = NULL, *members = NULL, *memo = NULL, *family = NULL, *served = NULL;
-    PyObject *echo = NULL, *created_at = NULL, *id = NULL, *spliced = NULL, *data = NULL;
-    int family_found = 0; /* (the request's fills found here: kept once the event is done) */
+    /* (held: the shape, the event's bytes, the memo, the fills when found here, the echo,
+     * and what else the members are read from) */
+    PyObject *last, *raw = NULL, *memo = NULL, *family = NULL, *echo = NULL, *held = NULL;
+    PyObject *result = Py_None, *spliced, *data;
+    int family_found = 0, kept;
     Pieces pieces;
     pieces.count = 0;
     const char *chars;
@@ -1390,38 +1480,39 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     Py_XINCREF(last);
     Py_DECREF(name);
     if (last == NULL) {
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
     /* (prefix, n, middle, digits, suffix, cut, at, seen): see envelope._remember_last */
     if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 8) {
-        goto decline;
+        goto done;
     }
     PyObject *prefix = PyTuple_GET_ITEM(last, 0), *middle = PyTuple_GET_ITEM(last, 2);
     PyObject *suffix = PyTuple_GET_ITEM(last, 4), *insert_at = PyTuple_GET_ITEM(last, 6);
     PyObject *seen = PyTuple_GET_ITEM(last, 7);
     if (!PyBytes_CheckExact(prefix) || !PyBytes_CheckExact(middle) || !PyBytes_CheckExact(suffix)
         || !PyLong_CheckExact(insert_at)) {
-        goto decline;
+        goto done;
     }
-    if ((raw = slot_get(&event_raw, event)) == NULL
-        || (at_object = slot_get(&event_at, event)) == NULL) {
+    if ((raw = slot_get(&event_raw, event)) == NULL) {
         goto error;
     }
-    if (!PyBytes_CheckExact(raw) || !PyLong_CheckExact(at_object)) {
-        goto decline;
+    PyObject *at_object = slot_get(&event_at, event);
+    if (at_object == NULL) {
+        goto error;
     }
-    Py_ssize_t at = PyLong_AsSsize_t(at_object);
+    Py_ssize_t at = PyLong_CheckExact(at_object) ? PyLong_AsSsize_t(at_object) : -1;
+    Py_DECREF(at_object); /* (an int's release runs no Python code) */
     Py_ssize_t insert = PyLong_AsSsize_t(insert_at);
-    if ((at == -1 || insert == -1) && PyErr_Occurred()) {
+    if (at == -1 || insert == -1) {
         PyErr_Clear();
-        goto decline;
+        goto done;
+    }
+    if (!PyBytes_CheckExact(raw)) {
+        goto done;
     }
     Py_ssize_t raw_size = PyBytes_GET_SIZE(raw);
     if (at < 0 || raw_size - 2 < at) {
-        goto decline;
+        goto done;
     }
     /* The shape, checked on the event's data (raw[at:-2]): the bytes around the id's
      * value and created_at's digits are those it was last seen with. */
@@ -1430,161 +1521,116 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     Py_ssize_t n = PyBytes_GET_SIZE(prefix), m = PyBytes_GET_SIZE(middle);
     Py_ssize_t s = PyBytes_GET_SIZE(suffix);
     if (n > size || memcmp(bytes, PyBytes_AS_STRING(prefix), n) != 0) {
-        goto decline;
+        goto done;
     }
     const char *quote = memchr(bytes + n, '"', size - n);
     if (quote == NULL) {
-        goto decline;
+        goto done;
     }
     Py_ssize_t digits = (quote - bytes) + m; /* where created_at's digits begin */
     Py_ssize_t cut = size - s;               /* and end */
-    if (m == 0 || s == 0 || digits >= cut || memcmp(quote, PyBytes_AS_STRING(middle), m) != 0
-        || memcmp(bytes + cut, PyBytes_AS_STRING(suffix), s) != 0) {
-        goto decline;
-    }
-    for (Py_ssize_t i = digits; i < cut; i++) {
-        if (bytes[i] < '0' || bytes[i] > '9') {
-            goto decline;
-        }
-    }
-    if (insert <= 0 || insert > size) {
-        goto decline;
+    if (m == 0 || s == 0 || digits >= cut || insert <= 0 || insert > size
+        || memcmp(quote, PyBytes_AS_STRING(middle), m) != 0
+        || memcmp(bytes + cut, PyBytes_AS_STRING(suffix), s) != 0
+        || !all_digits(bytes + digits, cut - digits)) {
+        goto done;
     }
 
     /* The members: the envelope's for this shape, else the shape's memo. */
     if (env->inserts == NULL) {
-        goto decline; /* (deleted: the Python's) */
+        goto done; /* (deleted: the Python's) */
     }
     if (PyDict_CheckExact(env->inserts)) {
-        inserts = Py_NewRef(env->inserts);
-        if ((key = slot_get(&seen_members, seen)) == NULL) {
+        kept = inserted_members(env, seen, &pieces, &held);
+        if (kept < 0) {
             goto error;
         }
-        members = PyDict_GetItemWithError(inserts, key);
-        if (members == NULL && PyErr_Occurred()) {
-            goto error;
+        if (kept == 2) {
+            goto done;
         }
-        Py_XINCREF(members);
+        if (kept == 1) {
+            goto splice;
+        }
     }
-    if (members != NULL) {
-        if (!PyTuple_CheckExact(members) || PyTuple_GET_SIZE(members) != 3) {
-            goto decline; /* none at one place (the Python path decides) */
-        }
-        for (int i = 0; i < 3; i++) {
-            PyObject *part = PyTuple_GET_ITEM(members, i);
-            if (!PyBytes_CheckExact(part)) {
-                goto decline;
-            }
-            add(&pieces, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+    /* (the request's fills, echo's name, created_at?, previous id?, shared bytes,
+     * conversation?) */
+    if ((memo = slot_get(&seen_memo, seen)) == NULL) {
+        goto error;
+    }
+    if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 6
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(memo, 4)) || env->served_models == NULL
+        || env->family == NULL) {
+        goto done; /* (one deleted: the Python's) */
+    }
+    /* The fills this request's members decide (`Envelope._shared_fill`'s family): the
+     * memo's are the same object only for the same values of them. */
+    if (env->family == Py_None) {
+        family = pending_family(env, args[3], args[4], &family_found);
+        if (family == NULL) {
+            goto error;
         }
     } else {
-        /* (the request's fills, echo's name, created_at?, previous id?, shared bytes,
-         * conversation?) */
-        if ((memo = slot_get(&seen_memo, seen)) == NULL) {
-            goto error;
-        }
-        if (!PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 6) {
-            goto decline;
-        }
-        PyObject *shared = PyTuple_GET_ITEM(memo, 4);
-        if (!PyBytes_CheckExact(shared) || env->pinned != Py_None || env->served_models == NULL
-            || env->echo == NULL || env->created_at == NULL || env->family == NULL) {
-            goto decline; /* (pinned members, or one deleted: the Python's) */
-        }
-        /* The fills this request's members decide (`Envelope._shared_fill`'s family): the
-         * memo's are the same object only for the same values of them. */
-        served = Py_NewRef(env->served_models);
         family = Py_NewRef(env->family);
-        if (family == Py_None) {
-            Py_SETREF(family, quick_family(env, served, last_fills, from_request));
-            if (family == NULL) {
+    }
+    /* (no Python code runs from here on: the Envelope's members are read as they are now) */
+    if (family != PyTuple_GET_ITEM(memo, 0) || !PyDict_CheckExact(family)
+        || env->pinned != Py_None || env->echo == NULL || env->created_at == NULL) {
+        goto done; /* (pinned members, or one deleted: the Python's) */
+    }
+    echo = Py_NewRef(env->echo);
+    PyObject *echo_name = Py_None, *echo_value = Py_None;
+    if (echo != Py_None) {
+        if (!PyTuple_CheckExact(echo) || PyTuple_GET_SIZE(echo) != 2) {
+            goto done;
+        }
+        echo_name = PyTuple_GET_ITEM(echo, 0);
+        echo_value = PyTuple_GET_ITEM(echo, 1);
+    }
+    PyObject *memo_echo = PyTuple_GET_ITEM(memo, 1);
+    if (echo_name != memo_echo
+        && (!PyUnicode_CheckExact(echo_name) || !PyUnicode_CheckExact(memo_echo)
+            || !same_str(echo_name, memo_echo))) {
+        goto done;
+    }
+    int previous = is_str(echo_name, s_previous_response_id);
+    if (PyTuple_GET_ITEM(memo, 2) == Py_True && !add_created_at(&pieces, env->created_at)) {
+        goto done; /* (not known yet: the Python path takes the time) */
+    }
+    if (PyTuple_GET_ITEM(memo, 3) == Py_True) {
+        if (!previous) {
+            add(&pieces, "\"previous_response_id\":null,", 28);
+        } else if (plain_ascii(echo_value, &chars, &length)) {
+            add(&pieces, "\"previous_response_id\":\"", 24);
+            add(&pieces, chars, length);
+            add(&pieces, "\",", 2);
+        } else {
+            goto done;
+        }
+    }
+    PyObject *shared = PyTuple_GET_ITEM(memo, 4);
+    add(&pieces, PyBytes_AS_STRING(shared), PyBytes_GET_SIZE(shared));
+    if (PyTuple_GET_ITEM(memo, 5) == Py_True) {
+        /* (at most 9 pieces: created_at 2, previous 3, shared 1, conversation 3) */
+        kept = previous ? 0 : add_conversation(&pieces, echo_value, &held);
+        if (kept <= 0) {
+            if (kept < 0) {
                 goto error;
             }
-            family_found = 1;
-            if (family == Py_None) { /* (not the last request's: found the Python's way) */
-                family_found = 0; /* (kept by it) */
-                Py_SETREF(family, PyObject_CallMethodNoArgs((PyObject *)env, s__shared_family));
-                if (family == NULL) {
-                    goto error;
-                }
-            }
-        }
-        if (family != PyTuple_GET_ITEM(memo, 0) || !PyDict_CheckExact(family)) {
-            goto decline;
-        }
-        if (env->pinned != Py_None || env->echo == NULL || env->created_at == NULL) {
-            goto decline; /* (again: the Python code that found the fills may change them) */
-        }
-        echo = Py_NewRef(env->echo);
-        PyObject *echo_name = Py_None, *echo_value = Py_None;
-        if (echo != Py_None) {
-            if (!PyTuple_CheckExact(echo) || PyTuple_GET_SIZE(echo) != 2) {
-                goto decline;
-            }
-            echo_name = PyTuple_GET_ITEM(echo, 0);
-            echo_value = PyTuple_GET_ITEM(echo, 1);
-        }
-        PyObject *memo_echo = PyTuple_GET_ITEM(memo, 1);
-        if (echo_name != memo_echo) {
-            if (!PyUnicode_CheckExact(echo_name) || !PyUnicode_CheckExact(memo_echo)
-                || PyUnicode_Compare(echo_name, memo_echo) != 0) {
-                if (PyErr_Occurred()) {
-                    goto error;
-                }
-                goto decline;
-            }
-        }
-        int previous = echo_name == s_previous_response_id
-                       || (PyUnicode_CheckExact(echo_name)
-                           && PyUnicode_Compare(echo_name, s_previous_response_id) == 0);
-        if (PyTuple_GET_ITEM(memo, 2) == Py_True) {
-            created_at = Py_NewRef(env->created_at);
-            if (!add_created_at(&pieces, created_at)) {
-                goto decline; /* (not known yet: the Python path takes the time) */
-            }
-        }
-        if (PyTuple_GET_ITEM(memo, 3) == Py_True) {
-            if (!previous) {
-                add(&pieces, "\"previous_response_id\":null,", 28);
-            } else if (plain_ascii(echo_value, &chars, &length)) {
-                add(&pieces, "\"previous_response_id\":\"", 24);
-                add(&pieces, chars, length);
-                add(&pieces, "\",", 2);
-            } else {
-                goto decline;
-            }
-        }
-        add(&pieces, PyBytes_AS_STRING(shared), PyBytes_GET_SIZE(shared));
-        if (PyTuple_GET_ITEM(memo, 5) == Py_True) {
-            /* `"conversation":{"id":"…"},` for the usual echo; else the Python path */
-            if (previous || !PyDict_CheckExact(echo_value) || PyDict_GET_SIZE(echo_value) != 1
-                || (id = PyDict_GetItemWithError(echo_value, s_id)) == NULL) {
-                if (PyErr_Occurred()) {
-                    goto error;
-                }
-                goto decline;
-            }
-            Py_INCREF(id);
-            if (!plain_ascii(id, &chars, &length)) {
-                goto decline;
-            }
-            /* (at most 9 pieces: created_at 2, previous 3, shared 1, conversation 3) */
-            add(&pieces, "\"conversation\":{\"id\":\"", 22);
-            add(&pieces, chars, length);
-            add(&pieces, "\"},", 3);
+            goto done;
         }
     }
 
-    /* raw[:at + insert], the members, raw[at + insert:]: one allocation, and the data. */
-    Py_ssize_t total = raw_size;
+    Py_ssize_t total;
+splice: /* raw[:at + insert], the members, raw[at + insert:]: one allocation, and the data. */
+    total = raw_size;
     for (int i = 0; i < pieces.count; i++) {
         if (pieces.sizes[i] > PY_SSIZE_T_MAX - total) {
-            goto decline;
+            goto done;
         }
         total += pieces.sizes[i];
     }
     if (total == raw_size) {
-        goto decline; /* (nothing to insert: the Python path decides) */
+        goto done; /* (nothing to insert: the Python path decides) */
     }
     if ((spliced = PyBytes_FromStringAndSize(NULL, total)) == NULL) {
         goto error;
@@ -1600,35 +1646,27 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     memcpy(out, PyBytes_AS_STRING(raw) + head, raw_size - head);
     data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(spliced) + at, total - 2 - at);
     if (data == NULL || set_event(event, spliced, data) < 0) {
+        Py_DECREF(spliced);
+        Py_XDECREF(data);
         goto error;
     }
+    Py_DECREF(spliced);
+    Py_DECREF(data);
     if (family_found) { /* (as `Envelope._shared_fill` keeps it) */
         Py_XSETREF(env->family, Py_NewRef(family));
     }
-    Py_INCREF(event);
     result = event;
-    goto done;
-decline:
-    Py_INCREF(Py_None);
-    result = Py_None;
     goto done;
 error:
     result = NULL;
 done:
-    Py_XDECREF(last);
+    Py_XINCREF(result);
+    Py_DECREF(last);
     Py_XDECREF(raw);
-    Py_XDECREF(at_object);
-    Py_XDECREF(inserts);
-    Py_XDECREF(key);
-    Py_XDECREF(members);
     Py_XDECREF(memo);
     Py_XDECREF(family);
-    Py_XDECREF(served);
     Py_XDECREF(echo);
-    Py_XDECREF(created_at);
-    Py_XDECREF(id);
-    Py_XDECREF(spliced);
-    Py_XDECREF(data);
+    Py_XDECREF(held);
     return result;
 }
 

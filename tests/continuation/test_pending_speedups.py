@@ -121,6 +121,27 @@ def test_first_turn_after_first_turn_the_compiled_path_completes_both_pending_ev
             assert response["instructions"] == body.get("instructions")
 
 
+def test_requests_alike_but_for_their_model_each_get_their_own_members() -> None:
+    """Requests alike but for their model, none of whose members a Response is filled in
+    from: their bodies' keys are the parser's same objects (known by their addresses once
+    learnt), and the model shown in a Response without one is each request's, compiled or
+    not (a request for another model is not the last one's fills)."""
+    models = ["a", "a", "a", "b", "b", "a"]
+    shown, compiled = [], []
+    extra = {"status": "in_progress", "output": []}  # (no model: the request's is shown)
+    for n, model in enumerate(models):
+        body = orjson.loads(orjson.dumps({"model": model, "input": "hi", "stream": True}))
+        made = Envelope(body, ("previous_response_id", f"resp_prev{n}"), ())
+        event = pending("response.created", f"resp_t{n}", 1700000000 + n, extra)
+        done = _c.pending_event(made, copy(event), *lasts())
+        compiled.append(done is not None)
+        if done is None:
+            done = made._pending_event(event)
+        shown.append(orjson.loads(done.data)["response"]["model"])
+    assert shown == models
+    assert compiled == [False, False, True, False, True, False]
+
+
 TEXT = st.text(st.characters(codec="utf-8"), max_size=12)
 PLAIN = st.from_regex(r"resp_[A-Za-z0-9_]{1,24}", fullmatch=True)
 # (what JSON must escape, or DEL, past the first eight characters and within them)
