@@ -12,6 +12,18 @@
 #define SOURCE_DIGEST ""
 #endif
 
+/* A branch the usual case does not take, and a function it does not call: laid out
+ * apart from the code it runs (a turn finds that code evicted, one cache line at a time). */
+#if defined(__GNUC__) || defined(__clang__)
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define COLD __attribute__((cold, noinline))
+#else
+#define LIKELY(x) (x)
+#define UNLIKELY(x) (x)
+#define COLD
+#endif
+
 /* Names interned once at import (the only other object kept here: `no_members`). */
 static PyObject *s__answer, *s__pending_event, *s__terminal_event, *s__shared_family,
     *s__shared_fill, *s_annotations, *s_at, *s_cached_tokens,
@@ -94,18 +106,9 @@ static PyObject *envelope_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     return envelope_make(type, body, echo, served, members, created_at);
 }
 
-/* The call of an Envelope type with positional arguments (the hot path's: one per create
- * request), made without the argument tuple `type(...)` builds, nor its __init__ call
- * (object's, which does nothing); any other call is type(...)'s. A heap type does not
- * inherit this (`vectorcall` below sets it on envelope.py's Envelope). */
-static PyObject *envelope_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
-                                     PyObject *kwnames) {
-    PyTypeObject *type = (PyTypeObject *)callable;
-    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (kwnames == NULL && n <= 4 && type->tp_new == envelope_new
-        && type->tp_init == PyBaseObject_Type.tp_init)
-        return envelope_make(type, n > 0 ? args[0] : Py_None, n > 1 ? args[1] : Py_None,
-                             n > 2 ? args[2] : NULL, n > 3 ? args[3] : Py_None, Py_None);
+/* `type(*args, **kwnames)` as a type's call makes it (an argument tuple and dict). */
+static COLD PyObject *type_call(PyObject *type, PyObject *const *args, Py_ssize_t n,
+                                PyObject *kwnames) {
     PyObject *tuple = PyTuple_New(n), *kwds = NULL, *result = NULL;
     if (tuple == NULL)
         return NULL;
@@ -118,11 +121,26 @@ static PyObject *envelope_vectorcall(PyObject *callable, PyObject *const *args, 
             if (PyDict_SetItem(kwds, PyTuple_GET_ITEM(kwnames, i), args[n + i]) < 0)
                 goto done;
     }
-    result = PyType_Type.tp_call(callable, tuple, kwds);
+    result = PyType_Type.tp_call(type, tuple, kwds);
 done:
     Py_DECREF(tuple);
     Py_XDECREF(kwds);
     return result;
+}
+
+/* The call of an Envelope type with positional arguments (the hot path's: one per create
+ * request), made without the argument tuple `type(...)` builds, nor its __init__ call
+ * (object's, which does nothing); any other call is type(...)'s. A heap type does not
+ * inherit this (`vectorcall` below sets it on envelope.py's Envelope). */
+static PyObject *envelope_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames) {
+    PyTypeObject *type = (PyTypeObject *)callable;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (UNLIKELY(kwnames != NULL || n > 4 || type->tp_new != envelope_new
+                 || type->tp_init != PyBaseObject_Type.tp_init))
+        return type_call(callable, args, n, kwnames);
+    return envelope_make(type, n > 0 ? args[0] : Py_None, n > 1 ? args[1] : Py_None,
+                         n > 2 ? args[2] : NULL, n > 3 ? args[3] : Py_None, Py_None);
 }
 
 /* (T_OBJECT_EX: an attribute deleted is unset, as a slot's; the C here checks for NULL) */
@@ -1739,18 +1757,18 @@ static Keys payload_keys = {.count = 3, .names = {&s_response, &s_type, &s_seque
  * items complete, its bytes framed as usual): (the patch, (the stored bytes, True)), the
  * event's bytes changed in place; or None. */
 static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
+    if (UNLIKELY(nargs != 8)) {
         PyErr_SetString(PyExc_TypeError, "terminal_event() takes 8 arguments");
         return NULL;
     }
     PyObject *env = args[0], *event = args[1], *payload = args[2], *layouts = args[7];
     PyObject *data = NULL, *raw = NULL, *at_obj = NULL, *stored = NULL, *new_data = NULL,
              *new_raw = NULL, *name = NULL, *result = NULL, *v[3];
-    if (!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3 || !PyDict_CheckExact(layouts)
-        || !event_slots(event))
+    if (UNLIKELY(!PyDict_CheckExact(payload) || PyDict_GET_SIZE(payload) != 3
+                 || !PyDict_CheckExact(layouts) || !event_slots(event)))
         Py_RETURN_NONE;
     /* (response, type, sequence_number), each held: a lookup may run a key's __eq__ */
-    if (known_values(payload, &payload_keys, v)) { /* (no Python code runs) */
+    if (LIKELY(known_values(payload, &payload_keys, v))) { /* (no Python code runs) */
         for (int i = 0; i < 3; i++)
             Py_INCREF(v[i]);
     } else {
@@ -1773,16 +1791,17 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         }
     }
     PyObject *response = v[0], *kind = v[1], *seq = v[2], *layout = NULL;
-    if (!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind) || !PyLong_CheckExact(seq))
+    if (UNLIKELY(!PyDict_CheckExact(response) || !PyUnicode_CheckExact(kind)
+                 || !PyLong_CheckExact(seq)))
         goto decline;
     /* Looked up by the event's name when it is the same str: the stream has hashed that
      * one already (the payload's is new, its hash not worked out yet). */
-    if ((name = slot_get(&event_name, event)) == NULL)
+    if (UNLIKELY((name = slot_get(&event_name, event)) == NULL))
         goto done;
     PyObject *key = kind;
     if (PyUnicode_CheckExact(name) && same_str(name, kind))
         key = name;
-    if ((layout = PyDict_GetItemWithError(layouts, key)) == NULL) {
+    if (UNLIKELY((layout = PyDict_GetItemWithError(layouts, key)) == NULL)) {
         if (PyErr_Occurred())
             goto done;
         goto decline;
@@ -1790,29 +1809,29 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
     Py_INCREF(layout); /* (an event's attribute read may run Python code) */
     int overflow;
     long long number = PyLong_AsLongLongAndOverflow(seq, &overflow);
-    if (overflow || (number == -1 && PyErr_Occurred())) {
+    if (UNLIKELY(overflow || (number == -1 && PyErr_Occurred()))) {
         PyErr_Clear();
         goto decline;
     }
-    if ((data = slot_get(&event_data, event)) == NULL
-        || (raw = slot_get(&event_raw, event)) == NULL
-        || (at_obj = slot_get(&event_at, event)) == NULL)
+    if (UNLIKELY((data = slot_get(&event_data, event)) == NULL
+                 || (raw = slot_get(&event_raw, event)) == NULL
+                 || (at_obj = slot_get(&event_at, event)) == NULL))
         goto done;
     Py_ssize_t at = PyLong_CheckExact(at_obj) ? PyLong_AsSsize_t(at_obj) : -1;
-    if (at == -1 && PyErr_Occurred())
+    if (UNLIKELY(at == -1 && PyErr_Occurred()))
         PyErr_Clear();
     Py_ssize_t start, end;
-    if (!PyBytes_CheckExact(data) || !PyBytes_CheckExact(raw) || at < 0
-        || at > PyBytes_GET_SIZE(raw)
-        || !response_span(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), layout, number,
-                          &start, &end)) {
+    if (UNLIKELY(!PyBytes_CheckExact(data) || !PyBytes_CheckExact(raw) || at < 0
+                 || at > PyBytes_GET_SIZE(raw)
+                 || !response_span(PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data), layout,
+                                   number, &start, &end))) {
         result = Py_NewRef(Py_None);
         goto done;
     }
     AnswerArgs in = {env, response, args[3], args[4], args[5], args[6], end - start};
     Answer a;
     int answered = answer_members(&in, &a);
-    if (answered <= 0) {
+    if (UNLIKELY(answered <= 0)) {
         if (answered == 0)
             result = Py_NewRef(Py_None);
         goto done;
@@ -1826,7 +1845,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         stored = PyBytes_FromStringAndSize(NULL, stored_len);
         new_data = PyBytes_FromStringAndSize(NULL, len + 1 + members);
         new_raw = PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
-        if (stored == NULL || new_data == NULL || new_raw == NULL) {
+        if (UNLIKELY(stored == NULL || new_data == NULL || new_raw == NULL)) {
             answer_clear(&a);
             goto done;
         }
@@ -1844,7 +1863,7 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
         memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
         memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
-        if (set_event(event, new_raw, new_data) < 0) {
+        if (UNLIKELY(set_event(event, new_raw, new_data) < 0)) {
             answer_clear(&a);
             goto done;
         }
@@ -1959,7 +1978,7 @@ static Kept *kept; /* (the module's `kept`: one for the process) */
 
 /* The Python method `name` of `self` called with `args`: what a method below falls back
  * to when its case is not the usual one (the Python stays the reference). */
-static PyObject *python_method(PyObject *name, PyObject *self, PyObject *const *args,
+static COLD PyObject *python_method(PyObject *name, PyObject *self, PyObject *const *args,
                                Py_ssize_t nargs) {
     PyObject *stack[4];
     if (nargs > 3) {
@@ -1986,7 +2005,7 @@ static PyObject *kept_call(PyObject *(*call)(PyObject *, PyObject *const *, Py_s
         for (Py_ssize_t i = 0; i < own; i++)
             in[n++] = args[i];
         for (Py_ssize_t i = 0; i < count; i++) {
-            if (which[i] == NULL)
+            if (UNLIKELY(which[i] == NULL))
                 return python_method(name, self, args, nargs);
             in[n++] = which[i];
         }
@@ -1995,7 +2014,7 @@ static PyObject *kept_call(PyObject *(*call)(PyObject *, PyObject *const *, Py_s
         PyObject *done = call(NULL, in, n);
         for (Py_ssize_t i = own + 1; i < n; i++)
             Py_DECREF(in[i]);
-        if (done != Py_None)
+        if (LIKELY(done != Py_None))
             return done; /* (or NULL: an error) */
         Py_DECREF(done);
     }
