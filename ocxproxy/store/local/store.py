@@ -346,7 +346,13 @@ class Store:
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
         own = self.table.intern(own_segment(turn, durable=False))
-        response, fill = self._without_fill(turn)
+        response, fill = turn.response, turn.fill
+        if fill:  # the members the envelope filled in: cut, when there (Record.fill)
+            bare = _cut(response, turn.fill_at, fill)
+            if bare is None:
+                fill = b""  # (kept in the response)
+            else:
+                response = bare
         skeleton, output_at = split_output(response, turn.items)
         journaled = durable and self._committer is not None
         # A journaled record's response goes into its record's entry (no segment of its
@@ -377,10 +383,14 @@ class Store:
             Record, turn, parent, now=now, ttl=self.ttl, durable=durable, links=chain,
             segments=segments, response=skeleton if held is None else held, output_at=output_at,
         )  # fmt: skip
-        taken = segments if held is None else (*segments, held)
-        if fill is not None:
-            record.fill, record.fill_at = fill, len(response) - turn.fill_at
-            taken = (*taken, fill)
+        if not fill:
+            taken = segments if held is None else (*segments, held)
+        else:  # held by every record of a turn with the same ones (`_fill_segment`)
+            last, kept = self._last_fill
+            if last is not fill or kept is None or kept.refs <= 0 or kept.data is None:
+                kept = self._fill_segment(fill)
+            record.fill, record.fill_at = kept, len(response) - turn.fill_at
+            taken = (*segments, kept) if held is None else (*segments, held, kept)
         self.table.hold(taken, durable=durable)
         self.index.add(record)
         if journaled:
@@ -393,26 +403,20 @@ class Store:
         self.expiry.enforce()
         return record
 
-    def _without_fill(self, turn: Turn) -> tuple[bytes, Segment | None]:
-        """The turn's response without the members the envelope filled in (Turn.fill),
-        and the segment that holds them (None: kept in the response). A coding agent's
-        ~28 KB of instructions and tools are hashed once for every turn that shares
-        their bytes object (or equal bytes), not in each turn's response."""
-        fill, at, data = turn.fill, turn.fill_at, turn.response
-        bare = _cut(data, at, fill) if fill and at >= 1 else None
-        if bare is None:
-            return data, None
+    def _fill_segment(self, fill: bytes) -> Segment:
+        """The segment of the members the envelope filled in (Turn.fill), kept as the last
+        one for the turns after: a coding agent's ~28 KB of instructions and tools are
+        hashed once for every turn that shares their bytes object (or equal bytes), not
+        kept in each turn's response."""
         last, segment = self._last_fill
         if segment is None or segment.refs <= 0 or (last is not fill and last != fill):
             segment = self.table.intern(Segment(fill, 0, NO_CALLS, durable=False))
-        elif segment.data is not None:
-            return bare, segment  # (still the table's, and the tier's hot segment)
-        else:  # its bytes back, from this turn's (the same)
+        elif segment.data is None:  # its bytes back, from this turn's (the same)
             again = Segment.restore(segment.key, len(fill), 0, NO_CALLS, durable=False, data=fill)
             segment = self.table.intern(again)
         self._last_fill = fill, segment
         self.resident.hot = segment  # recently used for as long as turns use it
-        return bare, segment
+        return segment
 
     def delete_nowait(self, scope: str, response_id: str, *, kept: bool = False) -> bool:
         """Forget a record (one `keep` wrote when `kept`; journaled: `await commit()`
