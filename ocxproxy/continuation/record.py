@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ocxproxy.continuation.expand import call_ids_of, serialize_items
 from ocxproxy.model import NO_ITEMS, ItemIds, Turn
+
+if TYPE_CHECKING:
+    from ocxproxy.continuation.envelope import Patch
 
 
 def not_recordable_reason(response: Any) -> str | None:
@@ -54,27 +56,27 @@ def build_turn(
     stored: bool = True,
     output_parts: list[bytes] | None = None,
     encoded: bytes | None = None,
-    merge: Callable[[dict[str, Any]], None] | None = None,
-    fill: bytes = b"",
-    fill_at: int = -1,
+    patch: Patch | None = None,
 ) -> Turn:
     """The new segment is the tail exactly as forwarded (one serialized item each, parsed
     in `tail_items`), then the output items (or `output_parts`, what later turns forward
     in their place: a compaction item's summary message). `encoded`: the response's
     bytes, kept when they hold the output encoded as the items are; else `response` is
-    encoded, after `merge` put in it the members `encoded` has and the dict lacks
-    (`Patch.merge`: a backend that writes its items otherwise than orjson, e.g. escaping
-    non-ASCII text or `<`, leaves the store the dict to encode). `fill`: the members the
-    envelope filled in, at `fill_at` of `encoded` (Turn.fill), when those bytes are kept."""
+    encoded, after `Patch.merge` put in it the members `encoded` has and the dict lacks
+    (a backend that writes its items otherwise than orjson, e.g. escaping non-ASCII text
+    or `<`, leaves the store the dict to encode). When `encoded` is kept, the patch's
+    `fill` is the members the envelope filled in, at its `fill_at` (Turn.fill)."""
     output = response["output"]
     output_bytes = serialize_items(output) if output_parts is None else output_parts
     parts = [*tail, *output_bytes]
+    fill, fill_at = b"", -1
     if encoded is None or output_parts is not None or not _holds(encoded, output_bytes):
         # Encoded like the items, so the store finds the output in them and keeps it once.
-        if merge is not None:
-            merge(response)
+        if patch is not None:
+            patch.merge(response)
         encoded = orjson.dumps(response)
-        fill, fill_at = b"", -1
+    elif patch is not None:
+        fill, fill_at = patch.fill, patch.fill_at
     return Turn(
         response_id=response["id"],
         scope=scope,

@@ -246,9 +246,7 @@ class Exchange:
             stored=self.request.store,
             output_parts=None if self.summary is None else [self.summary],
             encoded=encoded,
-            merge=None if patch is None else patch.merge,
-            fill=b"" if patch is None else patch.fill,
-            fill_at=-1 if patch is None else patch.fill_at,
+            patch=patch,
         )
 
     async def commit(self) -> None:
