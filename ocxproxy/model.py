@@ -419,3 +419,6 @@ class Turn:
     # known): the store keeps them once (Record.fill).
     fill: bytes = b""
     fill_at: int = -1
+    # Where `response` holds the output items that end `items` (start, length), when
+    # known (build_turn found them there); else the store looks (store/output.py).
+    output_at: tuple[int, int] | None = None

@@ -70,7 +70,12 @@ def build_turn(
     output_bytes = serialize_items(output) if output_parts is None else output_parts
     parts = [*tail, *output_bytes]
     fill, fill_at = b"", -1
-    if encoded is None or output_parts is not None or not _holds(encoded, output_bytes):
+    output_at = None
+    if (
+        encoded is None
+        or output_parts is not None
+        or (output_at := _output_at(encoded, output_bytes)) is None
+    ):
         # Encoded like the items, so the store finds the output in them and keeps it once.
         if patch is not None:
             patch.merge(response)
@@ -91,14 +96,19 @@ def build_turn(
         stored=stored,
         fill=fill,
         fill_at=fill_at,
+        output_at=output_at if output_at is not None and output_at[1] else None,
     )
 
 
-def _holds(response: bytes, output: list[bytes]) -> bool:
-    """Whether the first `"output":` array of a response's bytes is `output` (store/output.py
-    looks for it there)."""
+def _output_at(response: bytes, output: list[bytes]) -> tuple[int, int] | None:
+    """Where the first `"output":` array of a response's bytes holds `output`, its items
+    (start, length), or None when that array is not `output` (store/output.py looks for
+    it there)."""
     at = response.find(b'"output":[')
-    return at >= 0 and response.startswith(b"[" + b",".join(output) + b"]", at + 9)
+    joined = b",".join(output)
+    if at < 0 or not response.startswith(b"[" + joined + b"]", at + 9):
+        return None
+    return at + 10, len(joined)
 
 
 def item_ids_of(parts: list[bytes], items: list[Any]) -> ItemIds:

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from ocxproxy.continuation.record import build_turn, not_recordable_reason
+from ocxproxy.store.output import split_output
 
 MESSAGE = {"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}
 CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
@@ -125,3 +126,26 @@ def test_build_turn_knows_where_each_item_with_an_id_lies() -> None:
     assert orjson.loads(turn.items[slice(*spans["fc_out"])]) == output[1]
     assert turn.item_ids.span("msg_out") == spans["msg_out"]
     assert turn.item_ids.span("nope") is None
+
+
+@pytest.mark.parametrize("output", [[MESSAGE], [MESSAGE, CALL], []])
+def test_a_turn_kept_as_encoded_knows_where_its_output_is(output: list[Any]) -> None:
+    """The response's bytes are kept when they hold the output as the items do: where
+    they do (Turn.output_at) is where the store would find it (store/output.py), so it
+    cuts it there without looking. None for bytes encoded otherwise (then encoded anew,
+    and looked for) and for an empty output (nothing to cut)."""
+    tail_items: list[Any] = [{"role": "user", "content": "hi"}]
+    made = response(output=output, usage={"total_tokens": 3})
+    for encoded in (orjson.dumps(made), orjson.dumps(made, option=orjson.OPT_INDENT_2)):
+        turn = build_turn(
+            response=made,
+            scope="s",
+            durable=True,
+            tail=[orjson.dumps(tail_items[0])],
+            tail_items=tail_items,
+            encoded=encoded,
+        )
+        if turn.response is encoded and output:
+            assert turn.output_at == split_output(turn.response, turn.items)[1] is not None
+        else:
+            assert turn.output_at is None

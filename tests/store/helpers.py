@@ -80,6 +80,7 @@ def make_turn(
         "usage": {"input_tokens": 5, "output_tokens": 3},
     }
     encoded = orjson.dumps(response)
+    output_at = (encoded.find(b'"output":[') + 10, len(out))  # (as build_turn finds it)
     fill, fill_at = b"", -1
     if filled:
         # The members the envelope fills in from the request, before the closing brace
@@ -96,6 +97,7 @@ def make_turn(
         response=encoded,
         fill=fill,
         fill_at=fill_at,
+        output_at=output_at,
     )
 
 

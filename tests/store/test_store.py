@@ -7,6 +7,7 @@ import gc
 import hashlib
 import os
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,12 @@ import pytest
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import Record
+from ocxproxy.model import Record, Segment
 from ocxproxy.store import Store
 from ocxproxy.store.local.durable import StateDirUnusable
 from ocxproxy.store.output import split_output
 from tests.store.helpers import (
+    FILL,
     Clock,
     all_bytes_under,
     checkpoint_ids,
@@ -427,6 +429,32 @@ def test_split_output_round_trips() -> None:
         else:
             o, n = at
             assert skeleton[:o] + items[-n:] + skeleton[o:] == response
+
+
+@pytest.mark.parametrize("fill", ["none", "after the output", "before the output"])
+async def test_a_turn_that_knows_where_its_output_is_is_kept_as_one_that_does_not(
+    fill: str,
+) -> None:
+    """build_turn finds a turn's output in its response's bytes (Turn.output_at): the store
+    cuts it there instead of looking for it, and keeps what it keeps when it looks, with
+    or without the members the envelope filled in (after the output, or after the brace
+    where `spliced` puts them)."""
+    turn = make_turn("r1", "hi", filled=fill == "after the output")
+    if fill == "before the output":
+        assert turn.output_at is not None
+        start, length = turn.output_at
+        encoded = b"".join((b"{", FILL, b",", turn.response[1:]))
+        turn = replace(turn, response=encoded, fill=FILL, fill_at=1)
+        turn = replace(turn, output_at=(start + len(FILL) + 1, length))
+    kept = []
+    for this in (turn, replace(turn, output_at=None)):
+        store = make_store(None)
+        record = store.put(this, None)
+        assert await store.response_bytes(record) == turn.response
+        assert isinstance(record.response, Segment) and store.check() == []
+        kept.append((record.response.data, record.output_at, record.fill_at, record.fill))
+    assert kept[0][:3] == kept[1][:3] and kept[0][1] is not None
+    assert (kept[0][3] is None) == (kept[1][3] is None) == (fill == "none")
 
 
 async def test_a_locked_state_dir_is_refused(tmp_path: Path) -> None:

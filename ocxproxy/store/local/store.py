@@ -26,7 +26,7 @@ import platformdirs
 from ocxproxy.config import Config
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.metrics import Metrics
-from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of
+from ocxproxy.model import NO_CALLS, Chain, Record, Segment, Turn, chain_of, shared
 from ocxproxy.speedups import SPEEDUPS
 from ocxproxy.store.idempotency import ProcessKeys
 from ocxproxy.store.interface import Conversations, IdempotencyKeys
@@ -346,14 +346,20 @@ class Store:
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
         own = self.table.intern(own_segment(turn, durable=False))
-        response, fill = turn.response, turn.fill
+        response, fill, spot = turn.response, turn.fill, turn.output_at
         if fill:  # the members the envelope filled in: cut, when there (Record.fill)
             bare = _cut(response, turn.fill_at, fill)
             if bare is None:
                 fill = b""  # (kept in the response)
             else:
                 response = bare
-        skeleton, output_at = split_output(response, turn.items)
+                if spot is not None and turn.fill_at < spot[0]:  # (before the output)
+                    spot = None
+        if spot is None:
+            skeleton, output_at = split_output(response, turn.items)
+        else:  # (where the turn found its output)
+            start, length = spot
+            skeleton, output_at = response[:start] + response[start + length :], shared(spot)
         journaled = durable and self._committer is not None
         # A journaled record's response goes into its record's entry (no segment of its
         # own), unless it is large: then it is a segment, which gets a file of its own that
