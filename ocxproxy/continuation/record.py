@@ -80,6 +80,7 @@ def build_turn(
         if patch is not None:
             patch.merge(response)
         encoded = orjson.dumps(response)
+        output_at = _output_at(encoded, output_bytes)  # (not with other `output_parts`)
     elif patch is not None:
         fill, fill_at = patch.fill, patch.fill_at
     return Turn(

@@ -232,7 +232,7 @@ class Exchange:
                 affinity_key=chain_key(self.affinity_key, self.parent, response),
                 stored=self.request.store,
             )
-            return replace(turn, response=orjson.dumps(response))
+            return replace(turn, response=orjson.dumps(response), output_at=None)
         if self.summary is not None and self.conversation is None:
             tail, tail_items = self.retained
         return build_turn(

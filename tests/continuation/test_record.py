@@ -130,10 +130,10 @@ def test_build_turn_knows_where_each_item_with_an_id_lies() -> None:
 
 @pytest.mark.parametrize("output", [[MESSAGE], [MESSAGE, CALL], []])
 def test_a_turn_kept_as_encoded_knows_where_its_output_is(output: list[Any]) -> None:
-    """The response's bytes are kept when they hold the output as the items do: where
-    they do (Turn.output_at) is where the store would find it (store/output.py), so it
-    cuts it there without looking. None for bytes encoded otherwise (then encoded anew,
-    and looked for) and for an empty output (nothing to cut)."""
+    """The response's bytes are kept when they hold the output as the items do, else
+    encoded anew: where they hold it (Turn.output_at) is where the store would find it
+    (store/output.py), so it cuts it there without looking. None for an empty output
+    (nothing to cut)."""
     tail_items: list[Any] = [{"role": "user", "content": "hi"}]
     made = response(output=output, usage={"total_tokens": 3})
     for encoded in (orjson.dumps(made), orjson.dumps(made, option=orjson.OPT_INDENT_2)):
@@ -145,7 +145,8 @@ def test_a_turn_kept_as_encoded_knows_where_its_output_is(output: list[Any]) -> 
             tail_items=tail_items,
             encoded=encoded,
         )
-        if turn.response is encoded and output:
+        assert (turn.response is encoded) == (encoded == orjson.dumps(made))
+        if output:
             assert turn.output_at == split_output(turn.response, turn.items)[1] is not None
         else:
             assert turn.output_at is None
