@@ -14,13 +14,14 @@ docs/BENCHMARKS.md, so 10,000 instructions are ~5 µs.
 `--cache` also simulates the caches (callgrind's `--cache-sim`: this VM's 32 KB L1s and
 the 512 KB L2 of one core as the last level) and prints the last-level misses per turn
 (instruction fetches, data reads and writes). A turn of the 8k rig touches more distinct
-lines than that L2 holds, so whatever a turn runs once starts cold, and its native cost
-follows its misses as well as its instructions (docs/BENCHMARKS.md fits the two to the
-native figures). The misses depend on where objects land: `--layouts N` runs each case
-over N heap paddings and prints the cost's range, but a checkout at a path of another
-length can move the envelope's misses by a third, so compare two versions from checkouts
-at paths of the same length. `--keep DIR` keeps callgrind's files, for
-callgrind_annotate.
+lines than that L2 holds, so whatever a turn runs once starts cold (why each of the
+envelope's calls takes several times its warm time in a turn: bench_envelope_calls.py);
+per function, the misses show which lines a change saves. The misses depend on where
+objects land: `--layouts N` runs each case over N heap paddings and prints the cost's
+range, which stays within ~15 %, but another build or a checkout at another path can move
+the envelope's whole-run misses by a factor of two. Compare two versions by the functions
+a change touches (callgrind_annotate of the files `--keep DIR` keeps: their counts are
+exact) and by instructions, not by whole-run misses.
 
     python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
     python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
