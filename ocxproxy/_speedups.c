@@ -13,7 +13,8 @@
 #endif
 
 /* A branch the usual case does not take, and a function it does not call: laid out
- * apart from the code it runs (a turn finds that code evicted, one cache line at a time). */
+ * apart from the code it runs. A usual call runs once per turn, after the rest of the turn
+ * has evicted its code, so each line of code it spans is a miss. */
 #if defined(__GNUC__) || defined(__clang__)
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -21,7 +22,7 @@
 #else
 #define LIKELY(x) (x)
 #define UNLIKELY(x) (x)
-#define COLD
+#define COLD Py_NO_INLINE
 #endif
 
 /* Names interned once at import (the only other object kept here: `no_members`). */
@@ -257,15 +258,6 @@ static int set_field(PyObject **field, PyObject *value) {
 }
 
 /* ---- small helpers ---------------------------------------------------------------- */
-
-/* Code off the usual paths, kept out of their lines (a function of its own, placed apart):
- * a usual call runs once per turn, after the rest of the turn has evicted its code, so
- * each line of code it spans is a miss. */
-#if defined(__GNUC__) || defined(__clang__)
-#define RARE __attribute__((noinline, cold))
-#else
-#define RARE Py_NO_INLINE
-#endif
 
 /* A run of bytes a spliced Response is built from. */
 typedef struct {
@@ -1272,7 +1264,7 @@ typedef struct {
     Py_ssize_t offset; /* 0: the generic way */
 } Slot;
 
-static RARE int slot_lookup(Slot *slot, PyTypeObject *type) {
+static COLD int slot_lookup(Slot *slot, PyTypeObject *type) {
     PyObject *descr = _PyType_Lookup(type, *slot->name); /* (borrowed) */
     Py_ssize_t offset = 0;
     /* (a type with its own __getattribute__ or __setattr__ sees every access) */
@@ -1386,7 +1378,7 @@ static int add_created_at(Pieces *pieces, PyObject *value) {
  * (`_inserts`, which the Python path keeps): 1 with them added to `pieces` (their tuple
  * held in `*held`), 0 when it keeps none for the shape, 2 when they are not all inserted
  * at one place (the Python path decides), -1 with an exception set. */
-static RARE int inserted_members(EnvelopeState *env, PyObject *seen, Pieces *pieces,
+static COLD int inserted_members(EnvelopeState *env, PyObject *seen, Pieces *pieces,
                                  PyObject **held) {
     PyObject *inserts = Py_NewRef(env->inserts), *members;
     PyObject *key = slot_get(&seen_members, seen);
@@ -1434,7 +1426,7 @@ static Py_NO_INLINE PyObject *pending_family(EnvelopeState *env, PyObject *last_
 
 /* `"conversation":{"id":"…"},` for the usual echo `{"id": …}` (its id held in `*held`): 1,
  * else 0 (the Python path), -1 with an exception set. */
-static RARE int add_conversation(Pieces *pieces, PyObject *echo_value, PyObject **held) {
+static COLD int add_conversation(Pieces *pieces, PyObject *echo_value, PyObject **held) {
     PyObject *id;
     const char *chars;
     Py_ssize_t length;
