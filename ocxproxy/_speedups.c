@@ -1886,37 +1886,69 @@ done:
     return result;
 }
 
-/* ---- the store's cut of a turn's filled members ----------------------------------- */
+/* ---- the store's cut of a turn's response ----------------------------------------- */
 
-/* cut(data, at, part): `data` without `part`, which it holds at `at`, or None when it
- * does not there (store/local/store.py's _cut_bytes, one allocation). */
+/* cut(data, at, part, span): `data` without `part`, which it holds at `at` (an empty
+ * `part`: nothing there to cut), and without `span`, (start, length) or None, which must
+ * not overlap it (not checked byte for byte: the caller found the output there); or None
+ * when `part` is not at `at` (store/local/store.py's _cut_bytes, one allocation). */
 static PyObject *cut(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "cut() takes 3 arguments");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "cut() takes 4 arguments");
         return NULL;
     }
-    PyObject *data = args[0], *part = args[2];
-    if (!PyBytes_Check(data) || !PyBytes_Check(part) || !PyLong_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "cut() takes bytes, an int and bytes");
+    PyObject *data = args[0], *part = args[2], *span = args[3];
+    if (!PyBytes_Check(data) || !PyBytes_Check(part) || !PyLong_Check(args[1])
+        || (span != Py_None && !(PyTuple_Check(span) && PyTuple_GET_SIZE(span) == 2))) {
+        PyErr_SetString(PyExc_TypeError, "cut() takes bytes, an int, bytes and a pair or None");
         return NULL;
     }
-    Py_ssize_t at = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t len = PyBytes_GET_SIZE(data), n = PyBytes_GET_SIZE(part);
+    Py_ssize_t at = n ? PyLong_AsSsize_t(args[1]) : 0;
     if (at == -1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
             return NULL;
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    Py_ssize_t len = PyBytes_GET_SIZE(data), n = PyBytes_GET_SIZE(part);
     const char *from = PyBytes_AS_STRING(data);
-    if (at < 0 || at > len - n || memcmp(from + at, PyBytes_AS_STRING(part), (size_t)n) != 0)
+    if (n && (at < 0 || at > len - n || memcmp(from + at, PyBytes_AS_STRING(part), (size_t)n)))
         Py_RETURN_NONE;
-    PyObject *bare = PyBytes_FromStringAndSize(NULL, len - n);
-    if (bare != NULL) {
-        memcpy(PyBytes_AS_STRING(bare), from, (size_t)at);
-        memcpy(PyBytes_AS_STRING(bare) + at, from + at + n, (size_t)(len - at - n));
+    /* The two runs to leave out, in order: (at, n) and the span. */
+    Py_ssize_t runs[2][2] = {{at, n}, {len, 0}};
+    if (span != Py_None) {
+        Py_ssize_t start = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 0)),
+                   length = PyLong_AsSsize_t(PyTuple_GET_ITEM(span, 1));
+        if ((start == -1 || length == -1) && PyErr_Occurred())
+            return NULL;
+        if (start < 0 || length < 0 || start > len - length
+            || (n && start < at + n && at < start + length)) {
+            PyErr_SetString(PyExc_ValueError, "cut(): the span is not in the data, or overlaps");
+            return NULL;
+        }
+        runs[1][0] = start;
+        runs[1][1] = length;
+        if (start + length <= at) { /* (the span first) */
+            runs[1][0] = at;
+            runs[1][1] = n;
+            runs[0][0] = start;
+            runs[0][1] = length;
+        }
     }
-    return bare;
+    if (runs[0][1] == 0 && runs[1][1] == 0 && PyBytes_CheckExact(data))
+        return Py_NewRef(data);
+    PyObject *kept = PyBytes_FromStringAndSize(NULL, len - runs[0][1] - runs[1][1]);
+    if (kept != NULL) {
+        char *to = PyBytes_AS_STRING(kept);
+        Py_ssize_t was = 0;
+        for (int i = 0; i < 2; i++) {
+            memcpy(to, from + was, (size_t)(runs[i][0] - was));
+            to += runs[i][0] - was;
+            was = runs[i][0] + runs[i][1];
+        }
+        memcpy(to, from + was, (size_t)(len - was));
+    }
+    return kept;
 }
 
 /* ---- Envelope's methods, without a Python frame --------------------------------------
@@ -2059,7 +2091,7 @@ static PyMethodDef speedups_methods[] = {
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL,
      "Envelope.answer's usual answer, or None."},
     {"cut", (PyCFunction)(void (*)(void))cut, METH_FASTCALL,
-     "`data` without `part`, which it holds at `at`, or None."},
+     "`data` without `part`, which it holds at `at`, and without `span`; or None."},
     {"pending_event", (PyCFunction)(void (*)(void))pending_event, METH_FASTCALL,
      "Envelope.pending_event's usual event (completed in place), or None."},
     {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,

@@ -346,20 +346,20 @@ class Store:
             self._drop(old, None, None, journaled=False)  # the new PUT supersedes it
         durable = turn.durable and (parent is None or parent.durable)
         own = self.table.intern(own_segment(turn, durable=False))
-        response, fill, spot = turn.response, turn.fill, turn.output_at
-        if fill:  # the members the envelope filled in: cut, when there (Record.fill)
-            bare = _cut(response, turn.fill_at, fill)
-            if bare is None:
-                fill = b""  # (kept in the response)
-            else:
-                response = bare
-                if spot is not None and turn.fill_at < spot[0]:  # (before the output)
-                    spot = None
+        # Cut out in one copy: the members the envelope filled in, when there (Record.fill),
+        # and the output where the turn found it (else looked for after).
+        fill, spot = turn.fill, turn.output_at
+        if fill and spot is not None and turn.fill_at < spot[0] + spot[1]:
+            spot = None  # (the fill before the output: the output's place moves)
+        skeleton = _cut(turn.response, turn.fill_at, fill, spot)
+        if skeleton is None:  # (not there: kept in the response)
+            fill = b""
+            skeleton = _cut(turn.response, -1, fill, spot)
+        size = len(turn.response) - len(fill)  # (the response without the fill)
         if spot is None:
-            skeleton, output_at = split_output(response, turn.items)
-        else:  # (where the turn found its output)
-            start, length = spot
-            skeleton, output_at = response[:start] + response[start + length :], shared(spot)
+            skeleton, output_at = split_output(skeleton, turn.items)
+        else:
+            output_at = shared(spot)
         journaled = durable and self._committer is not None
         # A journaled record's response goes into its record's entry (no segment of its
         # own), unless it is large: then it is a segment, which gets a file of its own that
@@ -395,7 +395,7 @@ class Store:
             last, kept = self._last_fill
             if last is not fill or kept is None or kept.refs <= 0 or kept.data is None:
                 kept = self._fill_segment(fill)
-            record.fill, record.fill_at = kept, len(response) - turn.fill_at
+            record.fill, record.fill_at = kept, size - turn.fill_at
             taken = (*segments, kept) if held is None else (*segments, held, kept)
         self.table.hold(taken, durable=durable)
         self.index.add(record)
@@ -500,12 +500,24 @@ class Store:
         return self.table.keydir.packs(self.table.by_key.values())
 
 
-def _cut_bytes(data: bytes, at: int, part: bytes) -> bytes | None:
-    """`data` without `part`, which it holds at `at`; None when it does not there.
-    (Compiled: _speedups.cut, one allocation and no argument parsing of a method.)"""
-    if at < 0 or not data.startswith(part, at):
+def _cut_bytes(
+    data: bytes, at: int, part: bytes, span: tuple[int, int] | None
+) -> bytes | None:
+    """`data` without `part`, which it holds at `at` (an empty `part`: nothing there to
+    cut), and without `span` (start, length), which must not overlap it; None when `part`
+    is not at `at`. (Compiled: _speedups.cut, one allocation.)"""
+    if part and (at < 0 or not data.startswith(part, at)):
         return None
-    return b"".join((data[:at], data[at + len(part) :]))
+    runs = sorted(run for run in ((at, len(part)) if part else None, span) if run)
+    if len(runs) == 2 and runs[0][0] + runs[0][1] > runs[1][0]:
+        raise ValueError("cut(): the span overlaps the part")
+    pieces, was = [], 0
+    for start, length in runs:
+        pieces.append(data[was:start])
+        was = start + length
+    return b"".join((*pieces, data[was:])) if runs else data
 
 
-_cut: Callable[[bytes, int, bytes], bytes | None] = _cut_bytes if SPEEDUPS is None else SPEEDUPS.cut
+_cut: Callable[[bytes, int, bytes, tuple[int, int] | None], bytes | None] = (
+    _cut_bytes if SPEEDUPS is None else SPEEDUPS.cut
+)
