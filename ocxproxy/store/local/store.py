@@ -351,15 +351,16 @@ class Store:
         fill, spot = turn.fill, turn.output_at
         if fill and spot is not None and turn.fill_at < spot[0] + spot[1]:
             spot = None  # (the fill before the output: the output's place moves)
-        skeleton = _cut(turn.response, turn.fill_at, fill, spot)
-        if skeleton is None:  # (not there: kept in the response)
+        cut = _cut(turn.response, turn.fill_at, fill, spot)
+        if cut is None:  # (not there: kept in the response)
             fill = b""
-            skeleton = _cut(turn.response, -1, fill, spot)
+            cut = _cut(turn.response, -1, fill, spot)
+            assert cut is not None  # (no fill to find)
         size = len(turn.response) - len(fill)  # (the response without the fill)
         if spot is None:
-            skeleton, output_at = split_output(skeleton, turn.items)
+            skeleton, output_at = split_output(cut, turn.items)
         else:
-            output_at = shared(spot)
+            skeleton, output_at = cut, shared(spot)
         journaled = durable and self._committer is not None
         # A journaled record's response goes into its record's entry (no segment of its
         # own), unless it is large: then it is a segment, which gets a file of its own that
@@ -500,9 +501,7 @@ class Store:
         return self.table.keydir.packs(self.table.by_key.values())
 
 
-def _cut_bytes(
-    data: bytes, at: int, part: bytes, span: tuple[int, int] | None
-) -> bytes | None:
+def _cut_bytes(data: bytes, at: int, part: bytes, span: tuple[int, int] | None) -> bytes | None:
     """`data` without `part`, which it holds at `at` (an empty `part`: nothing there to
     cut), and without `span` (start, length), which must not overlap it; None when `part`
     is not at `at`. (Compiled: _speedups.cut, one allocation.)"""
