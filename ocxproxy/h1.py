@@ -51,9 +51,10 @@ class BadMessage(Exception):
     """A message that cannot be framed or passed on safely; the text says why."""
 
 
-def chunk(data: bytes) -> tuple[bytes, bytes, bytes]:
-    """One chunk of a chunked body, for `writelines` (never empty: that would end it)."""
-    return (b"%x\r\n" % len(data), data, b"\r\n")
+def chunk(*data: bytes) -> tuple[bytes, ...]:
+    """One chunk of a chunked body holding the parts `data`, for `writelines` (never
+    empty: that would end the body)."""
+    return (b"%x\r\n" % sum(map(len, data)), *data, b"\r\n")
 
 
 def _status_line(status: int) -> bytes:

@@ -424,6 +424,9 @@ class JobReply:
             self.splitter = EventSplitter()
         self.events(self.splitter.feed(data))
 
+    async def write_events(self, events: list[Event]) -> None:
+        self.events(events)
+
     def events(self, batch: list[Event]) -> None:
         """The relayed events (exchange.relay_stream hands them over unsplit). Most are
         neither lifecycle nor terminal, and already carry the number they get in the log

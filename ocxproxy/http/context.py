@@ -23,6 +23,7 @@ from ocxproxy.store import Backgrounds, StoreInterface
 from ocxproxy.upstream.kvsave import KvSaves
 from ocxproxy.upstream.misses import CacheBook
 from ocxproxy.upstream.pool import UpstreamPool
+from ocxproxy.upstream.sse import Event
 
 ANONYMOUS = "anonymous"
 CUT_GRACE = 1.0  # seconds a request cut at shutdown has to write its closing error
@@ -175,5 +176,9 @@ class Reply(Protocol):
         """The head of a streamed answer."""
 
     async def write(self, data: bytes) -> None: ...
+
+    async def write_events(self, events: list[Event]) -> None:
+        """A batch of relayed events: their bytes as one piece, not joined first where the
+        transport takes them as parts (a background run's Reply reads the events)."""
 
     async def end(self) -> None: ...

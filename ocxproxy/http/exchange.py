@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -565,15 +565,9 @@ async def relay_stream(
 ) -> None:
     await reply.start(upstream.status, client_headers(upstream.headers, body_rewritten=True))
     last: Event | None = None  # the last event with data, for the next sequence number
-    # A Reply that reads the events (a background run's, http/background.py) gets them
-    # as they are, not their bytes to split again.
-    events: Callable[[list[Event]], None] | None = getattr(reply, "events", None)
     try:
         async for batch in stream_events(upstream, exchange, timing):
-            if events is not None:
-                events(batch)
-            else:
-                await reply.write(b"".join(event.raw for event in batch))
+            await reply.write_events(batch)
             last = next((e for e in reversed(batch) if e.data), last)
     except UpstreamError as exc:
         log.warning("backend broke off a stream: %s", exc.message)
