@@ -380,6 +380,11 @@ def test_the_reason_for_a_refusal_is_said() -> None:
 
 def test_a_chunk_and_status_lines_are_written_as_http_says() -> None:
     assert b"".join(chunk(b"x" * 300)) == b"12c\r\n" + b"x" * 300 + b"\r\n"
+    # several parts are one chunk of them all, each part passed on as it is
+    parts = (b"event: a\ndata: 1\n\n", b"", b"data: 22\n\n")
+    framed = chunk(*parts)
+    assert framed[1:-1] == parts and all(a is b for a, b in zip(framed[1:-1], parts, strict=True))
+    assert b"".join(framed) == b"%x\r\n" % len(b"".join(parts)) + b"".join(parts) + b"\r\n"
     assert status_line(200) == b"HTTP/1.1 200 OK\r\n"
     assert status_line(599) == b"HTTP/1.1 599 \r\n"
 
