@@ -203,8 +203,9 @@ static void patch_dealloc(PatchState *self) {
 }
 
 /* A Patch's default values that are not singletons of their own: b"" and () (made once,
- * at import: a Patch is made for every Response). */
-static PyObject *no_bytes, *no_items;
+ * at import: a Patch is made for every Response); and -1, the `at` of an event framed by
+ * `wire` (its raw bytes b""). */
+static PyObject *no_bytes, *no_items, *minus_one;
 
 /* A Patch with its defaults (those of envelope.py's _PatchState; its flags false, from
  * the allocation's zeros). */
@@ -1321,22 +1322,44 @@ static int event_slots(PyObject *event) {
     return slot_offset(&event_raw, type) && slot_offset(&event_data, type);
 }
 
-/* An Event's `raw` and `data` set together (-1 with an exception when its type changed
- * since `event_slots` found them slots). The old values are released once both are set:
- * their release may run Python code, which then sees the event whole. */
-static int set_event(PyObject *event, PyObject *raw, PyObject *data) {
-    if (!event_slots(event)) {
+/* An Event's `raw` and `data` set together, and its `at` unless NULL (-1 with an
+ * exception when its type changed since `event_slots` found them slots). The old values
+ * are released once all are set: their release may run Python code, which then sees the
+ * event whole. */
+static int set_event(PyObject *event, PyObject *raw, PyObject *data, PyObject *at) {
+    if (!event_slots(event) || (at != NULL && !slot_offset(&event_at, Py_TYPE(event)))) {
         PyErr_SetString(PyExc_RuntimeError, "an event's type changed while it was completed");
         return -1;
     }
-    PyObject **raw_at = (PyObject **)((char *)event + event_raw.offset);
-    PyObject **data_at = (PyObject **)((char *)event + event_data.offset);
-    PyObject *old_raw = *raw_at, *old_data = *data_at;
-    *raw_at = Py_NewRef(raw);
-    *data_at = Py_NewRef(data);
-    Py_XDECREF(old_raw);
-    Py_XDECREF(old_data);
+    PyObject **fields[3] = {(PyObject **)((char *)event + event_raw.offset),
+                            (PyObject **)((char *)event + event_data.offset),
+                            (PyObject **)((char *)event + event_at.offset)};
+    PyObject *values[3] = {raw, data, at}, *old[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3 && values[i] != NULL; i++) {
+        old[i] = *fields[i];
+        *fields[i] = Py_NewRef(values[i]);
+    }
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(old[i]);
     return 0;
+}
+
+/* Whether an event's raw[:at] is what `wire` writes before the payload of an event named
+ * `name` (sse.head_of: `event: <name>` and `data: `, or `data: ` for no name), and its
+ * `at` a slot. Such an event's new payload is not framed into new raw bytes: `wire`
+ * writes its head, payload and blank line as parts. */
+static int plain_head(PyObject *event, const char *raw, Py_ssize_t at, PyObject *name) {
+    if (!slot_offset(&event_at, Py_TYPE(event)))
+        return 0; /* (its `at` cannot be set to -1 here) */
+    if (name == Py_None)
+        return at == 6 && memcmp(raw, "data: ", 6) == 0;
+    if (!PyUnicode_CheckExact(name) || !PyUnicode_IS_COMPACT_ASCII(name))
+        return 0;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+    const char *chars = (const char *)PyUnicode_DATA(name);
+    return at == 14 + n && memchr(chars, '\n', (size_t)n) == NULL
+           && memcmp(raw, "event: ", 7) == 0 && memcmp(raw + 7, chars, (size_t)n) == 0
+           && memcmp(raw + 7 + n, "\ndata: ", 7) == 0;
 }
 
 /* The pieces spliced into a pending event, in order. */
@@ -1459,11 +1482,12 @@ static int all_digits(const char *bytes, Py_ssize_t size) {
 
 /* pending_event(envelope, event, lasts, last_fills, from_request): a pending event of the
  * shape its name was last seen in (`lasts`: envelope._KEPT.lasts) completed in place, its
- * members spliced into its raw bytes: the event, or None when the case is not this one's
- * (the Python path runs). The members are the envelope's for the shape (`_inserts`), else
- * the shape's memo (`_Seen.memo`) when it was worked out for a request with the same
- * fills (`_family`, else found as `quick_family` finds it: `last_fills`, `from_request`:
- * envelope._KEPT.last_fills, _FROM_REQUEST) and echo. Relies on Event's invariant: `at` >= 0
+ * members spliced into its data (and its raw bytes unless `plain_head`): the event, or
+ * None when the case is not this one's (the Python path runs). The members are the
+ * envelope's for the shape (`_inserts`), else the shape's memo (`_Seen.memo`) when it was
+ * worked out for a request with the same fills (`_family`, else found as `quick_family`
+ * finds it: `last_fills`, `from_request`: envelope._KEPT.last_fills, _FROM_REQUEST) and
+ * echo. Relies on Event's invariant: `at` >= 0
  * means `raw` is a head, then `data`, then a blank line. Its usual path (a memo, the fills
  * found) holds only what Python code may free meanwhile (a lookup's comparison, finding the
  * fills): the rest is read where it is, each reference a line of code a call misses. */
@@ -1495,8 +1519,8 @@ static PyObject *pending_event(PyObject *module, PyObject *const *args, Py_ssize
     }
     last = PyDict_GetItemWithError(lasts, name);
     Py_XINCREF(last);
-    Py_DECREF(name);
     if (last == NULL) {
+        Py_DECREF(name);
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     }
     /* (prefix, n, middle, digits, suffix, cut, at, seen): see envelope._remember_last */
@@ -1649,20 +1673,29 @@ splice: /* raw[:at + insert], the members, raw[at + insert:]: one allocation, an
     if (total == raw_size) {
         goto done; /* (nothing to insert: the Python path decides) */
     }
-    if ((spliced = PyBytes_FromStringAndSize(NULL, total)) == NULL) {
+    /* An event framed plainly gets its new data only (`wire` frames it), else its raw
+     * bytes are spliced too and the data is their copy. */
+    int plain = plain_head(event, PyBytes_AS_STRING(raw), at, name);
+    Py_ssize_t from = plain ? at : 0, to = plain ? raw_size - 2 : raw_size;
+    if ((spliced = PyBytes_FromStringAndSize(NULL, total - (raw_size - (to - from)))) == NULL) {
         goto error;
     }
     char *out = PyBytes_AS_STRING(spliced);
     Py_ssize_t head = at + insert;
-    memcpy(out, PyBytes_AS_STRING(raw), head);
-    out += head;
+    memcpy(out, PyBytes_AS_STRING(raw) + from, head - from);
+    out += head - from;
     for (int i = 0; i < pieces.count; i++) {
         memcpy(out, pieces.bytes[i], pieces.sizes[i]);
         out += pieces.sizes[i];
     }
-    memcpy(out, PyBytes_AS_STRING(raw) + head, raw_size - head);
-    data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(spliced) + at, total - 2 - at);
-    if (data == NULL || set_event(event, spliced, data) < 0) {
+    memcpy(out, PyBytes_AS_STRING(raw) + head, to - head);
+    if (plain) {
+        data = spliced;
+        spliced = Py_NewRef(no_bytes);
+    } else {
+        data = PyBytes_FromStringAndSize(PyBytes_AS_STRING(spliced) + at, total - 2 - at);
+    }
+    if (data == NULL || set_event(event, spliced, data, plain ? minus_one : NULL) < 0) {
         Py_DECREF(spliced);
         Py_XDECREF(data);
         goto error;
@@ -1678,6 +1711,7 @@ error:
     result = NULL;
 done:
     Py_XINCREF(result);
+    Py_DECREF(name);
     Py_DECREF(last);
     Py_XDECREF(raw);
     Py_XDECREF(memo);
@@ -1841,9 +1875,11 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         stored = PyBytes_FromStringAndSize(given, given_len);
     else {
         Py_ssize_t members = answer_len(&a), stored_len = given_len + 1 + members;
+        int plain = plain_head(event, PyBytes_AS_STRING(raw), at, name);
         stored = PyBytes_FromStringAndSize(NULL, stored_len);
         new_data = PyBytes_FromStringAndSize(NULL, len + 1 + members);
-        new_raw = PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
+        new_raw = plain ? Py_NewRef(no_bytes)
+                        : PyBytes_FromStringAndSize(NULL, at + len + 1 + members + 2);
         if (UNLIKELY(stored == NULL || new_data == NULL || new_raw == NULL)) {
             answer_clear(&a);
             goto done;
@@ -1858,11 +1894,13 @@ static PyObject *terminal_event(PyObject *module, PyObject *const *args, Py_ssiz
         memcpy(to, PyBytes_AS_STRING(data), (size_t)start);
         memcpy(to + start, PyBytes_AS_STRING(stored), (size_t)stored_len);
         memcpy(to + start + stored_len, PyBytes_AS_STRING(data) + end, (size_t)(len - end));
-        to = PyBytes_AS_STRING(new_raw);
-        memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
-        memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
-        memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
-        if (UNLIKELY(set_event(event, new_raw, new_data) < 0)) {
+        if (!plain) {
+            to = PyBytes_AS_STRING(new_raw);
+            memcpy(to, PyBytes_AS_STRING(raw), (size_t)at);
+            memcpy(to + at, PyBytes_AS_STRING(new_data), (size_t)PyBytes_GET_SIZE(new_data));
+            memcpy(to + at + PyBytes_GET_SIZE(new_data), "\n\n", 2);
+        }
+        if (UNLIKELY(set_event(event, new_raw, new_data, plain ? minus_one : NULL) < 0)) {
             answer_clear(&a);
             goto done;
         }
@@ -1891,6 +1929,116 @@ done:
     Py_XDECREF(new_data);
     Py_XDECREF(new_raw);
     return result;
+}
+
+/* ---- sse.wire: a batch of events' bytes as parts ------------------------------------ */
+
+/* sse.head_of's cache (None: b"data: "), b"\n\n", and b"\r\n" (a chunk's end) */
+static PyObject *heads, *blank_line, *chunk_end;
+
+/* The head written before the payload of an event named `name` (a new reference):
+ * `event: <name>` and `data: `, as sse.head_of makes it (kept for a few ASCII names). */
+static PyObject *head_for(PyObject *name) {
+    PyObject *head = PyDict_GetItemWithError(heads, name);
+    if (head != NULL)
+        return Py_NewRef(head);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n;
+    const char *chars = PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : NULL;
+    if (chars == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "an event's name is a str or None");
+        return NULL;
+    }
+    if ((head = PyBytes_FromStringAndSize(NULL, 14 + n)) == NULL)
+        return NULL;
+    char *out = PyBytes_AS_STRING(head);
+    memcpy(out, "event: ", 7);
+    memcpy(out + 7, chars, (size_t)n);
+    memcpy(out + 7 + n, "\ndata: ", 7);
+    if (PyUnicode_IS_ASCII(name) && memchr(chars, '\n', (size_t)n) == NULL
+        && PyDict_GET_SIZE(heads) < 64 && PyDict_SetItem(heads, name, head) < 0)
+        Py_CLEAR(head);
+    return head;
+}
+
+/* wire(events, chunked): sse._wire, the events' bytes as parts to write: each one's raw
+ * bytes, or for one with none (its payload rewritten), its head, payload and blank line;
+ * `chunked`: framed as one chunk of a chunked body (h1.chunk) too. */
+static PyObject *wire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "wire() takes a list of events and a bool");
+        return NULL;
+    }
+    PyObject *events = args[0];
+    int chunked = PyObject_IsTrue(args[1]);
+    if (chunked < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events), size = 0, count = chunked ? 2 : 0;
+    /* The events' raw bytes, held (reading one may run Python code, which may change the
+     * list): then the parts, counted and sized before they are written. */
+    PyObject **raws = PyMem_New(PyObject *, n + 1), *parts = NULL, *part;
+    if (raws == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t held = 0;
+    for (; held < n && held < PyList_GET_SIZE(events); held++) {
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, held)), *raw, *name, *data;
+        raw = slot_get(&event_raw, event);
+        if (raw != NULL && PyBytes_CheckExact(raw) && PyBytes_GET_SIZE(raw) == 0) {
+            /* (held as a tuple: its head, payload and blank line) */
+            Py_SETREF(raw, NULL);
+            if ((name = slot_get(&event_name, event)) != NULL) {
+                if ((data = slot_get(&event_data, event)) != NULL) {
+                    PyObject *head = head_for(name);
+                    if (head != NULL)
+                        raw = PyTuple_Pack(3, head, data, blank_line);
+                    Py_XDECREF(head);
+                    Py_DECREF(data);
+                }
+                Py_DECREF(name);
+            }
+        }
+        Py_DECREF(event);
+        if ((raws[held] = raw) == NULL)
+            goto done;
+        if (PyTuple_CheckExact(raw)) {
+            for (int i = 0; i < 3; i++) {
+                part = PyTuple_GET_ITEM(raw, i);
+                size += PyBytes_Check(part) ? PyBytes_GET_SIZE(part) : 0;
+            }
+            count += 3;
+        } else {
+            size += PyBytes_Check(raw) ? PyBytes_GET_SIZE(raw) : 0;
+            count += 1;
+        }
+    }
+    if ((parts = PyList_New(count)) == NULL)
+        goto done;
+    Py_ssize_t at = 0;
+    if (chunked) {
+        char line[32];
+        int len = snprintf(line, sizeof(line), "%zx\r\n", (size_t)size);
+        if ((part = PyBytes_FromStringAndSize(line, len)) == NULL) {
+            Py_CLEAR(parts);
+            goto done;
+        }
+        PyList_SET_ITEM(parts, at++, part);
+        PyList_SET_ITEM(parts, count - 1, Py_NewRef(chunk_end));
+    }
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyObject *raw = raws[i];
+        if (PyTuple_CheckExact(raw))
+            for (int k = 0; k < 3; k++)
+                PyList_SET_ITEM(parts, at++, Py_NewRef(PyTuple_GET_ITEM(raw, k)));
+        else
+            PyList_SET_ITEM(parts, at++, Py_NewRef(raw));
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        Py_DECREF(raws[i]);
+    PyMem_Free(raws);
+    return parts;
 }
 
 /* ---- the store's cut of a turn's response ----------------------------------------- */
@@ -2099,6 +2247,8 @@ static PyMethodDef speedups_methods[] = {
      "Envelope.pending_event's usual event (completed in place), or None."},
     {"terminal_event", (PyCFunction)(void (*)(void))terminal_event, METH_FASTCALL,
      "Envelope.terminal_event's usual event, or None."},
+    {"wire", (PyCFunction)(void (*)(void))wire, METH_FASTCALL,
+     "The events' bytes as parts to write (sse._wire)."},
     {"vectorcall", vectorcall, METH_O,
      "A subclass of EnvelopeState called as EnvelopeState is (without an argument tuple)."},
     {NULL, NULL, 0, NULL},
@@ -2142,8 +2292,20 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     if (no_members == NULL && (no_members = PyDict_New()) == NULL)
         return NULL;
     if ((no_bytes == NULL && (no_bytes = PyBytes_FromStringAndSize(NULL, 0)) == NULL)
-        || (no_items == NULL && (no_items = PyTuple_New(0)) == NULL))
+        || (no_items == NULL && (no_items = PyTuple_New(0)) == NULL)
+        || (minus_one == NULL && (minus_one = PyLong_FromLong(-1)) == NULL)
+        || (blank_line == NULL && (blank_line = PyBytes_FromString("\n\n")) == NULL)
+        || (chunk_end == NULL && (chunk_end = PyBytes_FromString("\r\n")) == NULL))
         return NULL;
+    if (heads == NULL) {
+        PyObject *data_head = PyBytes_FromString("data: ");
+        if (data_head == NULL || (heads = PyDict_New()) == NULL
+            || PyDict_SetItem(heads, Py_None, data_head) < 0) {
+            Py_XDECREF(data_head);
+            return NULL;
+        }
+        Py_DECREF(data_head);
+    }
     EnvelopeState_Type.tp_methods = envelope_methods; /* (defined after the calls they make) */
     if (PyType_Ready(&EnvelopeState_Type) < 0 || PyType_Ready(&PatchState_Type) < 0
         || PyType_Ready(&Kept_Type) < 0)

@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ocxproxy.speedups import SPEEDUPS
-from ocxproxy.upstream.sse import TERMINAL_EVENTS, Event, encode_event, loads_or_none, with_data
+from ocxproxy.upstream.sse import (
+    TERMINAL_EVENTS,
+    Event,
+    encode_event,
+    loads_or_none,
+    rewrite,
+    with_data,
+)
 
 # The compiled fast paths, or None (the Python ones run). Tests set it to None with the
 # Python methods in place of the compiled ones (tests/continuation/envelope_state.py).
@@ -598,13 +605,7 @@ class Envelope(_EnvelopeBase):
         if patch.items:
             return patch, (stored, False)
         if stored is not given:
-            data = b"".join((data[:start], stored, data[end:]))
-            if event.at < 0:  # framed otherwise (CRLF, several lines): framed anew
-                framed = with_data(event, data)
-                event.raw, event.at = framed.raw, framed.at
-            else:
-                event.raw = b"".join((event.raw[: event.at], data, b"\n\n"))
-            event.data = data
+            rewrite(event, b"".join((data[:start], stored, data[end:])))
         return patch, (stored, True)
 
     def _checked(
@@ -867,11 +868,8 @@ class Envelope(_EnvelopeBase):
                 if members is None:
                     members = self._members_as_seen(last_seen)
                 if members and event.at >= 0:  # the usual event: its raw bytes end in data
-                    at += event.at
-                    raw = event.raw
                     own, shared, last_own = members
-                    event.raw = raw = b"".join((raw[:at], own, shared, last_own, raw[at:]))
-                    event.data = raw[event.at : -2]
+                    rewrite(event, b"".join((data[:at], own, shared, last_own, data[at:])))
                     return event
                 seen = last_seen
         key: bytes | None = None

@@ -54,6 +54,7 @@ from ocxproxy.upstream.sse import (
     Event,
     EventSplitter,
     encode_event,
+    framed,
     loads_or_none,
 )
 
@@ -178,10 +179,10 @@ async def _as_now(proxy: Proxy, scope: str, done: dict[str, Any]) -> dict[str, A
     return _loads(job.response) if job is not None and job.status == "cancelled" else done
 
 
-def _numbered(raw: bytes, sequence_number: int) -> bool:
-    """Whether an SSE event's bytes carry this `sequence_number` (compact JSON)."""
+def _numbered(data: bytes, sequence_number: int) -> bool:
+    """Whether an SSE event's payload carries this `sequence_number` (compact JSON)."""
     tag = b'"sequence_number":%d' % sequence_number
-    return raw.endswith(tag + b"}\n\n") or tag + b"," in raw or tag + b"}" in raw
+    return data.endswith(tag + b"}") or tag + b"," in data or tag + b"}" in data
 
 
 def _event(kind: str, sequence_number: int, response: Any) -> bytes:
@@ -519,8 +520,8 @@ class JobReply:
         seq = len(job.log.events)
         if given is None:
             event = _event(kind or "", seq, response)
-        elif given.name == kind and _numbered(given.raw, seq):
-            event = given.raw
+        elif given.name == kind and _numbered(given.data, seq):
+            event = framed(given)
         else:
             data = given.data
             numbered, count = _SEQUENCE.subn(b'"sequence_number":%d' % seq, data, count=1)

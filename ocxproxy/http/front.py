@@ -51,7 +51,7 @@ from ocxproxy.http.exchange import create
 from ocxproxy.http.headers import answer_request_id, new_request_id, request_id
 from ocxproxy.http.middleware import guarded
 from ocxproxy.metrics import Timing
-from ocxproxy.upstream.sse import Event
+from ocxproxy.upstream.sse import Event, wire
 
 ROUTE = "/v1/responses"
 _BARE = ROUTE.removeprefix(V1)  # a client whose base URL lacks /v1
@@ -400,7 +400,7 @@ class SocketReply:
 
     async def write_events(self, events: list[Event]) -> None:
         if events:  # (uvloop writes the parts with one writev: no join, no copy)
-            self._write(*chunk(*[event.raw for event in events]))
+            self._write(*wire(events, True))
             await self.conn.wait_drained()
 
     async def end(self) -> None:

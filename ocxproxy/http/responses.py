@@ -40,7 +40,7 @@ from ocxproxy.http.headers import client_headers, upstream_headers
 from ocxproxy.http.passthrough import passthrough
 from ocxproxy.model import Record
 from ocxproxy.store import STORED, Job
-from ocxproxy.upstream.sse import Event, loads_or_none
+from ocxproxy.upstream.sse import Event, loads_or_none, wire
 
 
 class WebReply:
@@ -62,7 +62,7 @@ class WebReply:
         await self.response.write(data)
 
     async def write_events(self, events: list[Event]) -> None:
-        await self.write(b"".join(event.raw for event in events))
+        await self.write(b"".join(wire(events, False)))
 
     async def end(self) -> None:
         assert self.response is not None

@@ -1,7 +1,10 @@
 """Incremental Server-Sent Events framing: bytes in, whole events out. Pure, no I/O.
 
 An event is kept as its raw bytes (so it can be relayed untouched) plus the two fields
-the proxy reads: the `event:` name and the joined `data:` payload.
+the proxy reads: the `event:` name and the joined `data:` payload. An event whose payload
+the proxy rewrote is not framed anew where it was framed plainly (`event: <name>` and one
+`data:` line): its raw bytes are then empty, and it is written as its head, its payload
+and a blank line (`wire`), parts that a socket sends with one writev, not a copy.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from ocxproxy.speedups import SPEEDUPS
 
 # The events that end a response: after one, the client expects nothing more of it.
 TERMINAL_EVENTS = frozenset(
@@ -29,11 +34,13 @@ _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs three times more
 class Event:
-    raw: bytes  # including its terminating blank line
+    # Including its terminating blank line; empty: framed by `wire`. (Events are equal when
+    # a client reads them alike: framed plainly or as they came.)
+    raw: bytes = field(compare=False)
     name: str | None
     data: bytes
     # Where `data` starts in `raw` when `raw` is a head, `data` and the blank line (the
-    # usual one-line payload: `with_data` then needs no check); -1 when not known.
+    # usual one-line payload: `with_data` then needs no check); -1 when not known or none.
     at: int = field(default=-1, compare=False)
 
 
@@ -100,15 +107,66 @@ class EventSplitter:
 
 
 def with_data(event: Event, data: bytes) -> Event:
-    """The event carrying `data` instead: framed as it was when its payload was one line
-    at its end (the usual case), else re-encoded."""
+    """The event carrying `data` instead: not framed when it was framed plainly (see
+    `wire`), else framed as it was when its payload was one line at its end (the usual
+    case), else re-encoded."""
     raw, old, at = event.raw, event.data, event.at
+    if not raw:  # (rewritten before)
+        return Event(b"", event.name, data)
     if at < 0:
         end = len(raw) - 2
         if not (raw.endswith(b"\n\n") and b"\n" not in old and raw.endswith(old, 0, end)):
             return Event(encode_event(event.name, data), event.name, data)
         at = end - len(old)
+    head = head_of(event.name)
+    if head is not None and at == len(head) and raw.startswith(head):
+        return Event(b"", event.name, data)
     return Event(b"".join((raw[:at], data, b"\n\n")), event.name, data, at)
+
+
+def rewrite(event: Event, data: bytes) -> None:
+    """`event` changed in place to carry `data` instead, framed as `with_data` frames it."""
+    new = with_data(event, data)
+    event.raw, event.data, event.at = new.raw, new.data, new.at
+
+
+_HEADS: dict[str | None, bytes] = {None: b"data: "}  # (a few names: a bounded cache)
+
+
+def head_of(name: str | None) -> bytes | None:
+    """What precedes the payload of an event named `name` framed plainly: `event: <name>`
+    and `data: `; None for a name `wire` does not frame (not ASCII, or a line break)."""
+    head = _HEADS.get(name)
+    if head is None and name is not None and name.isascii() and "\n" not in name:
+        head = b"event: " + name.encode() + b"\ndata: "
+        if len(_HEADS) < 64:
+            _HEADS[name] = head
+    return head
+
+
+def _wire(events: list[Event], chunked: bool) -> list[bytes]:
+    parts: list[bytes] = []
+    for event in events:
+        if event.raw:
+            parts.append(event.raw)
+        elif (head := head_of(event.name)) is not None:
+            parts += (head, event.data, b"\n\n")
+        else:  # (made so by hand: `with_data` keeps such an event's raw bytes)
+            parts.append(encode_event(event.name, event.data))
+    if chunked:  # (h1.chunk's framing: the parts' size in hex, a line, the parts, a line)
+        return [b"%x\r\n" % sum(map(len, parts)), *parts, b"\r\n"]
+    return parts
+
+
+def framed(event: Event) -> bytes:
+    """The event's bytes as `wire` writes them."""
+    return event.raw or b"".join(wire([event], False))
+
+
+# wire(events, chunked): the events' bytes as parts to write, not joined: each event's raw
+# bytes, or for one whose payload was rewritten (no raw bytes), its head, payload and blank
+# line; `chunked`: framed as one chunk of an HTTP/1.1 chunked body (h1.chunk) too.
+wire = _wire if SPEEDUPS is None else SPEEDUPS.wire
 
 
 def encode_event(name: str | None, data: bytes) -> bytes:

@@ -22,7 +22,7 @@ PRELUDE = """
 import orjson
 from ocxproxy.continuation import envelope as E
 from ocxproxy.continuation.envelope import Envelope, Patch, _Plan
-from ocxproxy.upstream.sse import encode_event, parse_event
+from ocxproxy.upstream.sse import encode_event, framed, parse_event
 
 class Clears:
     '''Equal to anything; comparing it empties `target` first.'''
@@ -211,8 +211,8 @@ class Forgets(Envelope):
         event.raw = event.data = b"x" * 300
         return super()._shared_family()
 done = E._c.pending_event(Forgets(body), event, E._KEPT.lasts, E._KEPT.last_fills, E._FROM_REQUEST)
-response = orjson.loads(event.raw[event.at : -2])["response"]
-print(done is event, event.data == event.raw[event.at : -2], response["instructions"])
+response = orjson.loads(event.data)["response"]
+print(done is event, parse_event(framed(event)) == event, response["instructions"])
 """,
         "True True Be brief.",
     ),

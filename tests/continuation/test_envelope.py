@@ -17,7 +17,7 @@ from ocxproxy.continuation.envelope import (
     complete_stored,
 )
 from ocxproxy.continuation.expand import forwarded_members
-from ocxproxy.upstream.sse import encode_event, parse_event
+from ocxproxy.upstream.sse import encode_event, framed, parse_event
 from tests.continuation.envelope_state import forget_shapes, python_paths
 from tests.openresponses import event_problems, response_problems
 
@@ -310,7 +310,7 @@ def test_an_event_with_its_response_completed() -> None:
     out = Envelope({"model": "m", "tools": [TOOL]}).event(
         event, orjson.loads(event.data), final=False
     )
-    assert parse_event(out.raw) == out and out.name == "response.created"
+    assert parse_event(framed(out)) == out and out.name == "response.created"
     assert event_problems(orjson.loads(out.data)) == []
 
 
@@ -498,7 +498,7 @@ def test_a_pending_event_of_a_known_shape_is_completed_as_a_new_one_is(
     )
     fast = Envelope(request_body, echo=echo, created_at=5).pending_event(event)
     assert orjson.loads(fast.data) == orjson.loads(slow.data)
-    assert parse_event(fast.raw) == fast
+    assert parse_event(framed(fast)) == fast
     payload = orjson.loads(fast.data)
     assert event_problems(payload) == []
     response = payload["response"]
@@ -654,7 +654,7 @@ def test_a_terminal_events_response_is_spliced_into_its_bytes(
     _, spliced = Envelope(REQUEST, echo=echo, created_at=5).terminal_event(event, payload)
     assert spliced is not None
     stored, written = spliced
-    assert written and event.raw != raw and parse_event(event.raw) == event  # (in place)
+    assert written and framed(event) != raw and parse_event(framed(event)) == event  # (in place)
     assert payload["response"].keys() < orjson.loads(stored).keys()  # (not merged)
     expected = orjson.loads(slow.data)
     assert orjson.loads(event.data) == expected and orjson.loads(stored) == expected["response"]
@@ -726,7 +726,7 @@ def test_a_terminal_event_framed_otherwise_gets_the_members_too() -> None:
         out = orjson.loads(event.data)
         assert event_problems(out) == [] and response_problems(out["response"]) == []
         assert out["response"] == orjson.loads(spliced[0])  # what the store keeps
-        assert parse_event(event.raw) == event
+        assert parse_event(framed(event)) == event
 
 
 def test_a_terminal_event_whose_type_is_no_string_is_left_to_the_general_path() -> None:
@@ -806,7 +806,7 @@ def test_pending_events_get_each_turns_fill_as_the_shape_and_the_request_change(
             payload = {"type": kind, "response": response, "sequence_number": seq}
             event = parse_event(encode_event(kind, orjson.dumps(payload)))
             done = envelope.pending_event(event)
-            assert parse_event(done.raw) == done
+            assert parse_event(framed(done)) == done
             out = orjson.loads(done.data)
             assert event_problems(out) == []
             for name in out["response"]:

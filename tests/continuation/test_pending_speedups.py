@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ocxproxy.continuation import envelope as envelope_module
 from ocxproxy.continuation.envelope import Envelope
 from ocxproxy.continuation.expand import forwarded_members
-from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from ocxproxy.upstream.sse import Event, encode_event, framed, parse_event
 from tests.continuation.envelope_state import forget_shapes
 
 _c = envelope_module._c
@@ -82,7 +82,7 @@ def test_turn_after_turn_the_compiled_path_completes_both_pending_events() -> No
                 fast = compiled._pending_event(fast)
             slow = python._pending_event(copy(event))
             assert (fast.raw, fast.data, fast.at) == (slow.raw, slow.data, slow.at)
-            assert parse_event(fast.raw) == fast
+            assert parse_event(framed(fast)) == fast
             response = orjson.loads(fast.data)["response"]
             assert response["previous_response_id"] == f"resp_prev{n}"
             assert response["instructions"] == "Be brief." and response["temperature"] == 0.5
@@ -340,7 +340,7 @@ def test_an_event_type_with_its_own_setattr_is_left_to_the_python_path() -> None
         done = made.pending_event(watched)
         if n >= 2:  # (the usual event, changed in place)
             assert done is watched and "raw" in seen and "data" in seen
-        assert b'"previous_response_id":"resp_prev%d"' % n in done.raw
+        assert b'"previous_response_id":"resp_prev%d"' % n in framed(done)
 
 
 class Unsettable(Event):

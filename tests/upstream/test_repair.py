@@ -9,7 +9,7 @@ import pytest
 
 from ocxproxy.continuation.envelope import Envelope
 from ocxproxy.upstream.repair import StreamRepair
-from ocxproxy.upstream.sse import Event, encode_event, parse_event
+from ocxproxy.upstream.sse import Event, encode_event, framed, parse_event
 from tests.openresponses import event_problems, response_problems
 
 STUB = {"id": "resp_1", "status": "in_progress"}
@@ -127,7 +127,7 @@ def test_repair_fills_indices_and_sequence_numbers(case: str) -> None:
     for event, payload in fixed:  # the relayed bytes carry what the payload says
         assert event.name == payload["type"]
         assert orjson.loads(event.data) == payload
-        assert parse_event(event.raw) == event
+        assert parse_event(framed(event)) == event
     for p in payloads:
         if p["type"] in ("response.output_text.delta", "response.output_text.done"):
             assert p["logprobs"] == []

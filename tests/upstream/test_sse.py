@@ -6,7 +6,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ocxproxy.upstream.sse import Event, EventSplitter, encode_event, parse_event
+from ocxproxy.h1 import chunk
+from ocxproxy.speedups import SPEEDUPS
+from ocxproxy.upstream import sse
+from ocxproxy.upstream.sse import (
+    Event,
+    EventSplitter,
+    _wire,
+    encode_event,
+    framed,
+    head_of,
+    parse_event,
+    with_data,
+)
 
 LF = b'event: response.created\ndata: {"a":1}\n\n: keep-alive\n\ndata: [DONE]\n\n'
 CRLF = LF.replace(b"\n", b"\r\n")
@@ -105,3 +117,71 @@ def test_flush_of_blank_rest_is_nothing(rest: bytes) -> None:
 def test_encode_event_round_trips(name: str | None, data: bytes, raw: bytes) -> None:
     assert encode_event(name, data) == raw
     assert parse_event(raw) == Event(raw, name, data)
+
+
+NEW = b'{"b":2}'
+
+
+@pytest.mark.parametrize(
+    ("raw", "written"),
+    [
+        (b'event: response.completed\ndata: {"a":1}\n\n', b""),  # plain: framed by wire
+        (b'data: {"a":1}\n\n', b""),
+        (b'event:x\ndata: {"a":1}\n\n', b'event:x\ndata: {"b":2}\n\n'),  # kept as it came
+        (b'id: 7\nevent: x\ndata: {"a":1}\n\n', b'id: 7\nevent: x\ndata: {"b":2}\n\n'),
+        (b"event: caf\xc3\xa9\ndata: 1\n\n", b"event: caf\xc3\xa9\ndata: " + NEW + b"\n\n"),
+        (b"event: x\r\ndata: 1\r\n\r\n", b"event: x\ndata: " + NEW + b"\n\n"),  # re-encoded
+    ],
+)
+def test_a_rewritten_plain_event_is_framed_where_it_is_written(raw: bytes, written: bytes) -> None:
+    """An event framed plainly (`event: <name>`, one `data:` line) gets its new payload
+    without new raw bytes: `wire` writes its head, payload and blank line. Any other
+    framing is kept (its other lines with it), or re-encoded (CRLF)."""
+    event = parse_event(raw)
+    new = with_data(event, NEW)
+    assert (new.raw, new.name, new.data) == (written, event.name, NEW)
+    expected = written or raw.replace(b'{"a":1}', NEW)
+    assert framed(new) == b"".join(_wire([new], False)) == expected
+    assert parse_event(framed(new)) == new
+    again = with_data(new, b"[]")  # (rewritten twice: still not framed)
+    assert parse_event(framed(again)) == Event(b"", event.name, b"[]")
+    assert again.raw == b"" or written  # (once plain, plain)
+
+
+def test_the_heads_kept_for_names_are_a_few() -> None:
+    for i in range(200):
+        assert head_of(f"name.{i}") == b"event: name.%d\ndata: " % i
+    assert len(sse._HEADS) <= 64
+    assert head_of("caf\u00e9") is None and head_of("a\nb") is None
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from([None, "response.created", "x", "caf\u00e9"]),
+        st.binary(max_size=16).filter(lambda b: b"\n" not in b and b"\r" not in b),
+        st.booleans(),
+    ),
+    max_size=6,
+)
+
+
+@pytest.mark.skipif(SPEEDUPS is None, reason="the compiled fast paths are not built here")
+@given(_EVENTS)
+def test_the_compiled_wire_writes_what_the_python_one_does(
+    specs: list[tuple[str | None, bytes, bool]],
+) -> None:
+    """Events as they came and events without raw bytes (some with names `with_data`
+    never leaves unframed, made by hand): the same bytes written, the raw ones as they are."""
+    events = [
+        Event(b"", name, data) if bare else parse_event(encode_event(name, data))
+        for name, data, bare in specs
+    ]
+    assert SPEEDUPS is not None
+    parts = SPEEDUPS.wire(events, False)
+    assert b"".join(parts) == b"".join(_wire(events, False))
+    assert SPEEDUPS.wire(events, True) == _wire(events, True)[:1] + parts + [b"\r\n"]
+    if events:  # (one chunk: the parts' size, in hex, framed by lines)
+        assert b"".join(_wire(events, True)) == b"".join(chunk(*parts))
+    assert [parse_event(framed(event)) for event in events] == events
+    raws = [event.raw for event in events if event.raw]
+    assert [part for part in parts if any(part is raw for raw in raws)] == raws  # not copied
