@@ -1975,69 +1975,57 @@ static PyObject *wire(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int chunked = PyObject_IsTrue(args[1]);
     if (chunked < 0)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(events), size = 0, count = chunked ? 2 : 0;
-    /* The events' raw bytes, held (reading one may run Python code, which may change the
-     * list): then the parts, counted and sized before they are written. */
-    PyObject **raws = PyMem_New(PyObject *, n + 1), *parts = NULL, *part;
-    if (raws == NULL)
+    /* The parts, held (reading an event may run Python code, which may change the list),
+     * counted and sized before the list is made: an event's raw bytes, or its head,
+     * payload and blank line. */
+    Py_ssize_t n = PyList_GET_SIZE(events), size = 0, count = 0;
+    PyObject **held = PyMem_New(PyObject *, 3 * n + 1), *parts = NULL;
+    if (held == NULL)
         return PyErr_NoMemory();
-    Py_ssize_t held = 0;
-    for (; held < n && held < PyList_GET_SIZE(events); held++) {
-        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, held)), *raw, *name, *data;
-        raw = slot_get(&event_raw, event);
-        if (raw != NULL && PyBytes_CheckExact(raw) && PyBytes_GET_SIZE(raw) == 0) {
-            /* (held as a tuple: its head, payload and blank line) */
-            Py_SETREF(raw, NULL);
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i)), *name, *part;
+        part = slot_get(&event_raw, event);
+        if (part != NULL && PyBytes_CheckExact(part) && PyBytes_GET_SIZE(part) == 0) {
+            Py_SETREF(part, NULL);
             if ((name = slot_get(&event_name, event)) != NULL) {
-                if ((data = slot_get(&event_data, event)) != NULL) {
-                    PyObject *head = head_for(name);
-                    if (head != NULL)
-                        raw = PyTuple_Pack(3, head, data, blank_line);
-                    Py_XDECREF(head);
-                    Py_DECREF(data);
-                }
+                part = head_for(name);
                 Py_DECREF(name);
+            }
+            if (part != NULL) {
+                held[count++] = part;
+                if ((part = slot_get(&event_data, event)) != NULL) {
+                    held[count++] = part;
+                    part = Py_NewRef(blank_line);
+                }
             }
         }
         Py_DECREF(event);
-        if ((raws[held] = raw) == NULL)
+        if (part == NULL)
             goto done;
-        if (PyTuple_CheckExact(raw)) {
-            for (int i = 0; i < 3; i++) {
-                part = PyTuple_GET_ITEM(raw, i);
-                size += PyBytes_Check(part) ? PyBytes_GET_SIZE(part) : 0;
-            }
-            count += 3;
-        } else {
-            size += PyBytes_Check(raw) ? PyBytes_GET_SIZE(raw) : 0;
-            count += 1;
-        }
+        held[count++] = part;
     }
-    if ((parts = PyList_New(count)) == NULL)
+    for (Py_ssize_t i = 0; i < count; i++)
+        size += PyBytes_Check(held[i]) ? PyBytes_GET_SIZE(held[i]) : 0;
+    if ((parts = PyList_New(count + (chunked ? 2 : 0))) == NULL)
         goto done;
     Py_ssize_t at = 0;
     if (chunked) {
         char line[32];
         int len = snprintf(line, sizeof(line), "%zx\r\n", (size_t)size);
-        if ((part = PyBytes_FromStringAndSize(line, len)) == NULL) {
+        PyObject *head = PyBytes_FromStringAndSize(line, len);
+        if (head == NULL) {
             Py_CLEAR(parts);
             goto done;
         }
-        PyList_SET_ITEM(parts, at++, part);
-        PyList_SET_ITEM(parts, count - 1, Py_NewRef(chunk_end));
+        PyList_SET_ITEM(parts, at++, head);
+        PyList_SET_ITEM(parts, count + 1, Py_NewRef(chunk_end));
     }
-    for (Py_ssize_t i = 0; i < held; i++) {
-        PyObject *raw = raws[i];
-        if (PyTuple_CheckExact(raw))
-            for (int k = 0; k < 3; k++)
-                PyList_SET_ITEM(parts, at++, Py_NewRef(PyTuple_GET_ITEM(raw, k)));
-        else
-            PyList_SET_ITEM(parts, at++, Py_NewRef(raw));
-    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyList_SET_ITEM(parts, at++, Py_NewRef(held[i]));
 done:
-    for (Py_ssize_t i = 0; i < held; i++)
-        Py_DECREF(raws[i]);
-    PyMem_Free(raws);
+    for (Py_ssize_t i = 0; i < count; i++)
+        Py_DECREF(held[i]);
+    PyMem_Free(held);
     return parts;
 }
 
