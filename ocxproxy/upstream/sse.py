@@ -67,7 +67,9 @@ def _parse_simple(raw: bytes) -> Event | None:
     if raw.startswith(b"event:"):
         at = raw.find(b"\n") + 1
         name = raw[6 : at - 1].strip().decode("utf-8", "replace")
-    if not raw.startswith(b"data:", at) or b"\r" in raw:
+    # (find(), not `in`: CPython 3.11's bytes `in` tries its operand as an int first, and
+    # raises and clears a TypeError each time)
+    if not raw.startswith(b"data:", at) or raw.find(b"\r") >= 0:
         return None
     at += 6 if raw.startswith(b" ", at + 5) else 5
     if raw.find(b"\n", at) != len(raw) - 2:
@@ -87,7 +89,7 @@ class EventSplitter:
         buffer = self._buffer + chunk if self._buffer else chunk
         events: list[Event] = []
         start = 0
-        if b"\r" not in buffer:  # LF line ends, the usual case: find() beats the regex
+        if buffer.find(b"\r") < 0:  # LF line ends, the usual case: find() beats the regex
             while (end := buffer.find(b"\n\n", start)) >= 0:
                 events.append(parse_event(buffer[start : end + 2]))
                 start = end + 2
