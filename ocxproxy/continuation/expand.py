@@ -87,7 +87,11 @@ def tail_as_sent(raw: bytes, request: Request) -> list[bytes]:
     """A first turn's own items as the backend saw them in `raw`, one serialized item
     each: what is remembered, so the next turn replays them byte for byte (CONTRACT.md C1.2)."""
     encoded = [orjson.dumps(item) for item in request.items]
-    if not isinstance(request.body.get("input"), list) or b"[" + b",".join(encoded) + b"]" in raw:
+    # (find(), not `in`: CPython 3.11's bytes `in` raises and clears a TypeError first)
+    if (
+        not isinstance(request.body.get("input"), list)
+        or raw.find(b"[" + b",".join(encoded) + b"]") >= 0
+    ):
         return encoded  # a string input, or the client encodes as compactly as orjson
     found = raw_input_items(raw)
     return encoded if found is None or len(found) != len(encoded) else found

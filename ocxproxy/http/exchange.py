@@ -617,7 +617,7 @@ async def stream_events(
                 continue
             if not decided:
                 decided = True
-                if b'"sequence_number"' not in event.data:
+                if event.data.find(b'"sequence_number"') < 0:  # (find: see sse.py)
                     repair = StreamRepair(envelope)  # completes the Responses too
                     exchange.proxy.metrics.stream_repairs.inc()
             payload: Any = None
