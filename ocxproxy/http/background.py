@@ -180,7 +180,8 @@ async def _as_now(proxy: Proxy, scope: str, done: dict[str, Any]) -> dict[str, A
 
 
 def _numbered(data: bytes, sequence_number: int) -> bool:
-    """Whether an SSE event's payload carries this `sequence_number` (compact JSON)."""
+    """Whether an SSE event's payload (or its bytes) carries this `sequence_number`
+    (compact JSON)."""
     tag = b'"sequence_number":%d' % sequence_number
     return data.endswith(tag + b"}") or tag + b"," in data or tag + b"}" in data
 

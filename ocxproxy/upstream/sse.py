@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from ocxproxy.h1 import chunk
 from ocxproxy.speedups import SPEEDUPS
 
 # The events that end a response: after one, the client expects nothing more of it.
@@ -155,9 +156,7 @@ def _wire(events: list[Event], chunked: bool) -> list[bytes]:
             parts += (head, event.data, b"\n\n")
         else:  # (made so by hand: `with_data` keeps such an event's raw bytes)
             parts.append(encode_event(event.name, event.data))
-    if chunked:  # (h1.chunk's framing: the parts' size in hex, a line, the parts, a line)
-        return [b"%x\r\n" % sum(map(len, parts)), *parts, b"\r\n"]
-    return parts
+    return list(chunk(*parts)) if chunked else parts
 
 
 def framed(event: Event) -> bytes:
@@ -167,7 +166,7 @@ def framed(event: Event) -> bytes:
 
 # wire(events, chunked): the events' bytes as parts to write, not joined: each event's raw
 # bytes, or for one whose payload was rewritten (no raw bytes), its head, payload and blank
-# line; `chunked`: framed as one chunk of an HTTP/1.1 chunked body (h1.chunk) too.
+# line; `chunked`: framed as one chunk of an HTTP/1.1 chunked body too (`h1.chunk`).
 wire = _wire if SPEEDUPS is None else SPEEDUPS.wire
 
 
