@@ -79,8 +79,12 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
     assert all(now is then for now, then in zip(current(), before, strict=True))
 
 
-async def test_bench_envelope_calls_prints_its_figures() -> None:
-    out = await run_bench("bench_envelope_calls.py", "--turns", "60", "--repeat", "20")
+@pytest.mark.parametrize("size", ["8k", "128k"])
+async def test_bench_envelope_calls_prints_its_figures(size: str) -> None:
+    out = await run_bench(
+        "bench_envelope_calls.py", "--size", size, "--turns", "60", "--repeat", "20"
+    )
+    assert f"µs per call, {size} continuation turns" in out, out
     rows = re.findall(r"^  (\S+(?: \S+)?) +(-?\d+\.\d\d) +(-?\d+\.\d\d) +(-?\d+\.\d)x$", out, re.M)
     labels = {row[0] for row in rows}
     assert labels >= {
@@ -88,3 +92,27 @@ async def test_bench_envelope_calls_prints_its_figures() -> None:
         "pending_event response.in_progress", "terminal_event response.completed",
     }, out  # fmt: skip
     assert all(float(warm) > 0 for _, _, warm, _ in rows), out
+
+
+def test_bench_hotpath_ir_simulates_this_machines_caches(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--cache gives callgrind the first core's L1s and L2 as the kernel reports them, and
+    the 2-core VM's where it reports none."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import bench_hotpath_ir
+
+    caches = [("1", "Data", "48K", "12"), ("1", "Instruction", "32K", "8"),
+              ("2", "Unified", "2048K", "16"), ("3", "Unified", "307200K", "20")]  # fmt: skip
+    for number, (level, kind, size, ways) in enumerate(caches):
+        index = tmp_path / f"index{number}"
+        index.mkdir()
+        files = {"level": level, "type": kind, "size": size, "ways_of_associativity": ways}
+        for name, value in (files | {"coherency_line_size": "64"}).items():
+            (index / name).write_text(value + "\n")
+    monkeypatch.setattr(bench_hotpath_ir, "_SYSFS_CACHES", tmp_path)
+    assert bench_hotpath_ir.cache_options() == [
+        "--cache-sim=yes", "--I1=32768,8,64", "--D1=49152,12,64", "--LL=2097152,16,64"
+    ]  # fmt: skip
+    monkeypatch.setattr(bench_hotpath_ir, "_SYSFS_CACHES", tmp_path / "none")
+    assert bench_hotpath_ir.cache_geometry() == bench_hotpath_ir._DEFAULT_CACHES

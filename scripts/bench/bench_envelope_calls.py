@@ -1,7 +1,8 @@
 """The Response envelope's calls timed where they run, in a turn, and warm, in a loop.
 
 bench_hotpath.py's rig (the real request path in one process, in-memory transports,
-`--zdr`) runs 8k continuation turns, JSON and SSE, with each of the envelope's per-turn
+`--zdr`) runs continuation turns (`--size`: ~8k or ~128k tokens of history), JSON and
+SSE, with each of the envelope's per-turn
 calls wrapped in a timer: making the request's Envelope, `answer` (a JSON answer),
 `pending_event` (by event: `response.created`, `response.in_progress`) and
 `terminal_event` (`response.completed`). Then each call is made again on the last turn's
@@ -11,12 +12,15 @@ same way around a call that does nothing, and taken off both.
 
 In place, a call runs once per turn, after the rest of a turn (~300 µs of the
 interpreter, the history's bytes) has evicted its code and state; warm, back to back.
+The larger history evicts more of it from the caches nearer the core: each call's warm
+figure is the same at both sizes, its in-place one is not.
 The ratio between the two says how much of the envelope's native cost is the memory it
 touches and the code it runs, not the instructions callgrind counts
 (bench_hotpath_ir.py). It also checks that every call took the compiled path.
 
     python scripts/bench/bench_envelope_calls.py            # ~30 s
     python scripts/bench/bench_envelope_calls.py --turns 500 --repeat 500
+    python scripts/bench/bench_envelope_calls.py --size 128k
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 async def measure(client: rig.Client, args: argparse.Namespace) -> None:
-    first = orjson.dumps({"model": "m", "input": make_items(rig.SIZES["8k"])})
+    first = orjson.dumps({"model": "m", "input": make_items(rig.SIZES[args.size])})
     found = rig._RID.search(await client.post(first))
     assert found is not None
     made = getattr(exchange, _MADE)  # (the name the exchange makes its Envelope by)
@@ -199,12 +203,13 @@ def _warm_call(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--turns", type=int, default=3000, help="8k turns timed, JSON and SSE")
+    parser.add_argument("--turns", type=int, default=3000, help="turns timed, JSON and SSE")
+    parser.add_argument("--size", choices=rig.SIZES, default="8k", help="the history's size")
     parser.add_argument("--repeat", type=int, default=2000, help="warm calls per best-of-5")
     args = parser.parse_args()
     paths = "compiled" if SPEEDUPS is not None else "Python (no compiled build)"
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"µs per call, 8k continuation turns, memory-only store (--zdr), {paths} paths;")
+    print(f"µs per call, {args.size} continuation turns, memory-only store (--zdr), {paths} paths;")
     print(f"the timer's own cost taken off; load {load}")
     print(f"  {'call':<36} {'in place':>8} {'warm':>8} {'ratio':>7}")
     try:

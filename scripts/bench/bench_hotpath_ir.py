@@ -11,17 +11,19 @@ Needs `valgrind` (Debian's package). Prints instructions per continuation turn f
 SSE at each history size; a turn takes ~2,000 instructions per µs on the 2-core VM of
 docs/BENCHMARKS.md, so 10,000 instructions are ~5 µs.
 
-`--cache` also simulates the caches (callgrind's `--cache-sim`: this VM's 32 KB L1s and
-the 512 KB L2 of one core as the last level) and prints the last-level misses per turn
-(instruction fetches, data reads and writes). A turn of the 8k rig touches more distinct
-lines than that L2 holds, so whatever a turn runs once starts cold (why each of the
-envelope's calls takes several times its warm time in a turn: bench_envelope_calls.py);
-per function, the misses show which lines a change saves. The misses depend on where
-objects land: `--layouts N` runs each case over N heap paddings and prints the cost's
-range, which stays within ~15 %, but another build or a checkout at another path can move
-the envelope's whole-run misses by a factor of two. Compare two versions by the functions
-a change touches (callgrind_annotate of the files `--keep DIR` keeps: their counts are
-exact) and by instructions, not by whole-run misses.
+`--cache` also simulates the caches (callgrind's `--cache-sim` with the geometry the kernel
+reports for the first core, printed: its L1s, and its L2 as the last level); each cell is
+then instructions / L1 misses / last-level misses per turn (instruction fetches, data
+reads and writes). An 8k turn touches ~770 KB of distinct lines: more than a 512 KB L2
+holds, so there whatever a turn runs once starts cold in it; a 2 MB L2 holds it, and then
+only the 128k turns (their history's bytes read and written each turn) start cold in it.
+The L1s start each turn cold for what it runs once either way (why each of the envelope's
+calls takes several times its warm time in a turn: bench_envelope_calls.py). The misses
+depend on where objects land: `--layouts N` runs each case over N heap paddings and
+prints the cost's range, which stays within ~15 %, but another build or a checkout at
+another path can move the envelope's whole-run misses by a factor of two. Compare two
+versions by the functions a change touches (callgrind_annotate of the files `--keep DIR`
+keeps: their counts are exact) and by instructions, not by whole-run misses.
 
     python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
     python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
@@ -51,8 +53,37 @@ from ocxproxy.http.front import FrontEnd
 from ocxproxy.server import build_app
 
 _COLLECTED = re.compile(r"Collected : ([\d ]+)")
-# --cache: L1 instruction and data caches, and one core's L2 as the last level (lscpu)
-_CACHES = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=524288,8,64"]
+# --cache: L1 instruction and data caches, and one core's L2 as the last level (what the
+# kernel reports for cpu0; else a 2-core VM's of docs/BENCHMARKS.md)
+_SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_DEFAULT_CACHES = {"I1": "32768,8,64", "D1": "32768,8,64", "LL": "524288,8,64"}
+
+
+def cache_geometry() -> dict[str, str]:
+    """callgrind's --I1, --D1 and --LL (size,ways,line) for this machine's first core."""
+    found = dict(_DEFAULT_CACHES)
+    for index in sorted(_SYSFS_CACHES.glob("index*")):
+        try:
+            level, kind, size, ways, line = (
+                (index / name).read_text().strip()
+                for name in (
+                    "level",
+                    "type",
+                    "size",
+                    "ways_of_associativity",
+                    "coherency_line_size",
+                )
+            )
+        except OSError:
+            continue
+        name = {("1", "Instruction"): "I1", ("1", "Data"): "D1", ("2", "Unified"): "LL"}
+        if (level, kind) in name and size.endswith("K"):
+            found[name[level, kind]] = f"{int(size[:-1]) * 1024},{ways},{line}"
+    return found
+
+
+def cache_options() -> list[str]:
+    return ["--cache-sim=yes", *(f"--{name}={value}" for name, value in cache_geometry().items())]
 
 
 def child(
@@ -130,12 +161,12 @@ def count(
     cache: bool = False,
     keep: Path | None = None,
     pad: int = 0,
-) -> tuple[int, int]:
-    """Instructions and (with `cache`) last-level cache misses per turn."""
+) -> tuple[int, int, int]:
+    """Instructions, and (with `cache`) L1 and last-level cache misses, per turn."""
     name = f"{mode}-{size}{'-off' if off else ''}-{pad}.callgrind"
     out = "/dev/null" if keep is None else str(keep / name)
     command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-    command += _CACHES if cache else []
+    command += cache_options() if cache else []
     command += ["--collect-atstart=no", "--toggle-collect=*functools_reduce*"]
     command += [sys.executable, __file__, "--child", mode, size, str(n)]
     command += ["--envelope-off"] if off else []
@@ -150,7 +181,9 @@ def count(
         raise RuntimeError(result.stderr[-2000:])
     # Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw (with the caches simulated)
     events = [int(value) for value in found.group(1).split()]
-    return events[0] // n, sum(events[6:9]) // n if cache else 0
+    if not cache:
+        return events[0] // n, 0, 0
+    return events[0] // n, sum(events[3:6]) // n, sum(events[6:9]) // n
 
 
 def main() -> None:
@@ -208,29 +241,29 @@ def main() -> None:
     store = "durable store" if args.durable else "memory-only store"
     turn = "first turn" if args.first else "continuation turn"
     members += ", served model names" if args.served else ""
-    what = "instructions" + (" and last-level cache misses" if args.cache else "")
+    what = "instructions" + (" / L1 misses / last-level misses" if args.cache else "")
     print(f"{what} per {turn} (callgrind, {store}){members}")
-    width = 20 if args.cache else 12
+    if args.cache:
+        print("caches: " + ", ".join(f"{k} {v}" for k, v in cache_geometry().items()))
+    width = 30 if args.cache else 12
     print(f"{'history':<8} {'JSON':>{width}} {'SSE':>{width}}")
     case = {"codex": args.codex, "durable": args.durable, "first": args.first}
     case |= {"served": args.served, "cache": args.cache, "keep": args.keep}
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
 
-    def row(label: str, figures: list[list[tuple[int, int]]]) -> None:
+    def row(label: str, figures: list[list[tuple[int, int, int]]]) -> None:
         """Each case's mean over the layouts, and with several its range."""
         cells = []
         for runs in figures:
-            irs, misses = [r[0] for r in runs], [r[1] for r in runs]
-            cell = f"{sum(irs) // len(irs):,}"
-            cell += f" / {sum(misses) // len(misses):,}" if args.cache else ""
+            counts = list(zip(*runs, strict=True))[: 3 if args.cache else 1]
+            cell = " / ".join(f"{sum(c) // len(c):,}" for c in counts)
             if len(runs) > 1 and label.strip() == "cost":
-                cell += f" ({min(irs):,}..{max(irs):,}"
-                cell += f" / {min(misses):,}..{max(misses):,})" if args.cache else ")"
+                cell += " (" + " / ".join(f"{min(c):,}..{max(c):,}" for c in counts) + ")"
             cells.append(cell)
         print(f"{label:<8} {cells[0]:>{width}} {cells[1]:>{width}}", flush=True)
 
-    def runs(mode: str, size: str, off: bool = False) -> list[tuple[int, int]]:
+    def runs(mode: str, size: str, off: bool = False) -> list[tuple[int, int, int]]:
         return [count(mode, size, args.n, off=off, pad=pad, **case) for pad in range(args.layouts)]
 
     for size in args.sizes.split(","):
@@ -240,7 +273,10 @@ def main() -> None:
             off = [runs(mode, size, off=True) for mode in ("json", "sse")]
             row("  off", off)
             cost = [
-                [(a[0] - b[0], a[1] - b[1]) for a, b in zip(on_runs, off_runs, strict=True)]
+                [
+                    (a[0] - b[0], a[1] - b[1], a[2] - b[2])
+                    for a, b in zip(on_runs, off_runs, strict=True)
+                ]
                 for on_runs, off_runs in zip(on, off, strict=True)
             ]
             row("  cost", cost)
