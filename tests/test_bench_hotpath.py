@@ -34,9 +34,11 @@ async def test_bench_hotpath_prints_its_figures() -> None:
         assert 0 < json_min <= json_median and 0 < sse_min <= sse_median, out
 
 
-@pytest.mark.parametrize("mode", ["--envelope-ab", "--null"])
-async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: str) -> None:
-    out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "3", mode)
+@pytest.mark.parametrize(
+    "mode", [["--envelope-ab"], ["--null"], ["--envelope-ab", "--part", "final"]]
+)
+async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> None:
+    out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "3", *mode)
     x = r"-?\d+\.\d\d"  # differences: noise can make them negative
     cells = rf"({x}) ± +(\d+\.\d\d) +({x}) +({x}) ± +(\d+\.\d\d) +(\d+\.\d) +(\d+)"
     rows = re.findall(rf"^(8k|128k) (JSON|SSE) +{cells}$", out, re.M)
@@ -58,7 +60,13 @@ async def test_bench_compaction_item_prints_its_figures() -> None:
     assert rows == ["8k", "128k"], out
 
 
-def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("part", "turned_off"),
+    [("all", [0, 1, 2, 3, 4, 5]), ("request", [4]), ("pending", [1]), ("final", [0, 2, 3, 5])],
+)
+def test_envelope_switch_puts_back_what_it_turned_off(
+    monkeypatch: pytest.MonkeyPatch, part: str, turned_off: list[int]
+) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
     import bench_hotpath
 
@@ -70,10 +78,12 @@ def test_envelope_switch_puts_back_what_it_turned_off(monkeypatch: pytest.Monkey
                 Envelope.complete, exchange.Envelope, exchange.spliced]  # fmt: skip
 
     before = current()
-    switch = bench_hotpath.EnvelopeSwitch()
+    switch = bench_hotpath.EnvelopeSwitch(part=part)
     switch.off()
     try:
-        assert all(now is not then for now, then in zip(current(), before, strict=True))
+        changed = [i for i, (now, then) in enumerate(zip(current(), before, strict=True))
+                   if now is not then]  # fmt: skip
+        assert changed == turned_off
     finally:  # (the envelope on again for the tests after this one, whatever happens)
         switch.on()
     assert all(now is then for now, then in zip(current(), before, strict=True))

@@ -24,6 +24,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --envelope-off   # the Response envelope a no-op
     python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, ~2 min
     python scripts/bench/bench_hotpath.py --null           # the same A/B's own zero
+    python scripts/bench/bench_hotpath.py --envelope-ab --part pending   # one part's µs
 
 `--envelope-ab` gives the envelope's cost in µs per turn, on - off in one process. Each
 case (a history size and JSON or SSE) runs in a store of its own, so none nears
@@ -48,7 +49,11 @@ the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lo
 differ by more than their standard errors say (up to ~2 µs), so take several.
 `--null` runs the same A/B with the envelope on in both modes (the switch still flips,
 changing nothing): its figures are the instrument's own zero, within about two standard
-errors of 0 when the A/B has no bias.
+errors of 0 when the A/B has no bias. `--part` turns off one part of the envelope only
+(the request's Envelope, a stream's pending events, or the Response's completion): the
+parts' figures need not add up to the whole's, since each part's code and data start a
+turn cold in the caches and the more of them a turn touches, the more of the rest it
+evicts (see bench_envelope_calls.py).
 """
 
 from __future__ import annotations
@@ -205,12 +210,18 @@ class Client:
 _UNSET = object()
 
 
+ENVELOPE_PARTS = ("all", "request", "pending", "final")
+
+
 class EnvelopeSwitch:
     """Turns the Response envelope off (a no-op: one shared Envelope that changes nothing,
     its bytes written as they came) and back on, in the same process: what the proxy
-    costs without it. `null`: "off" leaves it on too."""
+    costs without it. `null`: "off" leaves it on too. `part` turns off one part only:
+    "request" the request's own Envelope (one shared instead), "pending" a stream's pending
+    events (created, in_progress), "final" the Response completed (a JSON answer, a
+    terminal event, and their bytes)."""
 
-    def __init__(self, *, null: bool = False) -> None:
+    def __init__(self, *, null: bool = False, part: str = "all") -> None:
         from ocxproxy.continuation.envelope import Envelope, Patch
         from ocxproxy.http import exchange
 
@@ -219,15 +230,18 @@ class EnvelopeSwitch:
         def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
             return data
 
-        self._off: list[tuple[Any, str, Any]] = [
-            (Envelope, "complete", lambda self, response, **_: Patch()),
-            (Envelope, "answer", lambda self, data, response: (data, Patch())),
-            (Envelope, "pending_event", lambda self, event: event),
-            # (no bytes: the store encodes the dict)
-            (Envelope, "terminal_event", lambda self, event, payload: (Patch(), None)),
-            (exchange, "Envelope", lambda *_: shared),  # (the per-request one)
-            *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
-        ]
+        parts: dict[str, list[tuple[Any, str, Any]]] = {
+            "request": [(exchange, "Envelope", lambda *_: shared)],
+            "pending": [(Envelope, "pending_event", lambda self, event: event)],
+            "final": [
+                (Envelope, "complete", lambda self, response, **_: Patch()),
+                (Envelope, "answer", lambda self, data, response: (data, Patch())),
+                # (no bytes: the store encodes the dict)
+                (Envelope, "terminal_event", lambda self, event, payload: (Patch(), None)),
+                *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
+            ],
+        }
+        self._off = [off for name, offs in parts.items() if part in ("all", name) for off in offs]
         self._on = [(owner, name, vars(owner).get(name, _UNSET)) for owner, name, _ in self._off]
         self.null = null
 
@@ -332,6 +346,7 @@ AB_WARMUP = 200  # untimed turns before the first pair
 
 async def run_ab(args: argparse.Namespace) -> None:
     what = "null A/B: the envelope on in both modes" if args.null else "the envelope on - off"
+    what += f" (off: its {args.part} part only)" if args.part != "all" and not args.null else ""
     print(f"{what}, µs of thread CPU per continuation turn, {store_name(args)}")
     print(f"({args.rounds} pairs of alternated rounds of {args.n} turns; the heap settled")
     print(f"before the first pair and every {SETTLE_PAIRS} pairs, untimed)")
@@ -367,7 +382,7 @@ async def envelope_ab(
 ) -> tuple[list[float], list[float], int]:
     """The pairs' differences, on - off (µs of thread CPU per turn), the "on" rounds' µs
     per turn, and how many full collections fell in a timed round (see the docstring)."""
-    switch = EnvelopeSwitch(null=args.null)
+    switch = EnvelopeSwitch(null=args.null, part=args.part)
     timing = False
     full = 0
 
@@ -447,6 +462,13 @@ def main() -> None:
         "process (see below)",
     )
     parser.add_argument(
+        "--part",
+        choices=ENVELOPE_PARTS,
+        default="all",
+        help="with --envelope-ab, the part of the envelope turned off: the request's Envelope, "
+        "a stream's pending events, or the Response's completion (default all of it)",
+    )
+    parser.add_argument(
         "--null",
         action="store_true",
         help="--envelope-ab with the envelope on in both modes: the A/B's own zero",
@@ -468,6 +490,8 @@ def main() -> None:
     args.rounds = rounds if args.rounds is None else args.rounds
     if args.envelope_ab and (args.envelope_off or args.rounds < 2):
         parser.error("--envelope-ab switches the envelope itself, over 2 pairs or more")
+    if args.part != "all" and not args.envelope_ab:
+        parser.error("--part is --envelope-ab's")
     if args.envelope_off:
         envelope_off()
     try:
