@@ -2,21 +2,21 @@
 
 bench_hotpath.py's rig (the real request path in one process, in-memory transports,
 `--zdr`) runs continuation turns (`--size`: ~8k or ~128k tokens of history), JSON and
-SSE, with each of the envelope's per-turn
-calls wrapped in a timer: making the request's Envelope, `answer` (a JSON answer),
-`pending_event` (by event: `response.created`, `response.in_progress`) and
-`terminal_event` (`response.completed`). Then each call is made again on the last turn's
-own inputs, a fresh copy each time, in a tight loop: the same work, with the caches
-(code, data, branch history) as that call left them. The timer's own cost is measured the
-same way around a call that does nothing, and taken off both.
+SSE, with each of the envelope's per-turn calls wrapped in a timer: making the request's
+Envelope, `answer` (a JSON answer), `pending_event` (by event: `response.created`,
+`response.in_progress`) and `terminal_event` (`response.completed`). Then each call is
+made again on the last turn's own inputs, a fresh copy each time, in a tight loop: the
+same work, with the caches (code, data, branch history) as that call left them. The
+timer's own cost is measured the same way around a call that does nothing, and taken off
+both.
 
 In place, a call runs once per turn, after the rest of a turn (~300 µs of the
 interpreter, the history's bytes) has evicted its code and state; warm, back to back.
 The larger history evicts more of it from the caches nearer the core: each call's warm
-figure is the same at both sizes, its in-place one is not.
-The ratio between the two says how much of the envelope's native cost is the memory it
-touches and the code it runs, not the instructions callgrind counts
-(bench_hotpath_ir.py). It also checks that every call took the compiled path.
+figure is the same at both sizes, its in-place one is not. The ratio between the two
+says how much of the envelope's native cost is the memory it touches and the code it
+runs, not the instructions callgrind counts (bench_hotpath_ir.py). It also checks that
+every call took the compiled path.
 
     python scripts/bench/bench_envelope_calls.py            # ~30 s
     python scripts/bench/bench_envelope_calls.py --turns 500 --repeat 500

@@ -57,6 +57,7 @@ _COLLECTED = re.compile(r"Collected : ([\d ]+)")
 # kernel reports for cpu0; else a 2-core VM's of docs/BENCHMARKS.md)
 _SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 _DEFAULT_CACHES = {"I1": "32768,8,64", "D1": "32768,8,64", "LL": "524288,8,64"}
+_SIMULATED = {("1", "Instruction"): "I1", ("1", "Data"): "D1", ("2", "Unified"): "LL"}
 
 
 def cache_geometry() -> dict[str, str]:
@@ -76,9 +77,8 @@ def cache_geometry() -> dict[str, str]:
             )
         except OSError:
             continue
-        name = {("1", "Instruction"): "I1", ("1", "Data"): "D1", ("2", "Unified"): "LL"}
-        if (level, kind) in name and size.endswith("K"):
-            found[name[level, kind]] = f"{int(size[:-1]) * 1024},{ways},{line}"
+        if (level, kind) in _SIMULATED and size.endswith("K"):
+            found[_SIMULATED[level, kind]] = f"{int(size[:-1]) * 1024},{ways},{line}"
     return found
 
 
