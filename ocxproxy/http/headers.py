@@ -62,7 +62,9 @@ def upstream_headers(
     uncompressed answer, for the routes whose bodies the proxy reads."""
     drop = _hop_by_hop(client, _NOT_FORWARDED)
     headers: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in client.items() if k.lower() not in drop
+        # A list: multidict tries a generator as a mapping first (two AttributeErrors
+        # raised and cleared, ~9,000 instructions).
+        [(k, v) for k, v in client.items() if k.lower() not in drop]
     )
     headers["X-Request-Id"] = request_id
     if identity:
@@ -76,7 +78,7 @@ def client_headers(backend: CIMultiDictProxy[str], *, body_rewritten: bool) -> C
     """Backend headers for the client; Content-Length is recomputed by aiohttp."""
     drop = _hop_by_hop(backend)
     headers: CIMultiDict[str] = CIMultiDict(
-        (k, v) for k, v in backend.items() if k.lower() not in drop
+        [(k, v) for k, v in backend.items() if k.lower() not in drop]  # (a list: as above)
     )
     if body_rewritten:
         headers.pop("Content-Encoding", None)

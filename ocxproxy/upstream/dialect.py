@@ -109,8 +109,8 @@ class ChatAnswer:
         self.reason = raw.reason
         self.content_length: int | None = None
         headers = CIMultiDict(
-            (k, v) for k, v in raw.headers.items() if k.lower() not in _BODY_HEADERS
-        )
+            [(k, v) for k, v in raw.headers.items() if k.lower() not in _BODY_HEADERS]
+        )  # (a list: multidict tries a generator as a mapping first, raising twice)
         headers["Content-Type"] = "text/event-stream" if self._sse_out else "application/json"
         self.headers = CIMultiDictProxy(headers)
 
