@@ -144,8 +144,9 @@ class Backend:
 
     def answer(self, request: bytes) -> bytes:
         body_at = request.index(b"\r\n\r\n") + 4
-        # The proxy writes the request's own fields before "input": look only there.
-        sse = b'"stream":true' in request[body_at : body_at + self.head]
+        # The proxy writes the request's own fields before "input": look only there (find,
+        # not `in`: see ocxproxy/upstream/sse.py).
+        sse = request.find(b'"stream":true', body_at, body_at + self.head) >= 0
         template = self.instant.sse if sse else self.instant.json
         payload = self.instant._fill(template, request[body_at : body_at + 4])
         if not sse:
