@@ -62,8 +62,8 @@ def upstream_headers(
     uncompressed answer, for the routes whose bodies the proxy reads."""
     drop = _hop_by_hop(client, _NOT_FORWARDED)
     headers: CIMultiDict[str] = CIMultiDict(
-        # A list: multidict tries a generator as a mapping first (two AttributeErrors
-        # raised and cleared, ~9,000 instructions).
+        # A list: multidict tries a generator as a mapping first, raising and clearing two
+        # AttributeErrors (a build from one costs ~9,000 instructions more).
         [(k, v) for k, v in client.items() if k.lower() not in drop]
     )
     headers["X-Request-Id"] = request_id
