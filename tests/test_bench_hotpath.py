@@ -35,8 +35,10 @@ async def test_bench_hotpath_prints_its_figures() -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [["--envelope-ab"], ["--null"], ["--envelope-ab", "--part", "final"]]
-)
+    "mode",
+    [["--envelope-ab"], ["--null"], ["--envelope-ab", "--part", "final"],
+     ["--envelope-ab", "--idle", "50"]],
+)  # fmt: skip
 async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> None:
     out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "3", *mode)
     x = r"-?\d+\.\d\d"  # differences: noise can make them negative

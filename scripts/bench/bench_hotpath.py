@@ -25,6 +25,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, ~2 min
     python scripts/bench/bench_hotpath.py --null           # the same A/B's own zero
     python scripts/bench/bench_hotpath.py --envelope-ab --part pending   # one part's µs
+    python scripts/bench/bench_hotpath.py --envelope-ab --idle 300   # turns that start cold
 
 `--envelope-ab` gives the envelope's cost in µs per turn, on - off in one process. Each
 case (a history size and JSON or SSE) runs in a store of its own, so none nears
@@ -54,6 +55,14 @@ errors of 0 when the A/B has no bias. `--part` turns off one part of the envelop
 parts' figures need not add up to the whole's, since each part's code and data start a
 turn cold in the caches and the more of them a turn touches, the more of the rest it
 evicts (see bench_envelope_calls.py).
+
+`--idle` sleeps that many µs after each turn, untimed (a sleep takes no CPU time of the
+thread). Served, a turn comes after a wait for the backend, and with the durable store
+each turn waits for its journal's fsync: meanwhile the core runs other things, and the
+turn starts with its lines evicted from the caches. Back-to-back turns do not show that:
+on the 2-core VM an idle of 300 µs takes a memory-only 8k JSON turn from ~200 to ~420 µs
+of CPU, what a durable one costs back to back, and the envelope's cost about doubles;
+bench_hotpath_ir.py --cold counts what such a turn misses.
 """
 
 from __future__ import annotations
@@ -348,6 +357,7 @@ AB_WARMUP = 200  # untimed turns before the first pair
 async def run_ab(args: argparse.Namespace) -> None:
     what = "null A/B: the envelope on in both modes" if args.null else "the envelope on - off"
     what += f" (off: its {args.part} part only)" if args.part != "all" and not args.null else ""
+    what += f", {args.idle:g} µs idle after each turn" if args.idle else ""
     print(f"{what}, µs of thread CPU per continuation turn, {store_name(args)}")
     print(f"({args.rounds} pairs of alternated rounds of {args.n} turns; the heap settled")
     print(f"before the first pair and every {SETTLE_PAIRS} pairs, untimed)")
@@ -367,6 +377,13 @@ async def run_ab(args: argparse.Namespace) -> None:
             print(f"{case:<10} {cells} {statistics.median(on):>6.1f} {full:>8}")
 
 
+def rest(seconds: float) -> None:
+    """Idle the thread, as it idles in epoll between served turns (blocking: uvloop's timers
+    count whole ms). Its CPU time does not count a sleep."""
+    if seconds:
+        time.sleep(seconds)
+
+
 def trimmed(values: list[float], cut: float = 0.2) -> tuple[float, float]:
     """The mean of `values` without the lowest and highest `cut` of them, and its standard
     error (from the variance of `values` winsorized: each cut value replaced by the
@@ -384,6 +401,7 @@ async def envelope_ab(
     """The pairs' differences, on - off (µs of thread CPU per turn), the "on" rounds' µs
     per turn, and how many full collections fell in a timed round (see the docstring)."""
     switch = EnvelopeSwitch(null=args.null, part=args.part)
+    idle = args.idle / 1e6
     timing = False
     full = 0
 
@@ -405,10 +423,12 @@ async def envelope_ab(
                     switch.off()
                 for _ in range(SWITCH_WARMUP):
                     await client.post(body)
+                    rest(idle)
                 timing = True
                 start = time.thread_time()
                 for _ in range(args.n):
                     await client.post(body)
+                    rest(idle)
                 took[on] = (time.thread_time() - start) / args.n * 1e6
                 timing = False
             differences.append(took[True] - took[False])
@@ -475,6 +495,13 @@ def main() -> None:
         help="--envelope-ab with the envelope on in both modes: the A/B's own zero",
     )
     parser.add_argument(
+        "--idle",
+        type=float,
+        default=0,
+        help="with --envelope-ab, µs the thread sleeps after each turn, as it waits for a "
+        "backend or the journal between turns: each turn starts with cold caches",
+    )
+    parser.add_argument(
         "--context-window",
         type=int,
         default=0,
@@ -493,6 +520,8 @@ def main() -> None:
         parser.error("--envelope-ab switches the envelope itself, over 2 pairs or more")
     if args.part != "all" and not args.envelope_ab:
         parser.error("--part is --envelope-ab's")
+    if args.idle and not args.envelope_ab:
+        parser.error("--idle is --envelope-ab's")
     if args.envelope_off:
         envelope_off()
     try:
