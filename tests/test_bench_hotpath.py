@@ -128,3 +128,15 @@ def test_bench_hotpath_ir_simulates_this_machines_caches(
     ]  # fmt: skip
     monkeypatch.setattr(bench_hotpath_ir, "_SYSFS_CACHES", tmp_path / "none")
     assert bench_hotpath_ir.cache_geometry() == bench_hotpath_ir._DEFAULT_CACHES
+
+
+async def test_bench_hotpath_ir_runs_cold_turns() -> None:
+    """--cold's turns, as callgrind's child runs them (here without valgrind: one at a
+    time, each after a sweep); --cold without the simulated caches is refused."""
+    out = await run_bench("bench_hotpath_ir.py", "--child", "sse", "8k", "3", "--cold")
+    assert out == "", out
+    argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath_ir.py"), "--cold"]
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(30):
+        err = (await proc.communicate())[1].decode()
+    assert proc.returncode == 2 and "--cold sweeps the simulated caches" in err, err

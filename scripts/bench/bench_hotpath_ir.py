@@ -25,8 +25,16 @@ another path can move the envelope's whole-run misses by a factor of two. Compar
 versions by the functions a change touches (callgrind_annotate of the files `--keep DIR`
 keeps: their counts are exact) and by instructions, not by whole-run misses.
 
+`--cold` (with `--cache`) counts each turn after a sweep that writes over the simulated
+caches, uncounted: a turn as served, after an idle wait (bench_hotpath.py --idle). Such
+an 8k turn misses ~16,000 last-level lines, and the envelope's last-level misses are
+then mostly instruction fetches of its compiled calls. The sweep is data: the L1
+instruction cache keeps what its own few instructions do not displace, so code a turn
+fetches cold misses at the last level, not always in L1.
+
     python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
     python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
+    python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 30 --cache --cold --envelope-off
 """
 
 from __future__ import annotations
@@ -82,6 +90,16 @@ def cache_geometry() -> dict[str, str]:
     return found
 
 
+SWEEP = 4  # times the last level's size that `sweep` writes
+
+
+def sweep(last_level: int) -> None:
+    """Write over every line of the simulated caches (`last_level` bytes the largest)
+    several times, in one memset, as what the core runs while the proxy waits for the
+    backend or the journal evicts a turn's lines."""
+    (b"\x01" * (SWEEP * last_level)).__len__()
+
+
 def cache_options() -> list[str]:
     return ["--cache-sim=yes", *(f"--{name}={value}" for name, value in cache_geometry().items())]
 
@@ -95,9 +113,10 @@ def child(
     first_turns: bool,
     served: bool,
     pad: int = 0,
+    cold: bool = False,
 ) -> None:
     """Warm up, then run `n` turns inside functools.reduce (what callgrind counts). `pad`
-    shifts where the heap's objects land (see --layouts)."""
+    shifts where the heap's objects land (see --layouts); `cold`: each turn after `sweep`."""
     padding = [bytes(24 + 8 * (i % 61)) for i in range(pad * 211)]
     loop: asyncio.AbstractEventLoop
     try:  # the loop bench_hotpath.py runs on
@@ -143,7 +162,13 @@ def child(
 
     client, body = loop.run_until_complete(setup())
     gc.collect()
-    functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
+    if cold:  # one turn at a time, each after a sweep that callgrind does not count
+        last_level = int(cache_geometry()["LL"].split(",")[0])
+        for _ in range(n):
+            sweep(last_level)
+            functools.reduce(lambda _, __: loop.run_until_complete(client.post(body)), [0], None)
+    else:
+        functools.reduce(lambda _, __: loop.run_until_complete(turns(client, body)), [0], None)
     shutil.rmtree(state_dir, ignore_errors=True)
     del padding
 
@@ -161,6 +186,7 @@ def count(
     cache: bool = False,
     keep: Path | None = None,
     pad: int = 0,
+    cold: bool = False,
 ) -> tuple[int, int, int]:
     """Instructions, and (with `cache`) L1 and last-level cache misses, per turn."""
     name = f"{mode}-{size}{'-off' if off else ''}-{pad}.callgrind"
@@ -174,6 +200,7 @@ def count(
     command += ["--durable"] if durable else []
     command += ["--first"] if first else []
     command += ["--served"] if served else []
+    command += ["--cold"] if cold else []
     command += ["--pad", str(pad)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     found = _COLLECTED.search(result.stderr)
@@ -220,6 +247,11 @@ def main() -> None:
         action="store_true",
         help="also simulate the caches: last-level misses per turn (several times slower)",
     )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="with --cache, each turn starts with the caches swept, as after an idle wait",
+    )
     parser.add_argument("--keep", type=Path, help="keep callgrind's files in this directory")
     parser.add_argument(
         "--layouts",
@@ -231,11 +263,16 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--pad", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cold and not args.cache and not args.child:
+        parser.error("--cold sweeps the simulated caches: with --cache")
     if args.child:
         if args.envelope_off:
             rig.envelope_off()
         mode, size, n = args.child
-        child(mode, size, int(n), args.codex, args.durable, args.first, args.served, args.pad)
+        child(
+            mode, size, int(n), args.codex, args.durable, args.first, args.served, args.pad,
+            args.cold,
+        )  # fmt: skip
         return
     members = " (Codex-sized instructions and tools)" if args.codex else ""
     store = "durable store" if args.durable else "memory-only store"
@@ -244,11 +281,12 @@ def main() -> None:
     what = "instructions" + (" / L1 misses / last-level misses" if args.cache else "")
     print(f"{what} per {turn} (callgrind, {store}){members}")
     if args.cache:
-        print("caches: " + ", ".join(f"{k} {v}" for k, v in cache_geometry().items()))
+        cold = ", swept before each turn" if args.cold else ""
+        print("caches: " + ", ".join(f"{k} {v}" for k, v in cache_geometry().items()) + cold)
     width = 30 if args.cache else 12
     print(f"{'history':<8} {'JSON':>{width}} {'SSE':>{width}}")
     case = {"codex": args.codex, "durable": args.durable, "first": args.first}
-    case |= {"served": args.served, "cache": args.cache, "keep": args.keep}
+    case |= {"served": args.served, "cache": args.cache, "keep": args.keep, "cold": args.cold}
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=True)
 
