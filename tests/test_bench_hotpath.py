@@ -42,7 +42,7 @@ async def test_bench_hotpath_prints_its_figures() -> None:
 async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> None:
     out = await run_bench("bench_hotpath.py", "--n", "20", "--rounds", "3", *mode)
     x = r"-?\d+\.\d\d"  # differences: noise can make them negative
-    cells = rf"({x}) ± +(\d+\.\d\d) +({x}) +({x}) ± +(\d+\.\d\d) +(\d+\.\d) +(\d+)"
+    cells = rf"({x}) ± +(\d+\.\d\d) +({x}) +({x}) ± +(\d+\.\d\d) +(\d+\.\d) +(\d+) +(\d+\.\d|-)"
     rows = re.findall(rf"^(8k|128k) (JSON|SSE) +{cells}$", out, re.M)
     assert [row[:2] for row in rows] == [
         ("8k", "JSON"), ("8k", "SSE"), ("128k", "JSON"), ("128k", "SSE")
@@ -50,6 +50,7 @@ async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> 
     for row in rows:
         se, trimmed_se, on = float(row[3]), float(row[6]), float(row[7])
         assert on > 0 and se >= 0 and trimmed_se >= 0, out
+        assert row[9] == "-" or 0 <= float(row[9]) <= 100, out
 
 
 async def test_bench_compaction_item_prints_its_figures() -> None:
@@ -128,6 +129,17 @@ def test_bench_hotpath_ir_simulates_this_machines_caches(
     ]  # fmt: skip
     monkeypatch.setattr(bench_hotpath_ir, "_SYSFS_CACHES", tmp_path / "none")
     assert bench_hotpath_ir.cache_geometry() == bench_hotpath_ir._DEFAULT_CACHES
+
+
+def test_steal_is_the_share_of_all_cores_time_stolen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import bench_hotpath
+
+    assert bench_hotpath.steal_percent((10, 1000), (60, 2000)) == "5.0"
+    assert bench_hotpath.steal_percent(None, (60, 2000)) == "-"
+    assert bench_hotpath.steal_percent((10, 1000), (10, 1000)) == "-"
+    ticks = bench_hotpath.cpu_ticks()
+    assert ticks is None or 0 <= ticks[0] <= ticks[1]
 
 
 async def test_bench_hotpath_ir_runs_cold_turns() -> None:

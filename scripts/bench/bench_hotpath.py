@@ -43,7 +43,10 @@ rounds, a difference of hundreds of µs in one pair.
 
 Per case it prints the pairs' differences' mean ± its standard error, their median, their
 20 % trimmed mean ± its standard error (from the winsorized variance), the median µs of
-an "on" turn, and how many full collections still fell in a timed round (0 expected). The
+an "on" turn, how many full collections still fell in a timed round (0 expected), and
+the share of all cores' time the hypervisor stole meanwhile (/proc/stat): on a VM whose
+host is busy, a turn's thread CPU time can double and the envelope's cost with it
+(another tenant's work evicts the caches), so compare runs of like steal only. The
 differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
 pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to 0.8 µs on
 the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lopsided. Runs
@@ -58,11 +61,9 @@ evicts (see bench_envelope_calls.py).
 
 `--idle` sleeps that many µs after each turn, untimed (a sleep takes no CPU time of the
 thread). Served, a turn comes after a wait for the backend, and with the durable store
-each turn waits for its journal's fsync: meanwhile the core runs other things, and the
-turn starts with its lines evicted from the caches. Back-to-back turns do not show that:
-on the 2-core VM an idle of 300 µs takes a memory-only 8k JSON turn from ~200 to ~420 µs
-of CPU, what a durable one costs back to back, and the envelope's cost about doubles;
-bench_hotpath_ir.py --cold counts what such a turn misses.
+each turn waits for its journal's fsync: meanwhile the core may run other work, which
+evicts the lines back-to-back turns keep cached. bench_hotpath_ir.py --cold counts what a
+turn misses when all of them are evicted.
 """
 
 from __future__ import annotations
@@ -361,20 +362,41 @@ async def run_ab(args: argparse.Namespace) -> None:
     print(f"{what}, µs of thread CPU per continuation turn, {store_name(args)}")
     print(f"({args.rounds} pairs of alternated rounds of {args.n} turns; the heap settled")
     print(f"before the first pair and every {SETTLE_PAIRS} pairs, untimed)")
-    print(f"{'case':<10} {'mean ± se':>15} {'median':>7} {'trim20 ± se':>15} {'on':>6} full GCs")
+    head = f"{'case':<10} {'mean ± se':>15} {'median':>7} {'trim20 ± se':>15} {'on':>6}"
+    print(head + " full GCs steal %")
     for name, size in SIZES.items():
         for stream in (False, True):
             async with in_memory_proxy(args) as client:
                 body = continuation(await conversation(client, size), stream)
                 for _ in range(AB_WARMUP):
                     await client.post(body)
+                before = cpu_ticks()
                 differences, on, full = await envelope_ab(client, body, args)
+                stolen = steal_percent(before, cpu_ticks())
             n = len(differences)
             mean, se = statistics.mean(differences), statistics.stdev(differences) / n**0.5
             median, (trim, trim_se) = statistics.median(differences), trimmed(differences)
             case = f"{name} {'SSE' if stream else 'JSON'}"
             cells = f"{mean:>7.2f} ± {se:>5.2f} {median:>7.2f} {trim:>7.2f} ± {trim_se:>5.2f}"
-            print(f"{case:<10} {cells} {statistics.median(on):>6.1f} {full:>8}")
+            print(f"{case:<10} {cells} {statistics.median(on):>6.1f} {full:>8} {stolen:>7}")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """The machine's CPU time stolen by its hypervisor and in all, in ticks (Linux's
+    /proc/stat), or None where there is none."""
+    try:
+        line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(value) for value in line[1:9]]  # user ... softirq, steal
+    except (OSError, ValueError):
+        return None
+    return ticks[7], sum(ticks)
+
+
+def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    """The share of all cores' time the hypervisor took between the two readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return "-"
+    return f"{100 * (after[0] - before[0]) / (after[1] - before[1]):.1f}"
 
 
 def rest(seconds: float) -> None:

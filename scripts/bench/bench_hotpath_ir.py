@@ -27,10 +27,11 @@ keeps: their counts are exact) and by instructions, not by whole-run misses.
 
 `--cold` (with `--cache`) counts each turn after a sweep that writes over the simulated
 caches, uncounted: a turn as served, after an idle wait (bench_hotpath.py --idle). Such
-an 8k turn misses ~16,000 last-level lines, and the envelope's last-level misses are
-then mostly instruction fetches of its compiled calls. The sweep is data: the L1
-instruction cache keeps what its own few instructions do not displace, so code a turn
-fetches cold misses at the last level, not always in L1.
+an 8k turn misses ~14,000 last-level lines (~16,000 with --durable), where a turn after
+another misses ~300, and more than half of the envelope's are instruction fetches, most
+of them its compiled calls' code. The sweep is data: the L1 instruction cache keeps what
+its own few instructions do not displace, so code a turn fetches cold misses at the last
+level, not always in L1.
 
     python scripts/bench/bench_hotpath_ir.py            # ~5 min on a loaded box
     python scripts/bench/bench_hotpath_ir.py --sizes 8k --n 100
