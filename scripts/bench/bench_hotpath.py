@@ -45,8 +45,8 @@ Per case it prints the pairs' differences' mean ± its standard error, their med
 20 % trimmed mean ± its standard error (from the winsorized variance), the median µs of
 an "on" turn, how many full collections still fell in a timed round (0 expected), and
 the share of all cores' time the hypervisor stole meanwhile (/proc/stat): on a VM whose
-host is busy, a turn's thread CPU time can double and the envelope's cost with it
-(another tenant's work evicts the caches), so compare runs of like steal only. The
+host is busy, a turn's thread CPU time grows and the envelope's cost with it (on the
+2-core VM up to 1.8× at 13–19 % steal), so compare runs of like steal only. The
 differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
 pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to 0.8 µs on
 the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lopsided. Runs
