@@ -25,7 +25,7 @@ functions for the 8k JSON case.
     python scripts/bench/bench_hotpath.py --envelope-ab    # its µs: on - off, ~2 min
     python scripts/bench/bench_hotpath.py --null           # the same A/B's own zero
     python scripts/bench/bench_hotpath.py --envelope-ab --part pending   # one part's µs
-    python scripts/bench/bench_hotpath.py --envelope-ab --idle 300   # turns that start cold
+    python scripts/bench/bench_hotpath.py --envelope-ab --idle 300   # turns after an idle wait
 
 `--envelope-ab` gives the envelope's cost in µs per turn, on - off in one process. Each
 case (a history size and JSON or SSE) runs in a store of its own, so none nears
@@ -46,7 +46,7 @@ Per case it prints the pairs' differences' mean ± its standard error, their med
 an "on" turn, how many full collections still fell in a timed round (0 expected), and
 the share of all cores' time the hypervisor stole meanwhile (/proc/stat): on a VM whose
 host is busy, a turn's thread CPU time grows and the envelope's cost with it (on the
-2-core VM up to 1.8× at 13–19 % steal), so compare runs of like steal only. The
+2-core VM up to 1.8 times at 13 to 19 % steal), so compare runs of like steal only. The
 differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
 pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to 0.8 µs on
 the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lopsided. Runs
@@ -521,7 +521,7 @@ def main() -> None:
         type=float,
         default=0,
         help="with --envelope-ab, µs the thread sleeps after each turn, as it waits for a "
-        "backend or the journal between turns: each turn starts with cold caches",
+        "backend or the journal between served turns (other work may evict its lines)",
     )
     parser.add_argument(
         "--context-window",
