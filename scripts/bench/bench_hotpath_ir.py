@@ -26,7 +26,8 @@ versions by the functions a change touches (callgrind_annotate of the files `--k
 keeps: their counts are exact) and by instructions, not by whole-run misses.
 
 `--cold` (with `--cache`) counts each turn after a sweep that writes over the simulated
-caches, uncounted: a turn as served, after an idle wait (bench_hotpath.py --idle). Such
+caches, uncounted: the most a turn can miss, when whatever ran while it waited (for the
+backend, for the journal) evicted all of its lines (bench_hotpath.py --idle). Such
 an 8k turn misses ~14,000 last-level lines (~16,000 with --durable), where a turn after
 another misses ~300, and more than half of the envelope's are instruction fetches, most
 of them its compiled calls' code. The sweep is data: the L1 instruction cache keeps what
