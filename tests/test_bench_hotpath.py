@@ -138,15 +138,29 @@ def test_steal_is_the_share_of_all_cores_time_stolen(monkeypatch: pytest.MonkeyP
     assert bench_hotpath.steal_percent((10, 1000), (60, 2000)) == "5.0"
     assert bench_hotpath.steal_percent(None, (60, 2000)) == "-"
     assert bench_hotpath.steal_percent((10, 1000), (10, 1000)) == "-"
+    assert bench_hotpath.steal_percent((10, 1000), (10, 1001)) == "0.0"
     ticks = bench_hotpath.cpu_ticks()
     assert ticks is None or 0 <= ticks[0] <= ticks[1]
 
 
-async def test_bench_hotpath_ir_runs_cold_turns() -> None:
-    """--cold's turns, as callgrind's child runs them (here without valgrind: one at a
-    time, each after a sweep); --cold without the simulated caches is refused."""
-    out = await run_bench("bench_hotpath_ir.py", "--child", "sse", "8k", "3", "--cold")
-    assert out == "", out
+def test_bench_hotpath_ir_sweeps_before_each_cold_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cold's child (as callgrind runs it, here without valgrind) sweeps the last level's
+    size before each counted turn, and only with --cold."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import bench_hotpath_ir
+
+    sweeps: list[int] = []
+    monkeypatch.setattr(bench_hotpath_ir, "sweep", sweeps.append)
+    geometry = {"I1": "32768,8,64", "D1": "49152,12,64", "LL": "2097152,16,64"}
+    monkeypatch.setattr(bench_hotpath_ir, "cache_geometry", lambda: geometry)
+    run = bench_hotpath_ir.child
+    run("sse", "8k", 3, codex=False, durable=False, first_turns=False, served=False, cold=True)
+    assert sweeps == [2097152] * 3
+    run("json", "8k", 2, codex=False, durable=False, first_turns=False, served=False)
+    assert sweeps == [2097152] * 3
+
+
+async def test_bench_hotpath_ir_refuses_cold_without_the_caches() -> None:
     argv = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_hotpath_ir.py"), "--cold"]
     proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stderr=asyncio.subprocess.PIPE)
     async with asyncio.timeout(30):

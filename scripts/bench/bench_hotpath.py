@@ -390,7 +390,7 @@ def cpu_ticks() -> tuple[int, int] | None:
         ticks = [int(value) for value in line[1:9]]  # user ... softirq, steal
     except (OSError, ValueError):
         return None
-    return ticks[7], sum(ticks)
+    return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
 
 
 def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
@@ -545,6 +545,8 @@ def main() -> None:
         parser.error("--part is --envelope-ab's")
     if args.idle and not args.envelope_ab:
         parser.error("--idle is --envelope-ab's")
+    if args.idle < 0:
+        parser.error("--idle is µs of sleep: 0 or more")
     if args.envelope_off:
         envelope_off()
     try:
