@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+import zstandard
 
 from ocxproxy.errors import FailureReason, StoreFailure
 from ocxproxy.model import Segment, Turn, unplace
@@ -202,7 +203,7 @@ async def test_verify_finds_a_corrupt_response(tmp_path: Path) -> None:
 
 def test_a_response_blob_is_checked_by_its_checksum() -> None:
     """Read back at its place, a response whose bytes changed is CORRUPT, not served."""
-    blob = bytearray(codec.checked_compressor().compress(b'{"id":"r","output":[]}' * 20))
+    blob = bytearray(codec.compress_response(b'{"id":"r","output":[]}' * 20))
     assert codec.decode_response(440, bytes(blob)) == b'{"id":"r","output":[]}' * 20
     blob[-6] ^= 0x01
     with pytest.raises(StoreFailure) as failure:
@@ -211,3 +212,39 @@ def test_a_response_blob_is_checked_by_its_checksum() -> None:
     unchecked = compressor().compress(b"x" * 440)
     with pytest.raises(StoreFailure):
         codec.decode_response(440, unchecked)
+
+
+def test_a_small_response_is_stored_nearly_as_it_is_a_large_one_compressed() -> None:
+    """A turn's Response without its output (a few hundred bytes) costs the event loop
+    little to frame: zstd's fastest level keeps it all but as it is. A large one is
+    compressed. Both are read back checked, and so is a blob written at level 1 (as
+    state dirs written before hold them)."""
+    small = orjson.dumps(
+        {
+            "id": "resp_0f3c9a1e",
+            "object": "response",
+            "created_at": 1764930000,
+            "status": "completed",
+            "model": "smollm2",
+            "output": [],
+            "usage": {
+                "input_tokens": 8123,
+                "input_tokens_details": {"cached_tokens": 8064},
+                "output_tokens": 57,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 8180,
+            },
+            "previous_response_id": "resp_7d21b04c",
+            "completed_at": 1764930002,
+        }
+    )
+    large = small * 20
+    assert len(small) < codec.SMALL_RESPONSE <= len(large)
+    for data in (small, large):
+        blob = codec.compress_response(data)
+        assert zstandard.get_frame_parameters(blob).has_checksum
+        assert codec.decode_response(len(data), blob) == data
+    assert len(codec.compress_response(small)) > len(small)  # its bytes, framed
+    assert len(codec.compress_response(large)) < len(large) // 10
+    before = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=True)
+    assert codec.decode_response(len(small), before.compress(small)) == small

@@ -41,7 +41,7 @@ from ocxproxy.store.local.codec import (
     Copied,
     Entry,
     Loaded,
-    checked_compressor,
+    compress_response,
     copied,
     decode,
     decode_response,
@@ -512,7 +512,7 @@ def encode(
             places.append((at + FRAME.size + 2 + len(meta), len(blob)))
         elif kind == REC:
             row, data = job
-            blob = checked_compressor().compress(data)
+            blob = compress_response(data)
             payload = b"".join((ROW.pack(len(row)), row, blob))
             places.append((at + FRAME.size + ROW.size + len(row), len(blob)))
         elif kind == RSP:
