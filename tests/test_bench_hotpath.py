@@ -53,6 +53,39 @@ async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> 
         assert row[9] == "-" or 0 <= float(row[9]) <= 100, out
 
 
+async def test_bench_hotpath_envelope_ab_times_the_turns_calls_in_place() -> None:
+    out = await run_bench(
+        "bench_hotpath.py", "--n", "10", "--rounds", "3", "--durable", "--envelope-ab", "--calls"
+    )
+    cases = re.split(r"^(?:8k|128k) (?:JSON|SSE) .*$", out, flags=re.M)[1:]
+    assert len(cases) == 4, out
+    x = r"\d+\.\d\d"
+    for case in cases:  # each case's calls, under its row
+        calls = dict(re.findall(rf"^  (\w+\.\w+) +({x} +{x} +[+-]{x})$", case, re.M))
+        assert set(calls) == {"Exchange.finish", "Store.put", "Ledger.put", "Exchange.commit",
+                              "Committer._cut", "Journal.encode"}, out  # fmt: skip
+        for cells in calls.values():
+            on, off, difference = (float(cell) for cell in cells.split())
+            assert on > 0 and off > 0 and abs(on - off - difference) < 0.015, out
+
+
+def test_call_timers_put_back_what_they_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import importlib
+
+    import bench_hotpath
+
+    owners = [(getattr(importlib.import_module(module), owner), name)
+              for module, owner, name in bench_hotpath.TIMED_CALLS]  # fmt: skip
+    before = [vars(owner)[name] for owner, name in owners]
+    timers = bench_hotpath.CallTimers()
+    try:
+        assert all(vars(o)[n] is not b for (o, n), b in zip(owners, before, strict=True))
+    finally:
+        timers.remove()
+    assert all(vars(o)[n] is b for (o, n), b in zip(owners, before, strict=True))
+
+
 async def test_bench_compaction_item_prints_its_figures() -> None:
     out = await run_bench("bench_compaction_item.py", "--n", "10", "--rounds", "2", seconds=120)
     rows = re.findall(

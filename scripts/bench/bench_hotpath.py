@@ -65,6 +65,17 @@ each turn waits for its journal's fsync: meanwhile the core may run other work, 
 evicts the lines back-to-back turns keep cached. On the 2-core VM a 300 µs idle moved
 the figures less than runs differ; bench_hotpath_ir.py --cold counts the other extreme,
 a turn whose lines were all evicted.
+
+`--calls` also times a few of the turn's calls where the proxy makes them (TIMED_CALLS:
+remembering the turn, its journal entry, the commit), each in thread CPU time summed over
+the timed rounds of each mode, and prints per case each call's µs with the envelope on,
+off, and on - off: where in the turn the A/B's difference is paid, including code the
+envelope does not run (an async call's time is the loop's CPU until it returns, so a
+commit's counts the callbacks that encode and send it meanwhile). Each timed call reads
+the thread's CPU clock twice, a system call (~1.3 µs a call on the 2-core VM, in a
+call's figure when the call is in another's: Store.put's in Exchange.finish's), in both
+modes alike: the on - off figures stay comparable, the µs per turn not with a run
+without `--calls`.
 """
 
 from __future__ import annotations
@@ -74,6 +85,8 @@ import asyncio
 import contextlib
 import cProfile
 import gc
+import importlib
+import inspect
 import pstats
 import re
 import statistics
@@ -273,6 +286,76 @@ class EnvelopeSwitch:
                 setattr(owner, name, value)
 
 
+# --calls: (module, class, method) of the calls timed in place.
+TIMED_CALLS = (
+    ("ocxproxy.http.exchange", "Exchange", "finish"),  # the turn remembered
+    ("ocxproxy.store.local.store", "Store", "put"),
+    ("ocxproxy.store.local.ledger", "Ledger", "put"),  # its journal entry queued
+    ("ocxproxy.http.exchange", "Exchange", "commit"),  # until durable
+    ("ocxproxy.store.local.committer", "Committer", "_cut"),  # the commit sent to fsync
+    ("ocxproxy.store.local.journal", "Journal", "encode"),  # its entries framed
+)
+
+
+class CallTimers:
+    """`--calls`: each of TIMED_CALLS wrapped to add its thread CPU time to its sum for
+    `mode` ("on", "off"; None: not counted), until `remove()`."""
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.sums: dict[tuple[str, str], list[int]] = {}  # (ns, calls)
+        self._put_back: list[tuple[type, str, Any]] = []
+        for module, owner_name, name in TIMED_CALLS:
+            owner = getattr(importlib.import_module(module), owner_name)
+            call = vars(owner)[name]
+            self._put_back.append((owner, name, call))
+            setattr(owner, name, self._timed(f"{owner_name}.{name}", call))
+
+    def _timed(self, label: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time_ns
+
+        def add(start: int) -> None:
+            if self.mode is not None:
+                total = self.sums.setdefault((label, self.mode), [0, 0])
+                total[0] += clock() - start
+                total[1] += 1
+
+        if inspect.iscoroutinefunction(call):
+
+            async def timed_coroutine(*args: Any, **kwargs: Any) -> Any:
+                start = clock()
+                try:
+                    return await call(*args, **kwargs)
+                finally:
+                    add(start)
+
+            return timed_coroutine
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                add(start)
+
+        return timed
+
+    def remove(self) -> None:
+        for owner, name, call in self._put_back:
+            setattr(owner, name, call)
+
+    def report(self) -> list[str]:
+        """A line per call timed since the last report: µs a call on, off, on - off."""
+        lines = []
+        for label in dict.fromkeys(label for label, _ in self.sums):
+            on, off = (self.sums.get((label, mode), [0, 0]) for mode in ("on", "off"))
+            if on[1] and off[1]:
+                us_on, us_off = on[0] / on[1] / 1e3, off[0] / off[1] / 1e3
+                lines.append(f"  {label:<18} {us_on:>8.2f} {us_off:>8.2f} {us_on - us_off:>+8.2f}")
+        self.sums.clear()
+        return lines
+
+
 def envelope_off() -> None:
     EnvelopeSwitch().off()
 
@@ -365,6 +448,17 @@ async def run_ab(args: argparse.Namespace) -> None:
     print(f"before the first pair and every {SETTLE_PAIRS} pairs, untimed)")
     head = f"{'case':<10} {'mean ± se':>15} {'median':>7} {'trim20 ± se':>15} {'on':>6}"
     print(head + " full GCs steal %")
+    if args.calls:
+        print(f"  {'call: µs a call':<18} {'on':>8} {'off':>8} {'on - off':>8}")
+    calls = CallTimers() if args.calls else None
+    try:
+        await ab_cases(args, calls)
+    finally:
+        if calls is not None:
+            calls.remove()
+
+
+async def ab_cases(args: argparse.Namespace, calls: CallTimers | None) -> None:
     for name, size in SIZES.items():
         for stream in (False, True):
             async with in_memory_proxy(args) as client:
@@ -372,7 +466,7 @@ async def run_ab(args: argparse.Namespace) -> None:
                 for _ in range(AB_WARMUP):
                     await client.post(body)
                 before = cpu_ticks()
-                differences, on, full = await envelope_ab(client, body, args)
+                differences, on, full = await envelope_ab(client, body, args, calls)
                 stolen = steal_percent(before, cpu_ticks())
             n = len(differences)
             mean, se = statistics.mean(differences), statistics.stdev(differences) / n**0.5
@@ -380,6 +474,8 @@ async def run_ab(args: argparse.Namespace) -> None:
             case = f"{name} {'SSE' if stream else 'JSON'}"
             cells = f"{mean:>7.2f} ± {se:>5.2f} {median:>7.2f} {trim:>7.2f} ± {trim_se:>5.2f}"
             print(f"{case:<10} {cells} {statistics.median(on):>6.1f} {full:>8} {stolen:>7}")
+            if calls is not None:
+                print("\n".join(calls.report()))
 
 
 def cpu_ticks() -> tuple[int, int] | None:
@@ -419,7 +515,7 @@ def trimmed(values: list[float], cut: float = 0.2) -> tuple[float, float]:
 
 
 async def envelope_ab(
-    client: Client, body: bytes, args: argparse.Namespace
+    client: Client, body: bytes, args: argparse.Namespace, calls: CallTimers | None = None
 ) -> tuple[list[float], list[float], int]:
     """The pairs' differences, on - off (µs of thread CPU per turn), the "on" rounds' µs
     per turn, and how many full collections fell in a timed round (see the docstring)."""
@@ -448,12 +544,16 @@ async def envelope_ab(
                     await client.post(body)
                     rest(idle)
                 timing = True
+                if calls is not None:
+                    calls.mode = "on" if on else "off"
                 start = time.thread_time()
                 for _ in range(args.n):
                     await client.post(body)
                     rest(idle)
                 took[on] = (time.thread_time() - start) / args.n * 1e6
                 timing = False
+                if calls is not None:
+                    calls.mode = None
             differences.append(took[True] - took[False])
             on_rounds.append(took[True])
     finally:
@@ -525,6 +625,12 @@ def main() -> None:
         "backend or the journal between served turns (other work may evict its lines)",
     )
     parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="with --envelope-ab, also a few of the turn's calls timed in place, on and off "
+        "(see below)",
+    )
+    parser.add_argument(
         "--context-window",
         type=int,
         default=0,
@@ -545,6 +651,8 @@ def main() -> None:
         parser.error("--part is --envelope-ab's")
     if args.idle and not args.envelope_ab:
         parser.error("--idle is --envelope-ab's")
+    if args.calls and not args.envelope_ab:
+        parser.error("--calls is --envelope-ab's")
     if args.idle < 0:
         parser.error("--idle is µs of sleep: 0 or more")
     if args.envelope_off:
