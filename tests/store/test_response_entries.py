@@ -201,24 +201,30 @@ async def test_verify_finds_a_corrupt_response(tmp_path: Path) -> None:
     assert any("torn or corrupt journal" in p for p in problems)
 
 
-def test_a_response_blob_is_checked_by_its_checksum() -> None:
-    """Read back at its place, a response whose bytes changed is CORRUPT, not served."""
-    blob = bytearray(codec.compress_response(b'{"id":"r","output":[]}' * 20))
-    assert codec.decode_response(440, bytes(blob)) == b'{"id":"r","output":[]}' * 20
-    blob[-6] ^= 0x01
-    with pytest.raises(StoreFailure) as failure:
-        codec.decode_response(440, bytes(blob))
-    assert failure.value.reason == FailureReason.CORRUPT
+@pytest.mark.parametrize("data", [b'{"id":"r","output":[]}', b'{"id":"r","output":[]}' * 60])
+def test_a_response_blob_is_checked_by_its_checksum(data: bytes) -> None:
+    """Read back at its place, a response whose bytes changed is CORRUPT, not served: a
+    small one's (its bytes and their CRC-32) as a large one's (a zstd frame)."""
+    blob = codec.response_blob(data)
+    assert codec.decode_response(len(data), blob) == data
+    for at in (0, len(blob) // 2, len(blob) - 6, len(blob) - 1):
+        changed = bytearray(blob)
+        changed[at] ^= 0x01
+        with pytest.raises(StoreFailure) as failure:
+            codec.decode_response(len(data), bytes(changed))
+        assert failure.value.reason == FailureReason.CORRUPT
+    with pytest.raises(StoreFailure):  # (another size than the entry says)
+        codec.decode_response(len(data) + 1, blob)
     unchecked = compressor().compress(b"x" * 440)
     with pytest.raises(StoreFailure):
         codec.decode_response(440, unchecked)
 
 
-def test_a_small_response_is_stored_nearly_as_it_is_a_large_one_compressed() -> None:
+def test_a_small_response_is_stored_as_it_is_a_large_one_compressed() -> None:
     """A turn's Response without its output (a few hundred bytes) costs the event loop
-    little to frame: zstd's fastest level keeps it all but as it is. A large one is
-    compressed. Both are read back checked, and so is a blob written at level 1 (as
-    state dirs written before hold them)."""
+    little to store: its bytes as they are, checksummed. A large one is a zstd frame.
+    Both are read back checked, and so are the blobs state dirs written before hold
+    (zstd frames at level 1, or at its fastest level)."""
     small = orjson.dumps(
         {
             "id": "resp_0f3c9a1e",
@@ -240,11 +246,12 @@ def test_a_small_response_is_stored_nearly_as_it_is_a_large_one_compressed() -> 
     )
     large = small * 20
     assert len(small) < codec.SMALL_RESPONSE <= len(large)
+    assert codec.response_blob(small)[: len(small)] == small  # its bytes, then 4 of CRC
+    assert len(codec.response_blob(small)) == len(small) + 4
+    assert zstandard.get_frame_parameters(codec.response_blob(large)).has_checksum
+    assert len(codec.response_blob(large)) < len(large) // 10
     for data in (small, large):
-        blob = codec.compress_response(data)
-        assert zstandard.get_frame_parameters(blob).has_checksum
-        assert codec.decode_response(len(data), blob) == data
-    assert len(codec.compress_response(small)) > len(small)  # its bytes, framed
-    assert len(codec.compress_response(large)) < len(large) // 10
-    before = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=True)
-    assert codec.decode_response(len(small), before.compress(small)) == small
+        assert codec.decode_response(len(data), codec.response_blob(data)) == data
+    for level in (1, -100):
+        before = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+        assert codec.decode_response(len(small), before.compress(small)) == small

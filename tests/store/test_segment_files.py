@@ -112,7 +112,7 @@ async def test_a_large_segment_is_compressed_once(
     the turns' that joined it meanwhile (each of their commit calls tries again), and
     those queued after it was encoded are encoded after it."""
     compressed: list[int] = []
-    real, response = journal.compress, journal.compress_response
+    real, response = journal.compress, journal.response_blob
 
     def counting(data: bytes) -> bytes:
         compressed.append(len(data))
@@ -123,7 +123,7 @@ async def test_a_large_segment_is_compressed_once(
         return response(data)
 
     monkeypatch.setattr(journal, "compress", counting)
-    monkeypatch.setattr(journal, "compress_response", counting_response)
+    monkeypatch.setattr(journal, "response_blob", counting_response)
     store = make_store(tmp_path, large_segment_bytes=LARGE, fsync_child=True)
     await store.start()
     big = store.put(make_turn("r1", noise(20_000, 3)), None)  # ~40 KB: encoded on the loop

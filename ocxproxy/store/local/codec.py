@@ -9,13 +9,14 @@ payload, so a torn or corrupt entry is detected and replay stops at the last goo
                                                     meta ends with its blob's length, and
                                                     the blob is its own file instead:
                                                     segment_files.py)
-    REC  <row length u32><record row JSON><zstd blob>
+    REC  <row length u32><record row JSON><response blob>
                                                     a record and its response object
                                                     (the row's chain by segment sid; a
                                                     conversation's: its item ids too; a
                                                     response's members filled in from
                                                     the request: by segment sid)
-    RSP  <id length u16><record id JSON><zstd blob> a record's response, moved here by
+    RSP  <id length u16><record id JSON><response blob>
+                                                    a record's response, moved here by
                                                     compaction
     PUT  <record row JSON>                          a record whose response is a segment
                                                     of its own (a kept record's, and every
@@ -23,8 +24,8 @@ payload, so a torn or corrupt entry is detected and replay stops at the last goo
     DEL  <record id JSON>                           a record dropped
     NOP  (empty)                                    a probe: can the disk take a write?
 
-A response's blob carries its zstd checksum (`decode_response` checks it): it has no
-digest to be checked against.
+A response's blob (`response_blob`) carries a checksum, which `decode_response` checks: it
+has no digest to be checked against.
 
 The checkpoint uses the same framing: HEAD (position to replay from, next sid), SEGS and
 RECS chunks (JSON arrays of rows), END. A record row names its response by segment sid
@@ -85,24 +86,27 @@ def frame(kind: int, payload: bytes) -> bytes:
     return FRAME.pack(len(payload), zlib.crc32(payload, kind), kind) + payload
 
 
-# A response's blob under SMALL_RESPONSE bytes (a turn's Response without its output,
-# ~300-700 bytes) is framed at zstd's fastest level, which stores it all but as it is: at
-# level 1, building the entropy tables for so few bytes costs the event loop ~32k
-# instructions a blob (~10 µs a turn) to save ~180 bytes.
+# A response's blob: under SMALL_RESPONSE bytes (a turn's Response without its output,
+# ~300-700 bytes) its bytes as they are, then their CRC-32; else a zstd frame with its
+# checksum. Compressing so few bytes saves little: level 1 saves ~180 bytes for ~32k
+# instructions of entropy tables, and zstd's fastest level, which stores them as they
+# are, still looks for matches first (several µs of the event loop's time a turn, its
+# code cold by then). No JSON begins with zstd's magic number, which tells them apart.
 SMALL_RESPONSE = 1024
-FASTEST = -100
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_CRC = struct.Struct("<I")
 
 
-def compress_response(data: bytes) -> bytes:
-    """A response's blob: one zstd frame with its content size and checksum (one compressor
-    per thread and level)."""
-    both: tuple[zstandard.ZstdCompressor, ...] | None = getattr(_checked, "both", None)
-    if both is None:
-        both = _checked.both = tuple(
-            zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
-            for level in (FASTEST, LEVEL)
+def response_blob(data: bytes) -> bytes:
+    """A response's blob (one zstd compressor per thread)."""
+    if len(data) < SMALL_RESPONSE and not data.startswith(_ZSTD_MAGIC):
+        return data + _CRC.pack(zlib.crc32(data))
+    compressor: zstandard.ZstdCompressor | None = getattr(_checked, "compressor", None)
+    if compressor is None:
+        compressor = _checked.compressor = zstandard.ZstdCompressor(
+            level=LEVEL, write_content_size=True, write_checksum=True
         )
-    return both[len(data) >= SMALL_RESPONSE].compress(data)
+    return compressor.compress(data)
 
 
 # -- rows: the one encoding of a segment's and a record's metadata ---------------------------
@@ -564,6 +568,11 @@ def load_checkpoint(raw: bytes, loaded: Loaded) -> None:
 
 def decode_response(size: int, blob: bytes) -> bytes:
     """A response's `size` bytes from its blob, its checksum checked; CORRUPT otherwise."""
+    if not blob.startswith(_ZSTD_MAGIC):  # (its bytes and their CRC-32)
+        data = blob[:-4]
+        if len(blob) != size + 4 or _CRC.pack(zlib.crc32(data)) != blob[-4:]:
+            raise StoreFailure(FailureReason.CORRUPT, "response: checksum disagrees")
+        return data
     try:
         params = zstandard.get_frame_parameters(blob)
         if not params.has_checksum or params.content_size != size:

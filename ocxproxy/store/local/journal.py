@@ -41,13 +41,13 @@ from ocxproxy.store.local.codec import (
     Copied,
     Entry,
     Loaded,
-    compress_response,
     copied,
     decode,
     decode_response,
     frame,
     good_prefix,
     load_checkpoint,
+    response_blob,
 )
 from ocxproxy.store.local.segment_files import FILES, LARGE
 
@@ -512,7 +512,7 @@ def encode(
             places.append((at + FRAME.size + 2 + len(meta), len(blob)))
         elif kind == REC:
             row, data = job
-            blob = compress_response(data)
+            blob = response_blob(data)
             payload = b"".join((ROW.pack(len(row)), row, blob))
             places.append((at + FRAME.size + ROW.size + len(row), len(blob)))
         elif kind == RSP:

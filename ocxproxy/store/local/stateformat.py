@@ -21,8 +21,9 @@ from ocxproxy.store.local import files
 NAME = "format"
 UNMARKED = 1  # a dir written before the marker existed
 # What this release writes: responses in their records' entries (REC, RSP) (2), the
-# members filled in from the request a segment that record rows name (3).
-FORMAT = 3
+# members filled in from the request a segment that record rows name (3), a small
+# response's bytes as they are, with their CRC-32 (4).
+FORMAT = 4
 _LIMIT = 64  # bytes: the file holds one number
 
 
