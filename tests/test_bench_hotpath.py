@@ -65,8 +65,8 @@ async def test_bench_hotpath_envelope_ab_times_the_turns_calls_in_place() -> Non
         assert set(calls) == {"Exchange.finish", "Store.put", "Ledger.put", "Exchange.commit",
                               "Committer._cut", "Journal.encode"}, out  # fmt: skip
         for cells in calls.values():
-            on, off, difference = (float(cell) for cell in cells.split())
-            assert on > 0 and off > 0 and abs(on - off - difference) < 0.015, out
+            on, off, difference = (float(cell) for cell in cells.split())  # (each rounded)
+            assert on > 0 and off > 0 and abs(on - off - difference) < 0.02, out
 
 
 def test_call_timers_put_back_what_they_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
