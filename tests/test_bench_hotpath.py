@@ -5,6 +5,7 @@ that a change which breaks the benchmark fails the suite. Its figures are not ju
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 from pathlib import Path
@@ -67,6 +68,46 @@ async def test_bench_hotpath_envelope_ab_times_the_turns_calls_in_place() -> Non
         for cells in calls.values():
             on, off, difference = (float(cell) for cell in cells.split())  # (each rounded)
             assert on > 0 and off > 0 and abs(on - off - difference) < 0.02, out
+
+
+async def test_bench_hotpath_envelope_ab_samples_where_the_time_goes_natively(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "bench"))
+    import native_samples
+
+    if (why := native_samples.available()) is not None:  # (.ci/run installs perf)
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{why}, and CI=true", pytrace=False)
+        pytest.skip(why)
+    out = await run_bench(
+        "bench_hotpath.py", "--n", "10", "--rounds", "20", "--envelope-ab", "--perf",
+        "--perf-period", "20", "--top", "100000",
+    )  # fmt: skip
+    cases = re.split(r"^(?:8k|128k) (?:JSON|SSE) .*$", out, flags=re.M)[1:]
+    assert len(cases) == 4, out
+    x = r"-?\d+\.\d\d"
+    row = re.compile(rf"^    (.+?) +({x}) +({x}) +([+-]{x})$", re.M)
+    for case in cases:
+        by_object, by_function = re.split(r"^  the \d+ functions whose .*$", case, flags=re.M)
+        objects = {
+            label: [float(cell) for cell in cells] for label, *cells in row.findall(by_object)
+        }
+        functions = {
+            label: [float(cell) for cell in cells] for label, *cells in row.findall(by_function)
+        }
+        total_on, total_off, _ = objects.pop("all samples")
+        assert total_on > 0 and total_off > 0 and functions, case
+        # Every sample is in one object's line (the minor ones summed), each rounded.
+        assert abs(sum(on for on, _, _ in objects.values()) - total_on) < 0.01 * len(objects), case
+        assert abs(sum(off for _, off, _ in objects.values()) - total_off) < 0.01 * len(objects), (
+            case
+        )
+        for on, off, difference in (*objects.values(), *functions.values()):
+            assert abs(on - off - difference) < 0.02, case
+        # The compiled envelope runs in the rounds with the envelope on only.
+        on, off, _ = functions["answer_members (_speedups)"]
+        assert on > 0 and off == 0, case
 
 
 def test_call_timers_put_back_what_they_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
