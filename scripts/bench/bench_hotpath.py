@@ -261,6 +261,7 @@ class EnvelopeSwitch:
     terminal event, and their bytes)."""
 
     def __init__(self, *, null: bool = False, part: str = "all") -> None:
+        from ocxproxy.continuation import envelope
         from ocxproxy.continuation.envelope import Envelope, Patch
         from ocxproxy.http import exchange
 
@@ -269,14 +270,20 @@ class EnvelopeSwitch:
         def as_it_came(data: Any, *_: Any, **__: Any) -> Any:
             return data
 
+        def terminal_as_it_came(self: Any, event: Any, payload: Any) -> Any:
+            # The store gets the Response's bytes as the backend wrote them, as a JSON
+            # answer's are (else it would encode the dict), and the event is written as
+            # it came.
+            span = envelope._response_span(event.data, payload)
+            return Patch(), None if span is None else (event.data[span[0] : span[1]], True)
+
         parts: dict[str, list[tuple[Any, str, Any]]] = {
             "request": [(exchange, "Envelope", lambda *_: shared)],
             "pending": [(Envelope, "pending_event", lambda self, event: event)],
             "final": [
                 (Envelope, "complete", lambda self, response, **_: Patch()),
                 (Envelope, "answer", lambda self, data, response: (data, Patch())),
-                # (no bytes: the store encodes the dict)
-                (Envelope, "terminal_event", lambda self, event, payload: (Patch(), None)),
+                (Envelope, "terminal_event", terminal_as_it_came),
                 *((exchange, name, as_it_came) for name in ("spliced", "written", "written_event")),
             ],
         }
