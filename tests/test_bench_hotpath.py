@@ -52,6 +52,7 @@ async def test_bench_hotpath_envelope_ab_prints_its_figures(mode: list[str]) -> 
         se, trimmed_se, on = float(row[3]), float(row[6]), float(row[7])
         assert on > 0 and se >= 0 and trimmed_se >= 0, out
         assert row[9] == "-" or 0 <= float(row[9]) <= 100, out
+        assert row[8] == "0", out  # no collection in a timed round: both modes' alike
 
 
 async def test_bench_hotpath_envelope_ab_times_the_turns_calls_in_place() -> None:
