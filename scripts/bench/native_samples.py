@@ -77,6 +77,12 @@ class Sampler:
             ready, _, _ = select.select([ack_end], [], [], 30)
             if not ready or not os.read(ack_end, 16).startswith(b"ack"):
                 raise RuntimeError("perf record did not start sampling")
+        except BaseException:
+            self._perf.kill()
+            self._perf.wait()
+            self._perf = None
+            os.close(control_end)
+            raise
         finally:
             os.close(ack_end)
 
@@ -131,16 +137,16 @@ class Sampler:
             return f"    {label[:44]:<44} {a:>8.2f} {b:>8.2f} {a - b:>+8.2f}"
 
         objects: dict[str, list[float]] = {}
-        for mode, values in ((0, first), (1, second)):
+        for column, values in ((0, first), (1, second)):
             for (where, _), value in values.items():
-                objects.setdefault(where, [0.0, 0.0])[mode] += value
+                objects.setdefault(where, [0.0, 0.0])[column] += value
         lines = [f"  {'natively (perf), µs a turn, by object':<46} {on:>8} {off:>8} on - off"]
         lines.append(line("all samples", sum(first.values()), sum(second.values())))
-        by_size = sorted(objects.items(), key=lambda item: -abs(item[1][0] - item[1][1]))
-        shown = [(where, a, b) for where, (a, b) in by_size if abs(a - b) >= MINOR_US]
+        ordered = sorted(objects.items(), key=lambda item: -abs(item[1][0] - item[1][1]))
+        shown = [(where, a, b) for where, (a, b) in ordered if abs(a - b) >= MINOR_US]
         lines += [line(where, a, b) for where, a, b in shown]
-        if len(shown) < len(by_size):
-            rest = [values for where, values in by_size[len(shown) :]]
+        if len(shown) < len(ordered):
+            rest = [values for _, values in ordered[len(shown) :]]
             label = f"{len(rest)} more objects"
             lines.append(line(label, sum(a for a, _ in rest), sum(b for _, b in rest)))
         functions = sorted(
