@@ -28,6 +28,14 @@ settings.register_profile("deep", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 
 
+def missing_tool(reason: str) -> NoReturn:
+    """A tool a test needs is not installed: skip, but fail under CI (CI=true: .ci/run
+    installs every one, so a broken install cannot pass as skipped tests)."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason}, and CI=true", pytrace=False)
+    pytest.skip(reason)
+
+
 def unavailable(reason: str) -> NoReturn:
     """The real llama.cpp backend is missing: skip, or fail where it must be there (.ci/run
     sets OCXPROXY_REQUIRE_LLAMA=1, so a broken install cannot pass as skipped tests)."""

