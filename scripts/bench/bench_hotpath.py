@@ -44,8 +44,8 @@ rounds, a difference of hundreds of µs in one pair. The young generation is col
 before each timed round too, untimed: CPython collects it once the containers allocated
 since its last collection, less those freed, pass a threshold, so a mode whose turns hold
 more containers at once (freed by the turn's end) crosses it sooner and would host more of
-the collections (five in eight of them, at ~140 µs each, with the envelope on), though
-turns leave the same survivors behind and a proxy collects as often either way.
+the collections (docs/BENCHMARKS.md), though turns leave the same survivors behind and a
+proxy collects as often either way.
 
 Per case it prints the pairs' differences' mean ± its standard error, their median, their
 20 % trimmed mean ± its standard error (from the winsorized variance), the median µs of
@@ -53,11 +53,11 @@ an "on" turn, how many collections (of any generation) still fell in a timed rou
 expected), and the share of all cores' time the hypervisor stole meanwhile (/proc/stat):
 on a VM whose host is busy, a turn's thread CPU time grows and the envelope's cost with it
 (on the 2-core VM up to 1.8 times at 13 to 19 % steal), so compare runs of like steal
-only. The
-differences have heavy tails (a spell on one round of a pair only: ±100 µs in a few % of
-pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to 0.8 µs on
-the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are lopsided. Runs
-differ by more than their standard errors say (up to ~2 µs), so take several.
+only. The differences have heavy tails (a spell on one round of a pair only: ±100 µs in a
+few % of pairs), so the trimmed mean is the steadier figure (its standard error 0.2 to
+0.8 µs on the 2-core VM, the mean's 0.7 to 1.6); when the three disagree, the tails are
+lopsided. Runs differ by more than their standard errors say (up to ~2 µs), so take
+several.
 `--null` runs the same A/B with the envelope on in both modes (the switch still flips,
 changing nothing): its figures are the instrument's own zero, within about two standard
 errors of 0 when the A/B has no bias. `--part` turns off one part of the envelope only
