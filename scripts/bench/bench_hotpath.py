@@ -90,11 +90,11 @@ rounds' mode: per case, µs a turn on, off and on - off for all the samples (≈
 CPU of the rounds), for each shared object whose difference is 0.1 µs or more (the rest
 summed), and for the --top functions whose difference is largest. It is the machine's own
 time, cold caches and all, with nothing added to the turn: where the compiled envelope's
-µs go (`_speedups`), and how much of the difference is spread over code the envelope does
-not run (CPython's own functions, each a few tenths of a µs: turns that run the envelope
-find less of the rest in the caches). A Python function is not told apart from another
-(CPython 3.11 runs them all in `_PyEval_EvalFrameDefault`). The compiled share moves by
-about ±0.8 µs from run to run of the same build, the interpreter's by several µs.
+µs go (`_speedups`), and how much of the difference lands in code the envelope does not
+run (CPython's own functions, a few tenths of a µs each). A Python function is not told
+apart from another (CPython 3.11 runs them all in `_PyEval_EvalFrameDefault`). The
+compiled share moves by about ±0.8 µs from run to run of the same build; the
+interpreter's moves by several µs even in the null A/B, so read it over several runs.
 """
 
 from __future__ import annotations
