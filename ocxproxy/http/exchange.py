@@ -72,10 +72,10 @@ from ocxproxy.http.window import book_keys, fit_window, passes_threshold, rememb
 from ocxproxy.metrics import Timing
 from ocxproxy.model import Record, Turn
 from ocxproxy.store import ConversationTurn, Store, StoreInterface
-from ocxproxy.upstream.dialect import UpstreamResponse
+from ocxproxy.upstream.dialect import CHAT, UpstreamResponse
 from ocxproxy.upstream.kvsave import Outcome
 from ocxproxy.upstream.pool import Backend, read_chunk
-from ocxproxy.upstream.repair import StreamRepair
+from ocxproxy.upstream.repair import StreamRepair, cut_short
 from ocxproxy.upstream.sse import (
     FINAL_EVENTS,
     PENDING_EVENTS,
@@ -282,6 +282,14 @@ class Exchange:
                 "The response was stored, but its Idempotency-Key could not be: the proxy's "
                 "storage is unavailable. A retry with this key runs the request again."
             ) from None
+
+    def output_limit(self) -> Any:
+        """The request's `max_output_tokens`, where a `completed` from the backend may hide
+        an answer cut there (CONTRACT.md C1.10); None for a Chat Completions backend,
+        whose `finish_reason` says which it was."""
+        if self.backend is not None and self.backend.dialect == CHAT:
+            return None
+        return self.request.body.get("max_output_tokens")
 
     def observe_usage(self, response: Any) -> None:
         if self.injection is not None:  # the turn's own: its billed usage has the summary's
@@ -536,6 +544,8 @@ async def forward(
                 proxy.metrics.turns_not_recorded.labels(reason="malformed").inc()
             else:
                 if type(response) is dict:
+                    if cut_short(response, exchange.output_limit()):
+                        body = orjson.dumps(response)
                     if exchange.injection is not None:  # compacted first: the item leads
                         exchange.injection.into(response)
                     # The filled members are written into the bytes; the dict gets them
@@ -650,6 +660,12 @@ async def stream_events(
                 payload = payload if payload is not None else loads_or_none(event.data)
                 response = payload.get("response") if isinstance(payload, dict) else None
                 if type(response) is dict:
+                    if kind == "response.completed" and cut_short(
+                        response, exchange.output_limit()
+                    ):
+                        kind = payload["type"] = "response.incomplete"
+                        data = orjson.dumps(payload)
+                        event = Event(encode_event(kind, data), kind, data)
                     final = kind in TERMINAL_EVENTS
                     # A repaired event's Response is complete already (StreamRepair).
                     if repair is not None:

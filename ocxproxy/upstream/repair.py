@@ -1,4 +1,5 @@
-"""Make an incomplete Responses SSE stream spec-complete (CONTRACT.md C1.7). Pure, no I/O.
+"""Make an incomplete Responses SSE stream spec-complete (CONTRACT.md C1.7), and say a
+Response cut short at `max_output_tokens` is `incomplete`. Pure, no I/O.
 
 llama.cpp's events carry no `sequence_number`, `output_index` or `content_index`, and its
 `response.created` holds a stub response; the official SDK's `responses.stream()` helper
@@ -35,6 +36,30 @@ _CONTENT_EVENTS = frozenset(
 _TEXT_EVENTS = frozenset(("response.output_text.delta", "response.output_text.done"))
 _ADDED = frozenset(("response.output_item.added", "response.output_item.done"))
 _PARTS = frozenset(("response.content_part.added", "response.content_part.done"))
+
+
+def cut_short(response: Any, limit: Any) -> bool:
+    """Mark a Response its backend calls `completed` though its output took all of the
+    request's `max_output_tokens` as OpenAI reports an answer cut there (see
+    CONTRACT.md C1.10): `incomplete`, reason `max_output_tokens`, no `completed_at`, its
+    last item `incomplete`. llama.cpp's Responses API says `completed` either way; an
+    answer whose natural end falls on the budget's very last token is marked too, which
+    usage alone cannot tell apart. True when it was changed (in place)."""
+    if type(limit) is not int or type(response) is not dict:
+        return False
+    usage = response.get("usage")
+    spent = usage.get("output_tokens") if type(usage) is dict else None
+    if response.get("status") != "completed" or type(spent) is not int or spent < limit:
+        return False
+    response["status"] = "incomplete"
+    response["incomplete_details"] = {"reason": "max_output_tokens"}
+    if "completed_at" in response:
+        response["completed_at"] = None
+    output = response.get("output")
+    last = output[-1] if type(output) is list and output else None
+    if type(last) is dict and last.get("status") == "completed":
+        last["status"] = "incomplete"
+    return True
 
 
 class StreamRepair:

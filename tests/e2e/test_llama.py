@@ -90,6 +90,38 @@ async def test_codex_style_full_history_passes_through_and_hits(
     assert info.value.code == "previous_response_not_found"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_an_answer_cut_at_max_output_tokens_is_incomplete(
+    llama_proxy: ProxyHandle, llama_url: str, stream: bool
+) -> None:
+    # Greedy, SmolLM2 answers this in ~25 tokens. llama.cpp's own Responses API says
+    # `completed` for the answer it cut at 16.
+    hi = {"model": "local", "input": "Say hi.", "temperature": 0}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(llama_url + "/v1/responses", json=hi | {"max_output_tokens": 16}) as raw,
+    ):
+        direct = orjson.loads(await raw.read())
+    assert (direct["status"], direct["usage"]["output_tokens"]) == ("completed", 16)
+    client: Any = llama_proxy.client()
+    for limit, status in ((16, "incomplete"), (200, "completed")):
+        if stream:
+            events = [
+                e
+                async for e in await client.responses.create(
+                    stream=True, max_output_tokens=limit, **hi
+                )
+            ]
+            assert events[-1].type == f"response.{status}"
+            response = events[-1].response
+        else:
+            response = await client.responses.create(max_output_tokens=limit, **hi)
+        assert response.status == status and response.output_text
+        assert (response.usage.output_tokens == 16) == (limit == 16)
+        reason = response.incomplete_details and response.incomplete_details.reason
+        assert reason == ("max_output_tokens" if limit == 16 else None)
+
+
 async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
     llama_proxy: ProxyHandle, llama_url: str
 ) -> None:
@@ -99,8 +131,10 @@ async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
         async with http.post(llama_url + "/v1/responses", json=body) as raw:
             assert b'"sequence_number"' not in await raw.read()
     client = llama_proxy.client()
+    # (Greedy, an answer of ~25 tokens: it ends within its limit, so the helper, which
+    # wants response.completed, gets its final Response.)
     async with client.responses.stream(
-        model="local", input="Say hi", max_output_tokens=8
+        model="local", input="Say hi.", temperature=0, max_output_tokens=64
     ) as stream:
         kinds, numbers, text = [], [], ""
         async for event in stream:
@@ -109,13 +143,14 @@ async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
             if event.type == "response.output_text.delta":
                 text += event.delta
         final = await stream.get_final_response()
+    assert final.usage is not None and final.usage.output_tokens < 64
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert numbers == list(range(len(numbers)))
     assert final.output_text == text and text
     second = await client.responses.create(
         model="local", input="And again?", previous_response_id=final.id, max_output_tokens=8
     )
-    assert second.status == "completed"
+    assert second.status == ("incomplete" if second.usage.output_tokens >= 8 else "completed")
 
 
 # -- the embedded backend as `ocxproxy serve` runs it -------------------------------------
@@ -159,7 +194,8 @@ async def test_serve_without_upstream_runs_and_stops_the_embedded_backend() -> N
                 assert answer.status == 200
                 raw = await answer.read()
                 response = orjson.loads(raw)
-                assert response["status"] == "completed"
+                cut = response["usage"]["output_tokens"] >= 8
+                assert response["status"] == ("incomplete" if cut else "completed")
                 # What llama.cpp sampled with (its defaults), not OpenAI's 1.0.
                 assert (response["temperature"], response["top_p"]) == (0.8, 0.95)
             async with http.get(match.group(1) + "/v1/models") as models:

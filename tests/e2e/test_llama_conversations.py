@@ -31,7 +31,10 @@ async def llama_proxy(make_proxy: MakeProxy, llama_url: str) -> ProxyHandle:
 
 def make_agent(proxy: ProxyHandle) -> agents.Agent:
     model = agents.OpenAIResponsesModel(model="local", openai_client=proxy.client())
-    settings = agents.ModelSettings(max_tokens=16)
+    # Short answers by llama.cpp's own cap (`n_predict`), which the request's Responses
+    # fields do not show: `max_tokens` would have the proxy report a cut answer
+    # `incomplete` (CONTRACT.md C1.10), which the SDK raises on, as it does on OpenAI.
+    settings = agents.ModelSettings(extra_body={"n_predict": 16})
     return agents.Agent(
         name="a", instructions="Answer briefly.", model=model, model_settings=settings
     )

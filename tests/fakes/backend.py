@@ -200,6 +200,7 @@ class FakeBackend:
         eager_tools: Literal["unless_none", "always"] | None = None,
         slot_dir: Path | None = None,
         restores: bool = True,
+        cuts_at_limit: bool = False,
     ) -> None:
         """`window`: a context window told as llama.cpp (`/props`, `/apply-template`,
         `/tokenize`) or vLLM (`max_model_len` in `/v1/models`, `/tokenize` of messages)
@@ -211,8 +212,11 @@ class FakeBackend:
         and `GET /slots` with the slot's last task id, numbered per process as llama.cpp
         numbers its tasks, absent before its first); a restore puts the saved prompt back
         in the simulated cache, unless `restores` is False (it then says it restored and
-        does nothing, as some llama.cpp builds do)."""
+        does nothing, as some llama.cpp builds do). `cuts_at_limit`: an answer's text cut
+        to the request's `max_output_tokens`, its Response still `completed`, as
+        llama.cpp's Responses API says it."""
         self.window = window
+        self.cuts_at_limit = cuts_at_limit
         self.eager_tools = eager_tools
         self.slot_dir = slot_dir
         self.restores = restores
@@ -558,6 +562,9 @@ class FakeBackend:
             out_len = len(turn.call_name) + len(arguments)
         else:
             text = turn.text or ""
+            limit = payload.get("max_output_tokens")
+            if self.cuts_at_limit and type(limit) is int and _tokens(len(text.encode())) > limit:
+                text = text.encode()[: 4 * limit].decode(errors="ignore")
             item = {
                 "id": self._new_id("msg", body),
                 "type": "message",
