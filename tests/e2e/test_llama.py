@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import openai
 import orjson
+import pydantic
 import pytest
 
 from ocxproxy.upstream import local
@@ -120,6 +121,27 @@ async def test_an_answer_cut_at_max_output_tokens_is_incomplete(
         assert (response.usage.output_tokens == 16) == (limit == 16)
         reason = response.incomplete_details and response.incomplete_details.reason
         assert reason == ("max_output_tokens" if limit == 16 else None)
+
+
+async def test_structured_output_by_llamas_own_response_format(llama_proxy: ProxyHandle) -> None:
+    # llama.cpp's Responses API ignores text.format; its response_format, forwarded as
+    # sent, constrains the answer to the schema (README, Limits).
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    schema = City.model_json_schema() | {"additionalProperties": False}
+    constrained = {"name": "City", "schema": schema, "strict": True}
+    answer = await llama_proxy.client().responses.parse(
+        model="local",
+        input="Name a city in France.",
+        text_format=City,
+        temperature=0,
+        max_output_tokens=100,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": constrained}},
+    )
+    assert answer.status == "completed"
+    assert isinstance(answer.output_parsed, City) and answer.output_parsed.name
 
 
 async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
