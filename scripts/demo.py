@@ -95,7 +95,11 @@ async def converse(base_url: str, turns: int, first_tokens: int, stream: bool) -
             async with client.responses.stream(
                 model="local", input=text, previous_response_id=previous, max_output_tokens=24
             ) as events:
-                response = await events.get_final_response()
+                # (response.incomplete ends an answer cut at the 24 tokens, which the
+                # helper's get_final_response() does not take)
+                async for event in events:
+                    if event.type in ("response.completed", "response.incomplete"):
+                        response = event.response
         else:
             response = await client.responses.create(
                 model="local", input=text, previous_response_id=previous, max_output_tokens=24
@@ -106,6 +110,8 @@ async def converse(base_url: str, turns: int, first_tokens: int, stream: bool) -
         cached = usage.input_tokens_details.cached_tokens if usage.input_tokens_details else 0
         ratio = cached / usage.input_tokens if usage.input_tokens else 0.0
         reply = response.output_text.replace("\n", " ")[:40]
+        if response.status == "incomplete":  # cut at max_output_tokens
+            reply += " …"
         figures = f"{elapsed:>8.2f}s {usage.input_tokens:>13} {cached:>14} {ratio:>6.2f}"
         print(f"{turn + 1:>4} {figures}  {reply}")
         previous = response.id

@@ -18,6 +18,7 @@ import pydantic
 import pytest
 
 from ocxproxy.upstream import local
+from scripts import demo
 from tests.conftest import MakeProxy, ProxyHandle, unavailable
 from tests.e2e.conftest import HAVE_LLAMA, MIN_CACHED_RATIO, MISSING, MODEL, cached_ratio
 from tests.e2e.text import QUESTIONS, long_message
@@ -142,6 +143,17 @@ async def test_structured_output_by_llamas_own_response_format(llama_proxy: Prox
     )
     assert answer.status == "completed"
     assert isinstance(answer.output_parsed, City) and answer.output_parsed.name
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_readmes_demo_converses_on_the_cache(
+    llama_proxy: ProxyHandle, stream: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its answers are cut at 24 tokens, mostly: the stream's then end incomplete.
+    await demo.converse(llama_proxy.base_url, turns=3, first_tokens=1500, stream=stream)
+    rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["1", "2", "3"]
+    assert all(float(row[4]) >= MIN_CACHED_RATIO for row in rows[1:]), rows
 
 
 async def test_sdk_stream_helper_works_on_llamas_incomplete_stream(
